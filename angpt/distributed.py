@@ -1,0 +1,48 @@
+"""Process groups and seeds, as Megatron-LM sets them up: NCCL on GPUs, gloo on CPU."""
+
+from __future__ import annotations
+
+import os
+import random
+from datetime import timedelta
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from angpt import megatron_cpu
+
+
+def initialize(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: Optional[int] = None,
+    seed: int = 1234,
+    timeout_minutes: float = 10,
+) -> None:
+    """Join the torchrun job (if not already joined), build megatron-core's groups and seed every RNG."""
+    megatron_cpu.enable()
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(
+            "nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(minutes=timeout_minutes)
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+    )
+    set_random_seed(seed)
+
+
+def set_random_seed(seed: int) -> None:
+    """Megatron-LM's seeding: a different seed per pipeline stage (so stages do not initialize their
+    layers alike) and megatron-core's tensor-parallel RNG states."""
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -1,0 +1,93 @@
+"""Run megatron-core (0.16.x) on a machine without CUDA, with the gloo backend.
+
+megatron-core assumes a CUDA device in a few dozen places. `enable()` patches those places once per
+process, and only when `torch.cuda.is_available()` is false, so GPU runs are untouched. Every patch
+says what breaks without it; ../shared/docs/megatron-on-cpu.md lists how each was found.
+
+Call it before building models (angpt's model builders and `angpt.distributed.initialize` do).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_enabled = False
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # A bare int means "cuda:N" to torch.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Sends hard-coded `device="cuda"` (optimizer, grad clipping, grad buffers, schedules) to the CPU,
+    makes `Tensor.cuda()` the identity, and reports CPU tensors' `type()` as the CUDA type, because
+    megatron's optimizers dispatch on `param.type() == "torch.cuda.FloatTensor"` and raise otherwise."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if _is_cuda(kwargs.get("device")):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        out = func(*args, **kwargs)
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and isinstance(out, str):
+            if out.startswith("torch.") and not out.startswith("torch.cuda."):
+                out = "torch.cuda." + out[len("torch."):]
+        return out
+
+
+def enable() -> bool:
+    """Apply the CPU patches if this process has no CUDA device. Returns whether they are active."""
+    global _enabled
+    if _enabled:
+        return True
+    if torch.cuda.is_available():
+        return False
+    _enabled = True
+
+    # `torch.empty(..., device=torch.cuda.current_device())` in RoPE, TP gather/scatter buffers, DDP
+    # grad buffers, p2p receive buffers and loss reductions: "Torch not compiled with CUDA enabled".
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    # `torch.cuda.synchronize()` in parallel_state, optimizer and checkpoint code.
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+
+    # The model-parallel RNG tracker (dropout forks, recomputation, `model_parallel_cuda_manual_seed`)
+    # stores CUDA generator states; on the CPU the device generator is the CPU generator. Without this,
+    # `torch.cuda.manual_seed` is a silent no-op and "TP-parallel" randomness is not seeded at all.
+    import megatron.core.tensor_parallel.random as mp_random
+
+    torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
+    mp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mp_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+
+    # Without an attention mask, the local attention builds its causal mask with device="cuda",
+    # which the mode below cannot see (it is cached in a compiled helper).
+    import megatron.core.fusions.fused_softmax as fused_softmax
+
+    fused_softmax.get_default_causal_mask = lambda sq: torch.triu(
+        torch.ones(sq, sq, dtype=torch.bool), diagonal=1
+    )
+
+    # All three pipeline schedules count tokens in `torch.zeros([], device="cuda")`.
+    import megatron.core.pipeline_parallel.schedules as schedules
+
+    cpu_torch = types.ModuleType("torch_on_cpu")
+    cpu_torch.__dict__.update(torch.__dict__)
+    cpu_torch.zeros = lambda *args, device=None, **kwargs: torch.zeros(*args, **kwargs)
+    schedules.torch = cpu_torch
+
+    _CudaToCpu().__enter__()
+    return True
+

@@ -1,0 +1,134 @@
+"""Model configuration: megatron-core's TransformerConfig plus the anGPT family and its switches.
+
+Each DEFAULT of the spec (../shared/docs/angpt-spec.md) and each ablation of its section 9 is one field
+here; `model_config` fills in what each family fixes (GPT+, anGPT, nGPT) so the three share one config type.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+from megatron.core.transformer import TransformerConfig
+
+from angpt.factors import NU_P_READINGS, NormalizationFactors, derive_factors
+
+MODEL_FAMILIES = ("angpt", "gptplus", "ngpt")
+FACTOR_MODES = ("analytic", "one", "exact")
+POST_NORMS = ("l2", "none")
+RESIDUALS = ("lerp", "plain")
+
+
+@dataclass
+class AnGPTConfig(TransformerConfig):
+    model_family: str = "angpt"
+    # Spec section 3: normalize each sub-block output ("l2") or leave it to the factors ("none").
+    post_norm: str = "l2"
+    # Spec section 2: nu_p = 1 (DEFAULT) or sqrt(h/d).
+    nu_p_reading: str = "one"
+    # Spec section 5: initial alpha of the LERP residual; None takes the family's (0.01 anGPT, 0.05 nGPT).
+    alpha_init: Optional[float] = None
+    # nu_qkv, nu_p, nu_uz, nu_acf, nu_d: as derived ("analytic"), all 1 ("one"), or replaced by the
+    # exact 1/||x|| ("exact"); the multiplier is the x0.5 / x2 ablation.
+    constant_factors: str = "analytic"
+    constant_factor_multiplier: float = 1.0
+    # nu(alpha) after each residual update, with the same three modes and its own multiplier.
+    nu_alpha_mode: str = "analytic"
+    nu_alpha_multiplier: float = 1.0
+    # Gradients flow through nu(alpha) (DEFAULT) or it is treated as a constant each step.
+    nu_alpha_grad: bool = True
+    # The residual update: LERP with alpha (DEFAULT) or the plain sum h + x.
+    residual: str = "lerp"
+    # nGPT uses |alpha| in its LERP.
+    alpha_abs: bool = False
+    nu_acf_samples: int = 100_000
+    nu_acf_seed: int = 0
+
+    def __post_init__(self):
+        for name, allowed in (
+            ("model_family", MODEL_FAMILIES),
+            ("post_norm", POST_NORMS),
+            ("nu_p_reading", NU_P_READINGS),
+            ("constant_factors", FACTOR_MODES),
+            ("nu_alpha_mode", FACTOR_MODES),
+            ("residual", RESIDUALS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        super().__post_init__()
+
+    @property
+    def normalized(self) -> bool:
+        """anGPT and nGPT share the normalized building blocks; GPT+ uses megatron-core's own."""
+        return self.model_family in ("angpt", "ngpt")
+
+    def normalization_factors(self) -> NormalizationFactors:
+        """The constant factors in force: derived, times the multiplier, or all 1 (mode "one").
+        In mode "exact" they are not used (each point divides by the actual norm)."""
+        if self.constant_factors == "one":
+            return NormalizationFactors(1.0, 1.0, 1.0, 1.0, 1.0)
+        factors = derive_factors(
+            self.hidden_size,
+            self.ffn_hidden_size,
+            self.num_attention_heads,
+            self.kv_channels,
+            self.nu_p_reading,
+            self.nu_acf_samples,
+            self.nu_acf_seed,
+        )
+        return factors.scaled(self.constant_factor_multiplier)
+
+
+def _normal_init(std: float):
+    def init_(tensor):
+        return torch.nn.init.normal_(tensor, mean=0.0, std=std)
+
+    return init_
+
+
+def model_config(model_family: str = "angpt", **overrides) -> AnGPTConfig:
+    """The config of one family with what that family fixes; `overrides` are TransformerConfig and
+    AnGPTConfig fields (e.g. num_layers, hidden_size, tensor_model_parallel_size, constant_factors)."""
+    if model_family not in MODEL_FAMILIES:
+        raise ValueError(f"model family must be one of {MODEL_FAMILIES}, got {model_family!r}")
+    known = {f.name for f in fields(AnGPTConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise TypeError(f"unknown model config fields: {unknown}")
+    hidden_size = overrides["hidden_size"]
+    settings = dict(
+        # SwiGLU MLP without biases or dropout, RoPE, untied embeddings: the same in all three families.
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        ffn_hidden_size=4 * hidden_size,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        normalization="RMSNorm",
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+    )
+    if model_family == "gptplus":
+        # Spec section 8: QK-norm (per-head RMSNorm before RoPE), softmax scale 1/sqrt(h), N(0, 0.02)
+        # init with output projections at 0.02/sqrt(2L) (megatron-core's defaults).
+        settings.update(qk_layernorm=True)
+    else:
+        num_heads = overrides["num_attention_heads"]
+        head_dim = overrides.get("kv_channels") or hidden_size // num_heads
+        # Rows are drawn from N(0, 1) and then projected onto the unit sphere when the model is built.
+        settings.update(
+            softmax_scale=math.sqrt(head_dim),
+            init_method=_normal_init(1.0),
+            output_layer_init_method=_normal_init(1.0),
+        )
+    if model_family == "ngpt":
+        # nGPT (spec section 8): no nu factors, exact normalization after each residual update, |alpha|.
+        settings.update(constant_factors="one", nu_alpha_mode="exact", alpha_abs=True)
+    settings.update(overrides)
+    return AnGPTConfig(model_family=model_family, **settings)

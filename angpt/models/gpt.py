@@ -1,0 +1,64 @@
+"""The model of each family on megatron-core's GPTModel."""
+
+from __future__ import annotations
+
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel import RowParallelLinear
+
+from angpt import megatron_cpu
+from angpt.bounding import project_parameters_
+from angpt.models.config import AnGPTConfig
+from angpt.models.layers import ScaledOutputLayer
+from angpt.models.scales import LearnableScale
+from angpt.models.specs import block_spec
+
+# What happens to each family's weight matrices after every optimizer step (spec sections 6 and 8).
+WEIGHT_CONSTRAINTS = {"angpt": "bound", "ngpt": "normalize", "gptplus": None}
+
+
+class NormalizedGPTModel(GPTModel):
+    """anGPT and nGPT: GPTModel with the logit scale s_Z, no final norm, and every weight matrix
+    initialized on the unit sphere and tagged for the post-step projection."""
+
+    def __init__(self, config: AnGPTConfig, vocab_size: int, **kwargs):
+        super().__init__(config, block_spec(config, kwargs.get("vp_stage")), vocab_size, **kwargs)
+        if self.post_process:
+            ScaledOutputLayer.attach(self.output_layer, config, vocab_size)
+        for module in self.modules():
+            if isinstance(module, LearnableScale):
+                continue
+            for param in module.parameters(recurse=False):
+                if param.dim() == 2:
+                    # A row is one output unit's weights (dim 1). nGPT normalizes along the embedding
+                    # dimension, which is dim 0 of the output projections W_p and W_d.
+                    along_columns = config.model_family == "ngpt" and isinstance(module, RowParallelLinear)
+                    param.unit_norm_dim = 0 if along_columns else 1
+        # Rows drawn from N(0, 1), normalized to exactly 1 (spec section 6).
+        project_parameters_([self], "normalize")
+
+
+def build_model(
+    config: AnGPTConfig,
+    vocab_size: int,
+    max_sequence_length: int,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: int | None = None,
+    rotary_base: int = 10000,
+    parallel_output: bool = True,
+) -> GPTModel:
+    """One pipeline stage (or virtual stage) of the configured family."""
+    megatron_cpu.enable()
+    kwargs = dict(
+        max_sequence_length=max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=parallel_output,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=rotary_base,
+        vp_stage=vp_stage,
+    )
+    if config.normalized:
+        return NormalizedGPTModel(config, vocab_size, **kwargs)
+    return GPTModel(config, block_spec(config, vp_stage), vocab_size, **kwargs)

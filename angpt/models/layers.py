@@ -1,0 +1,254 @@
+"""Building blocks shared by anGPT and nGPT (spec sections 3 and 8), as megatron-core modules.
+
+Every normalization factor is applied by a `NuScale` module named after it (so hooks can watch each
+intermediate), every learnable scale is a `LearnableScale`, and the layer reads like the spec:
+
+    h_A = Norm(nu_p W_p Attention(nu_qkv W_qkv h))       h = nu(alpha_A) (h + alpha_A (h_A - h))
+    h_M = Norm(nu_d W_d SwiGLU_s(nu_uz W_uz h))          h = nu(alpha_M) (h + alpha_M (h_M - h))
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Optional
+
+import torch
+import torch.distributed.nn.functional as dist_fn
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from angpt.models.config import AnGPTConfig
+from angpt.factors import NU_PLAIN_RESIDUAL, nu_alpha
+from angpt.models.scales import LearnableScale
+
+
+def l2_normalize(
+    x: torch.Tensor, group_size: Optional[int] = None, tp_group=None, eps: float = 1e-12
+) -> torch.Tensor:
+    """x / ||x||_2 over the last dim, or over consecutive groups of `group_size` (heads) of it.
+
+    With `tp_group`, the last dim is split over those ranks and the squared norms are summed across
+    them (in autograd, both ways)."""
+    shape = x.shape
+    if group_size is not None:
+        x = x.reshape(*shape[:-1], shape[-1] // group_size, group_size)
+    squared = x.float().pow(2).sum(dim=-1, keepdim=True)
+    if tp_group is not None and tp_group.size() > 1:
+        squared = dist_fn.all_reduce(squared, group=tp_group)
+    return (x * torch.rsqrt(squared.clamp_min(eps * eps)).to(x.dtype)).reshape(shape)
+
+
+class NuScale(torch.nn.Module):
+    """Applies one constant factor nu_g of spec section 2, or in the "exact" ablation 1/||x||.
+
+    `group_size` and `tp_reduced` say what a vector is for the exact norm: one head (nu_qkv), one of the
+    u / z halves of a TP shard of fc1 split over TP ranks (nu_uz), and so on."""
+
+    def __init__(self, config: AnGPTConfig, name: str, group_size: Optional[int] = None, tp_reduced=False):
+        super().__init__()
+        self.name = name
+        self.exact = config.constant_factors == "exact"
+        self.value = getattr(config.normalization_factors(), name)
+        self.group_size = group_size
+        self.tp_group = parallel_state.get_tensor_model_parallel_group() if tp_reduced else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.exact:
+            return l2_normalize(x, self.group_size, self.tp_group)
+        return x if self.value == 1.0 else x * self.value
+
+    def extra_repr(self) -> str:
+        return f"{self.name}=exact" if self.exact else f"{self.name}={self.value:.6g}"
+
+
+class PostNorm(torch.nn.Module):
+    """Norm(x) on a sub-block output (spec section 3), or nothing with post_norm="none"."""
+
+    def __init__(self, config: AnGPTConfig):
+        super().__init__()
+        self.enabled = config.post_norm == "l2"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return l2_normalize(x) if self.enabled else x
+
+
+class NormalizedResidual(MegatronModule):
+    """h <- nu(alpha) (h + alpha (x - h)), the LERP residual of anGPT; nGPT's Norm(h + |alpha| (x - h));
+    or the plain nu (h + x) of the ablation."""
+
+    def __init__(self, config: AnGPTConfig):
+        super().__init__(config=config)
+        self.lerp = config.residual == "lerp"
+        if self.lerp:
+            # alpha multiplies sequence-sharded activations under sequence parallelism.
+            self.alpha = LearnableScale(
+                config, "alpha", config.hidden_size, reduce_grad_over_tp=config.sequence_parallel
+            )
+
+    def forward(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        config = self.config
+        if self.lerp:
+            alpha = self.alpha()
+            if config.alpha_abs:
+                alpha = alpha.abs()
+            out = h + alpha.to(h.dtype) * (x - h)
+        else:
+            out = h + x
+        if config.nu_alpha_mode == "exact":
+            return l2_normalize(out)
+        if config.nu_alpha_mode == "one":
+            return out
+        nu = nu_alpha(alpha) if self.lerp else torch.tensor(NU_PLAIN_RESIDUAL, dtype=torch.float32)
+        if not config.nu_alpha_grad:
+            nu = nu.detach()
+        return out * (config.nu_alpha_multiplier * nu).to(out.dtype)
+
+
+class FactorScaledColumnParallelLinear(tensor_parallel.ColumnParallelLinear):
+    """A column-parallel linear layer whose output is scaled by one normalization factor."""
+
+    def __init__(self, *args, factor: str, config: AnGPTConfig, **kwargs):
+        super().__init__(*args, config=config, **kwargs)
+        if factor == "nu_qkv":
+            self.nu = NuScale(config, factor, group_size=config.kv_channels)
+        else:  # nu_uz: the local output is [u shard; z shard], each a vector split over TP ranks.
+            self.nu = NuScale(config, factor, group_size=self.output_size_per_partition // 2, tp_reduced=True)
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        output, bias = super().forward(input_, weight, runtime_gather_output)
+        return self.nu(output), bias
+
+
+class FactorScaledRowParallelLinear(tensor_parallel.RowParallelLinear):
+    """A row-parallel linear layer (W_p, W_d) whose reduced output is scaled by one normalization factor."""
+
+    def __init__(self, *args, factor: str, config: AnGPTConfig, **kwargs):
+        super().__init__(*args, config=config, **kwargs)
+        self.nu = NuScale(config, factor)
+
+    def forward(self, input_):
+        output, bias = super().forward(input_)
+        return self.nu(output), bias
+
+
+class NormalizedDotProductAttention(DotProductAttention):
+    """softmax(sqrt(h) (s_qk Norm(q)) (s_qk Norm(k))^T + causal) v, applied after RoPE.
+
+    anGPT shares one s_qk of size h across heads; nGPT has one per head (size d, split over heads and
+    therefore over TP ranks). The sqrt(h) softmax scale is config.softmax_scale."""
+
+    def __init__(self, config: AnGPTConfig, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        head_dim = config.kv_channels
+        if config.model_family == "ngpt":
+            if config.num_query_groups != config.num_attention_heads:
+                raise ValueError("nGPT's per-head s_qk needs num_query_groups == num_attention_heads")
+            self.s_qk = LearnableScale(config, "s_qk", config.num_attention_heads * head_dim, partitioned=True)
+        else:
+            self.s_qk = LearnableScale(config, "s_qk", head_dim, reduce_grad_over_tp=True)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        s_qk = self.s_qk().view(-1, query.shape[-1]).to(query.dtype)  # [heads or 1, h]
+        query = s_qk * l2_normalize(query)
+        key = s_qk * l2_normalize(key)
+        return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
+                               packed_seq_params)
+
+
+def scaled_swiglu(uz: torch.Tensor, s_u: torch.Tensor, s_v: torch.Tensor) -> torch.Tensor:
+    """(s_u * u) * SiLU(s_v * z) for uz = [u; z] along the last dim."""
+    u, z = torch.chunk(uz, 2, dim=-1)
+    return (s_u * u) * torch.nn.functional.silu(s_v * z)
+
+
+class ScaledSwiGLUMLP(MLP):
+    """a = nu_acf (s_u u) SiLU(s_v sqrt(d) z) with u, z = nu_uz W_u h, nu_uz W_z h; output nu_d W_d a.
+
+    nGPT scales u by sqrt(d) too and has no nu factors (they are 1 in its config)."""
+
+    def __init__(self, config: AnGPTConfig, submodules, **kwargs):
+        kwargs.setdefault("ffn_hidden_size", config.ffn_hidden_size)
+        super().__init__(config, submodules, **kwargs)
+        f = config.ffn_hidden_size
+        self.s_u = LearnableScale(config, "s_u", f, partitioned=True)
+        self.s_v = LearnableScale(config, "s_v", f, partitioned=True)
+        sqrt_d = math.sqrt(config.hidden_size)
+        self.u_gain = sqrt_d if config.model_family == "ngpt" else 1.0
+        self.z_gain = sqrt_d
+        self.nu_acf = NuScale(config, "nu_acf", tp_reduced=True)
+
+    def forward(self, hidden_states, per_token_scale=None, **kwargs):
+        uz, _ = self.linear_fc1(hidden_states)
+        s_u = (self.u_gain * self.s_u()).to(uz.dtype)
+        s_v = (self.z_gain * self.s_v()).to(uz.dtype)
+        a = self.nu_acf(scaled_swiglu(uz, s_u, s_v))
+        return self.linear_fc2(a)
+
+
+class _OwnMLPFilter(logging.Filter):
+    """TransformerLayer warns "Unknown MLP type" for every MLP class but its own; ScaledSwiGLUMLP is an
+    MLP and takes the same tensor-parallel group by default."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Unknown MLP type" not in record.getMessage()
+
+
+logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_OwnMLPFilter())
+
+
+class NormalizedTransformerLayer(TransformerLayer):
+    """The anGPT / nGPT layer: no pre-norms, a post-norm on each sub-block output, normalized residuals."""
+
+    def __init__(self, config: AnGPTConfig, submodules, *args, **kwargs):
+        super().__init__(config, submodules, *args, **kwargs)
+        self.attention_post_norm = PostNorm(config)
+        self.attention_residual = NormalizedResidual(config)
+        self.mlp_post_norm = PostNorm(config)
+        self.mlp_residual = NormalizedResidual(config)
+
+    def forward(self, hidden_states, attention_mask=None, context=None, rotary_pos_emb=None,
+                inference_context=None, packed_seq_params=None, sequence_len_offset=None, **kwargs):
+        h = hidden_states
+        h_attention, _ = self.self_attention(
+            h,
+            attention_mask=attention_mask,
+            rotary_pos_emb=rotary_pos_emb,
+            inference_context=inference_context,
+            packed_seq_params=packed_seq_params,
+            sequence_len_offset=sequence_len_offset,
+        )
+        h = self.attention_residual(h, self.attention_post_norm(h_attention))
+        h_mlp, _ = self.mlp(h)
+        h = self.mlp_residual(h, self.mlp_post_norm(h_mlp))
+        return h, context
+
+
+class ScaledOutputLayer(tensor_parallel.ColumnParallelLinear):
+    """GPTModel's output layer with the logit scale: logits = s_Z * (W_head h), s_Z split over the
+    vocabulary like W_head. Installed on an existing layer by `attach`."""
+
+    logit_scale: LearnableScale
+
+    @classmethod
+    def attach(cls, layer: tensor_parallel.ColumnParallelLinear, config: AnGPTConfig, vocab_size: int):
+        # GPTModel builds its output layer inline, so it is converted in place rather than rebuilt.
+        layer.__class__ = cls
+        layer.logit_scale = LearnableScale(config, "s_z", vocab_size, partitioned=True)
+
+    def forward(self, input_, weight=None, runtime_gather_output=None):
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        logits, bias = super().forward(input_, weight, runtime_gather_output=False)
+        logits = logits * self.logit_scale().to(logits.dtype)
+        if gather:
+            logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits, group=self.tp_group)
+        return logits, bias
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        state.update(self.logit_scale.sharded_state_dict(f"{prefix}logit_scale.", sharded_offsets, metadata))
+        return state

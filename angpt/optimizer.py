@@ -1,0 +1,84 @@
+"""Each family's optimizer and learning-rate schedule (spec section 7), on megatron-core's optimizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from angpt.bounding import attach_weight_constraint
+from angpt.models import WEIGHT_CONSTRAINTS
+
+
+@dataclass(frozen=True)
+class Recipe:
+    weight_decay: float
+    warmup_fraction: float
+    min_lr_ratio: float
+
+
+# anGPT: Adam without weight decay or warm-up, cosine to 0.1 lr. nGPT: the same, decaying to 0.
+# GPT+: AdamW with weight decay 0.1 on 2-D weights only and 1% warm-up.
+RECIPES = {
+    "angpt": Recipe(weight_decay=0.0, warmup_fraction=0.0, min_lr_ratio=0.1),
+    "ngpt": Recipe(weight_decay=0.0, warmup_fraction=0.0, min_lr_ratio=0.0),
+    "gptplus": Recipe(weight_decay=0.1, warmup_fraction=0.01, min_lr_ratio=0.1),
+}
+
+
+def build_optimizer(
+    model_chunks,
+    model_family: str,
+    lr: float,
+    train_iters: int,
+    min_lr: Optional[float] = None,
+    weight_decay: Optional[float] = None,
+    lr_warmup_iters: Optional[int] = None,
+    lr_decay_style: str = "cosine",
+    clip_grad: float = 1.0,
+    adam_beta1: float = 0.9,
+    adam_beta2: float = 0.95,
+    adam_eps: float = 1e-8,
+    use_distributed_optimizer: bool = False,
+    bf16: bool = False,
+):
+    """megatron-core's Adam(W) with the family's defaults (each overridable), the family's post-step
+    weight projection attached, and its lr schedule. Returns (optimizer, scheduler).
+
+    Weight decay reaches 2-D weights only: megatron-core exempts 1-D parameters (norms and scales)."""
+    recipe = RECIPES[model_family]
+    min_lr = recipe.min_lr_ratio * lr if min_lr is None else min_lr
+    weight_decay = recipe.weight_decay if weight_decay is None else weight_decay
+    warmup = round(recipe.warmup_fraction * train_iters) if lr_warmup_iters is None else lr_warmup_iters
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        min_lr=min_lr,
+        weight_decay=weight_decay,
+        adam_beta1=adam_beta1,
+        adam_beta2=adam_beta2,
+        adam_eps=adam_eps,
+        clip_grad=clip_grad,
+        bf16=bf16,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(config, model_chunks)
+    constraint = WEIGHT_CONSTRAINTS[model_family]
+    if constraint is not None:
+        attach_weight_constraint(optimizer, constraint)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if warmup else lr,
+        max_lr=lr,
+        min_lr=min_lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=train_iters,
+        lr_decay_style=lr_decay_style,
+        start_wd=weight_decay,
+        end_wd=weight_decay,
+        wd_incr_steps=train_iters,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler

@@ -1,0 +1,109 @@
+"""One training step on megatron-core: model chunks under DDP, its pipeline schedules, the optimizer."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Iterator
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.enums import ModelType
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from angpt.models import AnGPTConfig, build_model
+
+
+def build_model_chunks(
+    config: AnGPTConfig,
+    vocab_size: int,
+    seq_length: int,
+    ddp_config: DistributedDataParallelConfig | None = None,
+) -> list[DistributedDataParallel]:
+    """This rank's model chunks (one per virtual pipeline stage), each wrapped in megatron-core's DDP."""
+    ddp_config = ddp_config or DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+    virtual_stages = config.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(virtual_stages) if virtual_stages else [None]:
+        model = build_model(
+            config,
+            vocab_size,
+            seq_length,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            vp_stage=vp_stage,
+        )
+        model.model_type = ModelType.encoder_or_decoder
+        chunks.append(
+            DistributedDataParallel(
+                config=config, ddp_config=ddp_config, module=model, disable_bucketing=len(chunks) > 0
+            )
+        )
+    config.finalize_model_grads_func = finalize_model_grads
+    if ddp_config.overlap_grad_reduce:
+        config.no_sync_func = [chunk.no_sync for chunk in chunks]
+        config.grad_sync_func = [chunk.start_grad_sync for chunk in chunks]
+        if len(chunks) == 1:
+            config.no_sync_func, config.grad_sync_func = config.no_sync_func[0], config.grad_sync_func[0]
+    return chunks
+
+
+def language_model_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+    """Mean next-token cross-entropy over the unmasked tokens of one micro-batch."""
+    loss_mask = loss_mask.float()
+    loss = (per_token_loss.float() * loss_mask).sum() / loss_mask.sum()
+    # The schedules divide the returned loss in place; report a copy.
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def forward_step(data_iterator: Iterator[dict], model):
+    """Batches are dicts with tokens, labels, loss_mask and position_ids, each [batch, sequence]."""
+    batch = next(data_iterator)
+    per_token_loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return per_token_loss, partial(language_model_loss, batch["loss_mask"])
+
+
+def train_step(
+    data_iterators,
+    model_chunks,
+    optimizer,
+    scheduler,
+    num_microbatches: int,
+    micro_batch_size: int,
+    seq_length: int,
+):
+    """Forward and backward over the global batch, then one optimizer step.
+
+    Returns (loss averaged over the global batch, available on every rank; grad norm; whether the
+    optimizer applied the update)."""
+    for chunk in model_chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=data_iterators,
+        model=model_chunks,
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=False,
+    )
+    updated, grad_norm, _ = optimizer.step()
+    if updated:
+        scheduler.step(increment=1)
+    return _global_mean_loss(losses), grad_norm, updated
+
+
+def _global_mean_loss(losses: list[dict]) -> float:
+    """The last pipeline stage holds the micro-batch losses; average them over data-parallel ranks and
+    share the result with every rank."""
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        local = torch.stack([entry["lm loss"] for entry in losses]).mean()
+        torch.distributed.all_reduce(local, group=parallel_state.get_data_parallel_group())
+        local /= parallel_state.get_data_parallel_world_size()
+    else:
+        local = torch.zeros((), device=torch.cuda.current_device())
+    world = parallel_state.get_pipeline_model_parallel_group()
+    if world.size() > 1:
+        torch.distributed.all_reduce(local, group=world)
+    return local.item()

@@ -1,0 +1,27 @@
+"""angpt: the Approximately Normalized GPT on megatron-core."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="angpt",
+    version="0.1.0",
+    description="Megatron-style distributed pretraining of anGPT, the Approximately Normalized GPT",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["angpt", "angpt.*"]),
+    install_requires=[
+        # CPU machines install torch==2.13.0 first (requirements/cpu.txt); GPU images bring their own.
+        "torch>=2.6",
+        "megatron-core==0.16.1",
+        "numpy",
+        # megatron-core's distributed checkpointing hangs without it, and does not declare it.
+        "psutil",
+    ],
+    extras_require={
+        "test": ["pytest>=8"],
+        # GPU only; apex is built from source inside NVIDIA's containers and is never required.
+        "gpu": ["transformer-engine[pytorch]"],
+    },
+    entry_points={"console_scripts": ["angpt-pretrain=angpt.pretrain:main"]},
+)

@@ -1,0 +1,186 @@
+"""Runs the three families at one parallel layout and records logits, loss, gradients, parameters after
+three optimizer steps, and one bounding projection, for comparison with the single-process reference.
+
+    python tests/distributed/equivalence_worker.py --reference --out DIR         (1 process)
+    torchrun --nproc-per-node 2 tests/distributed/equivalence_worker.py --tp 2 --out DIR --reference-dir REF
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from common import GLOBAL_BATCH, MICRO_BATCH, S, V, fixed_batches, gather_full, load_full, small_config, unwrap
+
+from angpt import distributed
+from angpt.bounding import project_parameters_
+from angpt.models import WEIGHT_CONSTRAINTS
+from angpt.optimizer import build_optimizer
+from angpt.training import build_model_chunks, forward_step, train_step
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+LR = 1e-2
+
+
+def logits_step(data_iterator, model):
+    batch = next(data_iterator)
+    logits = model(batch["tokens"], batch["position_ids"], None)
+
+    def collect(output, non_loss_data=True):
+        return gather_from_tensor_model_parallel_region(output).detach()
+
+    return logits, collect
+
+
+def from_last_stage(value):
+    """The value held by a last-pipeline-stage rank, on every rank."""
+    held = [None] * dist.get_world_size()
+    dist.all_gather_object(held, value)
+    return next(v for v in held if v is not None)
+
+
+def perturbed_weights(init: dict[str, torch.Tensor], family: str) -> dict[str, torch.Tensor]:
+    """Initial weights with some rows pushed outside the unit ball and others inside it."""
+    generator = torch.Generator().manual_seed(7)
+    out = {}
+    for name, tensor in init.items():
+        if tensor.dim() == 2:
+            factors = torch.empty(tensor.shape[0], 1).uniform_(0.3, 3.0, generator=generator)
+            tensor = tensor * factors
+        out[name] = tensor
+    return out
+
+
+def describe_shards(optimizer) -> dict:
+    """The inner optimizer's class, and how many weights this rank holds only part of a row of."""
+    from angpt.bounding import _optimizer_pieces
+
+    inner = optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers") else optimizer
+    _, pieces, _ = _optimizer_pieces(inner)
+    cols = lambda piece: piece.param.shape[1]
+    cut = sum((piece.offset % cols(piece) != 0) + ((piece.offset + piece.data.numel()) % cols(piece) != 0)
+              for piece in pieces)
+    counts = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, cut)
+    return dict(optimizer=type(inner).__name__, rows_cut_by_shards=sum(counts))
+
+
+def run_family(family: str, args, layout: dict, world: int) -> dict | None:
+    config = small_config(family, **layout)
+    dp = world // (config.tensor_model_parallel_size * config.pipeline_model_parallel_size)
+    distributed.initialize(
+        config.tensor_model_parallel_size,
+        config.pipeline_model_parallel_size,
+        config.virtual_pipeline_model_parallel_size,
+    )
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=args.distributed_optimizer
+    )
+    chunks = build_model_chunks(config, V, S, ddp_config)
+    init_path = os.path.join(args.reference_dir or args.out, f"{family}_init.pt")
+    if args.reference:
+        init = gather_full(chunks)
+        torch.save(init, init_path)
+    else:
+        init = torch.load(init_path)
+        load_full(chunks, init)
+
+    batches = fixed_batches()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    mine = batches[dp_rank::dp]
+    iterators = lambda data: [iter(data) for _ in chunks] if len(chunks) > 1 else iter(data)
+    schedule = get_forward_backward_func()
+    run = dict(model=chunks, seq_length=S, micro_batch_size=MICRO_BATCH)
+
+    # Logits of the global batch (every data-parallel rank computes all of it).
+    outputs = schedule(forward_step_func=logits_step, data_iterator=iterators(batches),
+                       num_microbatches=len(batches), forward_only=True, collect_non_loss_data=True, **run)
+    is_last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    logits = from_last_stage(torch.cat(outputs) if is_last and dp_rank == 0 else None)
+
+    # Loss and gradients over the global batch, then three optimizer steps.
+    optimizer, scheduler = build_optimizer(chunks, family, lr=LR, train_iters=3,
+                                           use_distributed_optimizer=args.distributed_optimizer)
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    losses = schedule(forward_step_func=forward_step, data_iterator=iterators(mine), num_microbatches=len(mine),
+                      forward_only=False, **run)
+    local_loss = torch.stack([l["lm loss"] for l in losses]).mean() if is_last else None
+    all_losses = [None] * world
+    dist.all_gather_object(all_losses, (parallel_state.get_data_parallel_rank(), local_loss.item() if is_last else None))
+    per_dp = {r: l for r, l in all_losses if l is not None}
+    loss = sum(per_dp.values()) / len(per_dp)
+    # The distributed optimizer reduce-scatters gradients: each rank holds only its shard reduced.
+    grads = None if args.distributed_optimizer else gather_full(chunks, "grad")
+    optimizer.step()
+    scheduler.step(1)
+    for _ in range(2):
+        train_step(iterators(mine), chunks, optimizer, scheduler, len(mine), MICRO_BATCH, S)
+    params = gather_full(chunks)
+
+    result = dict(logits=logits, loss=loss, grads=grads, params=params)
+
+    constraint = WEIGHT_CONSTRAINTS[family]
+    if constraint:
+        # One projection through the optimizer's post-step hook, from weights partly outside the ball,
+        # with lr = 0 so that the Adam update itself changes nothing.
+        perturbed = perturbed_weights(init, family)
+        parallel_state.destroy_model_parallel()
+        distributed.initialize(config.tensor_model_parallel_size, config.pipeline_model_parallel_size,
+                               config.virtual_pipeline_model_parallel_size)
+        chunks = build_model_chunks(small_config(family, **layout), V, S, ddp_config)
+        load_full(chunks, perturbed)
+        optimizer, _ = build_optimizer(chunks, family, lr=0.0, train_iters=1, min_lr=0.0,
+                                       use_distributed_optimizer=args.distributed_optimizer)
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        optimizer.step()
+        result.update(perturbed=perturbed, projected=gather_full(chunks), **describe_shards(optimizer))
+        if args.reference:
+            project_parameters_([unwrap(c) for c in chunks], constraint)  # idempotent: a second pass changes nothing
+            result["projected_twice"] = gather_full(chunks)
+    parallel_state.destroy_model_parallel()
+    return result if dist.get_rank() == 0 else None
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reference", action="store_true")
+    parser.add_argument("--reference-dir")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--families", default="angpt,gptplus,ngpt")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--vp", type=int, default=None)
+    parser.add_argument("--sequence-parallel", action="store_true")
+    parser.add_argument("--distributed-optimizer", action="store_true")
+    parser.add_argument("--name", default="reference")
+    args = parser.parse_args()
+    if args.reference:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    else:
+        distributed.initialize()  # joins the torchrun job
+        parallel_state.destroy_model_parallel()
+    layout = dict(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                  virtual_pipeline_model_parallel_size=args.vp, sequence_parallel=args.sequence_parallel)
+    os.makedirs(args.out, exist_ok=True)
+    for family in args.families.split(","):
+        result = run_family(family, args, layout, dist.get_world_size())
+        if result is not None:
+            torch.save(result, os.path.join(args.out, f"{family}_{args.name}.pt"))
+            print(f"{family} {args.name}: loss {result['loss']:.6f}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Normalization factors (spec sections 2 and 4) and the tool that prints them."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from angpt.factors import NU_PLAIN_RESIDUAL, derive_factors, nu_acf_monte_carlo, nu_alpha
+from conftest import ROOT
+
+# Spec section 11: (d, layers, heads), head dim 64, f = 4d.
+SHAPES = {"0.5B": (1024, 24, 16), "1B": (1280, 36, 20)}
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_factor_values_of_the_paper_shapes(name):
+    d, _, heads = SHAPES[name]
+    factors = derive_factors(d, 4 * d, heads)
+    assert factors.nu_qkv == pytest.approx(math.sqrt(d / 64))  # 4.0 and 4.472
+    assert factors.nu_p == 1.0
+    assert factors.nu_uz == pytest.approx(0.5)
+    assert factors.nu_d == pytest.approx(2.0)
+    assert factors.nu_acf == pytest.approx(3.72, rel=0.01)
+    assert derive_factors(d, 4 * d, heads, nu_p_reading="sqrt_h_over_d").nu_p == pytest.approx(math.sqrt(64 / d))
+
+
+def test_nu_acf_matches_its_scalar_form_and_is_deterministic():
+    # 1/sqrt(E[SiLU(x)^2]) with x ~ N(0, 1/4), by quadrature: the large-f limit of the estimate. It is
+    # 3.7204 (the spec rounds it to 3.723); by Jensen's inequality the estimate at finite f lies above it.
+    x = torch.linspace(-3, 3, 200_001, dtype=torch.float64)
+    density = torch.exp(-2 * x**2) / math.sqrt(2 * math.pi * 0.25)
+    scalar = 1 / math.sqrt(torch.trapezoid(torch.nn.functional.silu(x) ** 2 * density, x).item())
+    assert scalar == pytest.approx(3.7204, abs=1e-4)
+    assert scalar < nu_acf_monte_carlo(256, 1024) < scalar * 1.002
+    nu_acf_monte_carlo.cache_clear()
+    assert nu_acf_monte_carlo(64, 256, 20_000, 3) == nu_acf_monte_carlo(64, 256, 20_000, 3)
+    assert nu_acf_monte_carlo(64, 256, 20_000, 3) != nu_acf_monte_carlo(64, 256, 20_000, 4)
+
+
+def test_nu_alpha_keeps_the_lerp_of_independent_unit_vectors_at_unit_norm():
+    generator = torch.Generator().manual_seed(0)
+    d = 4096
+    h, x = torch.randn(2, 256, d, generator=generator)
+    h, x = h / h.norm(dim=-1, keepdim=True), x / x.norm(dim=-1, keepdim=True)
+    for alpha in (0.01, 0.2, 0.5, 0.9):
+        a = torch.full((d,), alpha)
+        out = nu_alpha(a) * (h + a * (x - h))
+        assert out.norm(dim=-1).mean().item() == pytest.approx(1.0, abs=0.01)
+        assert (h + a * (x - h)).norm(dim=-1).mean().item() != pytest.approx(1.0, abs=0.01) or alpha == 0.01
+    assert (NU_PLAIN_RESIDUAL * (h + x)).norm(dim=-1).mean().item() == pytest.approx(1.0, abs=0.01)
+
+
+def test_factor_tool_prints_the_table():
+    done = subprocess.run(
+        [sys.executable, "tools/angpt_factors.py", "--hidden-size", "1024", "--ffn-hidden-size", "4096",
+         "--num-attention-heads", "16", "--kv-channels", "64"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = dict(line.split()[:2] for line in done.stdout.splitlines() if line.startswith("nu_"))
+    assert float(rows["nu_qkv"]) == pytest.approx(4.0)
+    assert float(rows["nu_uz"]) == pytest.approx(0.5)
+    assert float(rows["nu_d"]) == pytest.approx(2.0)
+    assert float(rows["nu_p"]) == pytest.approx(1.0)
+    assert float(rows["nu_acf"]) == pytest.approx(3.72, rel=0.01)
