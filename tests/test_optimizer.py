@@ -1,0 +1,72 @@
+"""Each family's optimizer (spec section 7) and the effective learning rates of the scales (section 5)."""
+
+import pytest
+import torch
+
+from angpt.models import model_config
+from angpt.models.scales import LearnableScale
+from angpt.optimizer import build_optimizer
+from angpt.training import build_model_chunks, train_step
+
+V, S, MB = 128, 16, 2
+
+
+def tiny_chunks(family, **overrides):
+    config = model_config(family, num_layers=2, hidden_size=64, num_attention_heads=4, **overrides)
+    return build_model_chunks(config, V, S)
+
+
+def batch(seed=0):
+    tokens = torch.randint(0, V, (MB, S + 1), generator=torch.Generator().manual_seed(seed))
+    return dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(MB, S),
+                position_ids=torch.arange(S).unsqueeze(0).expand(MB, -1))
+
+
+@pytest.mark.parametrize("family", ["angpt", "ngpt"])
+def test_one_adam_step_moves_each_scale_by_its_effective_lr(family, seeded):
+    lr = 1e-3
+    chunks = tiny_chunks(family)
+    # Adam's first step is lr * g / (|g| + eps); a tiny eps makes it lr * sign(g) for these gradients.
+    optimizer, scheduler = build_optimizer(chunks, family, lr=lr, train_iters=10, adam_eps=1e-15)
+    scales = {name: module for name, module in chunks[0].module.named_modules() if isinstance(module, LearnableScale)}
+    assert {name.rsplit(".", 1)[-1] for name in scales} >= {"alpha", "s_qk", "s_u", "s_v", "logit_scale"}
+    before = {name: module().detach().clone() for name, module in scales.items()}
+    train_step(iter([batch()]), chunks, optimizer, scheduler, 1, MB, S)
+    checked = 0
+    for name, module in scales.items():
+        assert module.s_hat.dtype == torch.float32
+        expected = lr * module.s_init / module.s_scale
+        grad = module.s_hat.main_grad
+        moved = (module().detach() - before[name]).abs()
+        clear = grad.abs() > 1e-10
+        assert clear.any(), name
+        torch.testing.assert_close(moved[clear], torch.full_like(moved[clear], expected), rtol=1e-3, atol=0)
+        checked += 1
+    assert checked == len(scales)
+
+
+def test_weight_decay_reaches_two_dimensional_weights_only(seeded):
+    chunks = tiny_chunks("gptplus")
+    optimizer, _ = build_optimizer(chunks, "gptplus", lr=1e-3, train_iters=1000)
+    decay = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            decay[id(param)] = group["weight_decay"]
+    for name, param in chunks[0].module.named_parameters():
+        assert decay[id(param)] == (0.1 if param.dim() == 2 else 0.0), name
+
+
+@pytest.mark.parametrize(
+    "family, first_lr, last_lr",
+    [("angpt", 1e-2, 1e-3), ("ngpt", 1e-2, 0.0), ("gptplus", 1e-2 / 10, 1e-3)],
+)
+def test_schedules(family, first_lr, last_lr, seeded):
+    """anGPT and nGPT start at full lr (no warm-up); GPT+ warms up over 1% of steps; cosine to min_lr."""
+    chunks = tiny_chunks(family)
+    optimizer, scheduler = build_optimizer(chunks, family, lr=1e-2, train_iters=1000)
+    scheduler.step(1)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(first_lr, rel=1e-4)
+    scheduler.step(999)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(last_lr, abs=1e-12)
+    weight_decays = {group["weight_decay"] for group in optimizer.param_groups}
+    assert weight_decays == ({0.0, 0.1} if family == "gptplus" else {0.0})
