@@ -61,6 +61,10 @@ class NuScale(torch.nn.Module):
             return l2_normalize(x, self.group_size, self.tp_group)
         return x if self.value == 1.0 else x * self.value
 
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Nothing to checkpoint (megatron-core's MLP asks every child for its sharded state)."""
+        return {}
+
     def extra_repr(self) -> str:
         return f"{self.name}=exact" if self.exact else f"{self.name}={self.value:.6g}"
 
@@ -158,6 +162,12 @@ class NormalizedDotProductAttention(DotProductAttention):
         key = s_qk * l2_normalize(key)
         return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
                                packed_seq_params)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        # DotProductAttention checkpoints only its own softmax offset.
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        state.update(self.s_qk.sharded_state_dict(f"{prefix}s_qk.", sharded_offsets, metadata))
+        return state
 
 
 def scaled_swiglu(uz: torch.Tensor, s_u: torch.Tensor, s_v: torch.Tensor) -> torch.Tensor:
