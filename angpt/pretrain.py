@@ -36,6 +36,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     model.add_argument("--kv-channels", type=int, help="head dim (default hidden / heads)")
     model.add_argument("--seq-length", type=int, default=128)
     model.add_argument("--rotary-base", type=int, default=10000)
+    tying = model.add_mutually_exclusive_group()
+    tying.add_argument("--tie-embeddings-and-output-weights", action="store_true",
+                       help="use the embedding as the output head (default: untied, as in the spec)")
+    tying.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                       help="accepted for Megatron-LM scripts; untied is already the default")
     angpt = parser.add_argument_group("anGPT switches (spec sections 2-6 and 9)")
     angpt.add_argument("--angpt-post-norm", choices=POST_NORMS, default="l2")
     angpt.add_argument("--angpt-nu-p", choices=NU_P_READINGS, default="one")
@@ -159,6 +164,8 @@ def main(argv=None) -> None:
         nu_alpha_multiplier=args.angpt_nu_alpha_multiplier,
         nu_alpha_grad=not args.angpt_no_nu_alpha_grad,
         residual=args.angpt_residual,
+        share_embeddings_and_output_weights=args.tie_embeddings_and_output_weights,
+        rotary_base=args.rotary_base,
     )
     if args.model_family == "ngpt":  # nGPT fixes its own factors and residual.
         for key in ("constant_factors", "nu_alpha_mode"):

@@ -122,6 +122,7 @@ ABLATIONS = {
     "plain residual": dict(residual="plain"),
     "alpha 0.05": dict(alpha_init=0.05),
     "nu(alpha) without gradient": dict(nu_alpha_grad=False),
+    "tied embeddings": dict(share_embeddings_and_output_weights=True),
 }
 
 
@@ -133,6 +134,23 @@ def test_every_switch_trains(name, seeded):
     loss.backward()
     assert math.isfinite(loss.item())
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_tied_embeddings_use_the_embedding_as_the_head(seeded):
+    model = build_model(config(share_embeddings_and_output_weights=True), 128, 16)
+    assert model.output_layer.weight is None
+    assert model.shared_embedding_or_output_weight() is model.embedding.word_embeddings.weight
+
+
+def test_scales_stay_fp32_in_a_bf16_model(seeded):
+    model = build_model(config(), 128, 16).bfloat16()
+    scales = [p for n, p in model.named_parameters() if n.endswith("s_hat")]
+    assert scales and all(p.dtype == torch.float32 for p in scales)
+    assert model.embedding.word_embeddings.weight.dtype == torch.bfloat16
+    tokens = torch.randint(0, 128, (2, 17))
+    loss = model(tokens[:, :-1], torch.arange(16).unsqueeze(0).expand(2, -1), None, labels=tokens[:, 1:]).mean()
+    loss.backward()
+    assert math.isfinite(loss.item()) and all(p.grad.dtype == torch.float32 for p in scales)
 
 
 def test_invalid_switch_values_are_refused():

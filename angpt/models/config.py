@@ -43,6 +43,10 @@ class AnGPTConfig(TransformerConfig):
     residual: str = "lerp"
     # nGPT uses |alpha| in its LERP.
     alpha_abs: bool = False
+    # Spec section 3: RoPE with base 10000.
+    rotary_base: int = 10000
+    # Spec section 3: embedding and head are untied (DEFAULT).
+    share_embeddings_and_output_weights: bool = False
     nu_acf_samples: int = 100_000
     nu_acf_seed: int = 0
 

@@ -44,7 +44,6 @@ def build_model(
     pre_process: bool = True,
     post_process: bool = True,
     vp_stage: int | None = None,
-    rotary_base: int = 10000,
     parallel_output: bool = True,
 ) -> GPTModel:
     """One pipeline stage (or virtual stage) of the configured family."""
@@ -54,9 +53,9 @@ def build_model(
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=parallel_output,
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=config.share_embeddings_and_output_weights,
         position_embedding_type="rope",
-        rotary_base=rotary_base,
+        rotary_base=config.rotary_base,
         vp_stage=vp_stage,
     )
     if config.normalized:

@@ -62,6 +62,13 @@ class LearnableScale(MegatronModule):
         if partitioned:
             tensor_parallel.set_tensor_model_parallel_attributes(self.s_hat, True, 0, 1)
 
+    def _apply(self, fn, recurse=True):
+        # Stay fp32 when the model is cast to bf16/fp16 (megatron-core's Float16Module casts everything).
+        super()._apply(fn, recurse)
+        if self.s_hat.dtype != torch.float32:
+            self.s_hat.data = self.s_hat.data.float()
+        return self
+
     def forward(self) -> torch.Tensor:
         s_hat = self.s_hat
         if self.reduce_grad_over_tp:

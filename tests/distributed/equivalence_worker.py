@@ -80,9 +80,12 @@ def run_family(family: str, args, layout: dict, world: int) -> dict | None:
         config.pipeline_model_parallel_size,
         config.virtual_pipeline_model_parallel_size,
     )
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=args.distributed_optimizer
-    )
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+    if args.distributed_optimizer:
+        # Small buckets with overlapped reduction, as on clusters; their shard boundaries cut rows.
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=10000
+        )
     chunks = build_model_chunks(config, V, S, ddp_config)
     init_path = os.path.join(args.reference_dir or args.out, f"{family}_init.pt")
     if args.reference:
