@@ -15,6 +15,10 @@ setup(
         "torch>=2.6",
         "megatron-core==0.16.1",
         "numpy",
+        # Tokenization (tools/preprocess_data.py, tools/train_tokenizer.py) and its progress bar.
+        "tokenizers>=0.20",
+        "tiktoken>=0.7",
+        "tqdm",
         # megatron-core's distributed checkpointing hangs without it, and does not declare it.
         "psutil",
     ],

@@ -4,9 +4,10 @@
         --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \\
         --micro-batch-size 4 --global-batch-size 8 --train-iters 20 --lr 3e-3
 
-For now the data are the bytes of one text file (vocabulary 256), by default the help texts that ship
-with Python (pydoc_data). Indexed Megatron datasets, checkpoints and evaluation come with the data and
-trainer work.
+Data are Megatron indexed datasets (`tools/preprocess_data.py` writes them) read through megatron-core's
+GPTDataset: `--data-path PREFIX` or `--data-path W1 PREFIX1 W2 PREFIX2` with `--split`, or
+`--train-data-path ...`; `--mock-data --vocab-size V` trains on megatron-core's synthetic sequences.
+Checkpoints and evaluation come with the trainer work.
 """
 
 from __future__ import annotations
@@ -16,13 +17,11 @@ import logging
 import os
 import time
 
-import numpy as np
 import torch
 
 from angpt.models.config import FACTOR_MODES, MODEL_FAMILIES, NU_P_READINGS, POST_NORMS, RESIDUALS
 
 logger = logging.getLogger("angpt.pretrain")
-BYTE_VOCAB = 256
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -71,7 +70,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     train.add_argument("--seed", type=int, default=1234)
     train.add_argument("--log-interval", type=int, default=1)
     data = parser.add_argument_group("data")
-    data.add_argument("--text-file", help="UTF-8 text to train on, as bytes (default: Python's help texts)")
+    data.add_argument("--data-path", nargs="+", help="PREFIX, or W1 PREFIX1 W2 PREFIX2 ... to blend")
+    data.add_argument("--split", default="969,30,1", help="train,valid,test weights of --data-path")
+    data.add_argument("--train-data-path", nargs="+")
+    data.add_argument("--valid-data-path", nargs="+")
+    data.add_argument("--test-data-path", nargs="+")
+    data.add_argument("--data-cache-path", help="where GPTDataset caches its indices")
+    data.add_argument("--mock-data", action="store_true", help="megatron-core's synthetic sequences")
+    data.add_argument("--vocab-size", type=int, help="vocabulary of --mock-data")
+    data.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                      help="pad the vocabulary to a multiple of this times the tensor-parallel size")
     args = parser.parse_args(argv)
     validate(parser, args, int(os.environ.get("WORLD_SIZE", 1)))
     return args
@@ -97,41 +105,43 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
                      f"{args.micro_batch_size} x data-parallel size {dp}")
     if args.sequence_parallel and tp == 1:
         parser.error("--sequence-parallel needs --tensor-model-parallel-size > 1")
-    if args.text_file and not os.path.isfile(args.text_file):
-        parser.error(f"--text-file {args.text_file}: no such file")
+    if not (args.data_path or args.train_data_path or args.mock_data):
+        parser.error("no training data: give --data-path, --train-data-path or --mock-data")
+    if args.mock_data and not args.vocab_size:
+        parser.error("--mock-data needs --vocab-size")
+    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        values = getattr(args, flag) or []
+        for prefix in values[1::2] if len(values) > 1 else values:
+            missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+            if missing:
+                parser.error(f"--{flag.replace('_', '-')} {prefix}: no {' or '.join(prefix + e for e in missing)}")
 
 
-def load_bytes(path: str | None) -> np.ndarray:
-    if path:
-        with open(path, "rb") as handle:
-            data = handle.read()
-    else:
-        from pydoc_data.topics import topics
+def data_arguments(args):
+    from angpt.data.gpt_datasets import DataArguments
 
-        data = "\n\n".join(topics[key] for key in sorted(topics)).encode("utf-8")
-    if len(data) < 2:
-        raise SystemExit(f"--text-file {path}: needs at least two bytes of text")
-    return np.frombuffer(data, dtype=np.uint8)
+    return DataArguments(
+        data_path=args.data_path, split=args.split, train_data_path=args.train_data_path,
+        valid_data_path=args.valid_data_path, test_data_path=args.test_data_path,
+        data_cache_path=args.data_cache_path, mock_data=args.mock_data, vocab_size=args.vocab_size,
+    )
 
 
-def micro_batches(corpus: np.ndarray, args, iteration: int, dp_rank: int, dp_size: int):
-    """This data-parallel rank's micro-batches of one global batch: random windows, the same on every
-    run for a given seed and iteration."""
-    generator = np.random.default_rng([args.seed, iteration])
-    length = min(args.seq_length, len(corpus) - 1)
-    starts = generator.integers(0, len(corpus) - length, size=args.global_batch_size)
-    windows = torch.from_numpy(np.stack([corpus[s : s + length + 1] for s in starts]).astype(np.int64))
-    mine = windows.view(dp_size, -1, length + 1)[dp_rank]
-    positions = torch.arange(length).unsqueeze(0).expand(args.micro_batch_size, -1)
-    return [
-        dict(tokens=chunk[:, :-1], labels=chunk[:, 1:], loss_mask=torch.ones(chunk.shape[0], length),
-             position_ids=positions)
-        for chunk in mine.split(args.micro_batch_size)
-    ]
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
+    """Megatron-LM's padding of the vocabulary, so the head splits evenly over tensor-parallel ranks."""
+    multiple = divisible_by * tensor_parallel
+    return -(-vocab_size // multiple) * multiple
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    from angpt.data.gpt_datasets import build_datasets, dataset_vocabulary, micro_batches
+
+    data = data_arguments(args)
+    try:
+        vocabulary = dataset_vocabulary(data)
+    except (ValueError, OSError) as error:
+        raise SystemExit(f"angpt.pretrain: {error}") from None
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logger.setLevel(logging.INFO)
     from megatron.core import parallel_state
@@ -181,8 +191,10 @@ def main(argv=None) -> None:
 
     from megatron.core.distributed import DistributedDataParallelConfig
 
+    vocab_size = padded_vocab_size(vocabulary.vocab_size, args.make_vocab_size_divisible_by,
+                                   args.tensor_model_parallel_size)
     chunks = build_model_chunks(
-        config, BYTE_VOCAB, args.seq_length,
+        config, vocab_size, args.seq_length,
         DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=args.use_distributed_optimizer),
     )
     optimizer, scheduler = build_optimizer(
@@ -191,18 +203,22 @@ def main(argv=None) -> None:
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
-    corpus = load_bytes(args.text_file)
+    train_samples = args.train_iters * args.global_batch_size
+    train_data, _, _ = build_datasets(data, vocabulary, args.seq_length, args.seed, [train_samples, 0, 0])
     rank = torch.distributed.get_rank()
     if rank == 0:
         params = sum(p.numel() for c in chunks for p in c.parameters())
-        logger.info("%s: %d layers, d=%d, %d parameters on rank 0; %d bytes of text; world %d (TP %d, PP %d, DP %d)",
-                    args.model_family, args.num_layers, args.hidden_size, params, len(corpus),
-                    torch.distributed.get_world_size(), args.tensor_model_parallel_size, pp,
-                    parallel_state.get_data_parallel_world_size())
+        logger.info("%s: %d layers, d=%d, vocabulary %d (padded %d), %d parameters on rank 0; "
+                    "%d training samples; world %d (TP %d, PP %d, DP %d)",
+                    args.model_family, args.num_layers, args.hidden_size, vocabulary.vocab_size, vocab_size,
+                    params, len(train_data), torch.distributed.get_world_size(),
+                    args.tensor_model_parallel_size, pp, parallel_state.get_data_parallel_world_size())
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     for iteration in range(1, args.train_iters + 1):
         start, lr = time.perf_counter(), optimizer.param_groups[0]["lr"]
-        batches = micro_batches(corpus, args, iteration, dp_rank, dp_size)
+        consumed_samples = (iteration - 1) * args.global_batch_size
+        batches = micro_batches(train_data, consumed_samples, args.global_batch_size, args.micro_batch_size,
+                                dp_rank, dp_size)
         iterators = [iter(batches) for _ in chunks] if len(chunks) > 1 else iter(batches)
         loss, grad_norm, updated = train_step(iterators, chunks, optimizer, scheduler, len(batches),
                                               args.micro_batch_size, args.seq_length)

@@ -11,6 +11,7 @@ from conftest import ROOT
 
 FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
          "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "1e-2"]
+MOCK = ["--mock-data", "--vocab-size", "256"]
 
 
 def pretrain(*args, nproc=2, timeout=600):
@@ -25,30 +26,85 @@ def pretrain(*args, nproc=2, timeout=600):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("family", ["angpt", "gptplus", "ngpt"])
 def test_training_at_tensor_parallel_2_lowers_the_loss(family):
-    done = pretrain("--model-family", family, "--tensor-model-parallel-size", "2", "--train-iters", "30", *FLAGS)
+    done = pretrain("--model-family", family, "--tensor-model-parallel-size", "2", "--train-iters", "30",
+                    *FLAGS, *MOCK)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     losses = [float(x) for x in re.findall(r"lm loss ([0-9.]+)", output)]
     assert len(losses) == 30
     print(family, f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
-    assert losses[0] == pytest.approx(5.545, abs=0.1)  # ln 256: uniform over bytes at the start
+    assert losses[0] == pytest.approx(5.545, abs=0.1)  # ln 256: uniform over the vocabulary at the start
     assert losses[-1] < losses[0] - 1.0
 
 
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--tensor-model-parallel-size", "3"], "world size 2 is not divisible by --tensor-model-parallel-size 3"),
-        (["--tensor-model-parallel-size", "2", "--num-attention-heads", "3"], "--num-attention-heads 3 is not divisible"),
-        (["--pipeline-model-parallel-size", "2", "--num-layers", "3"], "--num-layers 3 is not divisible"),
-        (["--global-batch-size", "6"], "--global-batch-size 6 is not divisible by --micro-batch-size 4"),
-        (["--text-file", "/nonexistent/corpus.txt"], "--text-file /nonexistent/corpus.txt: no such file"),
+        ([*MOCK, "--tensor-model-parallel-size", "3"], "world size 2 is not divisible by --tensor-model-parallel-size 3"),
+        ([*MOCK, "--tensor-model-parallel-size", "2", "--num-attention-heads", "3"], "--num-attention-heads 3 is not divisible"),
+        ([*MOCK, "--pipeline-model-parallel-size", "2", "--num-layers", "3"], "--num-layers 3 is not divisible"),
+        ([*MOCK, "--global-batch-size", "6"], "--global-batch-size 6 is not divisible by --micro-batch-size 4"),
+        (["--data-path", "/nonexistent/corpus_text_document"],
+         "--data-path /nonexistent/corpus_text_document: no /nonexistent/corpus_text_document.bin"),
+        (["--data-path", "0.5", "/nonexistent/a"], "--data-path /nonexistent/a: no"),
+        (["--mock-data"], "--mock-data needs --vocab-size"),
+        ([], "no training data: give --data-path, --train-data-path or --mock-data"),
     ],
 )
-def test_impossible_layouts_fail_before_starting(flags, message, monkeypatch, capsys):
+def test_impossible_settings_fail_before_starting(flags, message, monkeypatch, capsys):
     from angpt.pretrain import parse_args
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit):
         parse_args([*FLAGS, *flags])
     assert message in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def preprocessed(tmp_path_factory):
+    """A tokenizer and an indexed dataset made with the project's tools from Python's own help texts."""
+    import json
+
+    from pydoc_data.topics import topics
+
+    root = tmp_path_factory.mktemp("corpus")
+    with open(root / "docs.jsonl", "w") as handle:
+        for key in sorted(topics):
+            handle.write(json.dumps({"text": topics[key]}) + "\n")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    for command in (
+        ["tools/train_tokenizer.py", "--input", str(root / "docs.jsonl"), "--vocab-size", "512",
+         "--output-dir", str(root / "tokenizer")],
+        ["tools/preprocess_data.py", "--input", str(root / "docs.jsonl"), "--output-prefix", str(root / "docs"),
+         "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(root / "tokenizer"),
+         "--append-eod", "--workers", "2"],
+    ):
+        done = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True, env=env)
+        assert done.returncode == 0, done.stderr
+    return root / "docs_text_document"
+
+
+@pytest.mark.multiprocess
+def test_training_on_preprocessed_data(preprocessed, tmp_path):
+    done = pretrain("--tensor-model-parallel-size", "2", "--train-iters", "30", *FLAGS, "--lr", "3e-2",
+                    "--data-path", str(preprocessed), "--split", "98,2,0", "--data-cache-path", str(tmp_path))
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert "vocabulary 512 (padded 512)" in output
+    losses = [float(x) for x in re.findall(r"lm loss ([0-9.]+)", output)]
+    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    assert losses[0] == pytest.approx(6.24, abs=0.15)  # ln 512
+    assert losses[-1] < losses[0] - 1.0
+
+
+def test_a_truncated_dataset_is_refused_when_training_opens_it(preprocessed, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken_text_document"
+    for ext in (".bin", ".idx", ".json"):
+        shutil.copy(str(preprocessed) + ext, str(broken) + ext)
+    with open(str(broken) + ".bin", "r+b") as handle:
+        handle.truncate(100)
+    done = pretrain("--train-iters", "1", *FLAGS, "--data-path", str(broken), nproc=1)
+    assert done.returncode != 0
+    assert f"angpt.pretrain: {broken}.bin: 100 bytes" in done.stderr

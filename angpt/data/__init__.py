@@ -1,0 +1,1 @@
+"""Data: raw text corpora, tokenizers, indexed datasets on disk, and the training datasets."""

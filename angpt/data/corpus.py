@@ -1,0 +1,101 @@
+"""Raw text corpora: the one reader of `.jsonl`, `.jsonl.gz` and `.txt` inputs.
+
+`tools/preprocess_data.py` and `tools/train_tokenizer.py` both read their input here, so both accept the
+same files and report bad input the same way: by file, line number and reason.
+"""
+
+import glob
+import gzip
+import json
+import os
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+BAD_LINE_REASONS = ("not UTF-8", "not JSON", "not a JSON object", "missing key", "not a string")
+
+
+class InputError(ValueError):
+    """Input that cannot be read as documents: a missing file, an empty glob or a bad line."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """One raw document: a line of a JSON-lines file, or a whole `.txt` file (line is then None)."""
+
+    path: str
+    line: Optional[int]
+    raw: bytes
+
+
+@dataclass(frozen=True)
+class BadLine:
+    """Why a record could not be read; picklable so worker processes can report it."""
+
+    path: str
+    line: Optional[int]
+    reason: str
+    detail: str
+
+    def __str__(self) -> str:
+        where = self.path if self.line is None else f"{self.path}:{self.line}"
+        return f"{where}: {self.reason}: {self.detail}"
+
+
+def expand_inputs(patterns: Sequence[str]) -> list[str]:
+    """Every input file, in the order given; a glob pattern expands to its matches, sorted."""
+    paths = []
+    for pattern in patterns:
+        if glob.has_magic(pattern):
+            matches = sorted(path for path in glob.glob(pattern, recursive=True) if os.path.isfile(path))
+            if not matches:
+                raise InputError(f"--input {pattern!r} matches no file")
+            paths.extend(matches)
+        elif os.path.isfile(pattern):
+            paths.append(pattern)
+        else:
+            raise InputError(f"--input {pattern!r}: no such file")
+    return paths
+
+
+def is_text_file(path: str) -> bool:
+    """A `.txt` file is one document; anything else is JSON lines (gzip-compressed if it ends in `.gz`)."""
+    return path.endswith(".txt")
+
+
+def iter_records(paths: Sequence[str]) -> Iterator[Record]:
+    """Stream the documents of all files in order, one line at a time; blank lines hold no document."""
+    for path in paths:
+        if is_text_file(path):
+            with open(path, "rb") as file:
+                yield Record(path, None, file.read())
+            continue
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rb") as file:
+            for line_number, line in enumerate(file, start=1):
+                if line.strip():
+                    yield Record(path, line_number, line)
+
+
+def parse_record(record: Record, keys: Sequence[str]) -> "dict[str, str] | BadLine":
+    """The text under each key, or the reason the record has none. A `.txt` record is the text of keys[0]."""
+    try:
+        text = record.raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = record.line if record.line is not None else record.raw.count(b"\n", 0, error.start) + 1
+        return BadLine(record.path, line, "not UTF-8", f"byte {error.object[error.start]:#04x}")
+    if record.line is None:
+        return {keys[0]: text}
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as error:
+        return BadLine(record.path, record.line, "not JSON", str(error))
+    if not isinstance(obj, dict):
+        return BadLine(record.path, record.line, "not a JSON object", f"a {type(obj).__name__}")
+    texts = {}
+    for key in keys:
+        if key not in obj:
+            return BadLine(record.path, record.line, "missing key", repr(key))
+        if not isinstance(obj[key], str):
+            return BadLine(record.path, record.line, "not a string", f"{key!r} holds a {type(obj[key]).__name__}")
+        texts[key] = obj[key]
+    return texts

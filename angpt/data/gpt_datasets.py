@@ -1,0 +1,120 @@
+"""Training data from Megatron indexed datasets, through megatron-core's BlendedMegatronDatasetBuilder
+and GPTDataset, with Megatron-LM's flags and its order of samples across data-parallel ranks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+
+from angpt.data.indexed import check_indexed_dataset, read_metadata
+
+
+@dataclass(frozen=True)
+class DatasetVocabulary:
+    """What GPTDataset needs of a tokenizer for data that tools/preprocess_data.py already tokenized:
+    the vocabulary size, the end-of-document id, and an identity for its index cache key."""
+
+    vocab_size: int
+    eod: int
+    unique_identifiers: dict
+
+
+@dataclass
+class DataArguments:
+    """Megatron-LM's data flags."""
+
+    data_path: Optional[Sequence[str]] = None
+    split: str = "969,30,1"
+    train_data_path: Optional[Sequence[str]] = None
+    valid_data_path: Optional[Sequence[str]] = None
+    test_data_path: Optional[Sequence[str]] = None
+    data_cache_path: Optional[str] = None
+    mock_data: bool = False
+    vocab_size: Optional[int] = None  # only with mock_data
+
+    def prefixes(self) -> list[str]:
+        paths = [self.data_path, self.train_data_path, self.valid_data_path, self.test_data_path]
+        return [prefix for path in paths if path for prefix in parse_blend(path)[0]]
+
+
+def parse_blend(values: Sequence[str]) -> tuple[list[str], Optional[list[float]]]:
+    """`prefix` or `w1 prefix1 w2 prefix2 ...`, as Megatron's --data-path."""
+    values = list(values)
+    if len(values) == 1:
+        return values, None
+    if len(values) % 2:
+        raise ValueError(f"--data-path takes one prefix or weight/prefix pairs, got {values}")
+    try:
+        weights = [float(w) for w in values[0::2]]
+    except ValueError:
+        raise ValueError(f"--data-path takes one prefix or weight/prefix pairs, got {values}") from None
+    return values[1::2], weights
+
+
+def dataset_vocabulary(data: DataArguments) -> DatasetVocabulary:
+    """The vocabulary recorded with the datasets; every prefix must agree on it. Checks that each
+    .bin/.idx pair is whole before anything reads it."""
+    if data.mock_data:
+        if not data.vocab_size:
+            raise ValueError("--mock-data needs --vocab-size")
+        return DatasetVocabulary(data.vocab_size, data.vocab_size - 1, {"tokenizer": "mock"})
+    prefixes = data.prefixes()
+    if not prefixes:
+        raise ValueError("no training data: give --data-path, --train-data-path or --mock-data")
+    recorded = {}
+    for prefix in prefixes:
+        check_indexed_dataset(prefix)
+        meta = read_metadata(prefix)
+        recorded[prefix] = (meta["vocab_size"], meta["eod"])
+    if len(set(recorded.values())) > 1:
+        raise ValueError(f"the datasets were tokenized differently (vocab_size, eod): {recorded}")
+    vocab_size, eod = next(iter(recorded.values()))
+    return DatasetVocabulary(vocab_size, eod, {"tokenizer": read_metadata(prefixes[0])["tokenizer"]})
+
+
+def build_datasets(data: DataArguments, vocabulary, seq_length: int, seed: int, samples: Sequence[int]):
+    """(train, valid, test) datasets with the requested numbers of samples (None where not requested)."""
+    blend_per_split = None
+    blend = None
+    if data.train_data_path or data.valid_data_path or data.test_data_path:
+        blend_per_split = [parse_blend(p) if p else None for p in
+                           (data.train_data_path, data.valid_data_path, data.test_data_path)]
+    elif data.data_path:
+        blend = parse_blend(data.data_path)
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=data.split if blend is not None or data.mock_data else None,
+        path_to_cache=data.data_cache_path,
+        mmap_bin_files=True,
+        tokenizer=vocabulary,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        # The model builds its causal mask itself.
+        create_attention_mask=False,
+    )
+    dataset_type = MockGPTDataset if data.mock_data else GPTDataset
+    # Every rank builds: rank 0 first writes the index caches, the others then read them.
+    return BlendedMegatronDatasetBuilder(dataset_type, list(samples), lambda: True, config).build()
+
+
+def micro_batches(dataset, consumed_samples: int, global_batch_size: int, micro_batch_size: int,
+                  dp_rank: int, dp_size: int) -> list[dict]:
+    """This rank's micro-batches of the global batch that starts at sample `consumed_samples`, in
+    Megatron-LM's order: micro-batch m of data-parallel rank r holds samples
+    consumed + m * micro * dp + r * micro + [0, micro). Resuming at `consumed_samples` continues exactly."""
+    step = micro_batch_size * dp_size
+    batches = []
+    for start in range(consumed_samples, consumed_samples + global_batch_size, step):
+        first = start + dp_rank * micro_batch_size
+        samples = [dataset[i] for i in range(first, first + micro_batch_size)]
+        batches.append({key: torch.stack([s[key] for s in samples])
+                        for key in ("tokens", "labels", "loss_mask", "position_ids")})
+    return batches

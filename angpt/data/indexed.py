@@ -1,0 +1,112 @@
+"""The tokenized dataset on disk: megatron-core's `.bin/.idx` pair plus our `.json` metadata beside it.
+
+The metadata records the tokenizer and its end-of-document id, so that training and conversion use the
+EOD the data was written with. `check_indexed_dataset` catches a truncated or corrupted pair before
+megatron-core memory-maps it (which would otherwise fail obscurely, or not at all).
+"""
+
+import json
+import os
+import struct
+
+from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType
+
+METADATA_KEYS = ("tokenizer", "vocab_size", "eod", "append_eod", "documents", "tokens")
+# magic, version (<Q), dtype code (<B), sequence count (<Q), document count (<Q)
+_HEADER = struct.Struct("<9sQBQQ")
+_LENGTH, _POINTER, _DOCUMENT_INDEX = 4, 8, 8  # int32, int64, int64 per entry
+
+
+class IndexedDatasetError(ValueError):
+    """A dataset file that is missing, truncated or corrupted; the message names the file."""
+
+
+def metadata_path(prefix: str) -> str:
+    return prefix + ".json"
+
+
+def write_metadata(path: str, metadata: dict) -> None:
+    missing = [key for key in METADATA_KEYS if key not in metadata]
+    assert not missing, f"metadata lacks {missing}"
+    with open(path, "w") as file:
+        json.dump(metadata, file, indent=2)
+        file.write("\n")
+
+
+def read_metadata(prefix: str) -> dict:
+    """The metadata written with the dataset at prefix (the path without .bin/.idx)."""
+    path = metadata_path(prefix)
+    try:
+        with open(path) as file:
+            metadata = json.load(file)
+    except FileNotFoundError:
+        raise IndexedDatasetError(f"{path}: no dataset metadata (write the dataset with tools/preprocess_data.py)")
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise IndexedDatasetError(f"{path}: invalid dataset metadata: {error}") from error
+    if not isinstance(metadata, dict):
+        raise IndexedDatasetError(f"{path}: invalid dataset metadata: not a JSON object")
+    missing = [key for key in METADATA_KEYS if key not in metadata]
+    if missing:
+        raise IndexedDatasetError(f"{path}: invalid dataset metadata: missing {', '.join(missing)}")
+    for key in ("vocab_size", "eod", "documents", "tokens"):
+        if not isinstance(metadata[key], int) or isinstance(metadata[key], bool) or metadata[key] < 0:
+            raise IndexedDatasetError(f"{path}: invalid dataset metadata: {key} is {metadata[key]!r}")
+    if metadata["eod"] >= metadata["vocab_size"]:
+        raise IndexedDatasetError(f"{path}: eod {metadata['eod']} is outside vocab_size {metadata['vocab_size']}")
+    return metadata
+
+
+def check_indexed_dataset(prefix: str) -> dict:
+    """Check that prefix.idx is a whole megatron-core index and prefix.bin holds exactly the tokens it
+    indexes (and, when prefix.json exists, that both agree with it); returns the counts."""
+    idx_path, bin_path = prefix + ".idx", prefix + ".bin"
+    for path in (idx_path, bin_path):
+        if not os.path.isfile(path):
+            raise IndexedDatasetError(f"{path}: no such file")
+    idx_size, bin_size = os.path.getsize(idx_path), os.path.getsize(bin_path)
+    with open(idx_path, "rb") as idx:
+        header = idx.read(_HEADER.size)
+        if len(header) < _HEADER.size:
+            raise IndexedDatasetError(f"{idx_path}: truncated index ({idx_size} bytes, header needs {_HEADER.size})")
+        magic, version, dtype_code, sequences, documents = _HEADER.unpack(header)
+        if magic != _INDEX_HEADER:
+            raise IndexedDatasetError(f"{idx_path}: not a megatron-core index (magic {magic!r})")
+        if version != 1:
+            raise IndexedDatasetError(f"{idx_path}: index version {version}, expected 1")
+        if dtype_code not in {dtype.value for dtype in DType}:
+            raise IndexedDatasetError(f"{idx_path}: unknown dtype code {dtype_code}")
+        expected = _HEADER.size + sequences * (_LENGTH + _POINTER) + documents * _DOCUMENT_INDEX
+        if idx_size != expected:
+            raise IndexedDatasetError(
+                f"{idx_path}: {idx_size} bytes, but its header's {sequences} sequences and {documents} document "
+                f"indices need {expected}: truncated or corrupted")
+        itemsize = DType.size(dtype_code)
+        if sequences:
+            idx.seek(_HEADER.size + (sequences - 1) * _LENGTH)
+            (last_length,) = struct.unpack("<i", idx.read(_LENGTH))
+            idx.seek(_HEADER.size + sequences * _LENGTH + (sequences - 1) * _POINTER)
+            (last_pointer,) = struct.unpack("<q", idx.read(_POINTER))
+            expected_bin = last_pointer + last_length * itemsize
+        else:
+            expected_bin = 0
+        if documents:
+            indices_start = _HEADER.size + sequences * (_LENGTH + _POINTER)
+            idx.seek(indices_start)
+            (first_index,) = struct.unpack("<q", idx.read(_DOCUMENT_INDEX))
+            idx.seek(indices_start + (documents - 1) * _DOCUMENT_INDEX)
+            (last_index,) = struct.unpack("<q", idx.read(_DOCUMENT_INDEX))
+            if first_index != 0 or last_index != sequences:
+                raise IndexedDatasetError(f"{idx_path}: document indices run from {first_index} to {last_index}, "
+                                          f"expected 0 to {sequences}: corrupted")
+    if bin_size != expected_bin:
+        raise IndexedDatasetError(
+            f"{bin_path}: {bin_size} bytes, but {idx_path} indexes {expected_bin}: truncated or corrupted")
+    counts = {"documents": max(documents - 1, 0), "sequences": sequences, "tokens": bin_size // itemsize,
+              "dtype": DType.dtype_from_code(dtype_code).__name__}
+    if os.path.isfile(metadata_path(prefix)):
+        metadata = read_metadata(prefix)
+        for key in ("documents", "tokens"):
+            if metadata[key] != counts[key]:
+                raise IndexedDatasetError(
+                    f"{metadata_path(prefix)}: records {metadata[key]} {key}, but {prefix}.bin/.idx hold {counts[key]}")
+    return counts

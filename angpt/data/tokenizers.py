@@ -1,0 +1,142 @@
+"""Offline tokenizers behind one interface, named as Megatron-LM's `--tokenizer-type` names them.
+
+    HuggingFaceTokenizer  --tokenizer-model tokenizer.json, or a directory holding one
+    TikTokenizer          --tokenizer-model file.tiktoken (BPE ranks; GPT-2's split pattern)
+    GPT2BPETokenizer      --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt,
+                          or --tokenizer-model gpt2.tiktoken (tools/fetch_gpt2_bpe.py)
+
+Document text is always encoded as ordinary text: a literal "<|endoftext|>" in a document stays text, so the
+end-of-document token only ever comes from `--append-eod`.
+"""
+
+import hashlib
+import json
+import os
+from typing import Optional, Protocol
+
+EOD_TOKEN = "<|endoftext|>"
+TOKENIZER_TYPES = ("HuggingFaceTokenizer", "TikTokenizer", "GPT2BPETokenizer")
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    eod: int
+    description: dict
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+def sha256_of(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def describe_file(path: str) -> dict:
+    return {"path": os.path.abspath(path), "sha256": sha256_of(path)}
+
+
+class HuggingFaceTokenizer:
+    """A `tokenizers` tokenizer; its threads follow RAYON_NUM_THREADS (see `build_tokenizer(threads=)`)."""
+
+    def __init__(self, tokenizer, eod_token: str, description: dict):
+        tokenizer.encode_special_tokens = True  # special tokens in the text are text, not control tokens
+        self.tokenizer = tokenizer
+        self.eod = tokenizer.token_to_id(eod_token)
+        if self.eod is None:
+            raise ValueError(f"{description}: the tokenizer has no end-of-document token {eod_token!r}")
+        self.vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+        self.description = {**description, "eod_token": eod_token}
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [encoding.ids for encoding in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+class TikTokenizer:
+    """A `tiktoken` encoding of a ranks file with GPT-2's split pattern; EOD is the id after the last rank."""
+
+    def __init__(self, path: str, tokenizer_type: str, threads: Optional[int]):
+        import tiktoken
+        from tiktoken.load import load_tiktoken_bpe
+        from tiktoken_ext.openai_public import r50k_pat_str
+
+        ranks = load_tiktoken_bpe(path)
+        self.eod = max(ranks.values()) + 1
+        self.encoding = tiktoken.Encoding(
+            name=os.path.basename(path), pat_str=r50k_pat_str, mergeable_ranks=ranks,
+            special_tokens={EOD_TOKEN: self.eod},
+        )
+        self.vocab_size = self.encoding.n_vocab
+        self.threads = threads or os.cpu_count()
+        self.description = {"type": tokenizer_type, "model": describe_file(path), "eod_token": EOD_TOKEN}
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.encoding.encode_ordinary_batch(texts, num_threads=self.threads)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.encoding.decode(ids)
+
+
+def load_huggingface(path: str, tokenizer_type: str) -> HuggingFaceTokenizer:
+    """A tokenizer.json file, or a directory with tokenizer.json (its tokenizer_config.json may name the EOS)."""
+    from tokenizers import Tokenizer as RustTokenizer
+
+    eod_token = EOD_TOKEN
+    if os.path.isdir(path):
+        config_path = os.path.join(path, "tokenizer_config.json")
+        if os.path.isfile(config_path):
+            with open(config_path) as file:
+                eos = json.load(file).get("eos_token")
+            eod_token = (eos.get("content") if isinstance(eos, dict) else eos) or EOD_TOKEN
+        path = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--tokenizer-model: no tokenizer file {path}")
+    description = {"type": tokenizer_type, "model": describe_file(path)}
+    return HuggingFaceTokenizer(RustTokenizer.from_file(path), eod_token, description)
+
+
+def load_gpt2_vocab_merges(vocab_file: str, merge_file: str) -> HuggingFaceTokenizer:
+    """GPT-2's byte-level BPE from Megatron's vocab/merges pair."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    tokenizer = RustTokenizer(models.BPE.from_file(vocab_file, merge_file))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    description = {"type": "GPT2BPETokenizer", "vocab_file": describe_file(vocab_file),
+                   "merge_file": describe_file(merge_file)}
+    return HuggingFaceTokenizer(tokenizer, EOD_TOKEN, description)
+
+
+def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None, vocab_file: Optional[str] = None,
+                    merge_file: Optional[str] = None, threads: Optional[int] = None) -> Tokenizer:
+    """The tokenizer the flags name. `threads` caps its encoding threads; for `tokenizers` it must be set
+    before this process first encodes anything (Rust's thread pool is built once)."""
+    if threads is not None:
+        os.environ["RAYON_NUM_THREADS"] = str(threads)
+    for flag, path in (("--tokenizer-model", tokenizer_model), ("--vocab-file", vocab_file),
+                       ("--merge-file", merge_file)):
+        if path is not None and not os.path.exists(path):
+            raise FileNotFoundError(f"{flag} {path}: no such file")
+    if tokenizer_type == "HuggingFaceTokenizer":
+        if tokenizer_model is None:
+            raise ValueError("HuggingFaceTokenizer needs --tokenizer-model (tokenizer.json or its directory)")
+        return load_huggingface(tokenizer_model, tokenizer_type)
+    if tokenizer_type == "TikTokenizer":
+        if tokenizer_model is None:
+            raise ValueError("TikTokenizer needs --tokenizer-model (a .tiktoken ranks file)")
+        return TikTokenizer(tokenizer_model, tokenizer_type, threads)
+    if tokenizer_type == "GPT2BPETokenizer":
+        if vocab_file is not None and merge_file is not None:
+            return load_gpt2_vocab_merges(vocab_file, merge_file)
+        if tokenizer_model is not None:
+            return TikTokenizer(tokenizer_model, tokenizer_type, threads)
+        raise ValueError("GPT2BPETokenizer needs --vocab-file and --merge-file, or --tokenizer-model gpt2.tiktoken")
+    raise ValueError(f"--tokenizer-type {tokenizer_type!r}: choose one of {', '.join(TOKENIZER_TYPES)}")

@@ -1,0 +1,137 @@
+#!/usr/bin/env python
+"""Throughput of tools/preprocess_data.py against the tokenizer's own ceiling, side by side in one run.
+
+    python benchmarks/preprocess.py [--work-dir DIR] [--document-bytes 2000]
+
+On the example corpus (tools/fetch_example_corpus.py, cut into documents of about --document-bytes) and for
+a 32k byte-level BPE (tools/train_tokenizer.py) and tiktoken with GPT-2's ranks (tools/fetch_gpt2_bpe.py),
+it prints documents/s, MB/s and tokens/s of the tool with 1 and 2 workers, its peak memory (PSS summed over
+the tool's processes), and the ceiling: the same tokenizer batch-encoding the same documents in one process,
+with no I/O. "tool" rates exclude the tool's start-up (importing torch and megatron-core, a fixed few
+seconds), which "wall" includes. Downloads and the trained tokenizer are cached in --work-dir.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, ROOT)
+
+from angpt.data.tokenizers import build_tokenizer  # noqa: E402
+
+TOOLS = os.path.join(ROOT, "tools")
+DONE = re.compile(r"done in ([\d.]+) s")
+
+
+def run_tool(script: str, *args: str) -> None:
+    subprocess.run([sys.executable, os.path.join(TOOLS, script), *args], check=True, stdout=subprocess.DEVNULL)
+
+
+def cut_documents(source: str, target: str, document_bytes: int) -> list:
+    """Cut every text of source into documents of about document_bytes, at line ends; returns the texts."""
+    documents = []
+    with open(source) as file:
+        for line in file:
+            piece = []
+            size = 0
+            for text_line in json.loads(line)["text"].splitlines(keepends=True):
+                piece.append(text_line)
+                size += len(text_line.encode())
+                if size >= document_bytes:
+                    documents.append("".join(piece))
+                    piece, size = [], 0
+            if piece:
+                documents.append("".join(piece))
+    with open(target, "w") as file:
+        for text in documents:
+            file.write(json.dumps({"text": text}) + "\n")
+    return documents
+
+
+def prepare(work_dir: str, document_bytes: int) -> tuple:
+    corpus = os.path.join(work_dir, "corpus")
+    if not os.path.isfile(os.path.join(corpus, "train.jsonl")):
+        run_tool("fetch_example_corpus.py", "--output-dir", corpus)
+    bpe = os.path.join(work_dir, "bpe32k")
+    if not os.path.isfile(os.path.join(bpe, "tokenizer.json")):
+        run_tool("train_tokenizer.py", "--input", os.path.join(corpus, "train.jsonl"), "--vocab-size", "32000",
+                 "--output-dir", bpe)
+    gpt2 = os.path.join(work_dir, "gpt2.tiktoken")
+    if not os.path.isfile(gpt2):
+        run_tool("fetch_gpt2_bpe.py", "--output", gpt2)
+    documents_path = os.path.join(work_dir, f"documents_{document_bytes}.jsonl")
+    texts = cut_documents(os.path.join(corpus, "train.jsonl"), documents_path, document_bytes)
+    return documents_path, texts, {
+        "32k byte-level BPE (HF tokenizers)": ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", bpe],
+        "GPT-2 ranks (tiktoken)": ["--tokenizer-type", "GPT2BPETokenizer", "--tokenizer-model", gpt2],
+    }
+
+
+def ceiling(tokenizer_flags: list, texts: list, repeats: int = 2) -> tuple:
+    """(seconds, tokens) of the best of a few batch encodings of all texts in this process; threads: default."""
+    options = dict(zip((flag.lstrip("-").replace("-", "_") for flag in tokenizer_flags[::2]), tokenizer_flags[1::2]))
+    tokenizer = build_tokenizer(**options)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        tokens = sum(map(len, tokenizer.encode_batch(texts)))
+        best = min(best, time.perf_counter() - started)
+    return best, tokens
+
+
+def run_preprocess(documents_path: str, tokenizer_flags: list, workers: int, output_prefix: str) -> tuple:
+    """(wall seconds, tool seconds, peak memory: proportional set size summed over the tool's processes, so that
+    pages the forked workers share with their parent count once)."""
+    command = [sys.executable, os.path.join(TOOLS, "preprocess_data.py"), "--input", documents_path,
+               "--output-prefix", output_prefix, *tokenizer_flags, "--append-eod", "--workers", str(workers)]
+    started = time.perf_counter()
+    process = psutil.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    peak = 0
+    while process.poll() is None:
+        try:
+            tree = [process, *process.children(recursive=True)]
+            peak = max(peak, sum(member.memory_full_info().pss for member in tree))
+        except psutil.NoSuchProcess:
+            pass
+        time.sleep(0.2)
+    wall = time.perf_counter() - started
+    stderr = process.stderr.read()
+    if process.returncode:
+        raise RuntimeError(f"preprocess_data.py failed:\n{stderr}")
+    return wall, float(DONE.search(stderr).group(1)), peak
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "angpt-preprocess-benchmark"))
+    parser.add_argument("--document-bytes", type=int, default=2000)
+    args = parser.parse_args()
+    os.makedirs(args.work_dir, exist_ok=True)
+    documents_path, texts, tokenizers = prepare(args.work_dir, args.document_bytes)
+    megabytes = sum(len(text.encode()) for text in texts) / 1e6  # of document text, as the ceiling sees it
+    print(f"corpus: {len(texts):,} documents, {megabytes:.2f} MB of text; {os.cpu_count()} cores")
+    header = f"{'tokenizer':36} {'run':22} {'docs/s':>8} {'MB/s':>7} {'tokens/s':>9} {'÷ceiling':>8} {'peak PSS':>9}"
+    print(header)
+    print("-" * len(header))
+    for name, flags in tokenizers.items():
+        seconds, tokens = ceiling(flags, texts)
+        rows = [("ceiling (1 process)", seconds, None)]
+        for workers in (1, 2):
+            wall, tool, peak = run_preprocess(documents_path, flags, workers, os.path.join(args.work_dir, "out"))
+            rows += [(f"tool, {workers} worker(s)", tool, peak), (f"  wall, {workers} worker(s)", wall, None)]
+        for label, elapsed, peak in rows:
+            memory = f"{peak / 2**20:7.0f} MB" if peak else ""
+            print(f"{name:36} {label:22} {len(texts) / elapsed:8.0f} {megabytes / elapsed:7.2f} "
+                  f"{tokens / elapsed:9.0f} {seconds / elapsed:8.2f} {memory:>9}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Training data through megatron-core's BlendedMegatronDatasetBuilder and GPTDataset."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from megatron.core.datasets.blended_dataset import BlendedDataset
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+from angpt.data.gpt_datasets import DataArguments, build_datasets, dataset_vocabulary, micro_batches
+
+VOCAB, EOD = 500, 499
+
+
+def write_dataset(prefix: str, documents: int, seed: int) -> None:
+    """A small indexed dataset with the metadata tools/preprocess_data.py records beside it."""
+    rng = np.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    tokens = 0
+    for _ in range(documents):
+        document = np.append(rng.integers(0, EOD, size=int(rng.integers(20, 200))), EOD)
+        builder.add_document(torch.from_numpy(document), [len(document)])
+        tokens += len(document)
+    builder.finalize(prefix + ".idx")
+    with open(prefix + ".json", "w") as handle:
+        json.dump({"tokenizer": {"type": "test"}, "vocab_size": VOCAB, "eod": EOD, "append_eod": True,
+                   "documents": documents, "tokens": tokens}, handle)
+
+
+@pytest.fixture
+def two_prefixes(tmp_path):
+    a, b = str(tmp_path / "a_text_document"), str(tmp_path / "b_text_document")
+    write_dataset(a, 400, 1)
+    write_dataset(b, 300, 2)
+    return a, b
+
+
+def test_blend_follows_the_weights(two_prefixes, tmp_path, single_process):
+    a, b = two_prefixes
+    data = DataArguments(data_path=["0.7", a, "0.3", b], split="98,2,0", data_cache_path=str(tmp_path / "cache"))
+    vocabulary = dataset_vocabulary(data)
+    assert (vocabulary.vocab_size, vocabulary.eod) == (VOCAB, EOD)
+    train, _, _ = build_datasets(data, vocabulary, seq_length=32, seed=1234, samples=[2000, 0, 0])
+    assert isinstance(train, BlendedDataset) and len(train) >= 2000
+    shares = np.bincount(train.dataset_index[:2000], minlength=2) / 2000
+    print("blend shares", shares)
+    assert shares == pytest.approx([0.7, 0.3], abs=0.02)
+    sample = train[0]
+    assert sample["tokens"].shape == (32,) and torch.equal(sample["tokens"][1:], sample["labels"][:-1])
+
+
+def test_data_parallel_ranks_split_each_global_batch_and_resume_exactly(two_prefixes, tmp_path, single_process):
+    a, _ = two_prefixes
+    data = DataArguments(train_data_path=[a], data_cache_path=str(tmp_path / "cache"))
+    train, _, _ = build_datasets(data, dataset_vocabulary(data), 16, 1234, [64, 0, 0])
+    one_rank = micro_batches(train, 16, 16, 4, 0, 1)  # the second global batch, one rank
+    two_ranks = [micro_batches(train, 16, 16, 4, rank, 2) for rank in range(2)]
+    assert len(one_rank) == 4 and all(len(batches) == 2 for batches in two_ranks)
+    # Micro-batch m of rank r holds samples 16 + 8m + 4r ... : the ranks interleave as in Megatron-LM.
+    for m in range(2):
+        for r in range(2):
+            expected = torch.stack([train[16 + 8 * m + 4 * r + j]["tokens"] for j in range(4)])
+            assert torch.equal(two_ranks[r][m]["tokens"], expected)
+    merged = torch.cat([two_ranks[r][m]["tokens"] for m in range(2) for r in range(2)])
+    assert torch.equal(merged, torch.cat([batch["tokens"] for batch in one_rank]))
+
+
+def test_datasets_tokenized_differently_are_refused(two_prefixes, tmp_path):
+    a, b = two_prefixes
+    meta = json.load(open(b + ".json"))
+    meta["eod"] = 0
+    json.dump(meta, open(b + ".json", "w"))
+    with pytest.raises(ValueError, match="tokenized differently"):
+        dataset_vocabulary(DataArguments(data_path=["1", a, "1", b]))

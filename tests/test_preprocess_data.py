@@ -1,0 +1,252 @@
+"""tools/preprocess_data.py and angpt.data.indexed: bytes on disk, equivalence across workers and partitions,
+bad input, and the checks the trainer runs before reading a dataset."""
+
+import base64
+import gzip
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from angpt.data.indexed import IndexedDatasetError, check_indexed_dataset, read_metadata
+from angpt.data.tokenizers import build_tokenizer
+
+TOOL = os.path.join(ROOT, "tools", "preprocess_data.py")
+GOLDEN_IDX = bytes.fromhex(
+    "4d4d49444944580000 0100000000000000 08 0200000000000000 0300000000000000 03000000 02000000"
+    " 0000000000000000 0600000000000000 0000000000000000 0100000000000000 0200000000000000".replace(" ", ""))
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("preprocess_data", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # the worker pool pickles its functions by module name
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_tiktoken(path, pair_tokens: bool = False) -> str:
+    """Ranks of the 256 bytes (id = byte), and with pair_tokens every two-byte pair too (65,792 ids: int32)."""
+    tokens = [bytes([value]) for value in range(256)]
+    if pair_tokens:
+        tokens += [bytes([first, second]) for first in range(256) for second in range(256)]
+    with open(path, "w") as file:
+        file.writelines(f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(tokens))
+    return str(path)
+
+
+def write_jsonl(path, lines) -> str:
+    with open(path, "w", encoding="utf-8") as file:
+        file.writelines((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines)
+    return str(path)
+
+
+def run_preprocess(*args, check=True):
+    done = subprocess.run([sys.executable, TOOL, *map(str, args)], capture_output=True, text=True, timeout=300)
+    if check:
+        assert done.returncode == 0, done.stderr
+    return done
+
+
+def read_documents(prefix):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(str(prefix))
+    return [dataset[index].tolist() for index in range(len(dataset))]
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer(tmp_path_factory):
+    return write_tiktoken(tmp_path_factory.mktemp("tokenizer") / "bytes.tiktoken")
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tmp_path_factory):
+    """A small byte-level BPE trained by tools/train_tokenizer.py."""
+    directory = tmp_path_factory.mktemp("bpe")
+    corpus = write_jsonl(directory / "corpus.jsonl", [{"text": f"document {i}: the rain in Spain falls mainly "
+                                                               f"on the plain, {i * 7} times"} for i in range(200)])
+    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "train_tokenizer.py"), "--input", corpus,
+                    "--vocab-size", "400", "--output-dir", directory / "tokenizer"], check=True, capture_output=True)
+    return str(directory / "tokenizer")
+
+
+def test_golden_bytes(tmp_path, byte_tokenizer):
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"text": "abc"}, {"text": "de"}])
+    run_preprocess("--input", corpus, "--output-prefix", tmp_path / "out", "--tokenizer-type", "TikTokenizer",
+                   "--tokenizer-model", byte_tokenizer)
+    prefix = tmp_path / "out_text_document"
+    assert (tmp_path / "out_text_document.idx").read_bytes() == GOLDEN_IDX
+    assert (tmp_path / "out_text_document.bin").read_bytes() == bytes([97, 0, 98, 0, 99, 0, 100, 0, 101, 0])
+    metadata = read_metadata(str(prefix))
+    assert (metadata["documents"], metadata["tokens"], metadata["eod"], metadata["vocab_size"]) == (2, 5, 256, 257)
+    assert metadata["tokenizer"]["type"] == "TikTokenizer" and metadata["append_eod"] is False
+    assert check_indexed_dataset(str(prefix))["dtype"] == "uint16"
+
+
+def test_workers_and_partitions_write_the_same_tokens(tmp_path, hf_tokenizer):
+    texts = [f"line {i} of the corpus, " * (i % 7) + "ünïcødé ✓" for i in range(300)]
+    texts[5] = ""  # empty: counted and skipped
+    texts[17] = "a literal <|endoftext|> is text"
+    first = write_jsonl(tmp_path / "a.jsonl", [{"text": text} for text in texts[:120]])
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt", encoding="utf-8") as file:
+        file.writelines(json.dumps({"text": text}) + "\n" for text in texts[120:])
+    (tmp_path / "c.txt").write_text("a whole file\nis one document\n", encoding="utf-8")
+    texts.append("a whole file\nis one document\n")
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", hf_tokenizer)
+    expected = [ids + [tokenizer.eod] for ids in tokenizer.encode_batch(texts) if ids]
+    assert len(expected) == len(texts) - 1 and tokenizer.eod not in expected[16][:-1]
+
+    outputs = {}
+    for name, flags in {"w1": ["--workers", 1], "w2": ["--workers", 2],
+                        "p2": ["--workers", 2, "--partitions", 2]}.items():
+        prefix = tmp_path / name
+        done = run_preprocess("--input", first, tmp_path / "*.jsonl.gz", tmp_path / "c.txt", "--output-prefix",
+                              prefix, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hf_tokenizer,
+                              "--append-eod", "--log-interval", 100, *flags)
+        assert re.search(r"^Processed [1-9]\d* documents \(", done.stderr, re.MULTILINE)  # --log-interval
+        document_prefix = f"{prefix}_text_document"
+        assert read_documents(document_prefix) == expected, name
+        metadata = read_metadata(document_prefix)
+        assert metadata["documents"] == len(expected) and metadata["empty_documents"] == 1
+        assert metadata["tokens"] == sum(map(len, expected)) and metadata["eod"] == tokenizer.eod
+        assert check_indexed_dataset(document_prefix)["dtype"] == "uint16"
+        outputs[name] = [open(document_prefix + suffix, "rb").read() for suffix in (".bin", ".idx")]
+        assert [path for path in os.listdir(tmp_path) if path.startswith(".")] == []  # no scratch left
+    assert outputs["w1"] == outputs["w2"] == outputs["p2"]
+
+
+def test_large_vocabulary_writes_int32(tmp_path):
+    pairs = write_tiktoken(tmp_path / "pairs.tiktoken", pair_tokens=True)
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"text": "abcd"}, {"text": "xyz"}])
+    run_preprocess("--input", corpus, "--output-prefix", tmp_path / "out", "--tokenizer-type", "TikTokenizer",
+                   "--tokenizer-model", pairs, "--append-eod")
+    prefix = str(tmp_path / "out_text_document")
+    pair = lambda first, second: 256 + 256 * ord(first) + ord(second)  # noqa: E731
+    eod = 256 + 65536
+    assert read_documents(prefix) == [[pair("a", "b"), pair("c", "d"), eod], [pair("x", "y"), ord("z"), eod]]
+    assert check_indexed_dataset(prefix)["dtype"] == "int32"
+    assert read_metadata(prefix)["vocab_size"] == eod + 1
+
+
+BAD_LINES = {
+    "not UTF-8": b'{"text": "caf\xe9"}',
+    "not JSON": b'{"text": "unterminated',
+    "not a JSON object": b'["text"]',
+    "missing key": b'{"body": "no text key"}',
+    "not a string": b'{"text": 42}',
+}
+
+
+def write_with_bad_line(path, bad: bytes) -> str:
+    with open(path, "wb") as file:
+        file.write(b'{"text": "good one"}\n\n{"text": "good two"}\n' + bad + b'\n{"text": "good three"}\n')
+    return str(path)  # the bad line is line 4: line 2 is blank
+
+
+@pytest.mark.parametrize("reason", BAD_LINES)
+def test_bad_line_stops_with_file_and_line(tmp_path, byte_tokenizer, reason):
+    tool = load_tool()
+    corpus = write_with_bad_line(tmp_path / "corpus.jsonl", BAD_LINES[reason])
+    args = tool.parse_args(["--input", corpus, "--output-prefix", str(tmp_path / "out" / "data"),
+                            "--tokenizer-type", "TikTokenizer", "--tokenizer-model", byte_tokenizer])
+    with pytest.raises(tool.InputError, match=rf"^{tmp_path / 'corpus.jsonl'}:4: {reason}: .*--skip-bad-lines"):
+        tool.preprocess(args)
+    assert os.listdir(tmp_path / "out") == []  # neither outputs nor scratch
+
+
+def test_bad_line_run_exits_non_zero_and_leaves_nothing(tmp_path, byte_tokenizer):
+    corpus = write_with_bad_line(tmp_path / "corpus.jsonl", BAD_LINES["not JSON"])
+    done = run_preprocess("--input", corpus, "--output-prefix", tmp_path / "data", "--tokenizer-type",
+                          "TikTokenizer", "--tokenizer-model", byte_tokenizer, "--workers", 2, "--partitions", 2,
+                          check=False)
+    assert done.returncode != 0 and f"{corpus}:4: not JSON" in done.stderr
+    assert sorted(os.listdir(tmp_path)) == ["corpus.jsonl"]
+
+
+def test_skip_bad_lines_counts_per_reason_and_keeps_good_documents(tmp_path, byte_tokenizer):
+    lines = []
+    for reason, bad in BAD_LINES.items():
+        lines += [b'{"text": "kept ' + reason.encode() + b'"}', bad]
+    lines.append(b'{"text": ""}')
+    (tmp_path / "corpus.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    done = run_preprocess("--input", tmp_path / "corpus.jsonl", "--output-prefix", tmp_path / "out",
+                          "--tokenizer-type", "TikTokenizer", "--tokenizer-model", byte_tokenizer, "--skip-bad-lines")
+    assert "skipped 5 bad lines: 1 not UTF-8, 1 not JSON, 1 not a JSON object, 1 missing key, 1 not a string" \
+        in done.stderr
+    prefix = str(tmp_path / "out_text_document")
+    assert [bytes(ids).decode() for ids in read_documents(prefix)] == [f"kept {reason}" for reason in BAD_LINES]
+    metadata = read_metadata(prefix)
+    assert metadata["skipped_lines"] == {reason: 1 for reason in BAD_LINES} and metadata["empty_documents"] == 1
+
+
+@pytest.mark.parametrize("pattern, message", [("missing.jsonl", "no such file"), ("none/*.jsonl", "matches no file")])
+def test_missing_inputs_are_clear_errors(tmp_path, byte_tokenizer, pattern, message):
+    tool = load_tool()
+    args = tool.parse_args(["--input", str(tmp_path / pattern), "--output-prefix", str(tmp_path / "out"),
+                            "--tokenizer-type", "TikTokenizer", "--tokenizer-model", byte_tokenizer])
+    with pytest.raises(tool.InputError, match=message):
+        tool.preprocess(args)
+
+
+@pytest.fixture(scope="module")
+def written_dataset(tmp_path_factory, byte_tokenizer):
+    directory = tmp_path_factory.mktemp("dataset")
+    corpus = write_jsonl(directory / "corpus.jsonl", [{"text": f"document number {i}"} for i in range(20)])
+    run_preprocess("--input", corpus, "--output-prefix", directory / "out", "--tokenizer-type", "TikTokenizer",
+                   "--tokenizer-model", byte_tokenizer, "--append-eod")
+    return str(directory / "out_text_document")
+
+
+@pytest.fixture
+def dataset(tmp_path, written_dataset):
+    """A fresh copy of a dataset written by the tool, to damage."""
+    prefix = str(tmp_path / "out_text_document")
+    for suffix in (".bin", ".idx", ".json"):
+        shutil.copy(written_dataset + suffix, prefix + suffix)
+    assert check_indexed_dataset(prefix)["documents"] == 20
+    return prefix
+
+
+def test_truncated_bin_is_named(dataset):
+    with open(dataset + ".bin", "r+b") as file:
+        file.truncate(os.path.getsize(dataset + ".bin") - 2)
+    with pytest.raises(IndexedDatasetError, match=rf"^{dataset}\.bin: .*truncated"):
+        check_indexed_dataset(dataset)
+
+
+@pytest.mark.parametrize("corruption, message", [
+    (lambda data: data[:-8], "truncated or corrupted"),
+    (lambda data: b"XXIDIDX\x00\x00" + data[9:], "not a megatron-core index"),
+    (lambda data: data[:9] + (2).to_bytes(8, "little") + data[17:], "version 2"),
+    (lambda data: data[:17] + b"\x63" + data[18:], "unknown dtype code 99"),
+    (lambda data: data[:18] + (21).to_bytes(8, "little") + data[26:], "truncated or corrupted"),
+])
+def test_corrupted_idx_is_named(dataset, corruption, message):
+    with open(dataset + ".idx", "rb") as file:
+        data = file.read()
+    with open(dataset + ".idx", "wb") as file:
+        file.write(corruption(data))
+    with pytest.raises(IndexedDatasetError, match=rf"^{dataset}\.idx: .*{message}"):
+        check_indexed_dataset(dataset)
+
+
+def test_metadata_errors_name_the_file(dataset):
+    with pytest.raises(IndexedDatasetError, match=r"no_such_prefix\.json: no dataset metadata"):
+        read_metadata(dataset.replace("out_text_document", "no_such_prefix"))
+    with open(dataset + ".json") as file:
+        metadata = json.load(file)
+    with open(dataset + ".json", "w") as file:
+        file.write(json.dumps({**metadata, "tokens": metadata["tokens"] + 1}))
+    with pytest.raises(IndexedDatasetError, match=rf"^{dataset}\.json: records"):
+        check_indexed_dataset(dataset)
+    with open(dataset + ".json", "w") as file:
+        file.write("{not json")
+    with pytest.raises(IndexedDatasetError, match=rf"^{dataset}\.json: invalid dataset metadata"):
+        read_metadata(dataset)
