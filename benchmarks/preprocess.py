@@ -8,7 +8,9 @@ a 32k byte-level BPE (tools/train_tokenizer.py) and tiktoken with GPT-2's ranks 
 it prints documents/s, MB/s and tokens/s of the tool with 1 and 2 workers, its peak memory (PSS summed over
 the tool's processes), and the ceiling: the same tokenizer batch-encoding the same documents in one process,
 with no I/O. "tool" rates exclude the tool's start-up (importing torch and megatron-core, a fixed few
-seconds), which "wall" includes. Downloads and the trained tokenizer are cached in --work-dir.
+seconds), which "wall" includes. A last run on --copies concatenated copies of the corpus shows the steady
+state, where the pool's fixed costs are amortized, and that peak memory stays flat as the input grows.
+Downloads and the trained tokenizer are cached in --work-dir.
 """
 
 import argparse
@@ -35,8 +37,16 @@ def run_tool(script: str, *args: str) -> None:
     subprocess.run([sys.executable, os.path.join(TOOLS, script), *args], check=True, stdout=subprocess.DEVNULL)
 
 
-def cut_documents(source: str, target: str, document_bytes: int) -> list:
-    """Cut every text of source into documents of about document_bytes, at line ends; returns the texts."""
+def write_documents(target: str, texts: list, copies: int = 1) -> str:
+    with open(target, "w") as file:
+        for _ in range(copies):
+            for text in texts:
+                file.write(json.dumps({"text": text}) + "\n")
+    return target
+
+
+def cut_documents(source: str, document_bytes: int) -> list:
+    """Cut every text of source into documents of about document_bytes, at line ends."""
     documents = []
     with open(source) as file:
         for line in file:
@@ -50,9 +60,6 @@ def cut_documents(source: str, target: str, document_bytes: int) -> list:
                     piece, size = [], 0
             if piece:
                 documents.append("".join(piece))
-    with open(target, "w") as file:
-        for text in documents:
-            file.write(json.dumps({"text": text}) + "\n")
     return documents
 
 
@@ -67,9 +74,8 @@ def prepare(work_dir: str, document_bytes: int) -> tuple:
     gpt2 = os.path.join(work_dir, "gpt2.tiktoken")
     if not os.path.isfile(gpt2):
         run_tool("fetch_gpt2_bpe.py", "--output", gpt2)
-    documents_path = os.path.join(work_dir, f"documents_{document_bytes}.jsonl")
-    texts = cut_documents(os.path.join(corpus, "train.jsonl"), documents_path, document_bytes)
-    return documents_path, texts, {
+    texts = cut_documents(os.path.join(corpus, "train.jsonl"), document_bytes)
+    return texts, {
         "32k byte-level BPE (HF tokenizers)": ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", bpe],
         "GPT-2 ranks (tiktoken)": ["--tokenizer-type", "GPT2BPETokenizer", "--tokenizer-model", gpt2],
     }
@@ -113,9 +119,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "angpt-preprocess-benchmark"))
     parser.add_argument("--document-bytes", type=int, default=2000)
+    parser.add_argument("--copies", type=int, default=4, help="copies of the corpus in the last run")
     args = parser.parse_args()
     os.makedirs(args.work_dir, exist_ok=True)
-    documents_path, texts, tokenizers = prepare(args.work_dir, args.document_bytes)
+    texts, tokenizers = prepare(args.work_dir, args.document_bytes)
+    documents_path = write_documents(os.path.join(args.work_dir, "documents.jsonl"), texts)
+    copies_path = write_documents(os.path.join(args.work_dir, f"documents_x{args.copies}.jsonl"), texts, args.copies)
     megabytes = sum(len(text.encode()) for text in texts) / 1e6  # of document text, as the ceiling sees it
     print(f"corpus: {len(texts):,} documents, {megabytes:.2f} MB of text; {os.cpu_count()} cores")
     header = f"{'tokenizer':36} {'run':22} {'docs/s':>8} {'MB/s':>7} {'tokens/s':>9} {'÷ceiling':>8} {'peak PSS':>9}"
@@ -127,6 +136,8 @@ def main() -> None:
         for workers in (1, 2):
             wall, tool, peak = run_preprocess(documents_path, flags, workers, os.path.join(args.work_dir, "out"))
             rows += [(f"tool, {workers} worker(s)", tool, peak), (f"  wall, {workers} worker(s)", wall, None)]
+        _, tool, peak = run_preprocess(copies_path, flags, 2, os.path.join(args.work_dir, "out"))
+        rows.append((f"tool, 2 workers, x{args.copies}", tool / args.copies, peak))
         for label, elapsed, peak in rows:
             memory = f"{peak / 2**20:7.0f} MB" if peak else ""
             print(f"{name:36} {label:22} {len(texts) / elapsed:8.0f} {megabytes / elapsed:7.2f} "
