@@ -294,13 +294,16 @@ def preprocess(args: argparse.Namespace) -> dict:
     try:
         workers_per_partition = args.workers // args.partitions
         cores = len(os.sched_getaffinity(0))
+        # Twice as many encoding threads as cores in all (at most all cores per worker), so that no core
+        # idles while a worker does its Python-side work (parsing JSON, packing tokens) between batches.
+        threads_per_worker = max(1, min(cores, round(2 * cores / args.workers)))
 
         def job(index: int, start: int, stop: Optional[int], part_name: str) -> PartitionJob:
             return PartitionJob(
                 paths=paths, start=start, stop=stop,
                 output_prefixes={key: os.path.join(scratch, part_name + key) for key in args.json_keys},
                 tokenizer_args=tokenizer_args, keys=args.json_keys, append_eod=args.append_eod, dtype=dtype,
-                workers=workers_per_partition, threads_per_worker=max(1, cores // args.workers),
+                workers=workers_per_partition, threads_per_worker=threads_per_worker,
                 skip_bad_lines=args.skip_bad_lines, log_interval=args.log_interval, position=index)
 
         stats = Stats()
