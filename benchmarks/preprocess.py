@@ -8,8 +8,9 @@ a 32k byte-level BPE (tools/train_tokenizer.py) and tiktoken with GPT-2's ranks 
 it prints documents/s, MB/s and tokens/s of the tool with 1 and 2 workers, its peak memory (PSS summed over
 the tool's processes), and the ceiling: the same tokenizer batch-encoding the same documents in one process,
 with no I/O. "tool" rates exclude the tool's start-up (importing torch and megatron-core, a fixed few
-seconds), which "wall" includes. A last run on --copies concatenated copies of the corpus shows the steady
-state, where the pool's fixed costs are amortized, and that peak memory stays flat as the input grows.
+seconds), which "wall" includes. Runs on --copies concatenated copies of the corpus show the steady state,
+where the fixed costs of a run (worker pool, tokenizer loading) are amortized as on a real corpus, and that
+peak memory stays flat as the input grows. Each figure is the best of --repeats runs (this machine is noisy).
 Downloads and the trained tokenizer are cached in --work-dir.
 """
 
@@ -81,7 +82,7 @@ def prepare(work_dir: str, document_bytes: int) -> tuple:
     }
 
 
-def ceiling(tokenizer_flags: list, texts: list, repeats: int = 2) -> tuple:
+def ceiling(tokenizer_flags: list, texts: list, repeats: int) -> tuple:
     """(seconds, tokens) of the best of a few batch encodings of all texts in this process; threads: default."""
     options = dict(zip((flag.lstrip("-").replace("-", "_") for flag in tokenizer_flags[::2]), tokenizer_flags[1::2]))
     tokenizer = build_tokenizer(**options)
@@ -119,30 +120,35 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "angpt-preprocess-benchmark"))
     parser.add_argument("--document-bytes", type=int, default=2000)
-    parser.add_argument("--copies", type=int, default=4, help="copies of the corpus in the last run")
+    parser.add_argument("--copies", type=int, default=4, help="copies of the corpus in the larger runs")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each measurement; the best counts")
     args = parser.parse_args()
     os.makedirs(args.work_dir, exist_ok=True)
     texts, tokenizers = prepare(args.work_dir, args.document_bytes)
     documents_path = write_documents(os.path.join(args.work_dir, "documents.jsonl"), texts)
     copies_path = write_documents(os.path.join(args.work_dir, f"documents_x{args.copies}.jsonl"), texts, args.copies)
     megabytes = sum(len(text.encode()) for text in texts) / 1e6  # of document text, as the ceiling sees it
-    print(f"corpus: {len(texts):,} documents, {megabytes:.2f} MB of text; {os.cpu_count()} cores")
-    header = f"{'tokenizer':36} {'run':22} {'docs/s':>8} {'MB/s':>7} {'tokens/s':>9} {'÷ceiling':>8} {'peak PSS':>9}"
+    print(f"corpus: {len(texts):,} documents, {megabytes:.2f} MB of text; {os.cpu_count()} cores; "
+          f"rates per copy of the corpus, each the best of {args.repeats} runs")
+    header = f"{'tokenizer':36} {'run':24} {'docs/s':>8} {'MB/s':>7} {'tokens/s':>9} {'÷ceiling':>8} {'peak PSS':>9}"
     print(header)
     print("-" * len(header))
     for name, flags in tokenizers.items():
-        seconds, tokens = ceiling(flags, texts)
-        rows = [("ceiling (1 process)", seconds, None)]
-        for workers in (1, 2):
-            wall, tool, peak = run_preprocess(documents_path, flags, workers, os.path.join(args.work_dir, "out"))
-            rows += [(f"tool, {workers} worker(s)", tool, peak), (f"  wall, {workers} worker(s)", wall, None)]
-        _, tool, peak = run_preprocess(copies_path, flags, 2, os.path.join(args.work_dir, "out"))
-        rows.append((f"tool, 2 workers, x{args.copies}", tool / args.copies, peak))
-        for label, elapsed, peak in rows:
-            memory = f"{peak / 2**20:7.0f} MB" if peak else ""
-            print(f"{name:36} {label:22} {len(texts) / elapsed:8.0f} {megabytes / elapsed:7.2f} "
-                  f"{tokens / elapsed:9.0f} {seconds / elapsed:8.2f} {memory:>9}")
-
+        for copies, path in ((1, documents_path), (args.copies, copies_path)):
+            seconds, tokens = ceiling(flags, texts * copies, args.repeats)
+            rows = [(f"ceiling (1 process), x{copies}", seconds, None)]
+            for workers in (1, 2):
+                runs = [run_preprocess(path, flags, workers, os.path.join(args.work_dir, "out"))
+                        for _ in range(args.repeats)]
+                wall, tool, peak = min(runs, key=lambda run: run[1])
+                rows.append((f"tool, {workers} worker(s), x{copies}", tool, max(run[2] for run in runs)))
+                if copies == 1:
+                    rows.append((f"  wall, {workers} worker(s), x{copies}", wall, None))
+            for label, elapsed, peak in rows:
+                memory = f"{peak / 2**20:7.0f} MB" if peak else ""
+                per_copy = elapsed / copies
+                print(f"{name:36} {label:24} {len(texts) / per_copy:8.0f} {megabytes / per_copy:7.2f} "
+                      f"{tokens / copies / per_copy:9.0f} {seconds / elapsed:8.2f} {memory:>9}")
 
 if __name__ == "__main__":
     main()

@@ -27,6 +27,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def set_threads(self, threads: int) -> None: ...
+
 
 def sha256_of(path: str) -> str:
     digest = hashlib.sha256()
@@ -41,7 +43,7 @@ def describe_file(path: str) -> dict:
 
 
 class HuggingFaceTokenizer:
-    """A `tokenizers` tokenizer; its threads follow RAYON_NUM_THREADS (see `build_tokenizer(threads=)`)."""
+    """A `tokenizers` tokenizer."""
 
     def __init__(self, tokenizer, eod_token: str, description: dict):
         tokenizer.encode_special_tokens = True  # special tokens in the text are text, not control tokens
@@ -55,6 +57,10 @@ class HuggingFaceTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [encoding.ids for encoding in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
 
+    def set_threads(self, threads: int) -> None:
+        """Cap this process's encoding threads; Rust's thread pool reads it once, at the first encoding."""
+        os.environ["RAYON_NUM_THREADS"] = str(threads)
+
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
@@ -62,7 +68,7 @@ class HuggingFaceTokenizer:
 class TikTokenizer:
     """A `tiktoken` encoding of a ranks file with GPT-2's split pattern; EOD is the id after the last rank."""
 
-    def __init__(self, path: str, tokenizer_type: str, threads: Optional[int]):
+    def __init__(self, path: str, tokenizer_type: str):
         import tiktoken
         from tiktoken.load import load_tiktoken_bpe
         from tiktoken_ext.openai_public import r50k_pat_str
@@ -74,11 +80,14 @@ class TikTokenizer:
             special_tokens={EOD_TOKEN: self.eod},
         )
         self.vocab_size = self.encoding.n_vocab
-        self.threads = threads or os.cpu_count()
+        self.threads = os.cpu_count()
         self.description = {"type": tokenizer_type, "model": describe_file(path), "eod_token": EOD_TOKEN}
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self.encoding.encode_ordinary_batch(texts, num_threads=self.threads)
+
+    def set_threads(self, threads: int) -> None:
+        self.threads = threads
 
     def decode(self, ids: list[int]) -> str:
         return self.encoding.decode(ids)
@@ -116,11 +125,8 @@ def load_gpt2_vocab_merges(vocab_file: str, merge_file: str) -> HuggingFaceToken
 
 
 def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None, vocab_file: Optional[str] = None,
-                    merge_file: Optional[str] = None, threads: Optional[int] = None) -> Tokenizer:
-    """The tokenizer the flags name. `threads` caps its encoding threads; for `tokenizers` it must be set
-    before this process first encodes anything (Rust's thread pool is built once)."""
-    if threads is not None:
-        os.environ["RAYON_NUM_THREADS"] = str(threads)
+                    merge_file: Optional[str] = None) -> Tokenizer:
+    """The tokenizer the flags name."""
     for flag, path in (("--tokenizer-model", tokenizer_model), ("--vocab-file", vocab_file),
                        ("--merge-file", merge_file)):
         if path is not None and not os.path.exists(path):
@@ -132,11 +138,11 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None, 
     if tokenizer_type == "TikTokenizer":
         if tokenizer_model is None:
             raise ValueError("TikTokenizer needs --tokenizer-model (a .tiktoken ranks file)")
-        return TikTokenizer(tokenizer_model, tokenizer_type, threads)
+        return TikTokenizer(tokenizer_model, tokenizer_type)
     if tokenizer_type == "GPT2BPETokenizer":
         if vocab_file is not None and merge_file is not None:
             return load_gpt2_vocab_merges(vocab_file, merge_file)
         if tokenizer_model is not None:
-            return TikTokenizer(tokenizer_model, tokenizer_type, threads)
+            return TikTokenizer(tokenizer_model, tokenizer_type)
         raise ValueError("GPT2BPETokenizer needs --vocab-file and --merge-file, or --tokenizer-model gpt2.tiktoken")
     raise ValueError(f"--tokenizer-type {tokenizer_type!r}: choose one of {', '.join(TOKENIZER_TYPES)}")
