@@ -109,9 +109,17 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
         parser.error("no training data: give --data-path, --train-data-path or --mock-data")
     if args.mock_data and not args.vocab_size:
         parser.error("--mock-data needs --vocab-size")
+    from angpt.data.gpt_datasets import parse_blend
+
     for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-        values = getattr(args, flag) or []
-        for prefix in values[1::2] if len(values) > 1 else values:
+        values = getattr(args, flag)
+        if not values:
+            continue
+        try:
+            prefixes, _ = parse_blend(values)
+        except ValueError as error:
+            parser.error(str(error).replace("--data-path", f"--{flag.replace('_', '-')}"))
+        for prefix in prefixes:
             missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
             if missing:
                 parser.error(f"--{flag.replace('_', '-')} {prefix}: no {' or '.join(prefix + e for e in missing)}")

@@ -65,15 +65,15 @@ def dataset_vocabulary(data: DataArguments) -> DatasetVocabulary:
     prefixes = data.prefixes()
     if not prefixes:
         raise ValueError("no training data: give --data-path, --train-data-path or --mock-data")
-    recorded = {}
+    metadata = {}
     for prefix in prefixes:
         check_indexed_dataset(prefix)
-        meta = read_metadata(prefix)
-        recorded[prefix] = (meta["vocab_size"], meta["eod"])
+        metadata[prefix] = read_metadata(prefix)
+    recorded = {prefix: (meta["vocab_size"], meta["eod"]) for prefix, meta in metadata.items()}
     if len(set(recorded.values())) > 1:
         raise ValueError(f"the datasets were tokenized differently (vocab_size, eod): {recorded}")
-    vocab_size, eod = next(iter(recorded.values()))
-    return DatasetVocabulary(vocab_size, eod, {"tokenizer": read_metadata(prefixes[0])["tokenizer"]})
+    first = metadata[prefixes[0]]
+    return DatasetVocabulary(first["vocab_size"], first["eod"], {"tokenizer": first["tokenizer"]})
 
 
 def build_datasets(data: DataArguments, vocabulary, seq_length: int, seed: int, samples: Sequence[int]):
