@@ -21,11 +21,14 @@ setup(
         "tqdm",
         # megatron-core's distributed checkpointing hangs without it, and does not declare it.
         "psutil",
+        # Training metrics as TensorBoard scalars (angpt/monitoring.py).
+        "tensorboard",
     ],
     extras_require={
         "test": ["pytest>=8"],
         # GPU only; apex is built from source inside NVIDIA's containers and is never required.
-        "gpu": ["transformer-engine[pytorch]"],
+        # nvidia-ml-py: GPU utilisation, power and temperature in the training metrics.
+        "gpu": ["transformer-engine[pytorch]", "nvidia-ml-py"],
     },
     entry_points={"console_scripts": ["angpt-pretrain=angpt.pretrain:main"]},
 )
