@@ -3,15 +3,17 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test quickstart setup clean
+.PHONY: test quickstart setup clean cuda-check
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: setup.py requirements/cpu.txt
+# The editable install runs without build isolation, so that the fused kernels (csrc/) build against the
+# torch installed first; it reruns when their sources change.
+$(VENV)/.installed: setup.py requirements/cpu.txt $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/* csrc/cuda/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements/cpu.txt
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --no-build-isolation -e '.[test]'
 	touch $@
 
 test: setup
@@ -20,5 +22,24 @@ test: setup
 quickstart: setup
 	PATH=$(abspath $(VENV))/bin:$$PATH bash examples/quickstart.sh
 
+# Compiles the CUDA sources with nvcc for sm_80 and sm_90 (no GPU, no CUDA build of torch needed), with
+# the half-precision flags torch's extension builds use, and the CUDA dispatch of the bindings for syntax,
+# so that CUDA code that does not compile fails here rather than on a cluster.
+NVCC ?= $(shell command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+CUDA_CHECK_DIR := build/cuda-check
+CUDA_GENCODE := -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
+TORCH_CUDA_FLAGS := -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ \
+	-D__CUDA_NO_HALF2_OPERATORS__
+cuda-check:
+	mkdir -p $(CUDA_CHECK_DIR)
+	for source in csrc/cuda/*.cu; do \
+		$(NVCC) -std=c++20 -O3 $(CUDA_GENCODE) $(TORCH_CUDA_FLAGS) -c $$source \
+			-o $(CUDA_CHECK_DIR)/$$(basename $$source .cu).o || exit 1; \
+	done
+	$(CXX) -std=c++20 -fsyntax-only -DANGPT_WITH_CUDA -DTORCH_EXTENSION_NAME=cuda_check \
+		$$($(PY) -c "import sysconfig; from torch.utils.cpp_extension import include_paths; \
+		print(' '.join('-I' + p for p in [*include_paths(), sysconfig.get_paths()['include']]))") \
+		csrc/angpt_kernels.cpp
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info angpt/kernels/_fused_*.so

@@ -1,6 +1,57 @@
-"""angpt: the Approximately Normalized GPT on megatron-core."""
+"""angpt: the Approximately Normalized GPT on megatron-core.
+
+The fused kernels in csrc/ are built with the installed torch (install it first, and build without pip's
+build isolation: `pip install --no-build-isolation -e .`); without torch the package installs without
+them and runs the PyTorch implementations.
+"""
+
+import glob
+import os
+import sys
 
 from setuptools import find_packages, setup
+
+# The compiler flags of each vector ISA that torch dispatches to on x86 (as torch builds its own kernels).
+CPU_CAPABILITY_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+    "DEFAULT": [],
+}
+
+
+def kernel_extensions():
+    """The extension angpt.kernels._fused_<isa>, for the vector ISA that torch uses on the build machine
+    (ANGPT_CPU_CAPABILITY overrides it). The ISA is in the module's name, so that a machine without it never
+    imports it. CUDA sources are added only when torch is a CUDA build and a CUDA toolkit is present."""
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:
+        print("angpt: torch is not importable at build time; installing without the fused kernels", file=sys.stderr)
+        return [], {}
+    capability = os.environ.get("ANGPT_CPU_CAPABILITY") or torch.backends.cpu.get_cpu_capability()
+    if capability not in CPU_CAPABILITY_FLAGS:
+        capability = "DEFAULT"
+    # ninja from the same environment, even when it is not activated.
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    sources = ["csrc/angpt_kernels.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))]
+    # The -Wno flags silence warnings inside torch's own vector headers (torch builds with them too).
+    cxx = ["-O3", "-fopenmp", "-Wno-unknown-pragmas", "-Wno-maybe-uninitialized", "-Wno-uninitialized",
+           f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}",
+           *CPU_CAPABILITY_FLAGS[capability]]
+    kwargs = dict(name=f"angpt.kernels._fused_{capability.lower()}", extra_link_args=["-fopenmp"])
+    if torch.version.cuda and cpp_extension.CUDA_HOME:
+        extension = cpp_extension.CUDAExtension(
+            sources=sources + sorted(glob.glob("csrc/cuda/*.cu")),
+            extra_compile_args={"cxx": cxx + ["-DANGPT_WITH_CUDA"], "nvcc": ["-O3"]},
+            **kwargs,
+        )
+    else:
+        extension = cpp_extension.CppExtension(sources=sources, extra_compile_args=cxx, **kwargs)
+    return [extension], {"build_ext": cpp_extension.BuildExtension}
+
+
+ext_modules, cmdclass = kernel_extensions()
 
 setup(
     name="angpt",
@@ -31,4 +82,6 @@ setup(
         "gpu": ["transformer-engine[pytorch]", "nvidia-ml-py"],
     },
     entry_points={"console_scripts": ["angpt-pretrain=angpt.pretrain:main"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
 )
