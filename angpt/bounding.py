@@ -12,7 +12,8 @@ The projection runs on whatever holds the authoritative copy of each weight:
 A vector is complete on one rank unless it is split by tensor parallelism (row-parallel W_p, W_d under
 anGPT) or by the distributed optimizer's shards. Every rank therefore computes partial squared norms for
 the vectors it holds (in float64), sums them over the tensor-parallel and data-parallel groups where
-vectors are split, and scales its own elements: one collective per group per step.
+vectors are split, and scales its own elements: one collective per group per step. Weights a rank holds
+whole are projected in one pass each. The arithmetic runs in the fused kernels of `angpt.kernels`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+
+from angpt import kernels
 
 MODES = ("bound", "normalize")
 
@@ -35,25 +38,17 @@ class _Piece:
     param: torch.nn.Parameter
     offset: int
 
-    def blocks(self):
-        """(views of `data` as [rows, columns] blocks, first row, first column): the partial first row,
-        the whole rows, the partial last row."""
-        cols = self.param.shape[1]
-        start, end = self.offset, self.offset + self.data.numel()
-        position = start
-        while position < end:
-            row, col = divmod(position, cols)
-            if col or end - position < cols:
-                n_rows, width = 1, min(cols - col, end - position)
-            else:
-                n_rows, width = (end - position) // cols, cols
-            flat = self.data[position - start : position - start + n_rows * width]
-            yield flat.view(n_rows, width), row, col
-            position += n_rows * width
+    @property
+    def whole(self) -> bool:
+        return self.offset == 0 and self.data.numel() == self.param.numel()
 
 
 def _split_over_tp(param) -> bool:
     return getattr(param, "tensor_model_parallel", False) and param.partition_dim == param.unit_norm_dim
+
+
+def _kernel_piece(piece: _Piece, region: int = 0) -> kernels.Piece:
+    return kernels.Piece(piece.data, piece.offset, piece.param.shape[1], piece.param.unit_norm_dim == 1, region)
 
 
 @torch.no_grad()
@@ -62,38 +57,36 @@ def _project(params: list[torch.nn.Parameter], pieces: list[_Piece], mode: str, 
     whose pieces any rank of `data_parallel_group` holds, in the same order on every rank."""
     if mode not in MODES:
         raise ValueError(f"weight constraint must be one of {MODES}, got {mode!r}")
-    device = params[0].device if params else torch.device("cpu")
-    sums = {
-        id(p): torch.zeros(p.shape[0] if p.unit_norm_dim == 1 else p.shape[1], dtype=torch.float64, device=device)
-        for p in params
-    }
-    for piece in pieces:
-        along_rows = piece.param.unit_norm_dim == 1
-        total = sums[id(piece.param)]
-        for block, row, col in piece.blocks():
-            squares = block.double().pow(2)
-            if along_rows:
-                total[row : row + block.shape[0]] += squares.sum(dim=1)
-            else:
-                total[col : col + block.shape[1]] += squares.sum(dim=0)
-    if data_parallel_group is not None and data_parallel_group.size() > 1:
-        _all_reduce_in_place([sums[id(p)] for p in params], data_parallel_group)
+    reduce_over_dp = data_parallel_group is not None and data_parallel_group.size() > 1
     tp_group = parallel_state.get_tensor_model_parallel_group()
-    if tp_group.size() > 1:
-        _all_reduce_in_place([sums[id(p)] for p in params if _split_over_tp(p)], tp_group)
-    factors = {}
-    for key, squared in sums.items():
-        norms = squared.sqrt()
-        # Bounding multiplies vectors already inside the ball by exactly 1.
-        factors[key] = 1.0 / (norms.clamp_min(1.0) if mode == "bound" else norms.clamp_min(1e-30))
-    for piece in pieces:
-        along_rows = piece.param.unit_norm_dim == 1
-        factor = factors[id(piece.param)].to(piece.data.dtype)
-        for block, row, col in piece.blocks():
-            if along_rows:
-                block.mul_(factor[row : row + block.shape[0], None])
-            else:
-                block.mul_(factor[None, col : col + block.shape[1]])
+    split = {id(p) for p in params if tp_group.size() > 1 and _split_over_tp(p)}
+    if not reduce_over_dp:
+        # Weights whose vectors this rank holds whole: one pass each, no collective.
+        alone = [piece for piece in pieces if piece.whole and id(piece.param) not in split]
+        kernels.project_whole_([_kernel_piece(piece) for piece in alone], mode)
+        pieces = [piece for piece in pieces if not piece.whole or id(piece.param) in split]
+        held = {id(piece.param) for piece in pieces}
+        params = [p for p in params if id(p) in held]
+    if not params:
+        return
+    # One float64 buffer of squared norms, the weights split over TP first, so that each group's
+    # all-reduce is one call on a prefix or the whole of it.
+    ordered = [p for p in params if id(p) in split] + [p for p in params if id(p) not in split]
+    regions, total, split_total = {}, 0, 0
+    for param in ordered:
+        regions[id(param)] = total
+        total += param.shape[0] if param.unit_norm_dim == 1 else param.shape[1]
+        if id(param) in split:
+            split_total = total
+    on_kernels = [_kernel_piece(piece, regions[id(piece.param)]) for piece in pieces]
+    sums = torch.zeros(total, dtype=torch.float64, device=params[0].device)
+    kernels.accumulate_sq_norms_(on_kernels, sums)
+    if reduce_over_dp:
+        dist.all_reduce(sums, group=data_parallel_group)
+    if split_total:
+        dist.all_reduce(sums[:split_total], group=tp_group)
+    # Bounding multiplies vectors already inside the ball by exactly 1, which leaves them untouched.
+    kernels.scale_(on_kernels, kernels.projection_factors(sums, mode))
 
 
 def _all_reduce_in_place(tensors: list[torch.Tensor], group) -> None:

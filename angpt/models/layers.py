@@ -21,6 +21,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from angpt import kernels
 from angpt.models.config import AnGPTConfig
 from angpt.factors import NU_PLAIN_RESIDUAL, nu_alpha
 from angpt.models.scales import LearnableScale
@@ -46,7 +47,9 @@ class NuScale(torch.nn.Module):
     """Applies one constant factor nu_g of spec section 2, or in the "exact" ablation 1/||x||.
 
     `group_size` and `tp_reduced` say what a vector is for the exact norm: one head (nu_qkv), one of the
-    u / z halves of a TP shard of fc1 split over TP ranks (nu_uz), and so on."""
+    u / z halves of a TP shard of fc1 split over TP ranks (nu_uz), and so on. A constant factor that a
+    fused kernel applies (nu_uz and nu_acf, in the fused SwiGLU) is marked `fused`: the module then passes
+    its input through, so nu_uz's hooks see u and z unscaled and nu_acf's see the finished activation."""
 
     def __init__(self, config: AnGPTConfig, name: str, group_size: Optional[int] = None, tp_reduced=False):
         super().__init__()
@@ -55,18 +58,19 @@ class NuScale(torch.nn.Module):
         self.value = getattr(config.normalization_factors(), name)
         self.group_size = group_size
         self.tp_group = parallel_state.get_tensor_model_parallel_group() if tp_reduced else None
+        self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.exact:
             return l2_normalize(x, self.group_size, self.tp_group)
-        return x if self.value == 1.0 else x * self.value
+        return x if self.fused or self.value == 1.0 else x * self.value
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """Nothing to checkpoint (megatron-core's MLP asks every child for its sharded state)."""
         return {}
 
     def extra_repr(self) -> str:
-        return f"{self.name}=exact" if self.exact else f"{self.name}={self.value:.6g}"
+        return f"{self.name}=exact" if self.exact else f"{self.name}={self.value:.6g}{' (fused)' if self.fused else ''}"
 
 
 class PostNorm(torch.nn.Module):
@@ -170,12 +174,6 @@ class NormalizedDotProductAttention(DotProductAttention):
         return state
 
 
-def scaled_swiglu(uz: torch.Tensor, s_u: torch.Tensor, s_v: torch.Tensor) -> torch.Tensor:
-    """(s_u * u) * SiLU(s_v * z) for uz = [u; z] along the last dim."""
-    u, z = torch.chunk(uz, 2, dim=-1)
-    return (s_u * u) * torch.nn.functional.silu(s_v * z)
-
-
 class ScaledSwiGLUMLP(MLP):
     """a = nu_acf (s_u u) SiLU(s_v sqrt(d) z) with u, z = nu_uz W_u h, nu_uz W_z h; output nu_d W_d a.
 
@@ -191,12 +189,15 @@ class ScaledSwiGLUMLP(MLP):
         self.u_gain = sqrt_d if config.model_family == "ngpt" else 1.0
         self.z_gain = sqrt_d
         self.nu_acf = NuScale(config, "nu_acf", tp_reduced=True)
+        # Constant nu_uz and nu_acf are applied inside the fused SwiGLU; the exact ablation's norms are not.
+        self.linear_fc1.nu.fused = self.nu_acf.fused = not self.nu_acf.exact
 
     def forward(self, hidden_states, per_token_scale=None, **kwargs):
         uz, _ = self.linear_fc1(hidden_states)
-        s_u = (self.u_gain * self.s_u()).to(uz.dtype)
-        s_v = (self.z_gain * self.s_v()).to(uz.dtype)
-        a = self.nu_acf(scaled_swiglu(uz, s_u, s_v))
+        s_u = self.u_gain * self.s_u()
+        s_v = self.z_gain * self.s_v()
+        factors = (self.linear_fc1.nu.value, self.nu_acf.value) if self.nu_acf.fused else (1.0, 1.0)
+        a = self.nu_acf(kernels.scaled_swiglu(uz, s_u, s_v, *factors))
         return self.linear_fc2(a)
 
 
