@@ -74,6 +74,8 @@ setup(
         "psutil",
         # Training metrics as TensorBoard scalars (angpt/monitoring.py).
         "tensorboard",
+        # `angpt.pretrain --config run.yaml`.
+        "pyyaml",
     ],
     extras_require={
         "test": ["pytest>=8"],

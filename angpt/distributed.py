@@ -25,6 +25,7 @@ def initialize(
     """Join the torchrun job (if not already joined), build megatron-core's groups and seed every RNG."""
     megatron_cpu.enable()
     if not dist.is_initialized():
+        _default_to_one_process()
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(
@@ -36,6 +37,18 @@ def initialize(
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
     )
     set_random_seed(seed)
+
+
+def _default_to_one_process() -> None:
+    """Without torchrun, run as the only process of a job on this machine."""
+    if "RANK" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 def set_random_seed(seed: int) -> None:

@@ -364,7 +364,7 @@ def format_log_line(record: dict) -> str:
     ` iteration      10/     100 | consumed tokens: 40960 | lm loss: 5.1234E+00 | ... | skipped: 0`."""
     iteration = int(record["iteration"])
     if record["kind"] == "eval":
-        head = f" validation at iteration {iteration:8d}"
+        head = f" {record.get('split', 'validation')} at iteration {iteration:8d}"
     elif "train_iters" in record:
         head = f" iteration {iteration:8d}/{int(record['train_iters']):8d}"
     else:

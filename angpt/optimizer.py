@@ -36,7 +36,11 @@ def build_optimizer(
     min_lr: Optional[float] = None,
     weight_decay: Optional[float] = None,
     lr_warmup_iters: Optional[int] = None,
+    lr_warmup_init: float = 0.0,
     lr_decay_style: str = "cosine",
+    lr_decay_iters: Optional[int] = None,
+    lr_wsd_decay_iters: Optional[int] = None,
+    lr_wsd_decay_style: str = "exponential",
     clip_grad: float = 1.0,
     adam_beta1: float = 0.9,
     adam_beta2: float = 0.95,
@@ -45,13 +49,15 @@ def build_optimizer(
     bf16: bool = False,
 ):
     """megatron-core's Adam(W) with the family's defaults (each overridable), the family's post-step
-    weight projection attached, and its lr schedule. Returns (optimizer, scheduler).
+    weight projection attached, and its lr schedule (megatron-core's: constant, linear, cosine or WSD,
+    over `lr_decay_iters`, default `train_iters`). Returns (optimizer, scheduler).
 
     Weight decay reaches 2-D weights only: megatron-core exempts 1-D parameters (norms and scales)."""
     recipe = RECIPES[model_family]
     min_lr = recipe.min_lr_ratio * lr if min_lr is None else min_lr
     weight_decay = recipe.weight_decay if weight_decay is None else weight_decay
-    warmup = round(recipe.warmup_fraction * train_iters) if lr_warmup_iters is None else lr_warmup_iters
+    decay_iters = lr_decay_iters or train_iters
+    warmup = round(recipe.warmup_fraction * decay_iters) if lr_warmup_iters is None else lr_warmup_iters
     config = OptimizerConfig(
         optimizer="adam",
         lr=lr,
@@ -70,15 +76,17 @@ def build_optimizer(
         attach_weight_constraint(optimizer, constraint)
     scheduler = OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if warmup else lr,
+        init_lr=lr_warmup_init if warmup else lr,
         max_lr=lr,
         min_lr=min_lr,
         lr_warmup_steps=warmup,
-        lr_decay_steps=train_iters,
+        lr_decay_steps=decay_iters,
         lr_decay_style=lr_decay_style,
         start_wd=weight_decay,
         end_wd=weight_decay,
-        wd_incr_steps=train_iters,
+        wd_incr_steps=decay_iters,
         wd_incr_style="constant",
+        wsd_decay_steps=lr_wsd_decay_iters,
+        lr_wsd_decay_style=lr_wsd_decay_style,
     )
     return optimizer, scheduler

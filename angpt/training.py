@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Iterator
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.enums import ModelType
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -72,7 +74,8 @@ def train_step(
     micro_batch_size: int,
     seq_length: int,
 ):
-    """Forward and backward over the global batch, then one optimizer step.
+    """Forward and backward over the global batch, then one optimizer step unless the loss or the
+    gradient norm is not finite.
 
     Returns (loss averaged over the global batch, available on every rank; grad norm; whether the
     optimizer applied the update)."""
@@ -88,10 +91,48 @@ def train_step(
         micro_batch_size=micro_batch_size,
         forward_only=False,
     )
-    updated, grad_norm, _ = optimizer.step()
+    loss = _global_mean_loss(losses)
+    updated, grad_norm = step_unless_not_finite(optimizer, loss)
     if updated:
         scheduler.step(increment=1)
-    return _global_mean_loss(losses), grad_norm, updated
+    return loss, grad_norm, updated
+
+
+@torch.no_grad()
+def step_unless_not_finite(optimizer, loss: float) -> tuple[bool, float | None]:
+    """megatron-core's optimizer step (clip to the total grad norm, then update), skipped when the loss
+    or the grad norm is NaN or Inf; every rank sees the same global loss and norm, so all skip together.
+    Returns (whether the update was applied, grad norm)."""
+    if optimizer.prepare_grads():  # an fp16 loss scaler found an overflow (and lowered its scale)
+        return False, None
+    grad_norm = optimizer.get_grad_norm()
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        return False, grad_norm
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        parameters = inner.get_parameters()
+        if inner.config.clip_grad > 0.0 and parameters:
+            clip_grad_by_total_norm_fp32(parameters, inner.config.clip_grad, grad_norm,
+                                         inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+    return optimizer.step_with_ready_grads(), grad_norm
+
+
+@torch.no_grad()
+def eval_step(data_iterators, model_chunks, num_microbatches: int, micro_batch_size: int, seq_length: int) -> float:
+    """The mean loss of one global batch, forward only, available on every rank."""
+    for chunk in model_chunks:
+        chunk.eval()
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=data_iterators,
+        model=model_chunks,
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=True,
+    )
+    for chunk in model_chunks:
+        chunk.train()
+    return _global_mean_loss(losses)
 
 
 def _global_mean_loss(losses: list[dict]) -> float:

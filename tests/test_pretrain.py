@@ -1,7 +1,7 @@
 """The main job: `python -m angpt.pretrain` under torchrun, and its refusal of impossible layouts."""
 
+import json
 import os
-import re
 import subprocess
 import sys
 
@@ -10,8 +10,14 @@ import pytest
 from conftest import ROOT
 
 FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-         "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "1e-2"]
+         "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "1e-2", "--log-interval", "1",
+         "--eval-iters", "0"]
 MOCK = ["--mock-data", "--vocab-size", "256"]
+
+
+def train_losses(metrics_file) -> list[float]:
+    with open(metrics_file) as file:
+        return [r["lm_loss"] for r in map(json.loads, file) if r["kind"] == "train"]
 
 
 def pretrain(*args, nproc=2, timeout=600):
@@ -25,12 +31,13 @@ def pretrain(*args, nproc=2, timeout=600):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("family", ["angpt", "gptplus", "ngpt"])
-def test_training_at_tensor_parallel_2_lowers_the_loss(family):
+def test_training_at_tensor_parallel_2_lowers_the_loss(family, tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
     done = pretrain("--model-family", family, "--tensor-model-parallel-size", "2", "--train-iters", "30",
-                    *FLAGS, *MOCK)
+                    *FLAGS, *MOCK, "--metrics-file", str(metrics))
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
-    losses = [float(x) for x in re.findall(r"lm loss ([0-9.]+)", output)]
+    losses = train_losses(metrics)
     assert len(losses) == 30
     print(family, f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     assert losses[0] == pytest.approx(5.545, abs=0.1)  # ln 256: uniform over the vocabulary at the start
@@ -49,6 +56,10 @@ def test_training_at_tensor_parallel_2_lowers_the_loss(family):
         (["--data-path", "0.5", "/nonexistent/a"], "--data-path /nonexistent/a: no"),
         (["--mock-data"], "--mock-data needs --vocab-size"),
         ([], "no training data: give --data-path, --train-data-path or --mock-data"),
+        ([*MOCK, "--save-interval", "10"], "--save-interval needs --save"),
+        ([*MOCK, "--lr-decay-style", "WSD"], "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
+        ([*MOCK, "--exit-interval", "5"], "need --save"),
+        ([*MOCK, "--train-samples", "12"], "--train-samples 12 is not a multiple of --global-batch-size 8"),
     ],
 )
 def test_impossible_settings_fail_before_starting(flags, message, monkeypatch, capsys):
@@ -56,7 +67,7 @@ def test_impossible_settings_fail_before_starting(flags, message, monkeypatch, c
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit):
-        parse_args([*FLAGS, *flags])
+        parse_args([*FLAGS, *([] if "--train-samples" in flags else ["--train-iters", "10"]), *flags])
     assert message in capsys.readouterr().err
 
 
@@ -86,12 +97,14 @@ def preprocessed(tmp_path_factory):
 
 @pytest.mark.multiprocess
 def test_training_on_preprocessed_data(preprocessed, tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
     done = pretrain("--tensor-model-parallel-size", "2", "--train-iters", "30", *FLAGS, "--lr", "3e-2",
-                    "--data-path", str(preprocessed), "--split", "98,2,0", "--data-cache-path", str(tmp_path))
+                    "--data-path", str(preprocessed), "--split", "98,2,0", "--data-cache-path", str(tmp_path),
+                    "--metrics-file", str(metrics))
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     assert "vocabulary 512 (padded 512)" in output
-    losses = [float(x) for x in re.findall(r"lm loss ([0-9.]+)", output)]
+    losses = train_losses(metrics)
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     assert losses[0] == pytest.approx(6.24, abs=0.15)  # ln 512
     assert losses[-1] < losses[0] - 1.0
@@ -108,3 +121,37 @@ def test_a_truncated_dataset_is_refused_when_training_opens_it(preprocessed, tmp
     done = pretrain("--train-iters", "1", *FLAGS, "--data-path", str(broken), nproc=1)
     assert done.returncode != 0
     assert f"angpt.pretrain: {broken}.bin: 100 bytes" in done.stderr
+
+
+def test_a_yaml_config_sets_flags_and_the_command_line_overrides_it(tmp_path, monkeypatch):
+    from angpt.pretrain import parse_args
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    config = tmp_path / "run.yaml"
+    config.write_text("model-family: ngpt\nnum_layers: 6\ntensor-model-parallel-size: 2\nlr: 0.002\n"
+                      "use-distributed-optimizer: true\nmock-data: true\nvocab-size: 256\ntrain-iters: 10\n")
+    args = parse_args(["--config", str(config), "--lr", "0.01"])
+    assert (args.model_family, args.num_layers, args.tensor_model_parallel_size) == ("ngpt", 6, 2)
+    assert args.use_distributed_optimizer and args.mock_data and args.lr == 0.01
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("num-layer: 4\n", "unknown key 'num-layer' (not a flag of angpt.pretrain)"),
+        ("model-family: bert\n", "model-family: 'bert' is not one of ['angpt', 'gptplus', 'ngpt'] (--model-family)"),
+        ("num-layers: four\n", "num-layers: 'four' is not a valid int (--num-layers)"),
+        ("sequence-parallel: 1\n", "sequence-parallel: expected true or false (--sequence-parallel)"),
+        ("- just a list\n", "expected a mapping of flag names to values"),
+        ("num-layers: [\n", "not valid YAML"),
+    ],
+)
+def test_a_bad_config_file_is_refused_by_name(text, message, tmp_path, monkeypatch, capsys):
+    from angpt.pretrain import parse_args
+
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(config), *MOCK, "--train-iters", "10"])
+    error = capsys.readouterr().err
+    assert f"--config {config}" in error and message in error

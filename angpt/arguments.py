@@ -1,0 +1,302 @@
+"""The flags of `angpt.pretrain`: Megatron-LM's names and meanings for everything shared with Megatron,
+`--model-family` and the `--angpt-*` switches, and `--config file.yaml` whose keys are the same names.
+
+Impossible combinations are refused here, before any process-group work, by a message naming the flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from typing import Optional
+
+import yaml
+
+from angpt.models.config import FACTOR_MODES, MODEL_FAMILIES, NU_P_READINGS, POST_NORMS, RESIDUALS
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "WSD")
+WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+EXIT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="angpt.pretrain",
+        description="Pretrain anGPT, GPT+ or nGPT with Megatron-style flags, under torchrun.",
+    )
+    parser.add_argument("--config", help="YAML file of flag names (dashes or underscores) to values; "
+                        "flags on the command line override it")
+
+    model = parser.add_argument_group("model")
+    model.add_argument("--model-family", choices=MODEL_FAMILIES, default="angpt")
+    model.add_argument("--num-layers", type=int, default=4)
+    model.add_argument("--hidden-size", type=int, default=128)
+    model.add_argument("--num-attention-heads", type=int, default=4)
+    model.add_argument("--num-query-groups", type=int, help="key/value heads (grouped-query attention)")
+    model.add_argument("--ffn-hidden-size", type=int, help="width of each SwiGLU half (default 4 x hidden)")
+    model.add_argument("--kv-channels", type=int, help="head dim (default hidden / heads)")
+    model.add_argument("--seq-length", type=int, default=128)
+    model.add_argument("--max-position-embeddings", type=int,
+                       help="accepted for Megatron-LM scripts; RoPE needs only --seq-length (must not be below it)")
+    model.add_argument("--rotary-base", type=int, default=10000)
+    model.add_argument("--init-method-std", type=float, default=0.02, help="GPT+ weight init (anGPT and nGPT "
+                       "put every row on the unit sphere instead)")
+    tying = model.add_mutually_exclusive_group()
+    tying.add_argument("--tie-embeddings-and-output-weights", action="store_true",
+                       help="use the embedding as the output head (default: untied, as in the spec)")
+    tying.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                       help="accepted for Megatron-LM scripts; untied is already the default")
+    model.add_argument("--recompute-granularity", choices=("full",), help="recompute activations in the "
+                       "backward pass")
+    model.add_argument("--recompute-method", choices=("uniform", "block"), default="uniform")
+    model.add_argument("--recompute-num-layers", type=int, default=1)
+
+    switches = parser.add_argument_group("anGPT switches (spec sections 2-6 and 9)")
+    switches.add_argument("--angpt-post-norm", choices=POST_NORMS, default="l2")
+    switches.add_argument("--angpt-nu-p", choices=NU_P_READINGS, default="one")
+    switches.add_argument("--angpt-alpha-init", type=float, help="default 0.01 (anGPT), 0.05 (nGPT)")
+    switches.add_argument("--angpt-constant-factors", choices=FACTOR_MODES, default="analytic")
+    switches.add_argument("--angpt-constant-factor-multiplier", type=float, default=1.0)
+    switches.add_argument("--angpt-nu-alpha", choices=FACTOR_MODES, default="analytic")
+    switches.add_argument("--angpt-nu-alpha-multiplier", type=float, default=1.0)
+    switches.add_argument("--angpt-no-nu-alpha-grad", action="store_true", help="treat nu(alpha) as a constant")
+    switches.add_argument("--angpt-residual", choices=RESIDUALS, default="lerp")
+
+    parallel = parser.add_argument_group("parallelism")
+    parallel.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parallel.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parallel.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
+    parallel.add_argument("--sequence-parallel", action="store_true")
+    parallel.add_argument("--use-distributed-optimizer", action="store_true")
+    parallel.add_argument("--overlap-grad-reduce", action="store_true")
+    parallel.add_argument("--overlap-param-gather", action="store_true")
+    parallel.add_argument("--distributed-timeout-minutes", type=float, default=10)
+
+    batch = parser.add_argument_group("batch and length of training")
+    batch.add_argument("--micro-batch-size", type=int, default=4)
+    batch.add_argument("--global-batch-size", type=int, default=8)
+    length = batch.add_mutually_exclusive_group()
+    length.add_argument("--train-iters", type=int)
+    length.add_argument("--train-samples", type=int, help="train for this many samples (a multiple of the "
+                        "global batch)")
+
+    lr = parser.add_argument_group("learning rate and optimizer (defaults: the family's recipe, spec section 7)")
+    lr.add_argument("--lr", type=float, default=3e-3)
+    lr.add_argument("--min-lr", type=float, help="default: the family's (0.1 lr; 0 for nGPT)")
+    lr.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="cosine")
+    lr.add_argument("--lr-decay-iters", type=int, help="default: --train-iters")
+    warmup = lr.add_mutually_exclusive_group()
+    warmup.add_argument("--lr-warmup-iters", type=int, help="default: the family's (none; 1%% for GPT+)")
+    warmup.add_argument("--lr-warmup-fraction", type=float, help="warm-up as a fraction of --lr-decay-iters")
+    lr.add_argument("--lr-warmup-init", type=float, default=0.0, help="lr at the start of warm-up")
+    lr.add_argument("--lr-wsd-decay-iters", type=int, help="length of WSD's final decay")
+    lr.add_argument("--lr-wsd-decay-style", choices=WSD_DECAY_STYLES, default="exponential")
+    lr.add_argument("--weight-decay", type=float, help="default: the family's (0; 0.1 for GPT+)")
+    lr.add_argument("--clip-grad", type=float, default=1.0)
+    lr.add_argument("--adam-beta1", type=float, default=0.9)
+    lr.add_argument("--adam-beta2", type=float, default=0.95)
+    lr.add_argument("--adam-eps", type=float, default=1e-8)
+    lr.add_argument("--seed", type=int, default=1234)
+
+    data = parser.add_argument_group("data")
+    data.add_argument("--data-path", nargs="+", help="PREFIX, or W1 PREFIX1 W2 PREFIX2 ... to blend")
+    data.add_argument("--split", default="969,30,1", help="train,valid,test weights of --data-path")
+    data.add_argument("--train-data-path", nargs="+")
+    data.add_argument("--valid-data-path", nargs="+")
+    data.add_argument("--test-data-path", nargs="+")
+    data.add_argument("--data-cache-path", help="where GPTDataset caches its indices")
+    data.add_argument("--mock-data", action="store_true", help="megatron-core's synthetic sequences")
+    data.add_argument("--vocab-size", type=int, help="vocabulary of --mock-data")
+    data.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                      help="pad the vocabulary to a multiple of this times the tensor-parallel size")
+
+    checkpoints = parser.add_argument_group("checkpoints (megatron-core distributed checkpoints, torch_dist)")
+    checkpoints.add_argument("--save", help="directory of checkpoints: iter_XXXXXXX/ and "
+                             "latest_checkpointed_iteration.txt")
+    checkpoints.add_argument("--load", help="resume from the latest complete checkpoint in this directory "
+                             "(nothing there: start from scratch)")
+    checkpoints.add_argument("--save-interval", type=int, help="save every this many iterations")
+    checkpoints.add_argument("--keep-last-n-checkpoints", type=int,
+                             help="delete older checkpoints once a newer one is complete")
+    checkpoints.add_argument("--ckpt-format", choices=("torch_dist",), default="torch_dist")
+    checkpoints.add_argument("--async-save", action="store_true",
+                             help="write checkpoints in the background (megatron-core's async save; GPUs only)")
+    checkpoints.add_argument("--no-load-optim", action="store_true", help="do not load the optimizer state")
+    checkpoints.add_argument("--no-load-rng", action="store_true", help="do not load the RNG states")
+    checkpoints.add_argument("--finetune", action="store_true",
+                             help="load the model only and start at iteration 0")
+
+    logs = parser.add_argument_group("evaluation and logging")
+    logs.add_argument("--eval-interval", type=int, default=1000)
+    logs.add_argument("--eval-iters", type=int, default=100,
+                      help="global batches of the validation split per evaluation (0: no evaluation)")
+    logs.add_argument("--log-interval", type=int, default=100)
+    logs.add_argument("--tensorboard-dir", help="TensorBoard scalars (default: <save>/tensorboard)")
+    logs.add_argument("--metrics-file", help="JSON lines of every logged figure (default: <save or "
+                      "tensorboard dir>/metrics.jsonl)")
+
+    exits = parser.add_argument_group("exiting")
+    exits.add_argument("--exit-signal-handler", action="store_true",
+                       help="also save and exit on --exit-signal (SIGTERM always does when --save is set)")
+    exits.add_argument("--exit-signal", choices=EXIT_SIGNALS, default="SIGTERM")
+    exits.add_argument("--exit-interval", type=int, help="save and exit when the iteration is a multiple of this")
+    exits.add_argument("--exit-duration-in-mins", type=float, help="save and exit after this many minutes")
+    exits.add_argument("--max-skipped-steps", type=int, default=10,
+                       help="stop when more than this many steps in a row have a NaN/Inf loss or grad norm")
+    return parser
+
+
+def parse_args(argv: Optional[list[str]] = None, world_size: Optional[int] = None) -> argparse.Namespace:
+    parser = build_parser()
+    known, _ = _config_only_parser().parse_known_args(argv)
+    if known.config:
+        parser.set_defaults(**read_config(parser, known.config))
+    args = parser.parse_args(argv)
+    validate(parser, args, int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size)
+    return args
+
+
+def _config_only_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--config")
+    return parser
+
+
+def read_config(parser: argparse.ArgumentParser, path: str) -> dict:
+    """{dest: value} of a YAML file of flag names, each checked against the parser."""
+    try:
+        with open(path) as file:
+            values = yaml.safe_load(file) or {}
+    except OSError as error:
+        parser.error(f"--config {path}: {error.strerror}")
+    except yaml.YAMLError as error:
+        parser.error(f"--config {path}: not valid YAML: {error}")
+    if not isinstance(values, dict):
+        parser.error(f"--config {path}: expected a mapping of flag names to values")
+    actions = {action.dest: action for action in parser._actions if action.dest not in ("help", "config")}
+    defaults = {}
+    for key, value in values.items():
+        dest = str(key).lstrip("-").replace("-", "_")
+        action = actions.get(dest)
+        if action is None:
+            parser.error(f"--config {path}: unknown key {key!r} (not a flag of angpt.pretrain)")
+        flag = action.option_strings[0]
+        if action.nargs == "+" and isinstance(value, (str, int, float)):
+            value = [str(value)]
+        if action.nargs == "+":
+            value = [str(v) for v in value]
+        elif action.choices is not None and value not in action.choices:
+            parser.error(f"--config {path}: {key}: {value!r} is not one of {list(action.choices)} ({flag})")
+        elif action.type is not None and value is not None:
+            try:
+                value = action.type(value)
+            except (TypeError, ValueError):
+                parser.error(f"--config {path}: {key}: {value!r} is not a valid {action.type.__name__} ({flag})")
+        elif action.const is True and not isinstance(value, bool):
+            parser.error(f"--config {path}: {key}: expected true or false ({flag})")
+        defaults[dest] = value
+    return defaults
+
+
+def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_size: int) -> None:
+    """Refuse impossible settings before any process-group work, naming the flags."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if world_size % (tp * pp):
+        parser.error(f"the world size {world_size} is not divisible by --tensor-model-parallel-size {tp} "
+                     f"x --pipeline-model-parallel-size {pp}")
+    dp = world_size // (tp * pp)
+    if args.num_attention_heads % tp:
+        parser.error(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                     f"--tensor-model-parallel-size {tp}")
+    if args.num_query_groups and (args.num_attention_heads % args.num_query_groups or args.num_query_groups % tp):
+        parser.error(f"--num-query-groups {args.num_query_groups} must divide --num-attention-heads "
+                     f"{args.num_attention_heads} and be divisible by --tensor-model-parallel-size {tp}")
+    if args.num_layers % pp:
+        parser.error(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    if args.num_layers_per_virtual_pipeline_stage:
+        if pp == 1:
+            parser.error("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+        if (args.num_layers // pp) % args.num_layers_per_virtual_pipeline_stage:
+            parser.error("--num-layers / --pipeline-model-parallel-size is not divisible by "
+                         "--num-layers-per-virtual-pipeline-stage")
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        parser.error(f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+                     f"{args.micro_batch_size} x data-parallel size {dp}")
+    if args.sequence_parallel and tp == 1:
+        parser.error("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        parser.error("--overlap-param-gather needs --use-distributed-optimizer")
+    if args.max_position_embeddings is not None and args.max_position_embeddings < args.seq_length:
+        parser.error(f"--max-position-embeddings {args.max_position_embeddings} is below --seq-length "
+                     f"{args.seq_length}")
+    _validate_schedule(parser, args)
+    _validate_checkpoints(parser, args)
+    _validate_data(parser, args)
+
+
+def _validate_schedule(parser, args) -> None:
+    if args.train_iters is None and args.train_samples is None:
+        parser.error("give the length of training: --train-iters or --train-samples")
+    if args.train_samples is not None:
+        if args.train_samples % args.global_batch_size:
+            parser.error(f"--train-samples {args.train_samples} is not a multiple of --global-batch-size "
+                         f"{args.global_batch_size}")
+        args.train_iters = args.train_samples // args.global_batch_size
+    for flag in ("train_iters", "micro_batch_size", "global_batch_size", "log_interval", "eval_interval",
+                 "save_interval", "exit_interval", "lr_decay_iters", "keep_last_n_checkpoints"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    if args.eval_iters < 0 or args.max_skipped_steps < 0:
+        parser.error("--eval-iters and --max-skipped-steps cannot be negative")
+    if args.lr_warmup_fraction is not None and not 0 <= args.lr_warmup_fraction < 1:
+        parser.error(f"--lr-warmup-fraction {args.lr_warmup_fraction} must be in [0, 1)")
+    if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None:
+        parser.error("--lr-decay-style WSD needs --lr-wsd-decay-iters")
+    if args.min_lr is not None and args.min_lr > args.lr:
+        parser.error(f"--min-lr {args.min_lr} is above --lr {args.lr}")
+
+
+def _validate_checkpoints(parser, args) -> None:
+    for flag in ("save_interval", "keep_last_n_checkpoints", "async_save"):
+        if getattr(args, flag) and not args.save:
+            parser.error(f"--{flag.replace('_', '-')} needs --save")
+    if (args.exit_signal_handler or args.exit_interval or args.exit_duration_in_mins) and not args.save:
+        # Megatron-LM exits without saving then; a user who asks for a graceful exit wants the state.
+        parser.error("--exit-signal-handler, --exit-interval and --exit-duration-in-mins need --save")
+    if args.finetune and not args.load:
+        parser.error("--finetune needs --load")
+
+
+def _validate_data(parser, args) -> None:
+    if not (args.data_path or args.train_data_path or args.mock_data):
+        parser.error("no training data: give --data-path, --train-data-path or --mock-data")
+    if args.mock_data and not args.vocab_size:
+        parser.error("--mock-data needs --vocab-size")
+    from angpt.data.gpt_datasets import parse_blend
+
+    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        values = getattr(args, flag)
+        if not values:
+            continue
+        name = f"--{flag.replace('_', '-')}"
+        try:
+            prefixes, _ = parse_blend(values)
+        except ValueError as error:
+            parser.error(str(error).replace("--data-path", name))
+        for prefix in prefixes:
+            missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+            if missing:
+                parser.error(f"{name} {prefix}: no {' or '.join(prefix + e for e in missing)}")
+
+
+def exit_signals(args: argparse.Namespace) -> list[signal.Signals]:
+    """The signals that save a checkpoint and exit: SIGTERM whenever there is somewhere to save, and
+    --exit-signal with --exit-signal-handler (SIGUSR1 on clusters that warn before a time limit)."""
+    if not args.save:
+        return []
+    chosen = {signal.SIGTERM}
+    if args.exit_signal_handler:
+        chosen.add(getattr(signal, args.exit_signal))
+    return sorted(chosen)

@@ -1,0 +1,93 @@
+"""What the trainer reports every --log-interval and after each evaluation: the log line, the progress
+bar, metrics.jsonl and TensorBoard, built from the measurements of `angpt.monitoring`."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from contextlib import contextmanager, nullcontext
+
+import torch.distributed as dist
+
+from angpt import monitoring
+
+
+class TrainingMonitor:
+    def __init__(self, args, config, chunks, vocab_size: int, rank: int, start_iteration: int):
+        self.args = args
+        self.is_reporting_rank = rank == 0
+        output_dir = args.save or args.tensorboard_dir
+        metrics_file = args.metrics_file or (os.path.join(output_dir, "metrics.jsonl") if output_dir else None)
+        tensorboard_dir = args.tensorboard_dir or (os.path.join(args.save, "tensorboard") if args.save else None)
+        self.metrics = monitoring.MetricsLogger(metrics_file, tensorboard_dir, enabled=self.is_reporting_rank)
+        self.health = monitoring.HealthProbe(chunks)
+        self.telemetry = monitoring.DeviceTelemetry()
+        self.flops_per_token = monitoring.model_flops_per_token(config, args.seq_length, vocab_size)
+        self.peak_flops = monitoring.peak_flops_per_device(config.params_dtype)
+        self.tokens_per_step = args.global_batch_size * args.seq_length
+        self.world_size = dist.get_world_size()
+        self.progress = monitoring.ProgressBar(args.train_iters, start_iteration, enabled=self.is_reporting_rank)
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        self.window_seconds, self.window_steps, self.window_losses, self.window_skipped = 0.0, 0, [], 0
+
+    def _reports(self, iteration: int) -> bool:
+        return iteration % self.args.log_interval == 0 or iteration == self.args.train_iters
+
+    @contextmanager
+    def step(self, iteration: int):
+        """Times one training step; on logged iterations the health probe watches its forward passes."""
+        start = time.perf_counter()
+        with self.health.capture() if self._reports(iteration) else nullcontext():
+            yield
+        self.window_seconds += time.perf_counter() - start
+        self.window_steps += 1
+
+    def log_step(self, step: dict) -> None:
+        """Collective on logged iterations (the health summary gathers over every rank)."""
+        if step["skipped"]:
+            self.window_skipped += 1
+        elif math.isfinite(step["loss"]):
+            self.window_losses.append(step["loss"])
+        iteration = step["iteration"]
+        self.progress.update(1, {"loss": f"{step['loss']:.4f}"})
+        if not self._reports(iteration):
+            return
+        seconds_per_step = self.window_seconds / max(self.window_steps, 1)
+        tokens_per_second_per_device = self.tokens_per_step / seconds_per_step / self.world_size
+        record = {
+            "kind": "train",
+            "iteration": iteration,
+            "train_iters": self.args.train_iters,
+            "consumed_samples": step["consumed_samples"],
+            "consumed_tokens": step["consumed_samples"] * self.args.seq_length,
+            "lm_loss": (sum(self.window_losses) / len(self.window_losses)) if self.window_losses else float("nan"),
+            "lr": step["lr"],
+            "grad_norm": step["grad_norm"] if step["grad_norm"] is not None else float("nan"),
+            "ms_per_step": 1000 * seconds_per_step,
+            "tokens_per_s_per_device": tokens_per_second_per_device,
+            "skipped": self.window_skipped,
+        }
+        if self.peak_flops:
+            record["mfu"] = self.flops_per_token * tokens_per_second_per_device / self.peak_flops
+        record.update(monitoring.memory_stats())
+        record.update(self.telemetry.read())
+        record.update(self.health.summary())
+        self._reset_window()
+        if self.is_reporting_rank:
+            self.metrics.log(record)
+            self.progress.write(monitoring.format_log_line(record))
+
+    def log_evaluation(self, iteration: int, split: str, loss: float) -> None:
+        if not self.is_reporting_rank:
+            return
+        record = {"kind": "eval", "iteration": iteration, "split": split, "lm_loss": loss,
+                  "lm_loss_ppl": math.exp(min(loss, 50.0))}
+        self.metrics.log(record)
+        self.progress.write(monitoring.format_log_line(record))
+
+    def close(self) -> None:
+        self.progress.close()
+        self.metrics.close()

@@ -1,0 +1,326 @@
+"""The pretraining loop: megatron-core's schedules and optimizer, evaluation, checkpoints, graceful exits
+and what users watch. `angpt.pretrain` parses the flags and calls `pretrain(args)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from angpt import checkpointing, faults
+from angpt.arguments import exit_signals
+from angpt.checkpointing import TrainState
+from angpt.reporting import TrainingMonitor
+
+logger = logging.getLogger("angpt.trainer")
+
+
+class SkippedStepsError(RuntimeError):
+    """More than --max-skipped-steps consecutive steps had a NaN or Inf loss or gradient norm."""
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
+    """Megatron-LM's padding of the vocabulary, so the head splits evenly over tensor-parallel ranks."""
+    multiple = divisible_by * tensor_parallel
+    return -(-vocab_size // multiple) * multiple
+
+
+def model_config_from_args(args: argparse.Namespace):
+    from angpt.models import model_config
+
+    pp = args.pipeline_model_parallel_size
+    overrides = dict(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_stages(args),
+        sequence_parallel=args.sequence_parallel,
+        pipeline_dtype=torch.float32,
+        init_method_std=args.init_method_std,
+        post_norm=args.angpt_post_norm,
+        nu_p_reading=args.angpt_nu_p,
+        alpha_init=args.angpt_alpha_init,
+        constant_factors=args.angpt_constant_factors,
+        constant_factor_multiplier=args.angpt_constant_factor_multiplier,
+        nu_alpha_mode=args.angpt_nu_alpha,
+        nu_alpha_multiplier=args.angpt_nu_alpha_multiplier,
+        nu_alpha_grad=not args.angpt_no_nu_alpha_grad,
+        residual=args.angpt_residual,
+        share_embeddings_and_output_weights=args.tie_embeddings_and_output_weights,
+        rotary_base=args.rotary_base,
+    )
+    if args.model_family == "ngpt":  # nGPT fixes its own factors.
+        for key in ("constant_factors", "nu_alpha_mode"):
+            overrides.pop(key)
+    for key in ("ffn_hidden_size", "kv_channels", "num_query_groups"):
+        if getattr(args, key):
+            overrides[key] = getattr(args, key)
+    if args.recompute_granularity:
+        overrides.update(recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+                         recompute_num_layers=args.recompute_num_layers)
+    if not torch.cuda.is_available():
+        # The interleaved schedule's batched p2p gives wrong gradients on gloo at PP=2.
+        overrides.update(batch_p2p_comm=False, batch_p2p_sync=False)
+    return model_config(args.model_family, **overrides)
+
+
+def virtual_pipeline_stages(args) -> Optional[int]:
+    if not args.num_layers_per_virtual_pipeline_stage:
+        return None
+    return args.num_layers // args.pipeline_model_parallel_size // args.num_layers_per_virtual_pipeline_stage
+
+
+class ExitRequests:
+    """Signals that ask the job to save and exit, and the wall-clock limit, agreed on by every rank
+    with one small all-reduce per step (a signal may reach only some ranks, or reach them in different
+    steps)."""
+
+    def __init__(self, signals, duration_minutes: Optional[float]):
+        self.received: Optional[str] = None
+        self.duration_minutes = duration_minutes
+        self.start = time.monotonic()
+        for sig in signals:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = signal.Signals(signum).name
+
+    def check(self) -> Optional[str]:
+        """The reason to exit now, the same on every rank, or None."""
+        elapsed = (time.monotonic() - self.start) / 60
+        flags = torch.tensor([float(self.received is not None), elapsed], dtype=torch.float64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[0] > 0:
+            return f"received {self.received or 'an exit signal (on another rank)'}"
+        if self.duration_minutes is not None and flags[1] > self.duration_minutes:
+            return f"ran {flags[1].item():.1f} min, past --exit-duration-in-mins {self.duration_minutes}"
+        return None
+
+
+@dataclass
+class Data:
+    train: object
+    valid: Optional[object]
+    test: Optional[object]
+
+
+class Trainer:
+    """One pretraining job on this rank: built from the flags, run by `run()`."""
+
+    def __init__(self, args: argparse.Namespace):
+        from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        from angpt import distributed
+        from angpt.data.gpt_datasets import build_datasets, dataset_vocabulary
+        from angpt.optimizer import build_optimizer
+        from angpt.training import build_model_chunks
+
+        self.args = args
+        self.faults = faults.from_environment()
+        data_args = data_arguments(args)
+        self.vocabulary = dataset_vocabulary(data_args)
+        self.tokenizer = self.vocabulary.unique_identifiers.get("tokenizer")
+        distributed.initialize(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                               virtual_pipeline_stages(args), args.seed, args.distributed_timeout_minutes)
+        self.rank = dist.get_rank()
+        self.config = model_config_from_args(args)
+        self.vocab_size = padded_vocab_size(self.vocabulary.vocab_size, args.make_vocab_size_divisible_by,
+                                            args.tensor_model_parallel_size)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+            overlap_grad_reduce=args.overlap_grad_reduce,
+            overlap_param_gather=args.overlap_param_gather,
+        )
+        self.chunks = build_model_chunks(self.config, self.vocab_size, args.seq_length, ddp_config)
+        decay_iters = args.lr_decay_iters or args.train_iters
+        warmup_iters = args.lr_warmup_iters
+        if args.lr_warmup_fraction is not None:
+            warmup_iters = round(args.lr_warmup_fraction * decay_iters)
+        self.optimizer, self.scheduler = build_optimizer(
+            self.chunks, args.model_family, lr=args.lr, train_iters=args.train_iters, min_lr=args.min_lr,
+            weight_decay=args.weight_decay, lr_warmup_iters=warmup_iters, lr_warmup_init=args.lr_warmup_init,
+            lr_decay_style=args.lr_decay_style, lr_decay_iters=decay_iters,
+            lr_wsd_decay_iters=args.lr_wsd_decay_iters, lr_wsd_decay_style=args.lr_wsd_decay_style,
+            clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+            adam_eps=args.adam_eps, use_distributed_optimizer=args.use_distributed_optimizer,
+        )
+        self.state = TrainState()
+        if args.save and self.rank == 0:
+            os.makedirs(args.save, exist_ok=True)
+            checkpointing.remove_incomplete(args.save)
+        if args.load:
+            loaded = checkpointing.load_checkpoint(
+                args.load, self.chunks, self.optimizer, self.scheduler, load_optimizer=not args.no_load_optim,
+                load_rng=not args.no_load_rng, finetune=args.finetune,
+            )
+            self.state = loaded or self.state
+        self.async_queue = None
+        if args.async_save:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self.async_queue = AsyncCallsQueue()
+
+        evaluation_samples = args.eval_iters * args.global_batch_size
+        self.data = Data(*build_datasets(data_args, self.vocabulary, args.seq_length, args.seed,
+                                         [args.train_iters * args.global_batch_size, evaluation_samples,
+                                          evaluation_samples]))
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.exits = ExitRequests(exit_signals(args), args.exit_duration_in_mins)
+        self.monitor = TrainingMonitor(args, self.config, self.chunks, self.vocab_size, self.rank,
+                                       self.state.iteration)
+        if self.rank == 0:
+            parameters = sum(p.numel() for c in self.chunks for p in c.parameters())
+            logger.info("%s: %d layers, d=%d, vocabulary %d (padded %d), %d parameters on rank 0; world %d "
+                        "(TP %d, PP %d, DP %d); starting at iteration %d of %d",
+                        args.model_family, args.num_layers, args.hidden_size, self.vocabulary.vocab_size,
+                        self.vocab_size, parameters, dist.get_world_size(), args.tensor_model_parallel_size,
+                        args.pipeline_model_parallel_size, self.dp_size, self.state.iteration, args.train_iters)
+
+    # -- data ---------------------------------------------------------------------------------------
+    def _iterators(self, dataset, consumed_samples: int, poison: bool = False):
+        from angpt.data.gpt_datasets import micro_batches
+
+        batches = micro_batches(dataset, consumed_samples, self.args.global_batch_size, self.args.micro_batch_size,
+                                self.dp_rank, self.dp_size)
+        if poison:  # fault injection: a NaN loss (and NaN gradients) in this step
+            for batch in batches:
+                batch["loss_mask"] = batch["loss_mask"].float() * float("nan")
+        iterators = [iter(batches) for _ in self.chunks] if len(self.chunks) > 1 else iter(batches)
+        return iterators, len(batches)
+
+    # -- steps --------------------------------------------------------------------------------------
+    def train_one_step(self) -> dict:
+        from angpt.training import train_step
+
+        args, state = self.args, self.state
+        iteration = state.iteration + 1
+        iterators, num_micro_batches = self._iterators(self.data.train, state.consumed_samples,
+                                                       poison=iteration in self.faults.nan_iterations)
+        lr = self.optimizer.param_groups[0]["lr"]
+        with self.monitor.step(iteration):
+            loss, grad_norm, updated = train_step(iterators, self.chunks, self.optimizer, self.scheduler,
+                                                  num_micro_batches, args.micro_batch_size, args.seq_length)
+        state.iteration = iteration
+        state.consumed_samples += args.global_batch_size
+        state.skipped_steps = 0 if updated else state.skipped_steps + 1
+        return dict(iteration=iteration, loss=loss, grad_norm=grad_norm, lr=lr, skipped=not updated,
+                    consumed_samples=state.consumed_samples)
+
+    def evaluate(self, dataset, name: str) -> Optional[float]:
+        """Mean loss over the first --eval-iters global batches of a split: the same samples at every
+        evaluation, so that evaluations are comparable along the run."""
+        from angpt.training import eval_step
+
+        if dataset is None or self.args.eval_iters == 0:
+            return None
+        if len(dataset) < self.args.eval_iters * self.args.global_batch_size:
+            raise ValueError(f"the {name} split has {len(dataset)} samples, fewer than --eval-iters "
+                             f"{self.args.eval_iters} x --global-batch-size {self.args.global_batch_size}")
+        losses = []
+        for batch_index in range(self.args.eval_iters):
+            iterators, num_micro_batches = self._iterators(dataset, batch_index * self.args.global_batch_size)
+            losses.append(eval_step(iterators, self.chunks, num_micro_batches, self.args.micro_batch_size,
+                                    self.args.seq_length))
+        loss = sum(losses) / len(losses)
+        self.monitor.log_evaluation(self.state.iteration, name, loss)
+        return loss
+
+    def save(self) -> None:
+        args = self.args
+        if not args.save or checkpointing.read_latest_iteration(args.save) == self.state.iteration:
+            return
+        pause = None
+        if self.faults.pause_in_save_at == self.state.iteration:
+            pause = faults.pause_forever
+        checkpointing.save_checkpoint(
+            args.save, self.state, self.chunks, self.optimizer, self.scheduler, vars(args), self.tokenizer,
+            keep_last=args.keep_last_n_checkpoints, async_queue=self.async_queue, before_commit=pause,
+        )
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def run(self) -> int:
+        """Train to --train-iters (or a graceful exit). Returns the process exit code."""
+        args = self.args
+        try:
+            while self.state.iteration < args.train_iters:
+                record = self.train_one_step()
+                iteration = record["iteration"]
+                self.monitor.log_step(record)
+                if record["skipped"] and self.rank == 0:
+                    logger.warning("iteration %d: loss %s, grad norm %s: step skipped (%d in a row)", iteration,
+                                   record["loss"], record["grad_norm"], self.state.skipped_steps)
+                if self.state.skipped_steps > args.max_skipped_steps:
+                    self.save()
+                    raise SkippedStepsError(
+                        f"{self.state.skipped_steps} steps in a row had a NaN or Inf loss or grad norm "
+                        f"(--max-skipped-steps {args.max_skipped_steps}); stopped at iteration {iteration}"
+                        + (f", the last good state saved in {args.save}" if args.save else ""))
+                if self.async_queue is not None:
+                    self.async_queue.maybe_finalize_async_calls(blocking=False)
+                if args.eval_interval and iteration % args.eval_interval == 0:
+                    self.evaluate(self.data.valid, "validation")
+                if args.save_interval and iteration % args.save_interval == 0:
+                    self.save()
+                reason = self.exits.check()
+                if reason is None and args.exit_interval and iteration % args.exit_interval == 0:
+                    reason = f"iteration {iteration} is a multiple of --exit-interval {args.exit_interval}"
+                if reason is not None:
+                    self.save()
+                    self._finish()
+                    if self.rank == 0:
+                        logger.info("exiting at iteration %d: %s", iteration, reason)
+                    return 0
+            if args.eval_iters and (not args.eval_interval or self.state.iteration % args.eval_interval):
+                self.evaluate(self.data.valid, "validation")
+            self.evaluate(self.data.test, "test")
+            self.save()
+            self._finish()
+            return 0
+        except SkippedStepsError as error:
+            self._finish()
+            if self.rank == 0:
+                logger.error("%s", error)
+            return 1
+
+    def _finish(self) -> None:
+        if self.async_queue is not None:
+            self.async_queue.maybe_finalize_async_calls(blocking=True, no_dist=False)
+            self.async_queue.close()
+        self.monitor.close()
+
+
+def data_arguments(args):
+    from angpt.data.gpt_datasets import DataArguments
+
+    return DataArguments(
+        data_path=args.data_path, split=args.split, train_data_path=args.train_data_path,
+        valid_data_path=args.valid_data_path, test_data_path=args.test_data_path,
+        data_cache_path=args.data_cache_path, mock_data=args.mock_data, vocab_size=args.vocab_size,
+    )
+
+
+def pretrain(args: argparse.Namespace) -> int:
+    """Run the job described by the flags; returns the exit code (0 also after a graceful exit)."""
+    try:
+        trainer = Trainer(args)
+    except (ValueError, OSError, checkpointing.CheckpointError) as error:
+        print(f"angpt.pretrain: {error}", file=sys.stderr)
+        return 2
+    code = trainer.run()
+    dist.barrier()
+    dist.destroy_process_group()
+    return code

@@ -1,0 +1,236 @@
+"""The trainer as users run it: `angpt.pretrain` under torchrun, resumed, moved to other layouts, killed,
+signalled and fed NaNs. Losses are read from metrics.jsonl; parameters and optimizer states from the
+checkpoints themselves."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+MODEL = ["--num-layers", "4", "--hidden-size", "48", "--num-attention-heads", "4", "--seq-length", "32",
+         "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-2", "--mock-data", "--vocab-size", "256",
+         "--log-interval", "1", "--eval-iters", "0"]
+ITERS = ["--train-iters", "6"]
+
+pytestmark = pytest.mark.multiprocess
+
+
+def command(*args, nproc: int = 2, torchrun: tuple = ("--standalone",)) -> list[str]:
+    launcher = [sys.executable, "-m", "angpt.pretrain"] if nproc == 0 else [
+        sys.executable, "-m", "torch.distributed.run", *torchrun, f"--nproc-per-node={nproc}", "-m", "angpt.pretrain"]
+    return [*launcher, *MODEL, *args]
+
+
+def environment(**extra) -> dict:
+    return {**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore", **extra}
+
+
+def train(*args, nproc: int = 2, expect: int = 0, env: dict | None = None, timeout: int = 300) -> str:
+    done = subprocess.run(command(*args, nproc=nproc), cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=environment(**(env or {})))
+    output = done.stdout + done.stderr
+    assert done.returncode == expect, f"exit code {done.returncode}, expected {expect}:\n{output[-5000:]}"
+    return output
+
+
+def records(run_dir, kind: str = "train") -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as file:
+        return [r for r in map(json.loads, file) if r["kind"] == kind]
+
+
+def losses(run_dir) -> dict[int, float]:
+    """{iteration: loss} of the last record of each iteration (a resumed run appends its own)."""
+    return {r["iteration"]: r["lm_loss"] for r in records(run_dir)}
+
+
+def latest(run_dir) -> int:
+    with open(os.path.join(run_dir, "latest_checkpointed_iteration.txt")) as file:
+        return int(file.read())
+
+
+def checkpoint_tensors(run_dir, iteration: int) -> dict[str, torch.Tensor]:
+    from megatron.core.dist_checkpointing import load_plain_tensors
+
+    loaded = load_plain_tensors(os.path.join(run_dir, f"iter_{iteration:07d}"))
+    return {key: value for key, value in loaded.items() if isinstance(value, torch.Tensor)}
+
+
+def copy_checkpoint(run_dir, iteration: int, destination) -> str:
+    """A checkpoint directory whose latest checkpoint is `iteration` of run_dir."""
+    name = f"iter_{iteration:07d}"
+    shutil.copytree(os.path.join(run_dir, name), os.path.join(destination, name))
+    with open(os.path.join(destination, "latest_checkpointed_iteration.txt"), "w") as file:
+        file.write(f"{iteration}\n")
+    return str(destination)
+
+
+def wait_for_iteration(run_dir, iteration: int, process: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()[0][-4000:]
+        try:
+            if any(r["iteration"] >= iteration for r in records(run_dir)):
+                return
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"no iteration {iteration} in {run_dir}")
+
+
+LAYOUTS = {
+    "tp2": ["--tensor-model-parallel-size", "2"],
+    "dp2_distributed_optimizer": ["--use-distributed-optimizer"],
+}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """{layout: run directory} of 6 uninterrupted iterations, checkpointed at 3 and 6."""
+    runs = {}
+    for name, layout in LAYOUTS.items():
+        run_dir = tmp_path_factory.mktemp(f"uninterrupted_{name}")
+        train(*layout, *ITERS, "--save", str(run_dir), "--save-interval", "3")
+        runs[name] = run_dir
+    return runs
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_resumed_run_equals_an_uninterrupted_one_bit_for_bit(layout, uninterrupted, tmp_path, single_process):
+    flags = [*LAYOUTS[layout], *ITERS, "--save", str(tmp_path)]
+    output = train(*flags, "--exit-interval", "3")
+    assert "exiting at iteration 3" in output and latest(tmp_path) == 3
+    train(*flags, "--load", str(tmp_path))
+    reference = losses(uninterrupted[layout])
+    resumed = losses(tmp_path)
+    print(layout, "resumed", resumed, "uninterrupted", reference)
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    assert resumed == reference
+    final, expected = checkpoint_tensors(tmp_path, 6), checkpoint_tensors(uninterrupted[layout], 6)
+    assert final.keys() == expected.keys()
+    assert any(key.startswith("optimizer.") for key in final)  # Adam's moments are compared too
+    differing = [key for key in final if not torch.equal(final[key], expected[key])]
+    assert not differing
+
+
+@pytest.mark.parametrize(
+    "saved, layout, nproc",
+    [("tp2", ["--pipeline-model-parallel-size", "2"], 2), ("dp2_distributed_optimizer", ["--use-distributed-optimizer"], 1)],
+    ids=["tp2_to_pp2", "dp2_to_dp1"],
+)
+def test_a_checkpoint_continues_at_another_layout(saved, layout, nproc, uninterrupted, tmp_path):
+    run_dir = copy_checkpoint(uninterrupted[saved], 3, tmp_path)
+    output = train(*layout, *ITERS, "--load", run_dir, "--save", run_dir, nproc=nproc)
+    assert "RNG states are not restored" in output
+    continued, reference = losses(run_dir), losses(uninterrupted[saved])
+    print(saved, "->", layout, continued, reference)
+    assert sorted(continued) == [4, 5, 6]
+    for iteration in continued:
+        assert continued[iteration] == pytest.approx(reference[iteration], rel=1e-5)
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
+    flags = ["--use-distributed-optimizer", *ITERS, "--save", str(tmp_path), "--save-interval", "2"]
+    process = subprocess.Popen(command(*flags), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env=environment(ANGPT_TEST_PAUSE_IN_SAVE_AT="4"), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        # metadata.json is written once every rank's tensors are; the commit is what the save pauses before.
+        while not (tmp_path / "iter_0000004.incomplete" / "metadata.json").exists():
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()[0][-4000:]
+            time.sleep(0.2)
+        time.sleep(1)
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    assert latest(tmp_path) == 2
+    assert not (tmp_path / "iter_0000004").exists()
+    output = train(*flags, "--load", str(tmp_path))
+    assert "loaded checkpoint" in output and "(iteration 2)" in output
+    assert "left by a save that did not finish" in output
+    assert not (tmp_path / "iter_0000004.incomplete").exists()
+    assert latest(tmp_path) == 6
+    assert [r["iteration"] for r in records(tmp_path)] == [1, 2, 3, 4, 3, 4, 5, 6]
+
+
+def test_sigterm_saves_and_exits_cleanly_and_the_next_run_resumes(tmp_path):
+    flags = ["--train-iters", "1000", "--save", str(tmp_path)]
+    process = subprocess.Popen(command(*flags, nproc=0), cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=environment())
+    wait_for_iteration(tmp_path, 3, process)
+    process.send_signal(signal.SIGTERM)
+    output = process.communicate(timeout=120)[0]
+    assert process.returncode == 0, output[-4000:]
+    stopped = latest(tmp_path)
+    assert 3 <= stopped < 1000 and "received SIGTERM" in output
+    train("--train-iters", str(stopped + 2), "--save", str(tmp_path), "--load", str(tmp_path), nproc=0)
+    assert [r["iteration"] for r in records(tmp_path)][-3:] == [stopped, stopped + 1, stopped + 2]
+
+
+def test_exit_signal_handler_with_sigusr1_under_torchrun(tmp_path):
+    import psutil
+
+    flags = ["--train-iters", "1000", "--save", str(tmp_path), "--exit-signal-handler", "--exit-signal", "SIGUSR1",
+             "--tensor-model-parallel-size", "2"]
+    process = subprocess.Popen(command(*flags), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env=environment())
+    wait_for_iteration(tmp_path, 2, process)
+    # As a cluster's warning before its time limit: to the training processes, not to the launcher.
+    for worker in psutil.Process(process.pid).children(recursive=True):
+        worker.send_signal(signal.SIGUSR1)
+    output = process.communicate(timeout=120)[0]
+    assert process.returncode == 0, output[-4000:]
+    assert "received SIGUSR1" in output and latest(tmp_path) >= 2
+
+
+def test_a_nan_step_is_skipped_and_logged(tmp_path):
+    train(*ITERS, "--save", str(tmp_path), nproc=1, env={"ANGPT_TEST_NAN_AT_ITERATIONS": "3"})
+    steps = {r["iteration"]: r for r in records(tmp_path)}
+    assert steps[3]["skipped"] == 1 and steps[3]["lm_loss"] is None  # NaN is written as null
+    assert all(steps[i]["skipped"] == 0 for i in (1, 2, 4, 5, 6))
+    assert steps[6]["lm_loss"] < steps[2]["lm_loss"]
+
+
+def test_repeated_nans_stop_the_run_with_the_last_good_state(tmp_path, single_process):
+    reference = tmp_path / "reference"
+    train(*ITERS, "--save", str(reference), "--exit-interval", "2", nproc=1)
+    run_dir = tmp_path / "run"
+    output = train(*ITERS, "--save", str(run_dir), "--max-skipped-steps", "2", nproc=1, expect=1,
+                   env={"ANGPT_TEST_NAN_AT_ITERATIONS": "3,4,5,6"})
+    assert "3 steps in a row had a NaN or Inf loss or grad norm (--max-skipped-steps 2)" in output
+    assert latest(run_dir) == 5
+    good, saved = checkpoint_tensors(reference, 2), checkpoint_tensors(run_dir, 5)
+    weights = [key for key in good if not key.startswith("optimizer.")]
+    assert weights and all(torch.equal(good[key], saved[key]) for key in weights)
+
+
+def test_two_nodes_train_like_one_node_with_four_processes(tmp_path):
+    flags = ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer", "--train-iters", "3"]
+    one_node = tmp_path / "one_node"
+    train(*flags, "--save", str(one_node), nproc=4)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    two_nodes = tmp_path / "two_nodes"
+    nodes = [
+        subprocess.Popen(
+            command(*flags, "--save", str(two_nodes), nproc=2,
+                    torchrun=("--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
+                              "--master-port", str(port))),
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment())
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert losses(two_nodes) == losses(one_node)
+    assert latest(two_nodes) == latest(one_node) == 3
