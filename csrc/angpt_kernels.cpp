@@ -54,11 +54,13 @@ void check_swiglu(const at::Tensor& uz, const at::Tensor& s_u, const at::Tensor&
   TORCH_CHECK(at::isFloatingType(uz.scalar_type()), "scaled_swiglu: uz must be floating point, got ", uz.scalar_type());
   TORCH_CHECK(s_u.dim() == 1 && s_u.sizes() == s_v.sizes(), "scaled_swiglu: s_u and s_v must be vectors of one size");
   TORCH_CHECK(uz.dim() >= 1 && uz.size(-1) == 2 * s_u.numel(),
-              "scaled_swiglu: the last dim of uz (", uz.size(-1), ") must be twice the size of s_u (", s_u.numel(), ")");
+              "scaled_swiglu: the last dim of uz (", uz.size(-1), ") must be twice the size of s_u (", s_u.numel(),
+              ")");
   const auto acc = at::toOpMathType(uz.scalar_type());
   TORCH_CHECK(s_u.scalar_type() == acc && s_v.scalar_type() == acc, "scaled_swiglu: scales must be ", acc,
               " for ", uz.scalar_type(), " inputs");
-  TORCH_CHECK(s_u.device() == uz.device() && s_v.device() == uz.device(), "scaled_swiglu: tensors on different devices");
+  TORCH_CHECK(s_u.device() == uz.device() && s_v.device() == uz.device(),
+              "scaled_swiglu: tensors on different devices");
 }
 
 std::vector<int64_t> output_sizes(const at::Tensor& uz, int64_t f) {
@@ -87,7 +89,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_backward(const at::Tensor&
                                                                double input_factor, double output_factor) {
   check_swiglu(uz_in, s_u_in, s_v_in);
   const int64_t f = s_u_in.numel();
-  TORCH_CHECK(grad_in.sizes() == at::IntArrayRef(output_sizes(uz_in, f)) && grad_in.scalar_type() == uz_in.scalar_type(),
+  TORCH_CHECK(grad_in.sizes() == at::IntArrayRef(output_sizes(uz_in, f)) &&
+                  grad_in.scalar_type() == uz_in.scalar_type(),
               "scaled_swiglu: the output gradient must have the output's shape and dtype");
   const at::Tensor grad = grad_in.contiguous(), uz = uz_in.contiguous();
   const at::Tensor s_u = s_u_in.contiguous(), s_v = s_v_in.contiguous();
@@ -160,7 +163,9 @@ void project_whole_(const std::vector<PieceArg>& args, bool bound) {
   for (auto& [dtype, pieces] : group_pieces(args, device, 0)) {
     dispatch(
         device, [&] { cpu::project_whole(pieces, dtype, bound); },
-        [&](auto to_cuda, void* stream) { cuda::project_whole(to_cuda(dtype), pieces.data(), pieces.size(), bound, stream); });
+        [&](auto to_cuda, void* stream) {
+          cuda::project_whole(to_cuda(dtype), pieces.data(), pieces.size(), bound, stream);
+        });
   }
 }
 

@@ -42,7 +42,9 @@ template <>
 __device__ __forceinline__ __half from_acc<__half>(float x) { return __float2half_rn(x); }
 
 inline void check(cudaError_t error, const char* what) {
-  if (error != cudaSuccess) throw std::runtime_error(std::string("angpt CUDA kernels: ") + what + ": " + cudaGetErrorString(error));
+  if (error != cudaSuccess) {
+    throw std::runtime_error(std::string("angpt CUDA kernels: ") + what + ": " + cudaGetErrorString(error));
+  }
 }
 
 // Calls body(T{}) with the element type T of `dtype`.

@@ -25,7 +25,9 @@ __device__ int64_t find_piece(const int64_t* first_block, int64_t count, int64_t
 }
 
 __device__ __forceinline__ int64_t first_row(const Piece& piece) { return piece.offset / piece.cols; }
-__device__ __forceinline__ int64_t last_row(const Piece& piece) { return (piece.offset + piece.numel - 1) / piece.cols; }
+__device__ __forceinline__ int64_t last_row(const Piece& piece) {
+  return (piece.offset + piece.numel - 1) / piece.cols;
+}
 
 // The factor rounded to the element type as PyTorch's `factor.to(dtype)` (bf16 and fp16 through fp32).
 template <typename T>
