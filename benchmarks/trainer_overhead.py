@@ -1,0 +1,193 @@
+#!/usr/bin/env python
+"""The trainer's overhead over a bare PyTorch loop, then anGPT and nGPT against GPT+, in one process.
+
+    python benchmarks/trainer_overhead.py [--model-family angpt --hidden-size 256 --num-layers 4
+        --seq-length 256 --micro-batch-size 4 --num-microbatches 1 --repeats 10] [--skip-families]
+
+1. Trainer versus bare loop, the same model, batch and optimizer math on a gloo world of one:
+   - trainer: `build_model_chunks` + `build_optimizer` + `train_step`, the path `angpt.pretrain` takes
+     (megatron-core's DDP and forward-backward schedule, its optimizer with grad clipping and the
+     post-step weight projection as an optimizer hook, the lr scheduler, the NaN/Inf check);
+   - bare loop: the same family and shape built by `build_model` without DDP, started from the trainer's
+     weights, `torch.optim.AdamW` with the same lr, betas and eps and no weight decay, then
+     `clip_grad_norm_` to the same 1.0, `step()` and the same `project_parameters_`.
+   Both take one step on the same fixed in-memory batch per repeat, alternating which goes first
+   (A B, B A, ...); the headline is the median of the per-repeat ratios (each pair ran under the same
+   load), next to the ratios of the medians and of the minima. Both losses after the first update are printed, to show that the
+   two do the same arithmetic and the ratio is the trainer's cost alone.
+2. The three families at that shape through the trainer path, as ratios to GPT+ next to the paper's
+   (anGPT +2.75%, nGPT +9.6% on 4x A100): `benchmarks/step_time.py`, run here with the same shape.
+
+On this 2-core CPU the defaults take about two minutes.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-family", choices=("angpt", "gptplus", "ngpt"), default="angpt",
+                        help="family of the trainer-versus-bare-loop comparison")
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--num-attention-heads", type=int, default=4)
+    parser.add_argument("--seq-length", type=int, default=256)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--num-microbatches", type=int, default=1, help="gradient accumulation per step")
+    parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--repeats", type=int, default=10, help="timed steps of each (after one warm-up)")
+    parser.add_argument("--skip-families", action="store_true", help="only the trainer-versus-bare-loop part")
+    return parser.parse_args()
+
+
+def fixed_batches(args) -> list[dict]:
+    """`--num-microbatches` micro-batches of random tokens, the same for every step of both paths."""
+    b, s = args.micro_batch_size, args.seq_length
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(args.num_microbatches):
+        tokens = torch.randint(0, args.vocab_size, (b, s + 1), generator=generator)
+        batches.append(dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(b, s),
+                            position_ids=torch.arange(s).unsqueeze(0).expand(b, -1)))
+    return batches
+
+
+class TrainerPath:
+    """What `angpt.trainer.Trainer.train_one_step` runs, without data loading and logging."""
+
+    def __init__(self, args, config):
+        from angpt.optimizer import build_optimizer
+        from angpt.training import build_model_chunks
+
+        self.args = args
+        self.chunks = build_model_chunks(config, args.vocab_size, args.seq_length)
+        # Many iterations: the cosine schedule keeps the lr at --lr for the few steps measured here.
+        self.optimizer, self.scheduler = build_optimizer(self.chunks, args.model_family, lr=args.lr,
+                                                         train_iters=1_000_000, weight_decay=0.0)
+
+    def step(self, batches) -> float:
+        from angpt.training import train_step
+
+        loss, _, _ = train_step(iter(batches), self.chunks, self.optimizer, self.scheduler, len(batches),
+                                self.args.micro_batch_size, self.args.seq_length)
+        return loss
+
+
+class BarePath:
+    """The same model and update in plain PyTorch: forward, backward, clip, AdamW, projection."""
+
+    def __init__(self, args, config, weights: dict, clip_grad: float, betas: tuple, eps: float):
+        from angpt.models import WEIGHT_CONSTRAINTS, build_model
+
+        self.model = build_model(config, args.vocab_size, args.seq_length)
+        self.model.load_state_dict(weights)
+        self.constraint = WEIGHT_CONSTRAINTS[args.model_family]
+        self.clip_grad = clip_grad
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=betas, eps=eps,
+                                           weight_decay=0.0)
+
+    def step(self, batches) -> float:
+        from angpt.bounding import project_parameters_
+
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for batch in batches:
+            per_token = self.model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+            mask = batch["loss_mask"]
+            loss = (per_token.float() * mask).sum() / mask.sum()
+            (loss / len(batches)).backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad)
+        self.optimizer.step()
+        if self.constraint is not None:
+            project_parameters_([self.model], self.constraint)
+        return total / len(batches)
+
+
+def measure_overhead(args) -> None:
+    from angpt.models import model_config
+
+    shape = dict(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                 num_attention_heads=args.num_attention_heads)
+    trainer = TrainerPath(args, model_config(args.model_family, **shape))
+    adam = trainer.optimizer.config
+    bare = BarePath(args, model_config(args.model_family, **shape), trainer.chunks[0].module.state_dict(),
+                    adam.clip_grad, (adam.adam_beta1, adam.adam_beta2), adam.adam_eps)
+    paths = {"bare PyTorch loop": bare, "trainer (train_step)": trainer}
+    batches = fixed_batches(args)
+
+    times = {name: [] for name in paths}
+    losses = {name: [] for name in paths}
+    for repeat in range(args.repeats + 1):  # repeat 0 warms up
+        order = list(paths) if repeat % 2 == 0 else list(reversed(paths))
+        for name in order:
+            start = time.perf_counter()
+            losses[name].append(paths[name].step(batches))
+            elapsed = time.perf_counter() - start
+            if repeat:
+                times[name].append(elapsed)
+
+    b, s = args.micro_batch_size, args.seq_length
+    print(f"trainer overhead: {args.model_family} d={args.hidden_size} layers={args.num_layers} "
+          f"heads={args.num_attention_heads} seq={s} micro-batch={b} x {args.num_microbatches} "
+          f"vocab={args.vocab_size}, {args.repeats} repeats interleaved, {torch.get_num_threads()} threads")
+    base = statistics.median(times["bare PyTorch loop"])
+    print(f"{'path':<22} {'median step':>12} {'min':>9} {'max':>9} {'vs bare':>8}")
+    for name, samples in times.items():
+        median = statistics.median(samples)
+        print(f"{name:<22} {median * 1e3:>10.1f}ms {min(samples) * 1e3:>7.1f}ms {max(samples) * 1e3:>7.1f}ms "
+              f"{median / base:>8.3f}")
+    trainer_losses, bare_losses = losses["trainer (train_step)"], losses["bare PyTorch loop"]
+    print(f"same math: loss at step 1 trainer {trainer_losses[0]:.6f} bare {bare_losses[0]:.6f}; "
+          f"after the first update trainer {trainer_losses[1]:.6f} bare {bare_losses[1]:.6f}")
+    # Each repeat times the two back to back, so their ratio sees the same load on a shared machine.
+    paired = [t / b for t, b in zip(times["trainer (train_step)"], times["bare PyTorch loop"])]
+    ratio_of_minima = min(times["trainer (train_step)"]) / min(times["bare PyTorch loop"])
+    print(f"trainer / bare loop: {statistics.median(paired):.3f} (median of {len(paired)} paired ratios; "
+          f"ratio of medians {statistics.median(times['trainer (train_step)']) / base:.3f}, "
+          f"of minima {ratio_of_minima:.3f})")
+
+
+def main():
+    args = parse_args()
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from angpt import distributed
+
+    distributed.initialize()  # a gloo (or NCCL) world of one process without torchrun
+    try:
+        measure_overhead(args)
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    if args.skip_families:
+        return
+    # The families through the trainer path: step_time.py measures exactly that; run it at this shape.
+    import step_time
+
+    print()
+    argv = sys.argv
+    sys.argv = [step_time.__file__, "--hidden-size", str(args.hidden_size), "--num-layers", str(args.num_layers),
+                "--num-attention-heads", str(args.num_attention_heads), "--seq-length", str(args.seq_length),
+                "--micro-batch-size", str(args.micro_batch_size), "--vocab-size", str(args.vocab_size),
+                "--rounds", str(args.repeats)]
+    try:
+        step_time.main()
+    finally:
+        sys.argv = argv
+
+
+if __name__ == "__main__":
+    main()
