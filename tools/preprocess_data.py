@@ -97,6 +97,10 @@ _worker = {}
 
 def init_worker(tokenizer, keys: list, append_eod: bool, dtype: type, threads: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and ends the pool
+    # The parent's SIGTERM handler would run only in this process's main thread, but the signal may be
+    # delivered to one of the tokenizer's threads while the main thread waits on the task queue, which
+    # then never wakes: Pool.terminate() hung. Die at once instead.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     tokenizer.set_threads(threads)
     _worker.update(tokenizer=tokenizer, keys=keys,
                    append_eod=append_eod, dtype=dtype)
@@ -192,6 +196,8 @@ def tokenize_partition(job: PartitionJob) -> Stats:
                 write(pending.popleft().get())
         while pending:
             write(pending.popleft().get())
+        pool.close()  # let the workers finish on their own; terminate() is for failures
+        pool.join()
     bar.close()
     for key, builder in builders.items():
         builder.finalize(job.output_prefixes[key] + ".idx")
