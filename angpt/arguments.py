@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     lr.add_argument("--adam-eps", type=float, default=1e-8)
     lr.add_argument("--seed", type=int, default=1234)
 
+    precision = parser.add_argument_group("precision")
+    precision.add_argument("--bf16", action="store_true", help="bf16 weights and activations, fp32 main weights "
+                           "in the optimizer (learnable scales stay fp32)")
+
     data = parser.add_argument_group("data")
     data.add_argument("--data-path", nargs="+", help="PREFIX, or W1 PREFIX1 W2 PREFIX2 ... to blend")
     data.add_argument("--split", default="969,30,1", help="train,valid,test weights of --data-path")
@@ -121,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
                              help="delete older checkpoints once a newer one is complete")
     checkpoints.add_argument("--ckpt-format", choices=("torch_dist",), default="torch_dist")
     checkpoints.add_argument("--async-save", action="store_true",
-                             help="write checkpoints in the background (megatron-core's async save; GPUs only)")
+                             help="write checkpoints from a background process while training goes on "
+                             "(megatron-core's async save); committed at a later step")
     checkpoints.add_argument("--no-load-optim", action="store_true", help="do not load the optimizer state")
     checkpoints.add_argument("--no-load-rng", action="store_true", help="do not load the RNG states")
     checkpoints.add_argument("--finetune", action="store_true",
@@ -225,6 +230,10 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
                      f"{args.micro_batch_size} x data-parallel size {dp}")
     if args.sequence_parallel and tp == 1:
         parser.error("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    if args.bf16 and not args.use_distributed_optimizer:
+        # Its state-dict mapping skips fp32 parameters inside a bf16 model, which the learnable scales are.
+        parser.error("--bf16 needs --use-distributed-optimizer (megatron-core's other bf16 optimizer cannot "
+                     "checkpoint the fp32 learnable scales)")
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         parser.error("--overlap-param-gather needs --use-distributed-optimizer")
     if args.max_position_embeddings is not None and args.max_position_embeddings < args.seq_length:

@@ -197,7 +197,8 @@ def save_checkpoint(
     the tensors are written in the background and the checkpoint is committed when the queue finalizes
     the request; otherwise it is committed before this returns. `before_commit` runs on every rank after
     the files are written and before the commit (tests pause there to kill a save midway)."""
-    final = checkpoint_dir(root, state.iteration)
+    iteration = state.iteration  # the state moves on while an async save is being written
+    final = checkpoint_dir(root, iteration)
     staging = final + INCOMPLETE
     rank = dist.get_rank()
     if rank == 0:
@@ -230,7 +231,7 @@ def save_checkpoint(
             if os.path.isdir(final):  # a checkpoint of this iteration that is not the latest one
                 shutil.rmtree(final)
             os.rename(staging, final)
-            _write_latest(root, state.iteration)
+            _write_latest(root, iteration)
             _delete_old(root, keep_last)
             logger.info("saved checkpoint %s", final)
         dist.barrier()

@@ -46,7 +46,9 @@ def model_config_from_args(args: argparse.Namespace):
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=virtual_pipeline_stages(args),
         sequence_parallel=args.sequence_parallel,
-        pipeline_dtype=torch.float32,
+        bf16=args.bf16,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         init_method_std=args.init_method_std,
         post_norm=args.angpt_post_norm,
         nu_p_reading=args.angpt_nu_p,
@@ -155,7 +157,7 @@ class Trainer:
             lr_decay_style=args.lr_decay_style, lr_decay_iters=decay_iters,
             lr_wsd_decay_iters=args.lr_wsd_decay_iters, lr_wsd_decay_style=args.lr_wsd_decay_style,
             clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
-            adam_eps=args.adam_eps, use_distributed_optimizer=args.use_distributed_optimizer,
+            adam_eps=args.adam_eps, use_distributed_optimizer=args.use_distributed_optimizer, bf16=args.bf16,
         )
         self.state = TrainState()
         if args.save and self.rank == 0:
@@ -167,6 +169,8 @@ class Trainer:
                 load_rng=not args.no_load_rng, finetune=args.finetune,
             )
             self.state = loaded or self.state
+        # Nothing to save before the first step of this run (a resumed state is in its checkpoint).
+        self.saved_iteration = self.state.iteration
         self.async_queue = None
         if args.async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -241,8 +245,9 @@ class Trainer:
 
     def save(self) -> None:
         args = self.args
-        if not args.save or checkpointing.read_latest_iteration(args.save) == self.state.iteration:
+        if not args.save or self.saved_iteration == self.state.iteration:
             return
+        self.saved_iteration = self.state.iteration
         pause = None
         if self.faults.pause_in_save_at == self.state.iteration:
             pause = faults.pause_forever

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# The whole path on a small real corpus: fetch Shakespeare's plays, train a byte-level BPE, write Megatron
-# indexed datasets, and pretrain a small anGPT with tensor parallelism 2 on two CPU processes (gloo).
-# Each data step is skipped when its output exists. On GPUs the same commands run on NCCL.
+# The main job, small: fetch Shakespeare's plays, train a byte-level BPE, write Megatron indexed datasets,
+# and pretrain a small anGPT with tensor parallelism 2 on two CPU processes (gloo) for a few minutes,
+# evaluating on the held-out plays and ending with a checkpoint and its validation loss.
+# Each data step is skipped when its output exists; training resumes from $RUN_DIR if it was interrupted.
+# On GPUs the same commands run on NCCL. Extra arguments go to angpt.pretrain.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONWARNINGS=ignore
 corpus=${CORPUS_DIR:-data/shakespeare}
+run=${RUN_DIR:-runs/quickstart}
+iters=${TRAIN_ITERS:-300}
 
 [ -f "$corpus/train.jsonl" ] || python tools/fetch_example_corpus.py --output-dir "$corpus"
 [ -f "$corpus/tokenizer/tokenizer.json" ] || \
@@ -21,7 +25,16 @@ torchrun --standalone --nproc-per-node 2 -m angpt.pretrain \
     --tensor-model-parallel-size 2 \
     --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 128 \
     --micro-batch-size 8 --global-batch-size 16 \
-    --train-iters 100 --lr 1e-2 --log-interval 10 \
+    --train-iters "$iters" --lr 1e-2 \
     --train-data-path "$corpus/train_text_document" --valid-data-path "$corpus/valid_text_document" \
     --data-cache-path "$corpus/cache" \
+    --eval-interval 100 --eval-iters 8 --log-interval 10 \
+    --save "$run" --load "$run" --save-interval 100 --keep-last-n-checkpoints 2 \
     "$@"
+
+echo "checkpoint: $run/iter_$(printf %07d "$(cat "$run/latest_checkpointed_iteration.txt")")"
+python - "$run/metrics.jsonl" <<'PY'
+import json, sys
+evals = [r for r in map(json.loads, open(sys.argv[1])) if r["kind"] == "eval" and r["split"] == "validation"]
+print(f"validation loss at iteration {evals[-1]['iteration']}: {evals[-1]['lm_loss']:.4f}")
+PY

@@ -57,6 +57,7 @@ def test_training_at_tensor_parallel_2_lowers_the_loss(family, tmp_path):
         (["--mock-data"], "--mock-data needs --vocab-size"),
         ([], "no training data: give --data-path, --train-data-path or --mock-data"),
         ([*MOCK, "--save-interval", "10"], "--save-interval needs --save"),
+        ([*MOCK, "--bf16"], "--bf16 needs --use-distributed-optimizer"),
         ([*MOCK, "--lr-decay-style", "WSD"], "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
         ([*MOCK, "--exit-interval", "5"], "need --save"),
         ([*MOCK, "--train-samples", "12"], "--train-samples 12 is not a multiple of --global-batch-size 8"),

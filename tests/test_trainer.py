@@ -91,6 +91,7 @@ def wait_for_iteration(run_dir, iteration: int, process: subprocess.Popen, timeo
 LAYOUTS = {
     "tp2": ["--tensor-model-parallel-size", "2"],
     "dp2_distributed_optimizer": ["--use-distributed-optimizer"],
+    "bf16_dp2_distributed_optimizer": ["--use-distributed-optimizer", "--bf16"],
 }
 
 
@@ -123,6 +124,15 @@ def test_a_resumed_run_equals_an_uninterrupted_one_bit_for_bit(layout, uninterru
     assert not differing
 
 
+def test_an_async_save_writes_what_a_synchronous_one_does(uninterrupted, tmp_path, single_process):
+    train(*LAYOUTS["tp2"], *ITERS, "--save", str(tmp_path), "--save-interval", "3", "--async-save")
+    assert latest(tmp_path) == 6
+    for iteration in (3, 6):
+        written, expected = checkpoint_tensors(tmp_path, iteration), checkpoint_tensors(uninterrupted["tp2"], iteration)
+        assert written.keys() == expected.keys()
+        assert all(torch.equal(written[key], expected[key]) for key in written)
+
+
 @pytest.mark.parametrize(
     "saved, layout, nproc",
     [("tp2", ["--pipeline-model-parallel-size", "2"], 2), ("dp2_distributed_optimizer", ["--use-distributed-optimizer"], 1)],
@@ -141,8 +151,10 @@ def test_a_checkpoint_continues_at_another_layout(saved, layout, nproc, uninterr
 
 def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
     flags = ["--use-distributed-optimizer", *ITERS, "--save", str(tmp_path), "--save-interval", "2"]
+    import psutil
+
     process = subprocess.Popen(command(*flags), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, env=environment(ANGPT_TEST_PAUSE_IN_SAVE_AT="4"), start_new_session=True)
+                               text=True, env=environment(ANGPT_TEST_PAUSE_IN_SAVE_AT="4"))
     try:
         deadline = time.monotonic() + 240
         # metadata.json is written once every rank's tensors are; the commit is what the save pauses before.
@@ -151,7 +163,9 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
             time.sleep(0.2)
         time.sleep(1)
     finally:
-        os.killpg(process.pid, signal.SIGKILL)
+        # As a node that dies: the launcher and every training process (each in a session of its own).
+        for victim in [*psutil.Process(process.pid).children(recursive=True), process]:
+            victim.kill()
         process.wait()
     assert latest(tmp_path) == 2
     assert not (tmp_path / "iter_0000004").exists()
