@@ -1,0 +1,35 @@
+"""`make quickstart`'s script end to end on the real corpus, shortened: it must learn far more than
+token frequencies."""
+
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT
+
+
+def unigram_entropy(bin_file: str) -> float:
+    """Entropy (nats) of the tokens' own frequencies: the loss of the best model that ignores context."""
+    counts = np.bincount(np.fromfile(bin_file, dtype=np.uint16)).astype(np.float64)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+@pytest.mark.multiprocess
+def test_the_quickstart_validation_loss_falls_well_below_the_unigram_entropy(tmp_path):
+    corpus, run = tmp_path / "corpus", tmp_path / "run"
+    env = {**os.environ, "CORPUS_DIR": str(corpus), "RUN_DIR": str(run), "TRAIN_ITERS": "150",
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    done = subprocess.run(["bash", os.path.join(ROOT, "examples", "quickstart.sh")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-5000:]
+    loss = float(re.search(r"validation loss at iteration 150: ([0-9.]+)", output).group(1))
+    entropy = unigram_entropy(str(corpus / "valid_text_document.bin"))
+    print(f"validation loss {loss:.3f}, unigram entropy of the validation tokens {entropy:.3f}")
+    assert loss < entropy - 0.5
+    assert (run / "iter_0000150").is_dir() and (run / "latest_checkpointed_iteration.txt").read_text().strip() == "150"
