@@ -72,9 +72,11 @@ class TrainerPath:
 
         self.args = args
         self.chunks = build_model_chunks(config, args.vocab_size, args.seq_length)
-        # Many iterations: the cosine schedule keeps the lr at --lr for the few steps measured here.
+        # No warm-up (GPT+'s recipe has one) and many iterations: the lr stays at --lr for the few steps
+        # measured here, as in the bare loop; no weight decay in either.
         self.optimizer, self.scheduler = build_optimizer(self.chunks, args.model_family, lr=args.lr,
-                                                         train_iters=1_000_000, weight_decay=0.0)
+                                                         train_iters=1_000_000, weight_decay=0.0,
+                                                         lr_warmup_iters=0)
 
     def step(self, batches) -> float:
         from angpt.training import train_step
@@ -141,7 +143,8 @@ def measure_overhead(args) -> None:
     b, s = args.micro_batch_size, args.seq_length
     print(f"trainer overhead: {args.model_family} d={args.hidden_size} layers={args.num_layers} "
           f"heads={args.num_attention_heads} seq={s} micro-batch={b} x {args.num_microbatches} "
-          f"vocab={args.vocab_size}, {args.repeats} repeats interleaved, {torch.get_num_threads()} threads")
+          f"vocab={args.vocab_size}, {args.repeats} repeats interleaved, {torch.get_num_threads()} threads, "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     base = statistics.median(times["bare PyTorch loop"])
     print(f"{'path':<22} {'median step':>12} {'min':>9} {'max':>9} {'vs bare':>8}")
     for name, samples in times.items():
@@ -157,6 +160,9 @@ def measure_overhead(args) -> None:
     print(f"trainer / bare loop: {statistics.median(paired):.3f} (median of {len(paired)} paired ratios; "
           f"ratio of medians {statistics.median(times['trainer (train_step)']) / base:.3f}, "
           f"of minima {ratio_of_minima:.3f})")
+    spread = max(max(t) / min(t) for t in times.values())
+    if spread > 1.5:
+        print(f"noisy: the slowest step took {spread:.1f}x the fastest of the same path; rerun on a quieter machine")
 
 
 def main():
