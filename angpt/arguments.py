@@ -18,6 +18,8 @@ from angpt.models.config import FACTOR_MODES, MODEL_FAMILIES, NU_P_READINGS, POS
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 EXIT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
+# On/off settings a --config file may switch on get a --no-... form to switch them off again.
+SWITCH = argparse.BooleanOptionalAction
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,10 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     parallel.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parallel.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     parallel.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
-    parallel.add_argument("--sequence-parallel", action="store_true")
-    parallel.add_argument("--use-distributed-optimizer", action="store_true")
-    parallel.add_argument("--overlap-grad-reduce", action="store_true")
-    parallel.add_argument("--overlap-param-gather", action="store_true")
+    parallel.add_argument("--sequence-parallel", action=SWITCH, default=False)
+    parallel.add_argument("--use-distributed-optimizer", action=SWITCH, default=False)
+    parallel.add_argument("--overlap-grad-reduce", action=SWITCH, default=False)
+    parallel.add_argument("--overlap-param-gather", action=SWITCH, default=False)
     parallel.add_argument("--distributed-timeout-minutes", type=float, default=10)
 
     batch = parser.add_argument_group("batch and length of training")
@@ -100,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     lr.add_argument("--seed", type=int, default=1234)
 
     precision = parser.add_argument_group("precision")
-    precision.add_argument("--bf16", action="store_true", help="bf16 weights and activations, fp32 main weights "
+    precision.add_argument("--bf16", action=SWITCH, default=False, help="bf16 weights and activations, fp32 main weights "
                            "in the optimizer (learnable scales stay fp32)")
 
     data = parser.add_argument_group("data")
@@ -124,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoints.add_argument("--keep-last-n-checkpoints", type=int,
                              help="delete older checkpoints once a newer one is complete")
     checkpoints.add_argument("--ckpt-format", choices=("torch_dist",), default="torch_dist")
-    checkpoints.add_argument("--async-save", action="store_true",
+    checkpoints.add_argument("--async-save", action=SWITCH, default=False,
                              help="write checkpoints from a background process while training goes on "
                              "(megatron-core's async save); committed at a later step")
     checkpoints.add_argument("--no-load-optim", action="store_true", help="do not load the optimizer state")
@@ -198,7 +200,7 @@ def read_config(parser: argparse.ArgumentParser, path: str) -> dict:
                 value = action.type(value)
             except (TypeError, ValueError):
                 parser.error(f"--config {path}: {key}: {value!r} is not a valid {action.type.__name__} ({flag})")
-        elif action.const is True and not isinstance(value, bool):
+        elif isinstance(action, (argparse._StoreTrueAction, SWITCH)) and not isinstance(value, bool):
             parser.error(f"--config {path}: {key}: expected true or false ({flag})")
         defaults[dest] = value
     return defaults

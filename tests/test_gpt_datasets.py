@@ -73,3 +73,17 @@ def test_datasets_tokenized_differently_are_refused(two_prefixes, tmp_path):
     json.dump(meta, open(b + ".json", "w"))
     with pytest.raises(ValueError, match="tokenized differently"):
         dataset_vocabulary(DataArguments(data_path=["1", a, "1", b]))
+
+
+def test_a_split_left_without_documents_is_refused_by_name(tmp_path, single_process):
+    """70 documents at 969,30,1: the test split gets round(0.999 * 70) = round(70) = 70, nothing. megatron-core
+    would loop forever building it."""
+    prefix = str(tmp_path / "small_text_document")
+    write_dataset(prefix, 70, 3)
+    data = DataArguments(data_path=[prefix], split="969,30,1", data_cache_path=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match=f"--split 969,30,1 leaves the test split of {prefix} without documents "
+                                         r"\(it has 70\)"):
+        build_datasets(data, dataset_vocabulary(data), 16, 1234, [64, 8, 8])
+    data = DataArguments(data_path=[prefix], split="96,4,0", data_cache_path=str(tmp_path / "cache"))
+    train, valid, test = build_datasets(data, dataset_vocabulary(data), 16, 1234, [64, 8, 0])
+    assert len(train) >= 64 and len(valid) >= 8 and test is None

@@ -134,6 +134,7 @@ def test_a_yaml_config_sets_flags_and_the_command_line_overrides_it(tmp_path, mo
     args = parse_args(["--config", str(config), "--lr", "0.01"])
     assert (args.model_family, args.num_layers, args.tensor_model_parallel_size) == ("ngpt", 6, 2)
     assert args.use_distributed_optimizer and args.mock_data and args.lr == 0.01
+    assert not parse_args(["--config", str(config), "--no-use-distributed-optimizer"]).use_distributed_optimizer
 
 
 @pytest.mark.parametrize(

@@ -100,9 +100,22 @@ def build_datasets(data: DataArguments, vocabulary, seq_length: int, seed: int, 
         # The model builds its causal mask itself.
         create_attention_mask=False,
     )
+    if blend is not None:
+        _check_every_split_has_documents(data.split, config.split_matrix, blend[0])
     dataset_type = MockGPTDataset if data.mock_data else GPTDataset
     # Every rank builds: rank 0 first writes the index caches, the others then read them.
     return BlendedMegatronDatasetBuilder(dataset_type, list(samples), lambda: True, config).build()
+
+
+def _check_every_split_has_documents(split: str, split_matrix, prefixes) -> None:
+    """megatron-core's GPTDataset loops forever on a split without documents; refuse it by name. The
+    bounds are computed as megatron-core's dataset builder computes them."""
+    for prefix in prefixes:
+        documents = read_metadata(prefix)["documents"]
+        for name, bounds in zip(("train", "validation", "test"), split_matrix):
+            if bounds is not None and round(bounds[0] * documents) == round(bounds[1] * documents):
+                raise ValueError(f"--split {split} leaves the {name} split of {prefix} without documents "
+                                 f"(it has {documents}): give that split more weight, or 0 to have none")
 
 
 def micro_batches(dataset, consumed_samples: int, global_batch_size: int, micro_batch_size: int,
