@@ -76,6 +76,9 @@ setup(
         "tensorboard",
         # `angpt.pretrain --config run.yaml`.
         "pyyaml",
+        # Hugging Face export and import (angpt/hf/, tools/convert_to_hf.py, tools/convert_from_hf.py).
+        "transformers>=5",
+        "safetensors",
     ],
     extras_require={
         "test": ["pytest>=8"],

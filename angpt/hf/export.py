@@ -1,0 +1,348 @@
+"""Export an angpt checkpoint to a Hugging Face model directory (tools/convert_to_hf.py).
+
+anGPT and nGPT become the remote-code model of `modeling_angpt.py` (copied into the output), with the
+constant normalization factors folded into the weights; GPT+ becomes transformers' own `Qwen3ForCausalLM`
+(the same block: pre-RMSNorm, per-head QK RMSNorm before RoPE, SwiGLU, final RMSNorm). The checkpoint is
+read in one CPU process whatever layout saved it: distributed checkpoints store tensors by global name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from angpt import checkpointing
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REMOTE_CODE = ("configuration_angpt.py", "modeling_angpt.py")
+AUTO_MAP = {"AutoConfig": "configuration_angpt.AnGPTConfig", "AutoModelForCausalLM": "modeling_angpt.AnGPTForCausalLM"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+LAYER = "decoder.layers."
+
+
+class ExportError(ValueError):
+    """A checkpoint that cannot be exported; the message says why."""
+
+
+@dataclass
+class Checkpoint:
+    path: str  # the iter_XXXXXXX directory
+    args: dict  # the training flags it was saved with
+    tensors: dict  # the model's tensors by global name, layers stacked: [num_layers, ...]
+
+    @property
+    def family(self) -> str:
+        return self.args["model_family"]
+
+
+def ensure_process_group() -> None:
+    """megatron-core's checkpoint loading needs a process group: a one-process gloo group will do."""
+    from megatron.core import parallel_state
+
+    from angpt import distributed
+
+    if not parallel_state.model_parallel_is_initialized():
+        distributed.initialize()
+
+
+def checkpoint_path(load: str, iteration: Optional[int] = None) -> str:
+    """The iter_XXXXXXX directory of `iteration`, or of the latest one under `load`."""
+    if not os.path.isdir(load):
+        raise ExportError(f"{load}: no such directory")
+    if iteration is None:
+        try:
+            iteration = checkpointing.read_latest_iteration(load)
+        except checkpointing.CheckpointError as error:
+            raise ExportError(str(error)) from error
+        if iteration is None:
+            raise ExportError(f"{load} is not a checkpoint directory: it has no {checkpointing.LATEST}")
+    path = checkpointing.checkpoint_dir(load, iteration)
+    if not os.path.isdir(path):
+        found = checkpointing.complete_iterations(load)
+        raise ExportError(f"{load} has no checkpoint of iteration {iteration} (it has {found or 'none'})")
+    return path
+
+
+def read_checkpoint(load: str, iteration: Optional[int] = None) -> Checkpoint:
+    from megatron.core import dist_checkpointing
+
+    path = checkpoint_path(load, iteration)
+    ensure_process_group()
+    try:
+        common = dist_checkpointing.load_common_state_dict(path)
+    except Exception as error:  # megatron-core raises several kinds for a directory it cannot read
+        raise ExportError(f"{path} is not a readable distributed checkpoint: {error}") from error
+    args = common.get("args")
+    if not isinstance(args, dict) or "model_family" not in args:
+        raise ExportError(f"{path} records no training arguments with a model family: not an angpt checkpoint")
+    if args["model_family"] not in ("angpt", "ngpt", "gptplus"):
+        raise ExportError(f"{path}: unknown model family {args['model_family']!r} (angpt, ngpt or gptplus can be exported)")
+    loaded = dist_checkpointing.load_plain_tensors(path)
+    tensors = {key: value for key, value in loaded.items()
+               if isinstance(value, torch.Tensor) and not key.startswith("optimizer")}
+    return Checkpoint(path, args, tensors)
+
+
+def single_process_args(args: dict) -> argparse.Namespace:
+    """The saved flags at one process (TP = PP = 1, no virtual stages), in fp32."""
+    return argparse.Namespace(**{
+        **args, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "sequence_parallel": False,
+        "num_layers_per_virtual_pipeline_stage": None, "bf16": False, "recompute_granularity": None,
+    })
+
+
+def model_config(checkpoint: Checkpoint):
+    from angpt.trainer import model_config_from_args
+
+    return model_config_from_args(single_process_args(checkpoint.args))
+
+
+def tokenizer_description(checkpoint: Checkpoint) -> Optional[dict]:
+    path = os.path.join(checkpoint.path, "tokenizer", "angpt_tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as file:
+        return json.load(file)
+
+
+@dataclass
+class Vocabulary:
+    size: int  # the tokenizer's, to which the padded vocabulary is trimmed
+    eos_token_id: int
+    tokenizer_file: Optional[str]  # tokenizer.json copied with the checkpoint, when there is one
+    eos_token: Optional[str]
+
+
+def vocabulary(checkpoint: Checkpoint) -> Vocabulary:
+    description = tokenizer_description(checkpoint)
+    if description is None:  # --mock-data: ids 0..vocab_size-1, the last one ending documents
+        size = checkpoint.args["vocab_size"]
+        return Vocabulary(size, size - 1, None, None)
+    if description.get("type") != "HuggingFaceTokenizer":
+        raise ExportError(f"{checkpoint.path}: tokenizer type {description.get('type')!r} cannot be exported yet "
+                          "(HuggingFaceTokenizer can)")
+    from tokenizers import Tokenizer
+
+    path = os.path.join(checkpoint.path, "tokenizer", os.path.basename(description["model"]["path"]))
+    tokenizer = Tokenizer.from_file(path)
+    eos = description["eod_token"]
+    size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+    return Vocabulary(size, tokenizer.token_to_id(eos), path, eos)
+
+
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_groups: int, head_dim: int):
+    """megatron-core's fused QKV rows, [q heads of group g; k_g; v_g] for each query group g, as (q, k, v)."""
+    per_group = num_heads // num_groups
+    grouped = qkv.view(num_groups, (per_group + 2) * head_dim, -1)
+    q, k, v = grouped.split([per_group * head_dim, head_dim, head_dim], dim=1)
+    return q.reshape(-1, qkv.shape[-1]), k.reshape(-1, qkv.shape[-1]), v.reshape(-1, qkv.shape[-1])
+
+
+def join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """The inverse of `split_qkv`."""
+    hidden = q.shape[-1]
+    grouped = [t.reshape(num_groups, -1, hidden) for t in (q, k, v)]
+    return torch.cat(grouped, dim=1).reshape(-1, hidden)
+
+
+def folded_factors(config) -> dict[str, float]:
+    """What each exported weight of anGPT / nGPT is multiplied by: the constant factors after it, except
+    those an exact normalization cancels (QK-norm after W_q and W_k; the post-norm after W_v, W_o, W_up,
+    W_down, whose outputs reach it through linear maps only)."""
+    import math
+
+    if config.constant_factors == "exact":
+        raise ExportError("the 'exact' constant-factor ablation normalizes activations where the factors were; "
+                          "the exported model folds constant factors only")
+    nu = config.normalization_factors()
+    sqrt_d = math.sqrt(config.hidden_size)
+    u_gain = sqrt_d if config.model_family == "ngpt" else 1.0
+    cancelled = config.post_norm == "l2"
+    return {
+        "q_proj": 1.0,
+        "k_proj": 1.0,
+        "v_proj": 1.0 if cancelled else nu.nu_qkv,
+        "o_proj": 1.0 if cancelled else nu.nu_p,
+        "up_proj": 1.0 if cancelled else nu.nu_uz * u_gain,
+        "gate_proj": nu.nu_uz * sqrt_d,
+        "down_proj": 1.0 if cancelled else nu.nu_acf * nu.nu_d,
+    }
+
+
+def scale_multipliers(config) -> dict[str, float]:
+    from angpt.models.scales import scale_init
+
+    multipliers = {}
+    for name in ("alpha", "s_qk", "s_u", "s_v", "s_z"):
+        s_init, s_scale = scale_init(config, name)
+        multipliers[name] = s_init / s_scale
+    return multipliers
+
+
+def head_dim(args: dict) -> int:
+    return args.get("kv_channels") or args["hidden_size"] // args["num_attention_heads"]
+
+
+def query_groups(args: dict) -> int:
+    return args.get("num_query_groups") or args["num_attention_heads"]
+
+
+def normalized_state_dict(checkpoint: Checkpoint, config, size: int) -> dict[str, torch.Tensor]:
+    """The remote-code model's tensors from the checkpoint's (anGPT, nGPT)."""
+    t, args = checkpoint.tensors, checkpoint.args
+    factors = folded_factors(config)
+    f = config.ffn_hidden_size
+    state = {"model.embed_tokens.weight": t["embedding.word_embeddings.weight"][:size]}
+    head = t.get("output_layer.weight", t["embedding.word_embeddings.weight"])
+    state["lm_head.weight"] = head[:size]
+    state["s_z.s_hat"] = t["output_layer.logit_scale.s_hat"][:size]
+    for i in range(args["num_layers"]):
+        prefix = f"model.layers.{i}."
+        q, k, v = split_qkv(t[LAYER + "self_attention.linear_qkv.weight"][i], args["num_attention_heads"],
+                            query_groups(args), head_dim(args))
+        fc1 = t[LAYER + "mlp.linear_fc1.weight"][i]
+        weights = {
+            "self_attn.q_proj": q, "self_attn.k_proj": k, "self_attn.v_proj": v,
+            "self_attn.o_proj": t[LAYER + "self_attention.linear_proj.weight"][i],
+            "mlp.up_proj": fc1[:f], "mlp.gate_proj": fc1[f:],  # angpt's fc1 is [u; z], SiLU on z
+            "mlp.down_proj": t[LAYER + "mlp.linear_fc2.weight"][i],
+        }
+        for name, weight in weights.items():
+            factor = factors[name.split(".")[1]]
+            state[f"{prefix}{name}.weight"] = weight if factor == 1.0 else weight * factor
+        state[prefix + "self_attn.s_qk.s_hat"] = t[LAYER + "self_attention.core_attention.s_qk.s_hat"][i]
+        state[prefix + "mlp.s_u.s_hat"] = t[LAYER + "mlp.s_u.s_hat"][i]
+        state[prefix + "mlp.s_v.s_hat"] = t[LAYER + "mlp.s_v.s_hat"][i]
+        if config.residual == "lerp":
+            state[prefix + "attention_residual.alpha.s_hat"] = t[LAYER + "attention_residual.alpha.s_hat"][i]
+            state[prefix + "mlp_residual.alpha.s_hat"] = t[LAYER + "mlp_residual.alpha.s_hat"][i]
+    return state
+
+
+def qwen3_state_dict(checkpoint: Checkpoint, config, size: int) -> dict[str, torch.Tensor]:
+    """Qwen3ForCausalLM's tensors from a GPT+ checkpoint's (megatron-core stores each pre-norm's weight
+    with the linear layer after it, as Transformer Engine fuses them)."""
+    t, args = checkpoint.tensors, checkpoint.args
+    f = config.ffn_hidden_size
+    state = {
+        "model.embed_tokens.weight": t["embedding.word_embeddings.weight"][:size],
+        "model.norm.weight": t["decoder.final_layernorm.weight"],
+        "lm_head.weight": t.get("output_layer.weight", t["embedding.word_embeddings.weight"])[:size],
+    }
+    for i in range(args["num_layers"]):
+        prefix = f"model.layers.{i}."
+        q, k, v = split_qkv(t[LAYER + "self_attention.linear_qkv.weight"][i], args["num_attention_heads"],
+                            query_groups(args), head_dim(args))
+        fc1 = t[LAYER + "mlp.linear_fc1.weight"][i]
+        state.update({
+            prefix + "input_layernorm.weight": t[LAYER + "self_attention.linear_qkv.layer_norm_weight"][i],
+            prefix + "self_attn.q_proj.weight": q,
+            prefix + "self_attn.k_proj.weight": k,
+            prefix + "self_attn.v_proj.weight": v,
+            prefix + "self_attn.q_norm.weight": t[LAYER + "self_attention.q_layernorm.weight"][i],
+            prefix + "self_attn.k_norm.weight": t[LAYER + "self_attention.k_layernorm.weight"][i],
+            prefix + "self_attn.o_proj.weight": t[LAYER + "self_attention.linear_proj.weight"][i],
+            prefix + "post_attention_layernorm.weight": t[LAYER + "mlp.linear_fc1.layer_norm_weight"][i],
+            # megatron-core's gated fc1 is [gate; up], SiLU on the first half.
+            prefix + "mlp.gate_proj.weight": fc1[:f],
+            prefix + "mlp.up_proj.weight": fc1[f:],
+            prefix + "mlp.down_proj.weight": t[LAYER + "mlp.linear_fc2.weight"][i],
+        })
+    return state
+
+
+def hf_config(checkpoint: Checkpoint, config, vocab: Vocabulary, dtype: str):
+    args = checkpoint.args
+    common = dict(
+        vocab_size=vocab.size, hidden_size=config.hidden_size, intermediate_size=config.ffn_hidden_size,
+        num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=query_groups(args), head_dim=head_dim(args),
+        max_position_embeddings=args["seq_length"], tie_word_embeddings=False,
+        bos_token_id=vocab.eos_token_id, eos_token_id=vocab.eos_token_id, dtype=dtype,
+    )
+    if checkpoint.family == "gptplus":
+        from transformers import Qwen3Config
+
+        return Qwen3Config(**common, rms_norm_eps=config.layernorm_epsilon, attention_bias=False, hidden_act="silu",
+                           rope_parameters={"rope_type": "default", "rope_theta": float(config.rotary_base)},
+                           architectures=["Qwen3ForCausalLM"])
+    from angpt.factors import NU_PLAIN_RESIDUAL
+    from angpt.hf.configuration_angpt import AnGPTConfig
+
+    hf = AnGPTConfig(
+        **common, rope_theta=float(config.rotary_base), model_family=config.model_family, post_norm=config.post_norm,
+        residual=config.residual, nu_alpha_mode=config.nu_alpha_mode, nu_alpha_multiplier=config.nu_alpha_multiplier,
+        nu_alpha_plain=NU_PLAIN_RESIDUAL, alpha_abs=config.alpha_abs, scale_multipliers=scale_multipliers(config),
+        architectures=["AnGPTForCausalLM"],
+    )
+    hf.auto_map = AUTO_MAP
+    return hf
+
+
+def save_safetensors(state: dict[str, torch.Tensor], output: str, max_shard_bytes: int) -> None:
+    """model.safetensors, or model-0000i-of-0000n.safetensors and their index above `max_shard_bytes`."""
+    from safetensors.torch import save_file
+
+    shards, current, current_bytes = [], {}, 0
+    for name, tensor in state.items():
+        size = tensor.numel() * tensor.element_size()
+        if current and current_bytes + size > max_shard_bytes:
+            shards.append(current)
+            current, current_bytes = {}, 0
+        current[name] = tensor.contiguous()
+        current_bytes += size
+    shards.append(current)
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(output, "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for index, shard in enumerate(shards, start=1):
+        name = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(output, name), metadata={"format": "pt"})
+        weight_map.update({key: name for key in shard})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    with open(os.path.join(output, "model.safetensors.index.json"), "w") as file:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, file, indent=2)
+
+
+def save_tokenizer(vocab: Vocabulary, output: str, max_length: int) -> None:
+    if vocab.tokenizer_file is None:
+        return
+    shutil.copy(vocab.tokenizer_file, os.path.join(output, "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": vocab.eos_token, "bos_token": vocab.eos_token,
+              "pad_token": vocab.eos_token, "model_max_length": max_length, "clean_up_tokenization_spaces": False}
+    with open(os.path.join(output, "tokenizer_config.json"), "w") as file:
+        json.dump(config, file, indent=2)
+
+
+def export(load: str, output: str, iteration: Optional[int] = None, dtype: str = "float32",
+           max_shard_bytes: int = 5 * 2**30) -> Checkpoint:
+    """Write the Hugging Face directory of a checkpoint; returns the checkpoint read."""
+    from transformers import GenerationConfig
+
+    if dtype not in DTYPES:
+        raise ExportError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    checkpoint = read_checkpoint(load, iteration)
+    config = model_config(checkpoint)
+    vocab = vocabulary(checkpoint)
+    if checkpoint.family == "gptplus":
+        state = qwen3_state_dict(checkpoint, config, vocab.size)
+    else:
+        state = normalized_state_dict(checkpoint, config, vocab.size)
+    state = {name: tensor.to(DTYPES[dtype]) for name, tensor in state.items()}
+    os.makedirs(output, exist_ok=True)
+    hf_config(checkpoint, config, vocab, dtype).save_pretrained(output)
+    if checkpoint.family != "gptplus":
+        for name in REMOTE_CODE:
+            shutil.copy(os.path.join(HERE, name), os.path.join(output, name))
+    save_safetensors(state, output, max_shard_bytes)
+    save_tokenizer(vocab, output, checkpoint.args["seq_length"])
+    GenerationConfig(bos_token_id=vocab.eos_token_id, eos_token_id=vocab.eos_token_id,
+                     pad_token_id=vocab.eos_token_id).save_pretrained(output)
+    return checkpoint

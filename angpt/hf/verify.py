@@ -1,0 +1,109 @@
+"""Our model next to an exported one: angpt's megatron-core model at one process in fp32, loaded from the
+checkpoint, and the checks the converter runs on what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from angpt.hf.export import DTYPES, Checkpoint, ensure_process_group, model_config
+
+# Whatever the tokenizer, the check runs on the same ids (taken modulo the vocabulary).
+PROMPT_IDS = [17, 3, 101, 42, 7, 250, 64, 9, 128, 31, 77, 5]
+PROMPT_TEXT = "The quick brown fox"
+
+
+def load_megatron_model(checkpoint: Checkpoint):
+    """angpt's model of the checkpoint at TP = PP = 1 in fp32, in eval mode."""
+    from megatron.core import dist_checkpointing
+
+    from angpt.models.gpt import build_model
+
+    ensure_process_group()
+    config = model_config(checkpoint)
+    padded_vocab = checkpoint.tensors["embedding.word_embeddings.weight"].shape[0]
+    model = build_model(config, padded_vocab, checkpoint.args["seq_length"], parallel_output=False)
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, checkpoint.path)
+    model.load_state_dict(loaded["model"], strict=True)
+    return model.eval()
+
+
+@torch.no_grad()
+def megatron_logits(model, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[batch, tokens, vocab_size] logits of our model (padding columns dropped)."""
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    return model(tokens, positions, None)[..., :vocab_size].float()
+
+
+@torch.no_grad()
+def megatron_greedy(model, tokens: torch.Tensor, new_tokens: int, vocab_size: int,
+                    eos_token_id: Optional[int] = None) -> torch.Tensor:
+    """Greedy continuation of one sequence by our model, recomputing it whole each step (no cache), up to
+    and including the end-of-document token, as `generate()` stops."""
+    for _ in range(new_tokens):
+        following = megatron_logits(model, tokens, vocab_size)[:, -1].argmax(-1, keepdim=True)
+        tokens = torch.cat([tokens, following], dim=1)
+        if following.item() == eos_token_id:
+            break
+    return tokens
+
+
+def load_exported(output: str, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(output, trust_remote_code=True, dtype=dtype).eval()
+
+
+def prompt(output: str, vocab_size: int) -> torch.Tensor:
+    """The fixed prompt: PROMPT_TEXT through the exported tokenizer, or PROMPT_IDS without one."""
+    if os.path.isfile(os.path.join(output, "tokenizer.json")):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(output)(PROMPT_TEXT, return_tensors="pt").input_ids
+    return torch.tensor([[i % vocab_size for i in PROMPT_IDS]])
+
+
+@dataclass
+class Verification:
+    max_logit_difference: float
+    cosine_similarity: float  # of the two models' logits, flattened
+    same_argmax: bool  # at every position of the prompt
+    greedy_agrees: bool
+    ours: list
+    exported: list
+    text: Optional[str]
+
+    def passed(self, dtype: str) -> bool:
+        """The acceptance of the tests: fp32 equal to rounding and the same greedy continuation; bf16 the
+        same direction and the same argmax at every position."""
+        if dtype == "float32":
+            return self.max_logit_difference < 1e-4 and self.greedy_agrees
+        return self.cosine_similarity > 0.999 and self.same_argmax
+
+
+@torch.no_grad()
+def verify(checkpoint: Checkpoint, output: str, new_tokens: int = 20) -> Verification:
+    """Run the fixed prompt through our model and the exported one (in the exported dtype)."""
+    with open(os.path.join(output, "config.json")) as file:
+        dtype = DTYPES[json.load(file).get("dtype", "float32")]
+    exported = load_exported(output, dtype)
+    vocab_size = exported.config.vocab_size
+    ours = load_megatron_model(checkpoint)
+    tokens = prompt(output, vocab_size)
+    theirs, reference = exported(tokens).logits.float(), megatron_logits(ours, tokens, vocab_size)
+    cosine = torch.nn.functional.cosine_similarity(theirs.flatten(), reference.flatten(), dim=0).item()
+    same_argmax = torch.equal(theirs.argmax(-1), reference.argmax(-1))
+    expected = megatron_greedy(ours, tokens, new_tokens, vocab_size, exported.config.eos_token_id)
+    generated = exported.generate(tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=new_tokens,
+                                  do_sample=False)
+    text = None
+    if os.path.isfile(os.path.join(output, "tokenizer.json")):
+        from transformers import AutoTokenizer
+
+        text = AutoTokenizer.from_pretrained(output).decode(generated[0])
+    return Verification((theirs - reference).abs().max().item(), cosine, same_argmax, torch.equal(generated, expected),
+                        expected[0].tolist(), generated[0].tolist(), text)
