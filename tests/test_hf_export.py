@@ -1,0 +1,179 @@
+"""Hugging Face export (tools/convert_to_hf.py, angpt/hf/): models trained a few steps at TP 2 or PP 2,
+exported, loaded with transformers and compared with angpt's own model (TP 1, fp32, one process) on
+logits, greedy decoding and padded batches."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+from test_pretrain import preprocessed  # noqa: F401  (the fixture: a tokenizer and dataset of pydoc topics)
+
+pytestmark = pytest.mark.multiprocess
+
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-2", "--train-iters", "4",
+         "--log-interval", "1", "--eval-iters", "0"]
+# Each family at a layout that splits its tensors: the export reads them back whole.
+RUNS = {
+    "angpt": ["--model-family", "angpt", "--tensor-model-parallel-size", "2"],  # on the pydoc dataset
+    "ngpt": ["--model-family", "ngpt", "--pipeline-model-parallel-size", "2", "--mock-data", "--vocab-size", "256"],
+    # 200 ids padded to 256: the export trims the head to the vocabulary.
+    "gptplus": ["--model-family", "gptplus", "--pipeline-model-parallel-size", "2", "--mock-data", "--vocab-size", "200"],
+}
+
+
+def run(*command: str, expect: int = 0) -> str:
+    done = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore"})
+    output = done.stdout + done.stderr
+    assert done.returncode == expect, f"exit code {done.returncode}, expected {expect}:\n{output[-5000:]}"
+    return output
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, preprocessed):  # noqa: F811
+    """{family: checkpoint directory}."""
+    dirs = {}
+    for family, flags in RUNS.items():
+        save = tmp_path_factory.mktemp(f"{family}_checkpoint")
+        data = ["--data-path", str(preprocessed), "--split", "98,2,0", "--data-cache-path", str(save)] \
+            if "--mock-data" not in flags else []
+        run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "angpt.pretrain",
+            *MODEL, *flags, *data, "--save", str(save))
+        dirs[family] = str(save)
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def exported(checkpoints, tmp_path_factory, single_process):
+    """{(family, dtype): (checkpoint, Hugging Face directory)}, written by the library."""
+    from angpt.hf.export import export
+
+    out = {}
+    for family, load in checkpoints.items():
+        for dtype in ("float32", "bfloat16"):
+            output = str(tmp_path_factory.mktemp(f"{family}_{dtype}_hf"))
+            out[family, dtype] = export(load, output, dtype=dtype), output
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(exported):
+    """{family: (angpt's model, the exported fp32 model, the exported bf16 model)}."""
+    from angpt.hf.verify import load_exported, load_megatron_model
+
+    return {family: (load_megatron_model(exported[family, "float32"][0]),
+                     load_exported(exported[family, "float32"][1]),
+                     load_exported(exported[family, "bfloat16"][1], torch.bfloat16))
+            for family in RUNS}
+
+
+def tokens(vocab_size: int, shape=(2, 24), seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab_size, shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", RUNS)
+def test_the_exported_model_computes_our_logits(family, models):
+    from angpt.hf.verify import megatron_logits
+
+    ours, fp32, bf16 = models[family]
+    ids = tokens(fp32.config.vocab_size)
+    reference = megatron_logits(ours, ids, fp32.config.vocab_size)
+    with torch.no_grad():
+        theirs = fp32(ids).logits
+        theirs_bf16 = bf16(ids).logits.float()
+    difference = (theirs - reference).abs().max().item()
+    cosine = torch.nn.functional.cosine_similarity(theirs_bf16.flatten(), reference.flatten(), dim=0).item()
+    print(f"{family}: fp32 max |difference| {difference:.3g}; bf16 cosine similarity {cosine:.6f}")
+    assert theirs.shape == reference.shape
+    assert difference < 1e-4
+    assert cosine > 0.999
+    assert torch.equal(theirs_bf16.argmax(-1), reference.argmax(-1))
+
+
+@pytest.mark.parametrize("family", RUNS)
+def test_greedy_generation_matches_our_greedy_decoding(family, models):
+    from angpt.hf.verify import megatron_greedy
+
+    ours, fp32, _ = models[family]
+    prompt = tokens(fp32.config.vocab_size, (1, 8), seed=1)
+    with torch.no_grad():
+        generated = fp32.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20, do_sample=False)
+    expected = megatron_greedy(ours, prompt, 20, fp32.config.vocab_size, fp32.config.eos_token_id)
+    print(family, generated[0, 8:].tolist())
+    assert generated.shape[1] == 28 or generated[0, -1] == fp32.config.eos_token_id
+    assert torch.equal(generated, expected)
+
+
+@pytest.mark.parametrize("family", RUNS)
+def test_a_left_padded_batch_gives_the_logits_of_its_rows_alone(family, models):
+    _, fp32, _ = models[family]
+    long, short = tokens(fp32.config.vocab_size, (1, 16), seed=2), tokens(fp32.config.vocab_size, (1, 9), seed=3)
+    padding = long.shape[1] - short.shape[1]
+    batch = torch.cat([long, torch.cat([torch.full((1, padding), fp32.config.eos_token_id), short], dim=1)])
+    mask = torch.ones_like(batch)
+    mask[1, :padding] = 0
+    with torch.no_grad():
+        padded = fp32(batch, attention_mask=mask).logits
+        alone = [fp32(long).logits[0], fp32(short).logits[0]]
+    torch.testing.assert_close(padded[0], alone[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(padded[1, padding:], alone[1], rtol=0, atol=1e-5)
+
+
+def test_the_export_carries_the_tokenizer_with_the_end_of_document_token_as_eos(exported, preprocessed):  # noqa: F811
+    from transformers import AutoTokenizer
+
+    from angpt.data.tokenizers import EOD_TOKEN, build_tokenizer
+
+    output = exported["angpt", "float32"][1]
+    theirs = AutoTokenizer.from_pretrained(output)
+    ours = build_tokenizer("HuggingFaceTokenizer", os.path.join(os.path.dirname(preprocessed), "tokenizer"))
+    text = "Return the value of the named attribute of object."
+    assert theirs(text).input_ids == ours.encode_batch([text])[0]
+    assert theirs.eos_token == EOD_TOKEN and theirs.eos_token_id == ours.eod
+    with open(os.path.join(output, "generation_config.json")) as file:
+        assert json.load(file)["eos_token_id"] == ours.eod
+    with open(os.path.join(output, "config.json")) as file:
+        config = json.load(file)
+    assert config["vocab_size"] == ours.vocab_size
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_angpt.AnGPTForCausalLM"
+
+
+def test_gptplus_is_exported_as_qwen3_without_remote_code(exported):
+    from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
+
+    output = exported["gptplus", "float32"][1]
+    assert not any(name.endswith(".py") for name in os.listdir(output))
+    model = AutoModelForCausalLM.from_pretrained(output)
+    assert type(model) is Qwen3ForCausalLM and model.config.vocab_size == 200
+
+
+def test_large_weights_are_sharded_with_an_index(checkpoints, tmp_path, single_process):
+    from safetensors import safe_open
+
+    from angpt.hf.export import export
+
+    export(checkpoints["ngpt"], str(tmp_path), max_shard_bytes=100_000)
+    with open(tmp_path / "model.safetensors.index.json") as file:
+        weight_map = json.load(file)["weight_map"]
+    shards = sorted(set(weight_map.values()))
+    assert len(shards) > 1 and not (tmp_path / "model.safetensors").exists()
+    for shard in shards:
+        with safe_open(str(tmp_path / shard), "pt") as file:
+            assert file.metadata() == {"format": "pt"}
+            assert set(file.keys()) == {key for key, name in weight_map.items() if name == shard}
+
+
+def test_the_converter_checks_its_output_against_our_model(checkpoints, tmp_path):
+    output = run("tools/convert_to_hf.py", "--load", checkpoints["angpt"], "--output", str(tmp_path))
+    print(output[-1500:])
+    assert "max |logit difference|" in output and "same argmax everywhere: True" in output
+    assert "greedy continuation of 20 tokens agrees" in output
+    assert "exported model's continuation: 'The quick brown fox" in output
