@@ -177,3 +177,58 @@ def test_the_converter_checks_its_output_against_our_model(checkpoints, tmp_path
     assert "max |logit difference|" in output and "same argmax everywhere: True" in output
     assert "greedy continuation of 20 tokens agrees" in output
     assert "exported model's continuation: 'The quick brown fox" in output
+
+
+@pytest.mark.parametrize("family", RUNS)
+def test_export_then_import_gives_back_every_tensor_bit_exactly(family, exported, tmp_path):
+    from angpt.hf.export import read_checkpoint
+    from angpt.hf.importer import import_hf
+
+    checkpoint, output = exported[family, "float32"]
+    import_hf(output, str(tmp_path))
+    original, imported = checkpoint.tensors, read_checkpoint(str(tmp_path)).tensors
+    assert imported.keys() == original.keys()
+    with open(os.path.join(output, "config.json")) as file:
+        vocab_size = json.load(file)["vocab_size"]
+    # Rows past the vocabulary pad it for tensor parallelism: the export drops them, the import zeroes them.
+    differing = [key for key in original
+                 if not torch.equal(imported[key][:vocab_size], original[key][:vocab_size])]
+    assert not differing
+
+
+def test_an_imported_checkpoint_is_fine_tuned_by_the_trainer_at_another_layout(exported, tmp_path):
+    output = exported["ngpt", "float32"][1]
+    printed = run("tools/convert_from_hf.py", "--input", output, "--save", str(tmp_path))
+    assert "--model-family ngpt --num-layers 2 --hidden-size 64 --seq-length 32" in printed
+    trained = run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "angpt.pretrain",
+                  *MODEL, *RUNS["ngpt"][:2], "--tensor-model-parallel-size", "2", "--mock-data", "--vocab-size", "256",
+                  "--train-iters", "1", "--load", str(tmp_path), "--finetune")
+    assert "for fine-tuning" in trained and "iteration        1/       1" in trained
+
+
+def test_a_directory_that_is_not_a_checkpoint_is_refused_by_name(tmp_path):
+    printed = run("tools/convert_to_hf.py", "--load", str(tmp_path), "--output", str(tmp_path / "hf"), expect=1)
+    assert f"convert_to_hf: {tmp_path} is not a checkpoint directory: it has no latest_checkpointed_iteration.txt" \
+        in printed
+
+
+def test_a_missing_iteration_is_refused_with_the_ones_there(checkpoints, tmp_path, single_process):
+    from angpt.hf.export import ExportError, export
+
+    with pytest.raises(ExportError, match=r"has no checkpoint of iteration 7 \(it has \[4\]\)"):
+        export(checkpoints["ngpt"], str(tmp_path), iteration=7)
+
+
+def test_a_checkpoint_of_an_unknown_family_is_refused(checkpoints, tmp_path, single_process):
+    import shutil
+
+    from angpt.hf.export import ExportError, export
+
+    copy = tmp_path / "checkpoint"
+    shutil.copytree(checkpoints["ngpt"], copy)
+    common_file = copy / "iter_0000004" / "common.pt"
+    common = torch.load(common_file, weights_only=False)
+    common["args"]["model_family"] = "bert"
+    torch.save(common, common_file)
+    with pytest.raises(ExportError, match="unknown model family 'bert'"):
+        export(str(copy), str(tmp_path / "hf"))

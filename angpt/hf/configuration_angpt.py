@@ -31,6 +31,8 @@ class AnGPTConfig(PretrainedConfig):
         nu_alpha_plain=0.7071067811865476,
         alpha_abs=False,
         scale_multipliers=None,
+        folded_factors=None,
+        angpt_args=None,
         use_cache=True,
         tie_word_embeddings=False,
         **kwargs,
@@ -59,5 +61,9 @@ class AnGPTConfig(PretrainedConfig):
         # Each learnable scale is stored as its surrogate s_hat and used as s = multiplier * s_hat, with
         # multiplier = s_init / s_scale (spec section 5), exactly as in training.
         self.scale_multipliers = scale_multipliers or {"alpha": 1.0, "s_qk": 1.0, "s_u": 1.0, "s_v": 1.0, "s_z": 1.0}
+        # What the converter multiplied each weight by (documentation, and undone by convert_from_hf.py).
+        self.folded_factors = folded_factors or {}
+        # The angpt training flags of the model's shape and switches.
+        self.angpt_args = angpt_args or {}
         self.use_cache = use_cache
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

@@ -24,6 +24,13 @@ REMOTE_CODE = ("configuration_angpt.py", "modeling_angpt.py")
 AUTO_MAP = {"AutoConfig": "configuration_angpt.AnGPTConfig", "AutoModelForCausalLM": "modeling_angpt.AnGPTForCausalLM"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LAYER = "decoder.layers."
+# The training flags that shape an anGPT / nGPT model, recorded in its config.json (`angpt_args`) so that
+# tools/convert_from_hf.py rebuilds the same model and unfolds the same factors.
+MODEL_FLAGS = ("model_family", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+               "ffn_hidden_size", "kv_channels", "seq_length", "rotary_base", "tie_embeddings_and_output_weights",
+               "angpt_post_norm", "angpt_nu_p", "angpt_alpha_init", "angpt_constant_factors",
+               "angpt_constant_factor_multiplier", "angpt_nu_alpha", "angpt_nu_alpha_multiplier",
+               "angpt_no_nu_alpha_grad", "angpt_residual")
 
 
 class ExportError(ValueError):
@@ -279,7 +286,8 @@ def hf_config(checkpoint: Checkpoint, config, vocab: Vocabulary, dtype: str):
         **common, rope_theta=float(config.rotary_base), model_family=config.model_family, post_norm=config.post_norm,
         residual=config.residual, nu_alpha_mode=config.nu_alpha_mode, nu_alpha_multiplier=config.nu_alpha_multiplier,
         nu_alpha_plain=NU_PLAIN_RESIDUAL, alpha_abs=config.alpha_abs, scale_multipliers=scale_multipliers(config),
-        architectures=["AnGPTForCausalLM"],
+        architectures=["AnGPTForCausalLM"], folded_factors=folded_factors(config),
+        angpt_args={flag: args.get(flag) for flag in MODEL_FLAGS},
     )
     hf.auto_map = AUTO_MAP
     return hf

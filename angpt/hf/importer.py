@@ -1,0 +1,200 @@
+"""Import a Hugging Face model directory as an angpt checkpoint (tools/convert_from_hf.py): anGPT and nGPT
+directories written by tools/convert_to_hf.py, and Qwen3-shaped models as GPT+. The checkpoint holds the
+model at TP = PP = 1 (distributed checkpoints load at any layout) and the trainer takes it with
+`--load DIR --finetune`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+from dataclasses import asdict
+
+import torch
+
+from angpt import checkpointing
+from angpt.hf.export import ExportError, MODEL_FLAGS, ensure_process_group, join_qkv, single_process_args
+
+logger = logging.getLogger("angpt.hf")
+
+
+def read_hf(directory: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json, every tensor by name) of a Hugging Face model directory, sharded or not."""
+    from safetensors.torch import load_file
+
+    config_path = os.path.join(directory, "config.json")
+    if not os.path.isfile(config_path):
+        raise ExportError(f"{directory} is not a Hugging Face model directory: it has no config.json")
+    with open(config_path) as file:
+        config = json.load(file)
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as file:
+            files = sorted(set(json.load(file)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(directory, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise ExportError(f"{directory} has no safetensors weights (model.safetensors or its index)")
+    tensors = {}
+    for name in files:
+        tensors.update(load_file(os.path.join(directory, name)))
+    return config, tensors
+
+
+def default_args() -> dict:
+    from angpt.arguments import build_parser
+
+    return vars(build_parser().parse_args([]))
+
+
+def model_flags(args: dict) -> str:
+    """The command-line flags of the model in `args` that differ from the trainer's defaults."""
+    defaults = default_args()
+    flags = []
+    for name in MODEL_FLAGS:
+        if args.get(name) != defaults.get(name):
+            flag = "--" + name.replace("_", "-")
+            flags.append(flag if args[name] is True else f"{flag} {args[name]}")
+    return " ".join(flags)
+
+
+def qwen3_args(config: dict) -> dict:
+    """The training flags of a Qwen3 model as GPT+, refusing what GPT+ does not have."""
+    rope = config.get("rope_parameters") or {"rope_type": "default", "rope_theta": config.get("rope_theta", 10000)}
+    unsupported = {
+        "attention_bias": config.get("attention_bias"), "use_sliding_window": config.get("use_sliding_window"),
+        "rope_type": rope.get("rope_type") != "default", "hidden_act": config.get("hidden_act", "silu") != "silu",
+    }
+    refused = [name for name, value in unsupported.items() if value]
+    if refused:
+        raise ExportError(f"this Qwen3 model has {', '.join(refused)}, which GPT+ does not")
+    if not math.isclose(config.get("rms_norm_eps", 1e-5), 1e-5):
+        logger.warning("the model's RMSNorm epsilon is %g; angpt's GPT+ uses 1e-5", config["rms_norm_eps"])
+    return {
+        "model_family": "gptplus", "num_layers": config["num_hidden_layers"], "hidden_size": config["hidden_size"],
+        "num_attention_heads": config["num_attention_heads"], "num_query_groups": config["num_key_value_heads"],
+        "kv_channels": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+        "ffn_hidden_size": config["intermediate_size"], "seq_length": config["max_position_embeddings"],
+        "rotary_base": int(rope["rope_theta"]), "tie_embeddings_and_output_weights": config.get("tie_word_embeddings", False),
+    }
+
+
+def layer_weights(config: dict, tensors: dict, args: dict) -> dict[str, torch.Tensor]:
+    """angpt's (unstacked) parameter names and values, from the Hugging Face ones."""
+    normalized = config["model_type"] == "angpt"
+    factors = config.get("folded_factors", {}) if normalized else {}
+    groups = args["num_query_groups"] or args["num_attention_heads"]
+
+    def weight(prefix: str, name: str) -> torch.Tensor:
+        value = tensors[f"{prefix}{name}.weight"].float()
+        factor = factors.get(name.split(".")[-1], 1.0)
+        return value if factor == 1.0 else value / factor
+
+    state = {}
+    for i in range(args["num_layers"]):
+        hf, ours = f"model.layers.{i}.", f"decoder.layers.{i}."
+        q, k, v = (weight(hf, f"self_attn.{name}_proj") for name in "qkv")
+        up, gate = weight(hf, "mlp.up_proj"), weight(hf, "mlp.gate_proj")
+        state.update({
+            ours + "self_attention.linear_qkv.weight": join_qkv(q, k, v, groups),
+            ours + "self_attention.linear_proj.weight": weight(hf, "self_attn.o_proj"),
+            # angpt's fc1 is [u; z] with SiLU on z; GPT+'s (megatron-core's) is [gate; up].
+            ours + "mlp.linear_fc1.weight": torch.cat([up, gate] if normalized else [gate, up]),
+            ours + "mlp.linear_fc2.weight": weight(hf, "mlp.down_proj"),
+        })
+        if normalized:
+            state[ours + "self_attention.core_attention.s_qk.s_hat"] = tensors[hf + "self_attn.s_qk.s_hat"]
+            state[ours + "mlp.s_u.s_hat"] = tensors[hf + "mlp.s_u.s_hat"]
+            state[ours + "mlp.s_v.s_hat"] = tensors[hf + "mlp.s_v.s_hat"]
+            for residual in ("attention_residual", "mlp_residual"):
+                if hf + f"{residual}.alpha.s_hat" in tensors:
+                    state[ours + f"{residual}.alpha.s_hat"] = tensors[hf + f"{residual}.alpha.s_hat"]
+        else:
+            state.update({
+                ours + "input_layernorm.weight": tensors[hf + "input_layernorm.weight"],
+                ours + "self_attention.q_layernorm.weight": tensors[hf + "self_attn.q_norm.weight"],
+                ours + "self_attention.k_layernorm.weight": tensors[hf + "self_attn.k_norm.weight"],
+                ours + "pre_mlp_layernorm.weight": tensors[hf + "post_attention_layernorm.weight"],
+            })
+    return state
+
+
+def vocabulary_weights(config: dict, tensors: dict) -> dict[str, torch.Tensor]:
+    """The tensors indexed by token (padded later) and GPT+'s final norm."""
+    state = {"embedding.word_embeddings.weight": tensors["model.embed_tokens.weight"]}
+    if "lm_head.weight" in tensors:
+        state["output_layer.weight"] = tensors["lm_head.weight"]
+    if config["model_type"] == "angpt":
+        state["output_layer.logit_scale.s_hat"] = tensors["s_z.s_hat"]
+    else:
+        state["decoder.final_layernorm.weight"] = tensors["model.norm.weight"]
+    return state
+
+
+def tokenizer_description(directory: str, eos_token_id: int):
+    """The description the trainer saves with a checkpoint, of the directory's tokenizer.json."""
+    path = os.path.join(directory, "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    from tokenizers import Tokenizer
+
+    from angpt.data.tokenizers import describe_file
+
+    return {"type": "HuggingFaceTokenizer", "model": describe_file(path),
+            "eod_token": Tokenizer.from_file(path).id_to_token(eos_token_id)}
+
+
+def import_hf(directory: str, save: str, make_vocab_size_divisible_by: int = 128, tensor_parallel: int = 1) -> dict:
+    """Write `directory` as the checkpoint `save`/iter_0000000; returns its training flags. The vocabulary
+    is padded as the trainer pads it at `tensor_parallel` ranks, with zero rows."""
+    from megatron.core import dist_checkpointing
+
+    from angpt.models.gpt import build_model
+    from angpt.trainer import model_config_from_args, padded_vocab_size
+
+    config, tensors = read_hf(directory)
+    if config.get("model_type") == "angpt":
+        if not config.get("angpt_args"):
+            raise ExportError(f"{directory}: an anGPT config without angpt_args was not written by convert_to_hf.py")
+        model_args = config["angpt_args"]
+    elif config.get("model_type") == "qwen3":
+        model_args = qwen3_args(config)
+    else:
+        raise ExportError(f"{directory}: model type {config.get('model_type')!r} cannot be imported "
+                          "(anGPT/nGPT exported by angpt, or Qwen3 as GPT+)")
+    vocab_size = config["vocab_size"]
+    args = {**default_args(), **{k: v for k, v in model_args.items() if k in MODEL_FLAGS},
+            "vocab_size": vocab_size, "make_vocab_size_divisible_by": make_vocab_size_divisible_by}
+    ensure_process_group()
+    model = build_model(model_config_from_args(single_process_args(args)),
+                        padded_vocab_size(vocab_size, make_vocab_size_divisible_by, tensor_parallel),
+                        args["seq_length"])
+    state = {**layer_weights(config, tensors, args), **vocabulary_weights(config, tensors)}
+    parameters = dict(model.named_parameters())
+    missing = sorted(set(parameters) - set(state))
+    if missing:
+        raise ExportError(f"{directory} lacks tensors for {missing[:5]}")
+    with torch.no_grad():
+        for name, parameter in parameters.items():
+            value = state[name].to(parameter.dtype)
+            if value.shape != parameter.shape:  # the vocabulary, padded
+                parameter.zero_()
+                parameter[: value.shape[0]] = value
+            else:
+                parameter.copy_(value)
+    final = checkpointing.checkpoint_dir(save, 0)
+    staging = final + checkpointing.INCOMPLETE
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    dist_checkpointing.save({
+        "model": model.sharded_state_dict(), "args": args, "checkpoint_version": 3.0,
+        "train_state": asdict(checkpointing.TrainState()), "layout": {"tensor": 1, "pipeline": 1, "data": 1},
+    }, staging)
+    checkpointing._save_tokenizer(tokenizer_description(directory, config.get("eos_token_id")),
+                                  os.path.join(staging, "tokenizer"))
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(staging, final)
+    checkpointing._write_latest(save, 0)
+    return args
