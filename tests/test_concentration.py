@@ -35,8 +35,9 @@ def measure(family: str, **overrides) -> dict[str, list[float]]:
                 for i, name in enumerate("qkv"):
                     record(name, mean_norm(per_head[..., i, :], HEAD_DIM))
 
-            def uz(out):
-                u, z = out[0].chunk(2, dim=-1)
+            def uz(out, nu=mlp.linear_fc1.nu):
+                # With constant factors nu_uz is applied inside the fused SwiGLU, after this output.
+                u, z = (out[0] * (nu.value if nu.fused else 1.0)).chunk(2, dim=-1)
                 record("u", mean_norm(u, u.shape[-1]))
                 record("z", mean_norm(z, z.shape[-1]))
 
