@@ -82,16 +82,8 @@ def train_step(
     for chunk in model_chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    losses = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=data_iterators,
-        model=model_chunks,
-        num_microbatches=num_microbatches,
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        forward_only=False,
-    )
-    loss = _global_mean_loss(losses)
+    loss = _mean_loss_over_global_batch(data_iterators, model_chunks, num_microbatches, micro_batch_size,
+                                        seq_length, forward_only=False)
     updated, grad_norm = step_unless_not_finite(optimizer, loss)
     if updated:
         scheduler.step(increment=1)
@@ -121,6 +113,16 @@ def eval_step(data_iterators, model_chunks, num_microbatches: int, micro_batch_s
     """The mean loss of one global batch, forward only, available on every rank."""
     for chunk in model_chunks:
         chunk.eval()
+    loss = _mean_loss_over_global_batch(data_iterators, model_chunks, num_microbatches, micro_batch_size,
+                                        seq_length, forward_only=True)
+    for chunk in model_chunks:
+        chunk.train()
+    return loss
+
+
+def _mean_loss_over_global_batch(data_iterators, model_chunks, num_microbatches: int, micro_batch_size: int,
+                                 seq_length: int, forward_only: bool) -> float:
+    """megatron-core's schedule over the micro-batches (and backward unless `forward_only`)."""
     losses = get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=data_iterators,
@@ -128,10 +130,8 @@ def eval_step(data_iterators, model_chunks, num_microbatches: int, micro_batch_s
         num_microbatches=num_microbatches,
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
-        forward_only=True,
+        forward_only=forward_only,
     )
-    for chunk in model_chunks:
-        chunk.train()
     return _global_mean_loss(losses)
 
 
