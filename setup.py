@@ -81,7 +81,8 @@ setup(
         "safetensors",
     ],
     extras_require={
-        "test": ["pytest>=8"],
+        # lm-eval (and the accelerate its Hugging Face back end imports) runs on an exported model in the tests.
+        "test": ["pytest>=8", "lm_eval>=0.4", "accelerate"],
         # GPU only; apex is built from source inside NVIDIA's containers and is never required.
         # nvidia-ml-py: GPU utilisation, power and temperature in the training metrics.
         "gpu": ["transformer-engine[pytorch]", "nvidia-ml-py"],

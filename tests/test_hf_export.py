@@ -25,15 +25,17 @@ RUNS = {
     "angpt": ["--model-family", "angpt", "--tensor-model-parallel-size", "2"],  # on the pydoc dataset
     "ngpt": ["--model-family", "ngpt", "--pipeline-model-parallel-size", "2", "--mock-data", "--vocab-size", "256"],
     # 200 ids padded to 256: the export trims the head to the vocabulary.
-    "gptplus": ["--model-family", "gptplus", "--pipeline-model-parallel-size", "2", "--mock-data", "--vocab-size", "200"],
+    "gptplus": ["--model-family", "gptplus", "--pipeline-model-parallel-size", "2", "--mock-data",
+                "--vocab-size", "200"],
 }
 
 
-def run(*command: str, expect: int = 0) -> str:
+def run(*command: str, **env: str) -> str:
+    """Python with `command`, in the repository, with `env` added to the environment; its output."""
     done = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore"})
+                          env={**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore", **env})
     output = done.stdout + done.stderr
-    assert done.returncode == expect, f"exit code {done.returncode}, expected {expect}:\n{output[-5000:]}"
+    assert done.returncode == 0, f"exit code {done.returncode}:\n{output[-5000:]}"
     return output
 
 
@@ -128,12 +130,11 @@ def test_a_left_padded_batch_gives_the_logits_of_its_rows_alone(family, models):
 
 
 def test_the_export_carries_the_tokenizer_with_the_end_of_document_token_as_eos(exported, preprocessed):  # noqa: F811
-    from transformers import AutoTokenizer
-
     from angpt.data.tokenizers import EOD_TOKEN, build_tokenizer
+    from angpt.hf.verify import load_tokenizer
 
     output = exported["angpt", "float32"][1]
-    theirs = AutoTokenizer.from_pretrained(output)
+    theirs = load_tokenizer(output)
     ours = build_tokenizer("HuggingFaceTokenizer", os.path.join(os.path.dirname(preprocessed), "tokenizer"))
     text = "Return the value of the named attribute of object."
     assert theirs(text).input_ids == ours.encode_batch([text])[0]
@@ -171,12 +172,22 @@ def test_large_weights_are_sharded_with_an_index(checkpoints, tmp_path, single_p
             assert set(file.keys()) == {key for key, name in weight_map.items() if name == shard}
 
 
-def test_the_converter_checks_its_output_against_our_model(checkpoints, tmp_path):
-    output = run("tools/convert_to_hf.py", "--load", checkpoints["angpt"], "--output", str(tmp_path))
-    print(output[-1500:])
-    assert "max |logit difference|" in output and "same argmax everywhere: True" in output
-    assert "greedy continuation of 20 tokens agrees" in output
-    assert "exported model's continuation: 'The quick brown fox" in output
+def convert_to_hf(*argv: str, monkeypatch) -> None:
+    """tools/convert_to_hf.py as from the command line, in this process."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["convert_to_hf.py", *argv])
+    runpy.run_path(os.path.join(ROOT, "tools", "convert_to_hf.py"), run_name="__main__")
+
+
+def test_the_converter_checks_its_output_against_our_model(checkpoints, tmp_path, single_process, monkeypatch,
+                                                          capsys):
+    convert_to_hf("--load", checkpoints["angpt"], "--output", str(tmp_path), monkeypatch=monkeypatch)
+    printed = capsys.readouterr().out
+    print(printed)
+    assert "max |logit difference|" in printed and "same argmax everywhere: True" in printed
+    assert "greedy continuation of 20 tokens agrees" in printed
+    assert "exported model's continuation: 'The quick brown fox" in printed
 
 
 @pytest.mark.parametrize("family", RUNS)
@@ -206,10 +217,11 @@ def test_an_imported_checkpoint_is_fine_tuned_by_the_trainer_at_another_layout(e
     assert "for fine-tuning" in trained and "iteration        1/       1" in trained
 
 
-def test_a_directory_that_is_not_a_checkpoint_is_refused_by_name(tmp_path):
-    printed = run("tools/convert_to_hf.py", "--load", str(tmp_path), "--output", str(tmp_path / "hf"), expect=1)
-    assert f"convert_to_hf: {tmp_path} is not a checkpoint directory: it has no latest_checkpointed_iteration.txt" \
-        in printed
+def test_a_directory_that_is_not_a_checkpoint_is_refused_by_name(tmp_path, monkeypatch):
+    with pytest.raises(SystemExit) as exit_:
+        convert_to_hf("--load", str(tmp_path), "--output", str(tmp_path / "hf"), monkeypatch=monkeypatch)
+    assert str(exit_.value) == \
+        f"convert_to_hf: {tmp_path} is not a checkpoint directory: it has no latest_checkpointed_iteration.txt"
 
 
 def test_a_missing_iteration_is_refused_with_the_ones_there(checkpoints, tmp_path, single_process):
@@ -232,3 +244,67 @@ def test_a_checkpoint_of_an_unknown_family_is_refused(checkpoints, tmp_path, sin
     torch.save(common, common_file)
     with pytest.raises(ExportError, match="unknown model family 'bert'"):
         export(str(copy), str(tmp_path / "hf"))
+
+
+def multiple_choice_items(count: int = 24) -> list[dict]:
+    """Four words of Python's help texts, their next word and three other words of the texts."""
+    import random
+
+    from pydoc_data.topics import topics
+
+    rng = random.Random(0)
+    words = " ".join(topics[key] for key in sorted(topics)).split()
+    items = []
+    for start in range(100, 100 + 97 * count, 97):
+        choices = [" " + words[start + 4], *(" " + rng.choice(words) for _ in range(3))]
+        items.append({"context": " ".join(words[start:start + 4]), "choices": choices, "label": 0})
+    return items
+
+
+def our_scores(model, tokenizer, items: list[dict], vocab_size: int) -> list[float]:
+    """Whether each item is answered right (1.0) by loglikelihood, as lm-eval scores it (the choice's
+    tokens are those of context + choice after the context's), from our model's logits."""
+    from angpt.hf.verify import megatron_logits
+
+    correct = []
+    for item in items:
+        context = tokenizer(item["context"]).input_ids
+        scores = []
+        for choice in item["choices"]:
+            whole = tokenizer(item["context"] + choice).input_ids
+            log_probs = megatron_logits(model, torch.tensor([whole[:-1]]), vocab_size).log_softmax(-1)[0]
+            continuation = torch.tensor(whole[len(context):])
+            scores.append(log_probs[len(context) - 1:].gather(-1, continuation[:, None]).sum().item())
+        correct.append(float(max(range(len(scores)), key=scores.__getitem__) == item["label"]))
+    return correct
+
+
+def test_lm_eval_runs_offline_on_the_export_and_scores_what_our_model_does(exported, models, tmp_path):
+    import glob
+
+    from angpt.hf.verify import load_tokenizer
+
+    items = multiple_choice_items()
+    with open(tmp_path / "items.jsonl", "w") as file:
+        file.writelines(json.dumps(item) + "\n" for item in items)
+    task = {"task": "angpt_local", "dataset_path": "json", "output_type": "multiple_choice",
+            "dataset_kwargs": {"data_files": {"test": str(tmp_path / "items.jsonl")}}, "test_split": "test",
+            "doc_to_text": "{{context}}", "doc_to_choice": "{{choices}}", "doc_to_target": "{{label}}",
+            "target_delimiter": "", "metric_list": [{"metric": "acc", "higher_is_better": True}]}
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "angpt_local.yaml").write_text(json.dumps(task, indent=1))  # JSON is YAML
+    output = exported["angpt", "float32"][1]
+    run("-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={output},trust_remote_code=True,dtype=float32",
+        "--tasks", "angpt_local", "--include_path", str(tmp_path / "tasks"), "--device", "cpu", "--batch_size", "8",
+        "--output_path", str(tmp_path / "results"), "--log_samples",
+        HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "datasets"))
+    (results_file,) = glob.glob(str(tmp_path / "results" / "*" / "results_*.json"))
+    with open(results_file) as file:
+        accuracy = json.load(file)["results"]["angpt_local"]["acc,none"]
+    (samples_file,) = glob.glob(str(tmp_path / "results" / "*" / "samples_angpt_local_*.jsonl"))
+    with open(samples_file) as file:
+        their_scores = [sample["acc"] for sample in sorted(map(json.loads, file), key=lambda s: s["doc_id"])]
+    expected = our_scores(models["angpt"][0], load_tokenizer(output), items, models["angpt"][1].config.vocab_size)
+    print(f"lm-eval accuracy {accuracy}, ours {sum(expected) / len(expected)}")
+    assert accuracy == pytest.approx(sum(expected) / len(expected), abs=1e-9)
+    assert their_scores == expected  # item by item

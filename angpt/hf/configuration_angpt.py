@@ -1,8 +1,8 @@
 """Hugging Face configuration of anGPT and nGPT exported by angpt (tools/convert_to_hf.py).
 
 Self-contained (only `transformers`): it is copied next to the weights of every exported model. The
-fields name the switches of the spec (angpt-spec.md); the constant normalization factors are not here,
-because the converter folds them into the weights.
+fields name the switches of the spec (angpt-spec.md); the constant normalization factors are folded into
+the scale multipliers and weights by the converter (`folded_factors` records those in weights).
 """
 
 from transformers import PretrainedConfig

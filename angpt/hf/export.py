@@ -89,7 +89,8 @@ def read_checkpoint(load: str, iteration: Optional[int] = None) -> Checkpoint:
     if not isinstance(args, dict) or "model_family" not in args:
         raise ExportError(f"{path} records no training arguments with a model family: not an angpt checkpoint")
     if args["model_family"] not in ("angpt", "ngpt", "gptplus"):
-        raise ExportError(f"{path}: unknown model family {args['model_family']!r} (angpt, ngpt or gptplus can be exported)")
+        raise ExportError(f"{path}: unknown model family {args['model_family']!r} "
+                          "(angpt, ngpt or gptplus can be exported)")
     loaded = dist_checkpointing.load_plain_tensors(path)
     tensors = {key: value for key, value in loaded.items()
                if isinstance(value, torch.Tensor) and not key.startswith("optimizer")}
@@ -158,37 +159,46 @@ def join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_groups: int)
     return torch.cat(grouped, dim=1).reshape(-1, hidden)
 
 
-def folded_factors(config) -> dict[str, float]:
-    """What each exported weight of anGPT / nGPT is multiplied by: the constant factors after it, except
-    those an exact normalization cancels (QK-norm after W_q and W_k; the post-norm after W_v, W_o, W_up,
-    W_down, whose outputs reach it through linear maps only)."""
-    import math
-
+def constant_factors(config):
+    """The constant factors of anGPT / nGPT's config (nGPT's are all 1)."""
     if config.constant_factors == "exact":
         raise ExportError("the 'exact' constant-factor ablation normalizes activations where the factors were; "
                           "the exported model folds constant factors only")
-    nu = config.normalization_factors()
-    sqrt_d = math.sqrt(config.hidden_size)
-    u_gain = sqrt_d if config.model_family == "ngpt" else 1.0
+    return config.normalization_factors()
+
+
+def folded_factors(config) -> dict[str, float]:
+    """What each exported weight of anGPT / nGPT is multiplied by: the constant factor after it, unless an
+    exact normalization cancels it (QK-norm after W_q and W_k; the post-norm after W_v, W_o and W_down,
+    whose outputs reach it through linear maps only) or a learnable scale takes it (W_up, W_gate: see
+    `scale_multipliers`). With the post-norm (DEFAULT) no weight changes, so the import is exact."""
+    nu = constant_factors(config)
     cancelled = config.post_norm == "l2"
     return {
         "q_proj": 1.0,
         "k_proj": 1.0,
         "v_proj": 1.0 if cancelled else nu.nu_qkv,
         "o_proj": 1.0 if cancelled else nu.nu_p,
-        "up_proj": 1.0 if cancelled else nu.nu_uz * u_gain,
-        "gate_proj": nu.nu_uz * sqrt_d,
+        "up_proj": 1.0,
+        "gate_proj": 1.0,
         "down_proj": 1.0 if cancelled else nu.nu_acf * nu.nu_d,
     }
 
 
 def scale_multipliers(config) -> dict[str, float]:
+    """s = multiplier * s_hat for each learnable scale: s_init / s_scale (spec section 5), and for s_u and
+    s_v also the constants in front of them, nu_uz and the sqrt(d) gains of z (and of u in nGPT)."""
+    import math
+
     from angpt.models.scales import scale_init
 
     multipliers = {}
     for name in ("alpha", "s_qk", "s_u", "s_v", "s_z"):
         s_init, s_scale = scale_init(config, name)
         multipliers[name] = s_init / s_scale
+    nu_uz, sqrt_d = constant_factors(config).nu_uz, math.sqrt(config.hidden_size)
+    multipliers["s_u"] *= nu_uz * (sqrt_d if config.model_family == "ngpt" else 1.0)
+    multipliers["s_v"] *= nu_uz * sqrt_d
     return multipliers
 
 

@@ -77,7 +77,8 @@ def qwen3_args(config: dict) -> dict:
         "num_attention_heads": config["num_attention_heads"], "num_query_groups": config["num_key_value_heads"],
         "kv_channels": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
         "ffn_hidden_size": config["intermediate_size"], "seq_length": config["max_position_embeddings"],
-        "rotary_base": int(rope["rope_theta"]), "tie_embeddings_and_output_weights": config.get("tie_word_embeddings", False),
+        "rotary_base": int(rope["rope_theta"]),
+        "tie_embeddings_and_output_weights": config.get("tie_word_embeddings", False),
     }
 
 

@@ -1,10 +1,11 @@
 """anGPT and nGPT for Hugging Face `transformers`, as exported by angpt (tools/convert_to_hf.py).
 
-Self-contained (only `torch` and `transformers`): it is copied next to the weights of every exported model
-and loaded with `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`. It reads like spec
-section 3 (angpt-spec.md) with the constant factors nu_qkv, nu_p, nu_uz, nu_acf, nu_d (and nGPT's sqrt(d)
-gains) folded into the weights by the converter: a factor in front of an exact normalization (QK-norm, the
-post-norm) cancels in it and is left out; the others multiply the rows of the weight they follow.
+Self-contained (only `torch` and `transformers`): it is copied next to the weights of every exported model and
+loaded with `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`. It reads like spec section 3
+(angpt-spec.md) with the constant factors nu_qkv, nu_p, nu_uz, nu_acf, nu_d and the sqrt(d) gains folded in by
+the converter (config.json lists them): a factor in front of an exact normalization (QK-norm, the post-norm)
+cancels in it and is left out; nu_uz and the gains join the multipliers of s_u and s_v; with post_norm "none"
+the others multiply the rows of the weight they follow (`folded_factors`). No constant costs a multiply.
 
     q, k, v = W_q h, W_k h, W_v h                        per head
     q, k    = s_qk Norm(RoPE(q)), s_qk Norm(RoPE(k))
@@ -15,7 +16,7 @@ post-norm) cancels in it and is left out; the others multiply the rows of the we
     logits  = s_z (W_head h)
 
 Learnable scales are kept as in training, s = multiplier * s_hat (spec section 5), so that the exported
-model computes what the trained one does, number for number.
+model computes what the trained one does, number for number, and converts back to it bit for bit.
 """
 
 import math
@@ -177,7 +178,6 @@ class AnGPTPreTrainedModel(PreTrainedModel):
     config_class = AnGPTConfig
     base_model_prefix = "model"
     _no_split_modules = ["DecoderLayer"]
-    _supports_cache_class = True
 
     def _init_weights(self, module):
         # Exported weights are always loaded; fresh ones get the spec's unit rows.

@@ -58,12 +58,19 @@ def load_exported(output: str, dtype: torch.dtype = torch.float32):
     return AutoModelForCausalLM.from_pretrained(output, trust_remote_code=True, dtype=dtype).eval()
 
 
-def prompt(output: str, vocab_size: int) -> torch.Tensor:
-    """The fixed prompt: PROMPT_TEXT through the exported tokenizer, or PROMPT_IDS without one."""
-    if os.path.isfile(os.path.join(output, "tokenizer.json")):
-        from transformers import AutoTokenizer
+def load_tokenizer(output: str):
+    """The exported tokenizer, or None (mock data have none). Its config.json names our remote code."""
+    if not os.path.isfile(os.path.join(output, "tokenizer.json")):
+        return None
+    from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(output)(PROMPT_TEXT, return_tensors="pt").input_ids
+    return AutoTokenizer.from_pretrained(output, trust_remote_code=True)
+
+
+def prompt(tokenizer, vocab_size: int) -> torch.Tensor:
+    """The fixed prompt: PROMPT_TEXT through the exported tokenizer, or PROMPT_IDS without one."""
+    if tokenizer is not None:
+        return tokenizer(PROMPT_TEXT, return_tensors="pt").input_ids
     return torch.tensor([[i % vocab_size for i in PROMPT_IDS]])
 
 
@@ -93,17 +100,14 @@ def verify(checkpoint: Checkpoint, output: str, new_tokens: int = 20) -> Verific
     exported = load_exported(output, dtype)
     vocab_size = exported.config.vocab_size
     ours = load_megatron_model(checkpoint)
-    tokens = prompt(output, vocab_size)
+    tokenizer = load_tokenizer(output)
+    tokens = prompt(tokenizer, vocab_size)
     theirs, reference = exported(tokens).logits.float(), megatron_logits(ours, tokens, vocab_size)
     cosine = torch.nn.functional.cosine_similarity(theirs.flatten(), reference.flatten(), dim=0).item()
     same_argmax = torch.equal(theirs.argmax(-1), reference.argmax(-1))
     expected = megatron_greedy(ours, tokens, new_tokens, vocab_size, exported.config.eos_token_id)
     generated = exported.generate(tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=new_tokens,
                                   do_sample=False)
-    text = None
-    if os.path.isfile(os.path.join(output, "tokenizer.json")):
-        from transformers import AutoTokenizer
-
-        text = AutoTokenizer.from_pretrained(output).decode(generated[0])
+    text = None if tokenizer is None else tokenizer.decode(generated[0])
     return Verification((theirs - reference).abs().max().item(), cosine, same_argmax, torch.equal(generated, expected),
                         expected[0].tolist(), generated[0].tolist(), text)
