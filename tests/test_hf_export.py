@@ -115,7 +115,7 @@ def test_greedy_generation_matches_our_greedy_decoding(family, models):
 
 
 @pytest.mark.parametrize("family", RUNS)
-def test_a_left_padded_batch_gives_the_logits_of_its_rows_alone(family, models):
+def test_a_left_padded_batch_gives_the_logits_and_continuations_of_its_rows_alone(family, models):
     _, fp32, _ = models[family]
     long, short = tokens(fp32.config.vocab_size, (1, 16), seed=2), tokens(fp32.config.vocab_size, (1, 9), seed=3)
     padding = long.shape[1] - short.shape[1]
@@ -127,6 +127,12 @@ def test_a_left_padded_batch_gives_the_logits_of_its_rows_alone(family, models):
         alone = [fp32(long).logits[0], fp32(short).logits[0]]
     torch.testing.assert_close(padded[0], alone[0], rtol=0, atol=1e-5)
     torch.testing.assert_close(padded[1, padding:], alone[1], rtol=0, atol=1e-5)
+    with torch.no_grad():
+        generated = fp32.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False)
+        for row, prompt in zip(generated, (long, short)):
+            alone = fp32.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False)
+            continuation = alone[0, prompt.shape[1]:]  # shorter when it ends with eos; the batch pads after it
+            assert torch.equal(row[batch.shape[1]:][: len(continuation)], continuation)
 
 
 def test_the_export_carries_the_tokenizer_with_the_end_of_document_token_as_eos(exported, preprocessed):  # noqa: F811
