@@ -1,9 +1,10 @@
 """Export an angpt checkpoint to a Hugging Face model directory (tools/convert_to_hf.py).
 
 anGPT and nGPT become the remote-code model of `modeling_angpt.py` (copied into the output), with the
-constant normalization factors folded into the scale multipliers and weights; GPT+ becomes transformers' own `Qwen3ForCausalLM`
-(the same block: pre-RMSNorm, per-head QK RMSNorm before RoPE, SwiGLU, final RMSNorm). The checkpoint is
-read in one CPU process whatever layout saved it: distributed checkpoints store tensors by global name.
+constant normalization factors folded into the scale multipliers and weights; GPT+ becomes transformers'
+own `Qwen3ForCausalLM` (the same block: pre-RMSNorm, per-head QK RMSNorm before RoPE, SwiGLU, final
+RMSNorm). The checkpoint is read in one CPU process whatever layout saved it: distributed checkpoints
+store tensors by global name.
 """
 
 from __future__ import annotations
