@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job, small: fetch Shakespeare's plays, train a byte-level BPE, write Megatron indexed datasets,
 # and pretrain a small anGPT with tensor parallelism 2 on two CPU processes (gloo) for a few minutes,
-# evaluating on the held-out plays and ending with a checkpoint and its validation loss.
+# evaluating on the held-out plays and ending with a checkpoint and its validation loss; then export it
+# to Hugging Face and generate a continuation through transformers.
 # Each data step is skipped when its output exists; training resumes from $RUN_DIR if it was interrupted.
 # On GPUs the same commands run on NCCL. Extra arguments go to angpt.pretrain.
 set -euo pipefail
@@ -37,4 +38,16 @@ python - "$run/metrics.jsonl" <<'PY'
 import json, sys
 evals = [r for r in map(json.loads, open(sys.argv[1])) if r["kind"] == "eval" and r["split"] == "validation"]
 print(f"validation loss at iteration {evals[-1]['iteration']}: {evals[-1]['lm_loss']:.4f}")
+PY
+
+# Export to Hugging Face (the converter checks the copy's logits against ours), then generate through
+# transformers alone.
+python tools/convert_to_hf.py --load "$run" --output "$run/hf"
+python - "$run/hf" <<'PY'
+import sys
+from transformers import AutoModelForCausalLM, AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code=True)
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
+prompt = tokenizer("ROMEO:", return_tensors="pt")
+print("transformers generates:", repr(tokenizer.decode(model.generate(**prompt, max_new_tokens=40, do_sample=False)[0])))
 PY

@@ -1,5 +1,5 @@
 """`make quickstart`'s script end to end on the real corpus, shortened: it must learn far more than
-token frequencies."""
+token frequencies, and its Hugging Face export must generate."""
 
 import os
 import re
@@ -33,3 +33,6 @@ def test_the_quickstart_validation_loss_falls_well_below_the_unigram_entropy(tmp
     print(f"validation loss {loss:.3f}, unigram entropy of the validation tokens {entropy:.3f}")
     assert loss < entropy - 0.5
     assert (run / "iter_0000150").is_dir() and (run / "latest_checkpointed_iteration.txt").read_text().strip() == "150"
+    # The export matched our logits (the converter exits 1 otherwise) and generated through transformers.
+    assert (run / "hf" / "modeling_angpt.py").is_file()
+    assert re.search(r"transformers generates: 'ROMEO:.{10,}", output, re.DOTALL)
