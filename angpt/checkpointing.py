@@ -150,7 +150,7 @@ def _gathered_rng_states() -> list:
     return states
 
 
-def _save_tokenizer(description: Optional[dict], destination: str) -> None:
+def save_tokenizer_files(description: Optional[dict], destination: str) -> None:
     """Copy the tokenizer files named in the dataset metadata, and the description itself (mock data
     have no tokenizer)."""
     if not isinstance(description, dict):
@@ -164,7 +164,7 @@ def _save_tokenizer(description: Optional[dict], destination: str) -> None:
         file.write("\n")
 
 
-def _write_latest(root: str, iteration: int) -> None:
+def write_latest_iteration(root: str, iteration: int) -> None:
     temporary = os.path.join(root, LATEST + ".tmp")
     with open(temporary, "w") as file:
         file.write(f"{iteration}\n")
@@ -227,11 +227,11 @@ def save_checkpoint(
             before_commit()
         dist.barrier()
         if rank == 0:
-            _save_tokenizer(tokenizer, os.path.join(staging, "tokenizer"))
+            save_tokenizer_files(tokenizer, os.path.join(staging, "tokenizer"))
             if os.path.isdir(final):  # a checkpoint of this iteration that is not the latest one
                 shutil.rmtree(final)
             os.rename(staging, final)
-            _write_latest(root, iteration)
+            write_latest_iteration(root, iteration)
             _delete_old(root, keep_last)
             logger.info("saved checkpoint %s", final)
         dist.barrier()

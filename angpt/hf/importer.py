@@ -193,9 +193,9 @@ def import_hf(directory: str, save: str, make_vocab_size_divisible_by: int = 128
         "model": model.sharded_state_dict(), "args": args, "checkpoint_version": 3.0,
         "train_state": asdict(checkpointing.TrainState()), "layout": {"tensor": 1, "pipeline": 1, "data": 1},
     }, staging)
-    checkpointing._save_tokenizer(tokenizer_description(directory, config.get("eos_token_id")),
-                                  os.path.join(staging, "tokenizer"))
+    checkpointing.save_tokenizer_files(tokenizer_description(directory, config.get("eos_token_id")),
+                                       os.path.join(staging, "tokenizer"))
     shutil.rmtree(final, ignore_errors=True)
     os.rename(staging, final)
-    checkpointing._write_latest(save, 0)
+    checkpointing.write_latest_iteration(save, 0)
     return args
