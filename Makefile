@@ -30,16 +30,17 @@ CUDA_CHECK_DIR := build/cuda-check
 CUDA_GENCODE := -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
 TORCH_CUDA_FLAGS := -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ \
 	-D__CUDA_NO_HALF2_OPERATORS__
-cuda-check:
-	mkdir -p $(CUDA_CHECK_DIR)
-	for source in csrc/cuda/*.cu; do \
-		$(NVCC) -std=c++20 -O3 $(CUDA_GENCODE) $(TORCH_CUDA_FLAGS) -c $$source \
-			-o $(CUDA_CHECK_DIR)/$$(basename $$source .cu).o || exit 1; \
-	done
+CUDA_OBJECTS := $(patsubst csrc/cuda/%.cu,$(CUDA_CHECK_DIR)/%.o,$(wildcard csrc/cuda/*.cu))
+# Each .cu compiles on its own, so `make -j` checks them in parallel.
+cuda-check: $(CUDA_OBJECTS)
 	$(CXX) -std=c++20 -fsyntax-only -DANGPT_WITH_CUDA -DTORCH_EXTENSION_NAME=cuda_check \
 		$$($(PY) -c "import sysconfig; from torch.utils.cpp_extension import include_paths; \
 		print(' '.join('-I' + p for p in [*include_paths(), sysconfig.get_paths()['include']]))") \
 		csrc/angpt_kernels.cpp
+
+$(CUDA_CHECK_DIR)/%.o: csrc/cuda/%.cu $(wildcard csrc/cuda/*.h csrc/cuda/*.cuh csrc/*.h)
+	@mkdir -p $(CUDA_CHECK_DIR)
+	$(NVCC) -std=c++20 -O3 $(CUDA_GENCODE) $(TORCH_CUDA_FLAGS) -c $< -o $@
 
 clean:
 	rm -rf $(VENV) build *.egg-info angpt/kernels/_fused_*.so
