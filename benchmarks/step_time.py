@@ -36,7 +36,7 @@ def main():
     args = parser.parse_args()
 
     from angpt import distributed
-    from angpt.bounding import constrained_parameters, project_parameters_
+    from angpt.bounding import project_parameters_
     from angpt.models import WEIGHT_CONSTRAINTS, model_config
     from angpt.optimizer import build_optimizer
     from angpt.training import build_model_chunks, train_step

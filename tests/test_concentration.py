@@ -2,7 +2,6 @@
 
 import statistics
 
-import pytest
 import torch
 
 from angpt.models import build_model, model_config
@@ -61,7 +60,7 @@ def test_angpt_intermediates_and_residual_stay_near_unit_norm(seeded):
         print(f"{name:>9}: " + " ".join(f"{value:.3f}" for value in norms[name]))
         assert abs(worst - 1) < 0.15, (name, norms[name])
     # Near-uniform attention averages the values, so W_p's output sits below 1; the post-norm absorbs it.
-    print(f"  W_p out: " + " ".join(f"{value:.3f}" for value in norms["W_p out"]) + " (reported, not asserted)")
+    print("  W_p out: " + " ".join(f"{value:.3f}" for value in norms["W_p out"]) + " (reported, not asserted)")
 
 
 def test_without_constant_factors_the_intermediates_do_not_concentrate(seeded):

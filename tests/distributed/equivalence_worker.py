@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import os
-from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from common import GLOBAL_BATCH, MICRO_BATCH, S, V, fixed_batches, gather_full, load_full, small_config, unwrap
+from common import MICRO_BATCH, S, V, fixed_batches, gather_full, load_full, small_config, unwrap
 
 from angpt import distributed
 from angpt.bounding import project_parameters_
