@@ -101,7 +101,8 @@ class ExitRequests:
     def check(self) -> Optional[str]:
         """The reason to exit now, the same on every rank, or None."""
         elapsed = (time.monotonic() - self.start) / 60
-        flags = torch.tensor([float(self.received is not None), elapsed], dtype=torch.float64)
+        flags = torch.tensor([float(self.received is not None), elapsed], dtype=torch.float64,
+                             device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[0] > 0:
             return f"received {self.received or 'an exit signal (on another rank)'}"

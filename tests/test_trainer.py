@@ -191,6 +191,12 @@ def test_sigterm_saves_and_exits_cleanly_and_the_next_run_resumes(tmp_path):
     assert [r["iteration"] for r in records(tmp_path)][-3:] == [stopped, stopped + 1, stopped + 2]
 
 
+def test_exit_duration_saves_and_exits_after_the_step_that_passes_it(tmp_path):
+    output = train("--train-iters", "1000", "--save", str(tmp_path), "--exit-duration-in-mins", "0.0001", nproc=0)
+    assert "past --exit-duration-in-mins 0.0001" in output and "exiting at iteration 1" in output
+    assert latest(tmp_path) == 1
+
+
 def test_exit_signal_handler_with_sigusr1_under_torchrun(tmp_path):
     import psutil
 
