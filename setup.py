@@ -82,7 +82,9 @@ setup(
     ],
     extras_require={
         # lm-eval (and the accelerate its Hugging Face back end imports) runs on an exported model in the tests.
-        "test": ["pytest>=8", "lm_eval>=0.4", "accelerate"],
+        "test": ["pytest>=8", "lm_eval>=0.4", "accelerate", "angpt[bench]"],
+        # Plots and fits of benchmarks/convergence.py and tools/fit_scaling_law.py.
+        "bench": ["matplotlib", "scipy"],
         # GPU only; apex is built from source inside NVIDIA's containers and is never required.
         # nvidia-ml-py: GPU utilisation, power and temperature in the training metrics.
         "gpu": ["transformer-engine[pytorch]", "nvidia-ml-py"],
