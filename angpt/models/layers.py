@@ -16,12 +16,12 @@ from typing import Optional
 import torch
 import torch.distributed.nn.functional as dist_fn
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from angpt import kernels
+from angpt.models.attention import FusedDotProductAttention
 from angpt.models.config import AnGPTConfig
 from angpt.factors import NU_PLAIN_RESIDUAL, nu_alpha
 from angpt.models.scales import LearnableScale
@@ -143,7 +143,7 @@ class FactorScaledRowParallelLinear(tensor_parallel.RowParallelLinear):
         return self.nu(output), bias
 
 
-class NormalizedDotProductAttention(DotProductAttention):
+class NormalizedDotProductAttention(FusedDotProductAttention):
     """softmax(sqrt(h) (s_qk Norm(q)) (s_qk Norm(k))^T + causal) v, applied after RoPE.
 
     anGPT shares one s_qk of size h across heads; nGPT has one per head (size d, split over heads and

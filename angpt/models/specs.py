@@ -10,6 +10,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
+from angpt.models.attention import FusedDotProductAttention
 from angpt.models.config import AnGPTConfig
 from angpt.models.layers import (
     FactorScaledColumnParallelLinear,
@@ -53,6 +54,7 @@ def gptplus_layer_spec() -> ModuleSpec:
     spec.submodules.pre_mlp_layernorm = RMSNorm
     spec.submodules.self_attention.submodules.q_layernorm = RMSNorm
     spec.submodules.self_attention.submodules.k_layernorm = RMSNorm
+    spec.submodules.self_attention.submodules.core_attention = FusedDotProductAttention
     return spec
 
 

@@ -1,0 +1,53 @@
+"""Core attention of the local specs: megatron-core's DotProductAttention, or torch's fused kernels.
+
+megatron-core's local DotProductAttention stores the [batch, heads, s, s] scores and probabilities (in fp32
+for the softmax): at context 2048 that is most of a layer's activation memory and time on a GPU. With
+`attention_backend` flash (or auto on a GPU), the same attention runs through
+`torch.nn.functional.scaled_dot_product_attention`, which picks FlashAttention-2 or the memory-efficient
+kernel and never materializes the scores. auto keeps megatron's unfused path on CPU, so CPU runs stay
+bit-identical to megatron's local spec; flash forces torch's kernels everywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnBackend, AttnMaskType
+
+
+def uses_fused_attention(backend: AttnBackend, device: torch.device) -> bool:
+    """Whether core attention runs through scaled_dot_product_attention for this backend and device."""
+    if backend == AttnBackend.flash:
+        return True
+    return backend == AttnBackend.auto and device.type == "cuda"
+
+
+class FusedDotProductAttention(DotProductAttention):
+    """softmax(scale q k^T + causal mask) v in megatron-core's layout ([s, b, heads, head_dim] in,
+    [s, b, heads * head_dim] out), through torch's fused kernels where `uses_fused_attention` says so."""
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        mask_type = attn_mask_type or self.attn_mask_type
+        fusable = (
+            uses_fused_attention(self.config.attention_backend, query.device)
+            and mask_type == AttnMaskType.causal
+            and attention_bias is None
+            and packed_seq_params is None
+            and self.softmax_offset is None
+            and self.config.window_size is None
+            and not self.config.apply_query_key_layer_scaling
+        )
+        if not fusable:
+            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
+                                   packed_seq_params)
+        # [s, b, heads, head_dim] -> [b, heads, s, head_dim]; grouped keys and values are broadcast by SDPA.
+        query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        context = F.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=self.softmax_scale,
+            dropout_p=self.attention_dropout.p if self.training else 0.0,
+            enable_gqa=key.shape[1] != query.shape[1],
+        )
+        sequence, batch = context.shape[2], context.shape[0]
+        return context.permute(2, 0, 1, 3).reshape(sequence, batch, -1)
