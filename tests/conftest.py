@@ -43,6 +43,7 @@ def single_process():
     """A one-process gloo group with megatron-core's parallel state (TP = PP = DP = 1)."""
     import socket
 
+    import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -52,7 +53,12 @@ def single_process():
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        # On a GPU machine, CUDA tensors go through NCCL (gloo lacks reduce-scatter for them).
+        backend = "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)
+            backend = "cpu:gloo,cuda:nccl"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     distributed.initialize()
     yield
     parallel_state.destroy_model_parallel()

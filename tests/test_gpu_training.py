@@ -1,0 +1,103 @@
+"""Training on a CUDA device: the fused CUDA kernels inside training, FlashAttention, BF16 with the
+distributed optimizer. All `gpu`: skipped without a CUDA device (CPU versions of each live beside the code
+they test)."""
+
+import itertools
+import math
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+SHAPE = dict(num_layers=2, hidden_size=128, num_attention_heads=4)
+VOCAB, SEQ, BATCH = 256, 64, 4
+
+
+def batch(seed=1):
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(seed)).cuda()
+    return dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(BATCH, SEQ, device="cuda"),
+                position_ids=torch.arange(SEQ, device="cuda").unsqueeze(0).expand(BATCH, -1))
+
+
+def fresh_backend_variables():
+    # megatron-core exports each model's attention backend as NVTE_* variables and refuses a model of
+    # another backend in the same process.
+    for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+        os.environ.pop(name, None)
+
+
+def train(family, steps, bf16=False, distributed_optimizer=False, lr=0.01, **overrides):
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from angpt.distributed import set_random_seed
+    from angpt.models import model_config
+    from angpt.optimizer import build_optimizer
+    from angpt.training import build_model_chunks, train_step
+
+    fresh_backend_variables()
+    set_random_seed(1234)
+    dtype = dict(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16) if bf16 else {}
+    config = model_config(family, **SHAPE, **dtype, **overrides)
+    chunks = build_model_chunks(config, VOCAB, SEQ, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer))
+    optimizer, scheduler = build_optimizer(chunks, family, lr=lr, train_iters=steps,
+                                           use_distributed_optimizer=distributed_optimizer, bf16=bf16)
+    data = itertools.repeat(batch())
+    losses = [train_step(data, chunks, optimizer, scheduler, 1, BATCH, SEQ)[0] for _ in range(steps)]
+    return losses, chunks, optimizer
+
+
+def test_the_extension_has_cuda_kernels():
+    from angpt import kernels
+
+    ext = kernels.extension(torch.device("cuda"))
+    assert ext is not None and ext.with_cuda
+
+
+@pytest.mark.parametrize("family", ["angpt", "ngpt"])
+def test_training_with_the_cuda_kernels_equals_the_pytorch_path(family, single_process):
+    from angpt import kernels
+
+    fused, _, _ = train(family, steps=6)
+    with kernels.reference_only():
+        reference, _, _ = train(family, steps=6)
+    assert all(math.isfinite(loss) for loss in fused) and fused[-1] < fused[0]
+    # fp32 throughout; the kernels reduce in another order than PyTorch.
+    for a, b in zip(fused, reference):
+        assert abs(a - b) <= 1e-5 * abs(b), (fused, reference)
+
+
+@pytest.mark.parametrize("family", ["angpt", "gptplus", "ngpt"])
+def test_flash_attention_equals_unfused_attention_in_bf16(family, single_process):
+    from megatron.core.transformer.enums import AttnBackend
+
+    from angpt.distributed import set_random_seed
+    from angpt.models import build_model, model_config
+
+    logits = {}
+    for backend in (AttnBackend.unfused, AttnBackend.flash):
+        fresh_backend_variables()
+        set_random_seed(1234)
+        config = model_config(family, **SHAPE, bf16=True, params_dtype=torch.bfloat16, attention_backend=backend)
+        model = build_model(config, VOCAB, SEQ).cuda()
+        data = batch()
+        with torch.no_grad():
+            logits[backend] = model(data["tokens"], data["position_ids"], None).float()
+    reference, flash = logits[AttnBackend.unfused], logits[AttnBackend.flash]
+    # BF16 operands: both round differently (FlashAttention keeps the scores in fp32 on chip).
+    assert (flash - reference).norm() / reference.norm() < 2e-2
+
+
+def test_bf16_distributed_optimizer_trains_and_keeps_weights_bounded(single_process):
+    from angpt.bounding import constrained_parameters
+
+    losses, chunks, optimizer = train("angpt", steps=30, bf16=True, distributed_optimizer=True, lr=0.02)
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0] - 0.5, losses
+    weights = constrained_parameters(chunks)
+    assert weights
+    for weight in weights:
+        norms = weight.float().norm(dim=weight.unit_norm_dim)
+        # The fp32 main weights are projected; the model's BF16 copies round them (2^-8 relative).
+        assert norms.max() <= 1 + 1e-2, norms.max()
