@@ -36,7 +36,7 @@ python3 -c "import torch, megatron.core; print('torch', torch.__version__, 'cuda
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 stage build python3 setup.py build_ext --inplace
-stage tests python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors -o addopts="-ra" \
-    tests/test_gpu_training.py tests/test_kernels.py tests/test_attention.py tests/test_transformer_engine.py
+gpu_tests=$(grep -l "pytest.mark.gpu" tests/test_*.py)
+stage tests python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors -o addopts="-ra" $gpu_tests
 stage throughput python3 benchmarks/gpu_throughput.py --json "$out/throughput.json" --markdown "$out/throughput.md"
 exit $status
