@@ -13,13 +13,25 @@ from typing import Optional
 
 import yaml
 
-from angpt.models.config import FACTOR_MODES, MODEL_FAMILIES, NU_P_READINGS, POST_NORMS, RESIDUALS
+from angpt.models.config import (
+    FACTOR_MODES,
+    MODEL_FAMILIES,
+    NU_P_READINGS,
+    POST_NORMS,
+    RESIDUALS,
+    TRANSFORMER_IMPLS,
+)
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 EXIT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
 # On/off settings a --config file may switch on get a --no-... form to switch them off again.
 SWITCH = argparse.BooleanOptionalAction
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("delayed", "tensorwise", "mxfp8")
+FP8_AMAX_ALGOS = ("max", "most_recent")
+# Megatron-LM's defaults of the FP8 details; they apply only with --fp8-format (None here = not given).
+FP8_DEFAULTS = dict(fp8_recipe="delayed", fp8_margin=0, fp8_amax_history_len=1, fp8_amax_compute_algo="most_recent")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,6 +116,20 @@ def build_parser() -> argparse.ArgumentParser:
     precision = parser.add_argument_group("precision")
     precision.add_argument("--bf16", action=SWITCH, default=False, help="bf16 weights and activations, fp32 main weights "
                            "in the optimizer (learnable scales stay fp32)")
+    precision.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default="local",
+                           help="megatron-core's own layers (default; CPU and GPU) or NVIDIA Transformer Engine's "
+                           "(GPU; needed for FP8)")
+    precision.add_argument("--fp8-format", choices=FP8_FORMATS, help="FP8 GEMMs in the transformer layers "
+                           "(Transformer Engine): e4m3 everywhere, or hybrid (e5m2 for gradients); docs/fp8.md")
+    precision.add_argument("--fp8-recipe", choices=FP8_RECIPES, help="scaling recipe (default delayed); mxfp8 "
+                           "needs Blackwell (compute capability 10) and a Transformer Engine that has it")
+    precision.add_argument("--fp8-margin", type=int, help="delayed scaling: scale margin, a power of 2 (default 0)")
+    precision.add_argument("--fp8-amax-history-len", type=int, help="delayed scaling: amax history window "
+                           "(default 1)")
+    precision.add_argument("--fp8-amax-compute-algo", choices=FP8_AMAX_ALGOS,
+                           help="delayed scaling: amax of the window (max) or the latest (most_recent, default)")
+    precision.add_argument("--fp8-param-gather", action="store_true", help="accepted for Megatron-LM scripts "
+                           "and refused: FP8 parameters are not supported (docs/fp8.md)")
 
     data = parser.add_argument_group("data")
     data.add_argument("--data-path", nargs="+", help="PREFIX, or W1 PREFIX1 W2 PREFIX2 ... to blend")
@@ -242,6 +268,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
         parser.error(f"--max-position-embeddings {args.max_position_embeddings} is below --seq-length "
                      f"{args.seq_length}")
     _validate_schedule(parser, args)
+    _validate_precision(parser, args)
     _validate_checkpoints(parser, args)
     _validate_data(parser, args)
 
@@ -267,6 +294,53 @@ def _validate_schedule(parser, args) -> None:
         parser.error("--lr-decay-style WSD needs --lr-wsd-decay-iters")
     if args.min_lr is not None and args.min_lr > args.lr:
         parser.error(f"--min-lr {args.min_lr} is above --lr {args.lr}")
+
+
+def _validate_precision(parser, args) -> None:
+    """--transformer-impl and the FP8 flags (Megatron-LM's names); fills in the FP8 defaults."""
+    from angpt.models import te_specs
+
+    fp8 = args.fp8_format is not None
+    if not fp8:
+        for flag in ("fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_param_gather"):
+            if getattr(args, flag) not in (None, False):
+                parser.error(f"--{flag.replace('_', '-')} needs --fp8-format (FP8 is off without it)")
+    for flag, default in FP8_DEFAULTS.items():
+        if getattr(args, flag) is None:
+            setattr(args, flag, default)
+    if fp8:
+        if args.transformer_impl != "transformer_engine":
+            parser.error(f"--fp8-format {args.fp8_format} needs --transformer-impl transformer_engine (FP8 GEMMs "
+                         f"are Transformer Engine's; got --transformer-impl {args.transformer_impl})")
+        if not args.bf16:
+            parser.error(f"--fp8-format {args.fp8_format} needs --bf16 (the weights and activations FP8 does not "
+                         "cover stay bf16)")
+        if args.fp8_param_gather:
+            parser.error("--fp8-param-gather is not supported: anGPT's weights are projected onto the unit ball "
+                         "at initialization and after every step in fp32, and FP8 parameters would need that "
+                         "projection on their high-precision copies (docs/fp8.md); leave it out (the FP8 casts "
+                         "then happen in each GEMM)")
+        if args.fp8_margin < 0:
+            parser.error(f"--fp8-margin {args.fp8_margin} cannot be negative")
+        if args.fp8_amax_history_len < 1:
+            parser.error(f"--fp8-amax-history-len {args.fp8_amax_history_len} must be at least 1")
+        if args.fp8_recipe != "delayed":
+            for flag in ("fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo"):
+                if getattr(args, flag) != FP8_DEFAULTS[flag]:
+                    parser.error(f"--{flag.replace('_', '-')} applies to --fp8-recipe delayed only (got "
+                                 f"--fp8-recipe {args.fp8_recipe})")
+        multiple = 32 if args.fp8_recipe == "mxfp8" else 16
+        ffn = args.ffn_hidden_size or 4 * args.hidden_size
+        if args.hidden_size % multiple or ffn % multiple:
+            parser.error(f"FP8 GEMMs (--fp8-recipe {args.fp8_recipe}) need --hidden-size {args.hidden_size} and "
+                         f"--ffn-hidden-size {ffn} to be multiples of {multiple}")
+    if args.transformer_impl == "transformer_engine":
+        if te_specs.transformer_engine_error() is not None:
+            parser.error(te_specs.unavailable_message())
+        if fp8:
+            problem = te_specs.fp8_recipe_problem(args.fp8_recipe)
+            if problem:
+                parser.error(f"--fp8-recipe {args.fp8_recipe}: {problem}")
 
 
 def _validate_checkpoints(parser, args) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -11,6 +12,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from angpt.bounding import attach_weight_constraint
 from angpt.models import WEIGHT_CONSTRAINTS
 
+logger = logging.getLogger("angpt.optimizer")
 
 @dataclass(frozen=True)
 class Recipe:
@@ -26,6 +28,49 @@ RECIPES = {
     "ngpt": Recipe(weight_decay=0.0, warmup_fraction=0.0, min_lr_ratio=0.0),
     "gptplus": Recipe(weight_decay=0.1, warmup_fraction=0.01, min_lr_ratio=0.1),
 }
+
+
+def optimizer_backend() -> str:
+    """The Adam megatron-core's optimizer runs: Transformer Engine's FusedAdam, else apex's, else torch's
+    AdamW (megatron-core picks it at import; nothing here requires apex or TE)."""
+    from megatron.core import optimizer as megatron_optimizer
+
+    adam = megatron_optimizer.Adam
+    name = f"{adam.__module__.split('.')[0]}'s {adam.__name__}"
+    if adam.__module__.startswith("transformer_engine"):
+        return f"{name} (Transformer Engine)"
+    if adam.__module__.startswith("apex"):
+        return f"{name} (apex; Transformer Engine not installed)"
+    return f"torch.optim.{adam.__name__} (neither Transformer Engine nor apex installed)"
+
+
+def norm_backend(config) -> str:
+    """What normalizes activations in the config's family and implementation."""
+    if config.normalized:
+        return "exact L2 norms in torch ops (post-norms and QK-norm; anGPT/nGPT have no norm layers)"
+    if config.transformer_impl == "transformer_engine":
+        return ("Transformer Engine RMSNorm, fused into the QKV and fc1 GEMMs (TELayerNormColumnParallelLinear); "
+                "TENorm for QK-norm and the final norm")
+    from megatron.core.fusions.fused_layer_norm import HAVE_FUSED_LAYER_NORM
+
+    why = ("apex's FusedLayerNorm, which megatron-core selects when apex is installed, is LayerNorm only"
+           if HAVE_FUSED_LAYER_NORM else "apex not installed")
+    return f"torch.nn.RMSNorm ({why})"
+
+
+_logged_backends = False
+
+
+def log_backends(config) -> None:
+    """One log line each for the optimizer and the norms, once per process (rank 0 only when distributed)."""
+    global _logged_backends
+    import torch.distributed as dist
+
+    if _logged_backends or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    _logged_backends = True
+    logger.info("optimizer: %s", optimizer_backend())
+    logger.info("norms: %s", norm_backend(config))
 
 
 def build_optimizer(
@@ -70,6 +115,9 @@ def build_optimizer(
         bf16=bf16,
         use_distributed_optimizer=use_distributed_optimizer,
     )
+    from megatron.core.utils import get_model_config
+
+    log_backends(get_model_config(model_chunks[0]))
     optimizer = get_megatron_optimizer(config, model_chunks)
     constraint = WEIGHT_CONSTRAINTS[model_family]
     if constraint is not None:

@@ -68,6 +68,12 @@ def model_config_from_args(args: argparse.Namespace):
     for key in ("ffn_hidden_size", "kv_channels", "num_query_groups"):
         if getattr(args, key):
             overrides[key] = getattr(args, key)
+    overrides["transformer_impl"] = getattr(args, "transformer_impl", "local")
+    if getattr(args, "fp8_format", None):
+        # FP8 GEMMs in the transformer layers (Transformer Engine); docs/fp8.md.
+        overrides.update(fp8=args.fp8_format, fp8_recipe=args.fp8_recipe, fp8_margin=args.fp8_margin,
+                         fp8_amax_history_len=args.fp8_amax_history_len,
+                         fp8_amax_compute_algo=args.fp8_amax_compute_algo)
     if args.recompute_granularity:
         overrides.update(recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
                          recompute_num_layers=args.recompute_num_layers)

@@ -19,6 +19,8 @@ MODEL_FAMILIES = ("angpt", "gptplus", "ngpt")
 FACTOR_MODES = ("analytic", "one", "exact")
 POST_NORMS = ("l2", "none")
 RESIDUALS = ("lerp", "plain")
+# megatron-core's layers ("local", the default and the CPU path) or Transformer Engine's (GPU, needed for FP8).
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
 
 
 @dataclass
@@ -49,6 +51,8 @@ class AnGPTConfig(TransformerConfig):
     share_embeddings_and_output_weights: bool = False
     nu_acf_samples: int = 100_000
     nu_acf_seed: int = 0
+    # megatron-core defaults to Transformer Engine; this project to its own layers (angpt/models/te_specs.py).
+    transformer_impl: str = "local"
 
     def __post_init__(self):
         for name, allowed in (
@@ -58,9 +62,12 @@ class AnGPTConfig(TransformerConfig):
             ("constant_factors", FACTOR_MODES),
             ("nu_alpha_mode", FACTOR_MODES),
             ("residual", RESIDUALS),
+            ("transformer_impl", TRANSFORMER_IMPLS),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.fp8 and self.transformer_impl != "transformer_engine":
+            raise ValueError("fp8 needs transformer_impl='transformer_engine' (FP8 GEMMs are Transformer Engine's)")
         super().__post_init__()
 
     @property

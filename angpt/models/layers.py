@@ -116,38 +116,56 @@ class NormalizedResidual(MegatronModule):
         return out * (config.nu_alpha_multiplier * nu).to(out.dtype)
 
 
-class FactorScaledColumnParallelLinear(tensor_parallel.ColumnParallelLinear):
-    """A column-parallel linear layer whose output is scaled by one normalization factor."""
+class FactorScaledColumn:
+    """Mixin for a column-parallel linear layer (W_qkv, W_uz) whose output is scaled by one normalization
+    factor: megatron-core's ColumnParallelLinear (local spec) or Transformer Engine's (TE spec)."""
 
     def __init__(self, *args, factor: str, config: AnGPTConfig, **kwargs):
         super().__init__(*args, config=config, **kwargs)
         if factor == "nu_qkv":
             self.nu = NuScale(config, factor, group_size=config.kv_channels)
         else:  # nu_uz: the local output is [u shard; z shard], each a vector split over TP ranks.
-            self.nu = NuScale(config, factor, group_size=self.output_size_per_partition // 2, tp_reduced=True)
+            self.nu = NuScale(config, factor, group_size=self.weight.shape[0] // 2, tp_reduced=True)
 
-    def forward(self, input_, weight=None, runtime_gather_output=None):
-        output, bias = super().forward(input_, weight, runtime_gather_output)
+    def forward(self, *args, **kwargs):
+        output, bias = super().forward(*args, **kwargs)
         return self.nu(output), bias
 
 
-class FactorScaledRowParallelLinear(tensor_parallel.RowParallelLinear):
-    """A row-parallel linear layer (W_p, W_d) whose reduced output is scaled by one normalization factor."""
+class FactorScaledRow:
+    """Mixin for a row-parallel linear layer (W_p, W_d) whose reduced output is scaled by one
+    normalization factor, on megatron-core's RowParallelLinear or Transformer Engine's."""
 
     def __init__(self, *args, factor: str, config: AnGPTConfig, **kwargs):
         super().__init__(*args, config=config, **kwargs)
         self.nu = NuScale(config, factor)
 
-    def forward(self, input_):
-        output, bias = super().forward(input_)
+    def forward(self, *args, **kwargs):
+        output, bias = super().forward(*args, **kwargs)
         return self.nu(output), bias
 
 
-class NormalizedDotProductAttention(FusedDotProductAttention):
-    """softmax(sqrt(h) (s_qk Norm(q)) (s_qk Norm(k))^T + causal) v, applied after RoPE.
+class FactorScaledColumnParallelLinear(FactorScaledColumn, tensor_parallel.ColumnParallelLinear):
+    """A column-parallel linear layer whose output is scaled by one normalization factor."""
+
+
+class FactorScaledRowParallelLinear(FactorScaledRow, tensor_parallel.RowParallelLinear):
+    """A row-parallel linear layer (W_p, W_d) whose reduced output is scaled by one normalization factor."""
+
+
+def is_row_parallel_linear(module: torch.nn.Module) -> bool:
+    """megatron-core's RowParallelLinear, or a Transformer Engine linear layer in row-parallel mode (TE's
+    layers are not megatron-core subclasses). nGPT normalizes these weights along dim 0."""
+    return isinstance(module, tensor_parallel.RowParallelLinear) or getattr(module, "parallel_mode", None) == "row"
+
+
+class QKNormalization:
+    """Mixin for core attention: softmax(sqrt(h) (s_qk Norm(q)) (s_qk Norm(k))^T + causal) v, applied after
+    RoPE, on megatron-core's DotProductAttention (local spec) or Transformer Engine's (TE spec).
 
     anGPT shares one s_qk of size h across heads; nGPT has one per head (size d, split over heads and
-    therefore over TP ranks). The sqrt(h) softmax scale is config.softmax_scale."""
+    therefore over TP ranks). The sqrt(h) softmax scale is config.softmax_scale, which SelfAttention
+    passes to either core attention."""
 
     def __init__(self, config: AnGPTConfig, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
@@ -160,18 +178,23 @@ class NormalizedDotProductAttention(FusedDotProductAttention):
             self.s_qk = LearnableScale(config, "s_qk", head_dim, reduce_grad_over_tp=True)
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+                packed_seq_params=None, **kwargs):
+        # query, key: [s, b, heads, h] in both implementations (TE's "sbhd").
         s_qk = self.s_qk().view(-1, query.shape[-1]).to(query.dtype)  # [heads or 1, h]
         query = s_qk * l2_normalize(query)
         key = s_qk * l2_normalize(key)
         return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
-                               packed_seq_params)
+                               packed_seq_params, **kwargs)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        # DotProductAttention checkpoints only its own softmax offset.
+        # The core attention checkpoints only its own softmax offset (or TE's extra state).
         state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         state.update(self.s_qk.sharded_state_dict(f"{prefix}s_qk.", sharded_offsets, metadata))
         return state
+
+
+class NormalizedDotProductAttention(QKNormalization, FusedDotProductAttention):
+    """The normalized core attention of the local spec (see QKNormalization)."""
 
 
 class ScaledSwiGLUMLP(MLP):

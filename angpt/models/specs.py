@@ -1,6 +1,13 @@
-"""megatron-core ModuleSpecs of the three families (local implementation, the CPU default)."""
+"""megatron-core ModuleSpecs of the three families.
+
+`transformer_impl` "local" (the default, and the CPU path) builds them from megatron-core's own layers;
+"transformer_engine" from Transformer Engine's (angpt/models/te_specs.py), with the same anGPT building
+blocks around them: one layer structure per family, only the linear layers, core attention and norms differ.
+"""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -22,8 +29,22 @@ from angpt.models.layers import (
 from angpt.models.norms import RMSNorm
 
 
-def normalized_layer_spec() -> ModuleSpec:
+class NormalizedModules(NamedTuple):
+    """The implementation-specific modules of the normalized layer."""
+
+    column_linear: type  # W_qkv, W_uz: a column-parallel linear layer with a `factor` (FactorScaledColumn)
+    row_linear: type  # W_p, W_d: a row-parallel linear layer with a `factor` (FactorScaledRow)
+    core_attention: type  # QK-normalized core attention (QKNormalization)
+
+
+LOCAL_NORMALIZED_MODULES = NormalizedModules(
+    FactorScaledColumnParallelLinear, FactorScaledRowParallelLinear, NormalizedDotProductAttention
+)
+
+
+def normalized_layer_spec(modules: NormalizedModules = LOCAL_NORMALIZED_MODULES) -> ModuleSpec:
     """The anGPT / nGPT layer: every linear map carries its factor, QK-norm sits in core attention."""
+    column, row, core_attention = modules
     return ModuleSpec(
         module=NormalizedTransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -31,16 +52,16 @@ def normalized_layer_spec() -> ModuleSpec:
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
-                    linear_qkv=ModuleSpec(module=FactorScaledColumnParallelLinear, params={"factor": "nu_qkv"}),
-                    core_attention=NormalizedDotProductAttention,
-                    linear_proj=ModuleSpec(module=FactorScaledRowParallelLinear, params={"factor": "nu_p"}),
+                    linear_qkv=ModuleSpec(module=column, params={"factor": "nu_qkv"}),
+                    core_attention=core_attention,
+                    linear_proj=ModuleSpec(module=row, params={"factor": "nu_p"}),
                 ),
             ),
             mlp=ModuleSpec(
                 module=ScaledSwiGLUMLP,
                 submodules=MLPSubmodules(
-                    linear_fc1=ModuleSpec(module=FactorScaledColumnParallelLinear, params={"factor": "nu_uz"}),
-                    linear_fc2=ModuleSpec(module=FactorScaledRowParallelLinear, params={"factor": "nu_d"}),
+                    linear_fc1=ModuleSpec(module=column, params={"factor": "nu_uz"}),
+                    linear_fc2=ModuleSpec(module=row, params={"factor": "nu_d"}),
                 ),
             ),
         ),
@@ -59,8 +80,13 @@ def gptplus_layer_spec() -> ModuleSpec:
 
 
 def block_spec(config: AnGPTConfig, vp_stage: int | None = None) -> TransformerBlockSubmodules:
-    """The layers this pipeline stage builds, and the final norm (GPT+ only: anGPT has none)."""
-    if config.normalized:
+    """The layers this pipeline stage builds, and the final norm (GPT+ only: anGPT has none), in the
+    config's `transformer_impl`."""
+    if config.transformer_impl == "transformer_engine":
+        from angpt.models import te_specs
+
+        layer, final_norm = te_specs.layer_and_final_norm(config)
+    elif config.normalized:
         layer, final_norm = normalized_layer_spec(), None
     else:
         layer, final_norm = gptplus_layer_spec(), RMSNorm

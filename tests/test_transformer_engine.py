@@ -1,0 +1,507 @@
+"""The Transformer Engine path: `--transformer-impl transformer_engine`, the FP8 flags, apex / fused-kernel
+selection, and the order of the bounded-weight projection and the cast of the main weights.
+
+On CPU (Transformer Engine absent): the one clear error, the TE spec's structure built on stand-in bases
+that behave like TE's (not megatron-core subclasses), every invalid FP8 combination refused by flag, the
+backend log lines, and that the projection runs on the fp32 main weights before they are cast to the model.
+
+Marked `gpu` (skipped without CUDA, and without Transformer Engine): the TE spec's logits against the local
+spec's on the same weights, an FP8 run against a BF16 run, and bounding of the fp32 main weights under FP8.
+These run in a torchrun subprocess of this file (NCCL, one GPU), so that they never share a process group
+with the CPU tests.
+"""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+from angpt.models import model_config
+from angpt.models import te_specs
+
+SMALL = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
+ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--micro-batch-size", "4", "--global-batch-size", "4", "--mock-data", "--vocab-size", "256",
+        "--train-iters", "10"]
+FP8 = ["--transformer-impl", "transformer_engine", "--bf16", "--use-distributed-optimizer", "--fp8-format", "hybrid"]
+HAVE_TE = te_specs.transformer_engine_error() is None
+
+
+# -- one clear error without Transformer Engine --------------------------------------------------------
+
+@pytest.mark.skipif(HAVE_TE, reason="Transformer Engine is installed")
+@pytest.mark.parametrize("family", ["angpt", "gptplus", "ngpt"])
+def test_without_transformer_engine_building_the_te_spec_fails_with_one_clear_message(family, single_process):
+    config = model_config(family, **SMALL)
+    with pytest.raises(te_specs.TransformerEngineUnavailable) as error:
+        te_specs.build_model_with_impl(config, 128, 16, transformer_impl="transformer_engine")
+    message = str(error.value)
+    assert "--transformer-impl transformer_engine" in message and "transformer-engine[pytorch]" in message
+    assert "--transformer-impl local" in message
+
+
+@pytest.mark.skipif(HAVE_TE, reason="Transformer Engine is installed")
+def test_without_transformer_engine_the_flag_is_refused_at_validation(capsys):
+    from angpt.arguments import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args([*ARGS, "--transformer-impl", "transformer_engine"], world_size=1)
+    err = capsys.readouterr().err
+    assert "--transformer-impl transformer_engine needs NVIDIA Transformer Engine" in err
+    assert "docker/Dockerfile" in err
+
+
+def test_local_stays_the_default():
+    from angpt.arguments import parse_args
+
+    assert parse_args(ARGS, world_size=1).transformer_impl == "local"
+    assert model_config("angpt", **SMALL).transformer_impl == "local"  # megatron-core's default is TE
+
+
+# -- the TE spec's structure, on stand-in bases --------------------------------------------------------
+
+class StandInLinear(torch.nn.Module):
+    """Behaves like megatron-core's TE linear wrappers at TP = 1: keyword arguments, a `weight`
+    parameter owned directly, `parallel_mode`, forward(x) -> (output, None); not a megatron-core class."""
+
+    parallel_mode = None
+
+    def __init__(self, input_size, output_size, *, config, init_method, bias, skip_bias_add, is_expert,
+                 tp_comm_buffer_name=None, tp_group=None, **kwargs):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+        init_method(self.weight)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight), None
+
+
+class StandInColumn(StandInLinear):
+    parallel_mode = "column"
+
+
+class StandInRow(StandInLinear):
+    parallel_mode = "row"
+
+
+@pytest.fixture
+def stand_in_te(monkeypatch):
+    """Transformer Engine 'installed', its layers replaced by the stand-ins (megatron's DotProductAttention
+    stands in for TEDotProductAttention)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    modules = te_specs.compose_normalized_modules(StandInColumn, StandInRow, DotProductAttention)
+    monkeypatch.setattr(te_specs, "transformer_engine_error", lambda: None)
+    monkeypatch.setattr(te_specs, "te_normalized_modules", lambda: modules)
+    return modules
+
+
+def test_te_normalized_spec_puts_the_anGPT_mixins_on_te_modules():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from angpt.models.layers import FactorScaledColumn, FactorScaledRow, QKNormalization
+    from angpt.models.specs import normalized_layer_spec
+
+    modules = te_specs.compose_normalized_modules(StandInColumn, StandInRow, DotProductAttention)
+    spec = normalized_layer_spec(modules)
+    attention, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
+    for place, mixin, base, factor in (
+        (attention.linear_qkv, FactorScaledColumn, StandInColumn, "nu_qkv"),
+        (attention.linear_proj, FactorScaledRow, StandInRow, "nu_p"),
+        (mlp.linear_fc1, FactorScaledColumn, StandInColumn, "nu_uz"),
+        (mlp.linear_fc2, FactorScaledRow, StandInRow, "nu_d"),
+    ):
+        assert place.module.__mro__[1:3] == (mixin, base) and place.params == {"factor": factor}
+    assert attention.core_attention.__mro__[1:3] == (QKNormalization, DotProductAttention)
+
+
+@pytest.mark.parametrize("family", ["angpt", "ngpt"])
+def test_te_spec_on_stand_ins_builds_and_equals_the_local_spec(family, seeded, stand_in_te):
+    """The TE spec's model (block spec dispatch, mixins on foreign bases, nGPT's dim-0 vectors of the
+    row-parallel weights) gives the local model's logits on the same weights."""
+    from angpt.bounding import constrained_parameters
+
+    config = model_config(family, **SMALL)
+    local = te_specs.build_model_with_impl(config, 128, 16, transformer_impl="local")
+    te = te_specs.build_model_with_impl(config, 128, 16, transformer_impl="transformer_engine")
+    layer = te.decoder.layers[0]
+    assert isinstance(layer.self_attention.linear_qkv, StandInColumn)
+    assert isinstance(layer.mlp.linear_fc2, StandInRow)
+    for module in (layer.self_attention.linear_proj, layer.mlp.linear_fc2):
+        dim = 0 if family == "ngpt" else 1
+        assert module.weight.unit_norm_dim == dim
+        norms = module.weight.data.norm(dim=dim)
+        torch.testing.assert_close(norms, torch.ones_like(norms))
+    assert len(constrained_parameters([te])) == len(constrained_parameters([local]))
+    missing, unexpected = te.load_state_dict(local.state_dict(), strict=False)
+    assert missing == [] and all(key.endswith("._extra_state") for key in unexpected)  # local layers' extra state
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(16).unsqueeze(0).expand(2, -1)
+    with torch.no_grad():
+        torch.testing.assert_close(te(tokens, positions, None), local(tokens, positions, None),
+                                   rtol=1e-5, atol=1e-5)
+
+
+# -- FP8 flags ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--fp8-format", "e4m3"], "--fp8-format e4m3 needs --transformer-impl transformer_engine"),
+        (["--transformer-impl", "transformer_engine", "--fp8-format", "e4m3"], "--fp8-format e4m3 needs --bf16"),
+        (["--fp8-recipe", "mxfp8"], "--fp8-recipe needs --fp8-format"),
+        (["--fp8-margin", "1"], "--fp8-margin needs --fp8-format"),
+        (["--fp8-amax-history-len", "16"], "--fp8-amax-history-len needs --fp8-format"),
+        (["--fp8-amax-compute-algo", "max"], "--fp8-amax-compute-algo needs --fp8-format"),
+        (["--fp8-param-gather"], "--fp8-param-gather needs --fp8-format"),
+        ([*FP8, "--fp8-param-gather"], "--fp8-param-gather is not supported"),
+        ([*FP8, "--fp8-recipe", "tensorwise", "--fp8-amax-history-len", "16"],
+         "--fp8-amax-history-len applies to --fp8-recipe delayed only"),
+        ([*FP8, "--fp8-recipe", "mxfp8", "--fp8-margin", "1"], "--fp8-margin applies to --fp8-recipe delayed only"),
+        ([*FP8, "--fp8-amax-history-len", "0"], "--fp8-amax-history-len 0 must be at least 1"),
+        ([*FP8, "--fp8-margin", "-1"], "--fp8-margin -1 cannot be negative"),
+        ([*FP8, "--hidden-size", "72", "--num-attention-heads", "2"], "--hidden-size 72"),
+        ([*FP8, "--fp8-recipe", "mxfp8", "--hidden-size", "80", "--num-attention-heads", "5"], "multiples of 32"),
+        (["--fp8-format", "e5m2"], "--fp8-format: invalid choice"),
+        (["--fp8-recipe", "blockwise"], "--fp8-recipe: invalid choice"),
+        (["--transformer-impl", "te"], "--transformer-impl: invalid choice"),
+        (["--transformer-impl", "transformer_engine", "--fp8-format", "hybrid", "--bf16"],
+         "--bf16 needs --use-distributed-optimizer"),
+    ],
+)
+def test_invalid_fp8_settings_are_refused_by_flag(flags, message, capsys, monkeypatch):
+    from angpt.arguments import parse_args
+
+    monkeypatch.setattr(te_specs, "transformer_engine_error", lambda: None)  # reach the FP8 checks
+    monkeypatch.setattr(te_specs, "fp8_recipe_problem", lambda recipe: None)
+    with pytest.raises(SystemExit):
+        parse_args([*ARGS, *flags], world_size=1)
+    assert message in capsys.readouterr().err
+
+
+@pytest.fixture
+def fake_te_runtime(monkeypatch):
+    """Transformer Engine 2.8 'installed' with MXFP8, on a GPU of the compute capability the test sets."""
+    import types
+
+    from megatron.core import utils
+
+    monkeypatch.setattr(te_specs, "transformer_engine_error", lambda: None)
+    monkeypatch.setattr(utils, "is_te_min_version", lambda version, check_equality=True: True)
+    recipe = types.ModuleType("transformer_engine.common.recipe")
+    recipe.MXFP8BlockScaling = object
+    common = types.ModuleType("transformer_engine.common")
+    common.recipe = recipe
+    package = types.ModuleType("transformer_engine")
+    package.common = common
+    for name, module in (("transformer_engine", package), ("transformer_engine.common", common),
+                         ("transformer_engine.common.recipe", recipe)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def on(capability):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+
+    return on
+
+
+@pytest.mark.parametrize(
+    "recipe,capability,message",
+    [
+        ("mxfp8", (9, 0), "--fp8-recipe mxfp8: MXFP8 needs Blackwell (compute capability >= 10.0); this GPU "
+                          "has compute capability 9.0"),
+        ("delayed", (8, 0), "--fp8-recipe delayed: FP8 needs Ada, Hopper or newer (compute capability >= 8.9)"),
+        ("tensorwise", (8, 0), "this GPU has compute capability 8.0"),
+    ],
+)
+def test_fp8_recipes_are_checked_against_the_gpu(recipe, capability, message, fake_te_runtime, capsys):
+    from angpt.arguments import parse_args
+
+    fake_te_runtime(capability)
+    with pytest.raises(SystemExit):
+        parse_args([*ARGS, *FP8, "--fp8-recipe", recipe], world_size=1)
+    assert message in capsys.readouterr().err
+
+
+def test_mxfp8_needs_a_transformer_engine_that_has_it(fake_te_runtime, monkeypatch):
+    fake_te_runtime((10, 0))
+    assert te_specs.fp8_recipe_problem("mxfp8") is None
+    monkeypatch.delattr(sys.modules["transformer_engine.common.recipe"], "MXFP8BlockScaling")
+    assert "no MXFP8BlockScaling" in te_specs.fp8_recipe_problem("mxfp8")
+
+
+def test_valid_fp8_flags_reach_the_transformer_config(fake_te_runtime):
+    from angpt.arguments import parse_args
+    from angpt.trainer import model_config_from_args
+
+    fake_te_runtime((9, 0))
+    args = parse_args([*ARGS, *FP8, "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max"],
+                      world_size=1)
+    config = model_config_from_args(args)
+    assert (config.transformer_impl, config.fp8, config.fp8_recipe, config.fp8_margin) == (
+        "transformer_engine", "hybrid", "delayed", 0)
+    assert (config.fp8_amax_history_len, config.fp8_amax_compute_algo, config.fp8_param) == (1024, "max", False)
+    plain = model_config_from_args(parse_args(ARGS, world_size=1))
+    assert plain.fp8 is None and plain.transformer_impl == "local"
+
+
+def test_fp8_needs_the_te_implementation_in_the_config_too():
+    with pytest.raises(ValueError, match="transformer_impl='transformer_engine'"):
+        model_config("angpt", fp8="hybrid", **SMALL)
+
+
+# -- apex / Transformer Engine selection, logged once ----------------------------------------------
+
+def test_optimizer_and_norm_choice_logged_once(seeded, caplog, monkeypatch):
+    from megatron.core import optimizer as megatron_optimizer
+
+    from angpt import optimizer
+    from angpt.training import build_model_chunks
+
+    monkeypatch.setattr(optimizer, "_logged_backends", False)
+    chunks = build_model_chunks(model_config("gptplus", **SMALL), 128, 16)
+    with caplog.at_level(logging.INFO, logger="angpt.optimizer"):
+        optimizer.build_optimizer(chunks, "gptplus", lr=1e-3, train_iters=10)
+        optimizer.build_optimizer(chunks, "gptplus", lr=1e-3, train_iters=10)
+    lines = [r.getMessage() for r in caplog.records if r.name == "angpt.optimizer"]
+    assert [line.split(":")[0] for line in lines] == ["optimizer", "norms"]
+    adam = megatron_optimizer.Adam
+    if adam.__module__.startswith("torch"):  # what megatron-core selected, named as such
+        assert lines[0] == "optimizer: torch.optim.AdamW (neither Transformer Engine nor apex installed)"
+    else:
+        assert adam.__name__ in lines[0] and adam.__module__.split(".")[0] in lines[0]
+    assert lines[1].startswith("norms: torch.nn.RMSNorm")
+
+
+# -- the projection runs on the fp32 main weights before they are cast ------------------------------
+
+def test_projection_runs_on_main_weights_before_the_cast_to_the_model(seeded, monkeypatch):
+    """bf16 with the distributed optimizer (the FP8 setting): the post-step projection of the fp32 main
+    shards happens inside the optimizer step, before megatron-core copies (casts) them into the model's
+    bf16 weights, from which Transformer Engine makes its FP8 copies in the next forward."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from angpt import bounding
+    from angpt.bounding import constrained_parameters
+    from angpt.optimizer import build_optimizer
+    from angpt.training import build_model_chunks, train_step
+
+    config = model_config("angpt", bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, **SMALL)
+    chunks = build_model_chunks(config, 128, 16, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=True))
+    optimizer, scheduler = build_optimizer(chunks, "angpt", lr=0.05, train_iters=10, use_distributed_optimizer=True,
+                                           bf16=True)
+    events = []
+    project = bounding._project
+
+    def recording_project(params, pieces, mode, group=None):
+        assert all(piece.data.dtype == torch.float32 for piece in pieces)  # main weights, not the model's
+        events.append("project")
+        return project(params, pieces, mode, group)
+
+    monkeypatch.setattr(bounding, "_project", recording_project)
+    inners = getattr(optimizer, "chained_optimizers", [optimizer])
+    assert any(isinstance(inner, DistributedOptimizer) for inner in inners)
+    for inner in inners:
+        for name in ("_copy_main_params_to_model_params", "_copy_main_params_to_param_buffer"):
+            original = getattr(inner, name, None)
+            if original is not None:
+                def recording_copy(*a, original=original, name=name, **k):
+                    events.append("cast")
+                    return original(*a, **k)
+                monkeypatch.setattr(inner, name, recording_copy)
+    tokens = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(1))
+    batch = dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(4, 16),
+                 position_ids=torch.arange(16).unsqueeze(0).expand(4, -1))
+    _, _, updated = train_step(iter([batch]), chunks, optimizer, scheduler, 1, 4, 16)
+    assert updated
+    assert events and events[0] == "project" and "cast" in events[events.index("project"):]
+    # The bf16 model weights are the cast of the bounded main weights.
+    for param in constrained_parameters(chunks):
+        assert param.dtype == torch.bfloat16
+        assert param.data.float().norm(dim=param.unit_norm_dim).max().item() <= 1 + 2**-7
+
+
+# -- on a GPU with Transformer Engine ----------------------------------------------------------------
+
+needs_te = pytest.mark.skipif(not HAVE_TE, reason="needs Transformer Engine")
+# Tolerances of the GPU tests, stated once:
+# (a) TE spec vs local spec, BF16 weights and activations, same weights: max |logit difference| at most
+#     LOGIT_TOLERANCE x max |logit| (a few BF16 ulps after 2 layers with different GEMM and attention kernels).
+LOGIT_TOLERANCE = 3e-2
+# (b) FP8 (hybrid, delayed scaling) vs BF16, 200 steps of a small anGPT on a learnable synthetic task: the
+#     20-step moving averages of the losses differ by at most CURVE_ABS + CURVE_REL x the BF16 average, at
+#     every step from 20 on, and both runs learn (final average below 60% of the first).
+FP8_STEPS, CURVE_WINDOW, CURVE_ABS, CURVE_REL = 200, 20, 0.05, 0.05
+# (c) Every vector of every fp32 main weight within 1 + MAIN_EPS of the unit ball after the FP8 run; the
+#     bf16 model copy within 1 + 2^-7 (one bf16 rounding).
+MAIN_EPS = 1e-6
+
+
+def run_gpu_worker(task: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
+           "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", __file__, task],
+        capture_output=True, text=True, timeout=900, env=env, cwd=ROOT,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, f"GPU worker {task} failed:\n{output[-6000:]}"
+    results = [line[len("RESULT "):] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert results, output[-6000:]
+    return json.loads(results[-1])
+
+
+@pytest.mark.gpu
+@needs_te
+def test_te_spec_logits_equal_the_local_spec_on_the_same_weights():
+    result = run_gpu_worker("logits")
+    for family in ("angpt", "gptplus", "ngpt"):
+        figures = result[family]
+        # Only the layers' (empty or FP8-metadata) extra states differ between the implementations.
+        assert all(k.endswith("_extra_state") for k in figures["missing"] + figures["unexpected"]), figures
+        assert figures["max_diff"] <= LOGIT_TOLERANCE * figures["max_logit"], (family, figures)
+
+
+@pytest.fixture(scope="module")
+def fp8_and_bf16_runs():
+    return run_gpu_worker("fp8")
+
+
+@pytest.mark.gpu
+@needs_te
+def test_fp8_training_tracks_the_bf16_loss_curve(fp8_and_bf16_runs):
+    def moving_average(values):
+        return [sum(values[i - CURVE_WINDOW:i]) / CURVE_WINDOW for i in range(CURVE_WINDOW, len(values) + 1)]
+
+    fp8, bf16 = (moving_average(fp8_and_bf16_runs[k]["losses"]) for k in ("fp8", "bf16"))
+    assert len(fp8) == len(bf16) == FP8_STEPS - CURVE_WINDOW + 1
+    for step, (a, b) in enumerate(zip(fp8, bf16), start=CURVE_WINDOW):
+        assert abs(a - b) <= CURVE_ABS + CURVE_REL * b, f"step {step}: FP8 {a:.4f}, BF16 {b:.4f}"
+    for curve in (fp8, bf16):
+        assert curve[-1] < 0.6 * curve[0]
+
+
+@pytest.mark.gpu
+@needs_te
+def test_bounding_holds_on_the_fp32_main_weights_under_fp8(fp8_and_bf16_runs):
+    run = fp8_and_bf16_runs["fp8"]
+    assert run["main_weights"] > 0 and run["main_dtypes"] == ["torch.float32"]
+    assert run["max_main_norm"] <= 1 + MAIN_EPS
+    assert run["max_model_norm"] <= 1 + 2**-7
+    assert run["fp8_layers"] > 0  # the GEMMs did run in FP8
+
+
+# -- the GPU worker (torchrun, one process) ----------------------------------------------------------
+
+def _cuda_model(config, impl, vocab, seq):
+    model = te_specs.build_model_with_impl(config, vocab, seq, transformer_impl=impl)
+    return model.cuda()
+
+
+def _worker_logits() -> dict:
+    from angpt.distributed import set_random_seed
+
+    vocab, seq, out = 256, 64, {}
+    tokens = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(0)).cuda()
+    positions = torch.arange(seq, device="cuda").unsqueeze(0).expand(2, -1)
+    for family in ("angpt", "gptplus", "ngpt"):
+        config = model_config(family, num_layers=2, hidden_size=128, num_attention_heads=2, bf16=True,
+                              params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16)
+        set_random_seed(1234)
+        local = _cuda_model(config, "local", vocab, seq)
+        te = _cuda_model(config, "transformer_engine", vocab, seq)
+        state = {}
+        for key, value in local.state_dict().items():
+            # GPT+: the pre-norms live in TE's fused LayerNorm+linear modules (megatron-core's own key map).
+            key = key.replace("input_layernorm.", "self_attention.linear_qkv.layer_norm_")
+            key = key.replace("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_")
+            state[key] = value
+        missing, unexpected = te.load_state_dict(state, strict=False)
+        local.eval(), te.eval()
+        with torch.no_grad():
+            a = local(tokens, positions, None).float()
+            b = te(tokens, positions, None).float()
+        out[family] = dict(max_diff=(a - b).abs().max().item(), max_logit=a.abs().max().item(),
+                           missing=list(missing), unexpected=list(unexpected))
+    return out
+
+
+def _copy_task_batch(step: int, vocab: int, seq: int, batch: int) -> dict:
+    """Sequences of a random 16-token segment repeated: learnable (copy from 16 back), same for every run."""
+    generator = torch.Generator().manual_seed(10_000 + step)
+    segments = torch.randint(0, vocab, (batch, 16), generator=generator)
+    tokens = segments.repeat(1, (seq + 1) // 16 + 1)[:, : seq + 1].cuda()
+    return dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(batch, seq, device="cuda"),
+                position_ids=torch.arange(seq, device="cuda").unsqueeze(0).expand(batch, -1))
+
+
+def _worker_train(fp8: bool) -> dict:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.enums import ModelType
+
+    from angpt.bounding import _optimizer_pieces
+    from angpt.distributed import set_random_seed
+    from angpt.optimizer import build_optimizer
+    from angpt.training import train_step
+
+    vocab, seq, batch = 256, 128, 8
+    fp8_settings = dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=16, fp8_amax_compute_algo="max")
+    config = model_config("angpt", num_layers=4, hidden_size=256, num_attention_heads=4, bf16=True,
+                          params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
+                          transformer_impl="transformer_engine", **(fp8_settings if fp8 else {}))
+    set_random_seed(1234)
+    model = _cuda_model(config, "transformer_engine", vocab, seq)
+    model.model_type = ModelType.encoder_or_decoder
+    chunk = DistributedDataParallel(config=config, module=model, ddp_config=DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=True))
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer, scheduler = build_optimizer([chunk], "angpt", lr=2e-3, train_iters=FP8_STEPS,
+                                           use_distributed_optimizer=True, bf16=True)
+    losses = []
+    for step in range(FP8_STEPS):
+        loss, _, updated = train_step(iter([_copy_task_batch(step, vocab, seq, batch)]), [chunk], optimizer,
+                                      scheduler, 1, batch, seq)
+        assert updated, f"step {step} skipped"
+        losses.append(loss)
+    main_norms, dtypes, count = [], set(), 0
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        _, pieces, _ = _optimizer_pieces(inner)
+        for piece in pieces:
+            assert piece.whole  # one data-parallel rank holds every weight whole
+            weight = piece.data.view(piece.param.shape)
+            dtypes.add(str(weight.dtype))
+            main_norms.append(weight.norm(dim=piece.param.unit_norm_dim).max().item())
+            count += 1
+    from angpt.bounding import constrained_parameters
+
+    model_norms = [p.data.float().norm(dim=p.unit_norm_dim).max().item() for p in constrained_parameters([model])]
+    # Transformer Engine sets `module.fp8` in each forward to whether fp8_autocast was on.
+    fp8_layers = sum(1 for m in model.modules() if getattr(m, "fp8", False) is True)
+    return dict(losses=losses, max_main_norm=max(main_norms), main_weights=count, main_dtypes=sorted(dtypes),
+                max_model_norm=max(model_norms), fp8_layers=fp8_layers)
+
+
+def _worker(task: str) -> None:
+    from angpt import distributed
+
+    distributed.initialize()
+    if task == "logits":
+        result = _worker_logits()
+    elif task == "fp8":
+        result = dict(fp8=_worker_train(fp8=True), bf16=_worker_train(fp8=False))
+    else:
+        raise SystemExit(f"unknown task {task}")
+    print("RESULT " + json.dumps(result), flush=True)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
