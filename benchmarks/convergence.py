@@ -1,0 +1,715 @@
+#!/usr/bin/env python
+"""Reproduce the paper at small scale on CPU: convergence of anGPT, GPT+ and nGPT, the ablations of spec
+section 9 and the norm-health figures of spec section 10, on the Shakespeare corpus of the quickstart.
+
+    python benchmarks/convergence.py --output-dir docs/results                 # full: about 30-40 min, 2 cores
+    python benchmarks/convergence.py --output-dir /tmp/conv --quick            # tiny shape: a few minutes
+    python benchmarks/convergence.py --output-dir /tmp/conv --quick --train-iters 2 --max-lrs 1 --seeds 2 \\
+        --ablation-list nu_alpha_off                                           # what the test runs
+
+What it does
+1. Learning-rate grid: each family (anGPT, GPT+ with its warm-up and weight decay, nGPT; each with its own
+   optimizer recipe of `angpt.optimizer.RECIPES`) at each lr of its grid, seed 0, the same tokens.
+2. Seeds: the best lr of each family (lowest final validation loss on seed 0) with --seeds seeds in all.
+3. Ablations (spec section 9): anGPT at its best lr, seed 0, with one `--angpt-*` switch changed.
+4. Norm health (spec section 10): after training, each run's model reads the first --probe-batches
+   validation batches and then the same number of batches of one token repeated (the most frequent token of
+   those batches) under `angpt.monitoring.HealthProbe`; the per-layer mean residual-stream norms and their
+   ratio (repeated / text, mean over layers) are kept; alpha's trajectory comes from the health scalars of
+   the run's metrics.jsonl (every --log-interval steps).
+
+Each run is a subprocess that does what `python -m angpt.pretrain ARGS --metrics-file ...` does (same flag
+parser, same `angpt.trainer.Trainer`) and then the probe above on the trained model, in the same process,
+so no checkpoint is written. Runs go --jobs at a time (OMP_NUM_THREADS = cores / jobs each). A run whose
+result.json exists under --work-dir is not run again: an interrupted invocation resumes where it stopped.
+
+The validation loss is evaluated every --eval-interval steps on the same first --eval-iters global batches
+of the validation split (a fixed subset). Speed-up over GPT+: with L* = the final value of GPT+'s
+seed-averaged validation curve, the step at which a curve first reaches L* is found by linear
+interpolation between evaluations; speed-up = steps(GPT+ to L*) / steps(model to L*). Per-seed speed-ups
+(seed s of the model against seed s of GPT+, each against that GPT+ seed's final loss) give the spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+FAMILIES = ("angpt", "gptplus", "ngpt")
+NAMES = {"angpt": "anGPT", "gptplus": "GPT+", "ngpt": "nGPT"}
+
+# Shapes and budgets. Head dim 64 as in the paper (spec section 11), f = 4d (the default).
+MODES = {
+    "full": dict(hidden_size=128, num_layers=4, num_attention_heads=2, seq_length=128, micro_batch_size=16,
+                 global_batch_size=16, train_iters=160, eval_interval=10, eval_iters=3, log_interval=10,
+                 probe_batches=2,
+                 lrs={"angpt": (1e-2, 3e-2, 1e-1), "gptplus": (3e-3, 1e-2, 3e-2), "ngpt": (1e-2, 3e-2, 1e-1)}),
+    "quick": dict(hidden_size=64, num_layers=2, num_attention_heads=1, seq_length=64, micro_batch_size=8,
+                  global_batch_size=8, train_iters=40, eval_interval=5, eval_iters=2, log_interval=5,
+                  probe_batches=1,
+                  lrs={"angpt": (3e-3, 1e-2, 3e-2), "gptplus": (1e-3, 3e-3, 1e-2), "ngpt": (3e-3, 1e-2, 3e-2)}),
+}
+
+# name: (flags, what the paper reports (spec section 9), label)
+ABLATIONS = {
+    "constant_factors_off": (["--angpt-constant-factors", "one"], "+1.09%", "constant factors -> 1"),
+    "all_factors_off": (["--angpt-constant-factors", "one", "--angpt-nu-alpha", "one"], "+3%",
+                        "all factors -> 1 incl. nu(alpha)"),
+    "nu_alpha_off": (["--angpt-nu-alpha", "one"], "about +3%", "nu(alpha) -> 1 only"),
+    "exact_norm": (["--angpt-constant-factors", "exact", "--angpt-nu-alpha", "exact"],
+                   "+0.4% (+30% step time)", "every factor exact 1/||x||"),
+    "constant_factors_x0.5": (["--angpt-constant-factor-multiplier", "0.5"], "+0.34%", "constant factors x0.5"),
+    "constant_factors_x2": (["--angpt-constant-factor-multiplier", "2"], "+0.12%", "constant factors x2"),
+    "nu_alpha_x0.5": (["--angpt-nu-alpha-multiplier", "0.5"], "collapses", "nu(alpha) x0.5"),
+    "nu_alpha_x2": (["--angpt-nu-alpha-multiplier", "2"], "collapses", "nu(alpha) x2"),
+    "plain_residual": (["--angpt-residual", "plain"], "+1.89%", "plain residual instead of LERP"),
+}
+PAPER_GPTPLUS = "+1.46%"  # GPT+ instead of anGPT
+PAPER = {
+    "speedup": {"angpt": 1.40, "ngpt": 1.29},
+    "ood_ratio": {"angpt": 1.5, "gptplus": 3.4},
+    "alpha": "rises from about 0.05 to 0.12-0.25",
+    "residual_norms": "anGPT moderate (up to about 2.9); GPT+ grows with depth",
+}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The worker: one training run and its probe, in its own process
+
+
+def worker(result_path: str, argv: list[str], probe_batches: int) -> None:
+    """What `angpt.pretrain.main(argv)` does, then the norm probe on the trained model; writes result_path."""
+    import logging
+
+    import torch
+    import torch.distributed as dist
+
+    from angpt.arguments import parse_args
+
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("angpt").setLevel(logging.INFO)
+    from angpt.trainer import Trainer
+
+    start = time.perf_counter()
+    trainer = Trainer(args)
+    code = trainer.run()
+    seconds = time.perf_counter() - start
+    try:
+        probe = probe_norms(trainer, probe_batches)
+    except Exception as error:  # a collapsed model may not survive the probe; the run's figures still count
+        probe = {"error": repr(error)}
+    dist.barrier()
+    dist.destroy_process_group()
+    result = {"exit_code": code, "train_seconds": seconds, "threads": torch.get_num_threads(), "probe": probe}
+    with open(result_path + ".tmp", "w") as file:
+        json.dump(result, file)
+    os.replace(result_path + ".tmp", result_path)
+
+
+def probe_norms(trainer, num_batches: int) -> dict:
+    """Per-layer mean residual-stream norms on validation text and on one token repeated."""
+    from collections import Counter
+
+    import torch
+
+    from angpt.data.gpt_datasets import micro_batches
+    from angpt.monitoring import HealthProbe
+
+    args = trainer.args
+    model = trainer.chunks[0]
+    model.eval()
+    probe = HealthProbe(trainer.chunks)
+    batches = [b for i in range(num_batches)
+               for b in micro_batches(trainer.data.valid, i * args.global_batch_size, args.global_batch_size,
+                                      args.micro_batch_size, 0, 1)]
+    token = Counter(torch.cat([b["tokens"].flatten() for b in batches]).tolist()).most_common(1)[0][0]
+
+    def norms(inputs) -> list[float]:
+        with torch.no_grad(), probe.capture():
+            for batch in inputs:
+                model(batch["tokens"], batch["position_ids"], None)
+        summary = probe.summary()
+        keys = sorted(k for k in summary if k.startswith("health/residual_norm/"))
+        return [summary[k] for k in keys]
+
+    text = norms(batches)
+    repeated = norms([{**b, "tokens": torch.full_like(b["tokens"], token)} for b in batches])
+    ratio = statistics.fmean(repeated) / statistics.fmean(text)
+    return {"token": token, "residual_norms_text": text, "residual_norms_repeated": repeated,
+            "ood_ratio": ratio}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Runs
+
+
+class Run:
+    def __init__(self, name: str, family: str, lr: float, seed: int, flags: list[str], settings: dict,
+                 options):
+        self.name, self.family, self.lr, self.seed, self.flags = name, family, lr, seed, flags
+        self.dir = os.path.join(options.work_dir, name)
+        self.metrics = os.path.join(self.dir, "metrics.jsonl")
+        self.result = os.path.join(self.dir, "result.json")
+        self.log = os.path.join(self.dir, "log.txt")
+        s = settings
+        corpus = options.corpus
+        self.argv = [
+            "--model-family", family, "--num-layers", str(s["num_layers"]), "--hidden-size", str(s["hidden_size"]),
+            "--num-attention-heads", str(s["num_attention_heads"]), "--seq-length", str(s["seq_length"]),
+            "--micro-batch-size", str(s["micro_batch_size"]), "--global-batch-size", str(s["global_batch_size"]),
+            "--train-iters", str(s["train_iters"]), "--lr", repr(lr), "--seed", str(seed),
+            "--train-data-path", f"{corpus}/train_text_document", "--valid-data-path", f"{corpus}/valid_text_document",
+            "--data-cache-path", os.path.join(self.dir, "cache"),
+            "--eval-interval", str(s["eval_interval"]), "--eval-iters", str(s["eval_iters"]),
+            "--log-interval", str(s["log_interval"]), "--metrics-file", self.metrics, *flags,
+        ]
+        self.probe_batches = s["probe_batches"]
+        self.code = options.code
+        self.process = None
+        self.started = None
+
+    def done(self) -> bool:
+        return os.path.isfile(self.result)
+
+    def start(self, threads: int) -> None:
+        if os.path.isdir(self.dir):
+            shutil.rmtree(self.dir)  # an interrupted attempt: start it again from scratch
+        os.makedirs(self.dir)
+        with open(os.path.join(self.dir, "command.txt"), "w") as file:
+            file.write("python -m angpt.pretrain " + " ".join(self.argv) + "\n")
+        path = [p for p in (self.code, ROOT, os.environ.get("PYTHONPATH")) if p]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+               "PYTHONWARNINGS": "ignore", "PYTHONPATH": os.pathsep.join(path)}
+        env.pop("RANK", None)
+        env.pop("WORLD_SIZE", None)
+        self.log_file = open(self.log, "w")
+        self.process = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "_worker", self.result, str(self.probe_batches), "--",
+             *self.argv], stdout=self.log_file, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        self.started = time.time()
+
+    def iteration(self) -> int:
+        last = 0
+        if os.path.isfile(self.metrics):
+            with open(self.metrics) as file:
+                for line in file:
+                    try:
+                        last = max(last, json.loads(line).get("iteration", 0))
+                    except ValueError:
+                        pass
+        return last
+
+    def load(self) -> dict:
+        """Everything the report needs from this run's files."""
+        with open(self.result) as file:
+            result = json.load(file)
+        records = [json.loads(line) for line in open(self.metrics)]
+        evals = [(r["iteration"], r["lm_loss"]) for r in records if r["kind"] == "eval"
+                 and r.get("split") == "validation"]
+        train = [r for r in records if r["kind"] == "train"]
+        ms = [r["ms_per_step"] for r in train[1:] or train if r.get("ms_per_step")]
+        alpha = {}
+        for r in train:
+            for kind in ("attention", "mlp"):
+                values = [v for k, v in r.items() if k.startswith(f"health/alpha_{kind}/") and v is not None]
+                if values:
+                    alpha.setdefault(kind, []).append((r["iteration"], statistics.fmean(values)))
+        final = evals[-1][1] if evals else None
+        if final is not None and not math.isfinite(final):
+            final = None
+        return {
+            "name": self.name, "family": self.family, "lr": self.lr, "seed": self.seed, "flags": self.flags,
+            "exit_code": result["exit_code"], "train_seconds": result["train_seconds"],
+            "curve": evals, "final_val_loss": final, "first_train_loss": train[0]["lm_loss"] if train else None,
+            "skipped_steps": sum(r.get("skipped", 0) or 0 for r in train),
+            "ms_per_step": statistics.median(ms) if ms else None, "alpha": alpha, "probe": result["probe"],
+            "command": "python -m angpt.pretrain " + " ".join(self.argv),
+        }
+
+
+def run_all(runs: list[Run], jobs: int, loads: list) -> None:
+    """Run what is not done yet, `jobs` at a time, printing progress."""
+    todo = [r for r in runs if not r.done()]
+    for r in runs:
+        if r.done():
+            print(f"  {r.name}: done before, skipped", flush=True)
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    running: list[Run] = []
+    last_report = time.time()
+    while todo or running:
+        while todo and len(running) < jobs:
+            r = todo.pop(0)
+            r.start(threads)
+            running.append(r)
+            print(f"  start {r.name} ({len(todo)} queued after it)", flush=True)
+        time.sleep(0.5)
+        for r in list(running):
+            code = r.process.poll()
+            if code is None:
+                continue
+            r.log_file.close()
+            running.remove(r)
+            loads.append(os.getloadavg()[0])
+            if code != 0 or not r.done():
+                tail = open(r.log).read()[-3000:]
+                raise SystemExit(f"run {r.name} failed (exit {code}); its log {r.log} ends:\n{tail}")
+            print(f"  done  {r.name} in {time.time() - r.started:.0f} s", flush=True)
+        if running and time.time() - last_report > 30:
+            last_report = time.time()
+            loads.append(os.getloadavg()[0])
+            status = ", ".join(f"{r.name} at step {r.iteration()}" for r in running)
+            print(f"  ... {status}; load average {os.getloadavg()[0]:.2f}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Analysis
+
+
+def steps_to_reach(curve: list, target: float):
+    """The first step at which the curve (step, loss) reaches `target`, linear between evaluations."""
+    previous = None
+    for step, loss in curve:
+        if loss is not None and math.isfinite(loss) and loss <= target:
+            if previous is None:
+                return float(step)
+            (s0, l0) = previous
+            return s0 + (step - s0) * (l0 - target) / (l0 - loss) if l0 != loss else float(step)
+        previous = (step, loss) if loss is not None and math.isfinite(loss) else previous
+    return None
+
+
+def mean_curve(curves: list[list]) -> list:
+    steps = [s for s, _ in curves[0]]
+    return [(s, statistics.fmean(c[i][1] for c in curves)) for i, s in enumerate(steps)]
+
+
+def spread(values: list[float]) -> dict:
+    values = [v for v in values if v is not None]
+    if not values:
+        return {"mean": None, "std": None, "min": None, "max": None, "n": 0}
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "min": min(values), "max": max(values), "n": len(values)}
+
+
+def loss_key(run: dict) -> float:
+    return run["final_val_loss"] if run["final_val_loss"] is not None else math.inf
+
+
+def analyse(grid: dict, seeds: dict, ablations: dict, settings: dict, options, loads: list, wall: float) -> dict:
+    best_lr = {f: min(grid[f], key=loss_key)["lr"] for f in FAMILIES}
+    families = {}
+    for f in FAMILIES:
+        finals = [r["final_val_loss"] for r in seeds[f]]
+        families[f] = {"best_lr": best_lr[f], "final_val_loss": spread(finals),
+                       "finals_by_seed": {r["seed"]: r["final_val_loss"] for r in seeds[f]},
+                       "ms_per_step": spread([r["ms_per_step"] for r in seeds[f]]),
+                       "grid": [{"lr": r["lr"], "final_val_loss": r["final_val_loss"]} for r in grid[f]],
+                       "mean_curve": mean_curve([r["curve"] for r in seeds[f]])}
+    gpt_curve = families["gptplus"]["mean_curve"]
+    target = gpt_curve[-1][1]
+    base_steps = steps_to_reach(gpt_curve, target)
+    speedups = {}
+    for f in ("angpt", "ngpt"):
+        steps = steps_to_reach(families[f]["mean_curve"], target)
+        per_seed = []
+        gpt_by_seed = {r["seed"]: r for r in seeds["gptplus"]}
+        for r in seeds[f]:
+            g = gpt_by_seed.get(r["seed"])
+            if g is None or not g["curve"]:
+                continue
+            gs = steps_to_reach(g["curve"], g["curve"][-1][1])
+            ms = steps_to_reach(r["curve"], g["curve"][-1][1])
+            per_seed.append(gs / ms if gs and ms else None)
+        speedups[f] = {"target_loss": target, "gptplus_steps": base_steps, "steps": steps,
+                       "speedup": base_steps / steps if base_steps and steps else None,
+                       "per_seed": per_seed, "per_seed_spread": spread(per_seed),
+                       "reached": steps is not None}
+    reference = next(r for r in seeds["angpt"] if r["seed"] == 0)
+    abl_rows = []
+    gpt0 = next(r for r in seeds["gptplus"] if r["seed"] == 0)
+    for name, run in [*ablations.items(), ("gptplus_instead", gpt0)]:
+        flags, paper, label = ABLATIONS.get(name, ([], PAPER_GPTPLUS, "GPT+ instead of anGPT (at its best lr)"))
+        final = run["final_val_loss"]
+        # Collapsed: no finite loss, stopped on NaNs, or lost more than half of anGPT's progress from the
+        # first logged training loss.
+        first, ref = run["first_train_loss"], reference["final_val_loss"]
+        collapsed = final is None or run["exit_code"] != 0 or (
+            first is not None and ref is not None and first > ref and final - ref > 0.5 * (first - ref))
+        abl_rows.append({
+            "name": name, "label": label, "flags": flags, "paper": paper, "final_val_loss": final,
+            "relative_change": (final / reference["final_val_loss"] - 1) if final is not None else None,
+            "step_time_relative": (run["ms_per_step"] / reference["ms_per_step"])
+            if run["ms_per_step"] and reference["ms_per_step"] else None,
+            "ms_per_step": run["ms_per_step"], "skipped_steps": run["skipped_steps"], "collapsed": collapsed,
+            "curve": run["curve"],
+        })
+    seed_noise = families["angpt"]["final_val_loss"]
+    health = {}
+    for f in FAMILIES:
+        r = next(r for r in seeds[f] if r["seed"] == 0)
+        health[f] = {"residual_norms_text": r["probe"].get("residual_norms_text"),
+                     "residual_norms_repeated": r["probe"].get("residual_norms_repeated"),
+                     "ood_ratio": r["probe"].get("ood_ratio"), "repeated_token": r["probe"].get("token"),
+                     "ood_ratio_by_seed": {s["seed"]: s["probe"].get("ood_ratio") for s in seeds[f]},
+                     "ood_ratio_spread": spread([s["probe"].get("ood_ratio") for s in seeds[f]]),
+                     "alpha": r["alpha"]}
+    return {
+        "mode": options.mode_name, "settings": {k: v for k, v in settings.items() if k != "lrs"},
+        "lr_grid": {f: list(settings["lrs"][f]) for f in FAMILIES},
+        "tokens_per_run": settings["train_iters"] * settings["global_batch_size"] * settings["seq_length"],
+        "validation_tokens_per_eval": settings["eval_iters"] * settings["global_batch_size"] * settings["seq_length"],
+        "seeds": sorted({r["seed"] for r in seeds["angpt"]}), "jobs": options.jobs,
+        "code_commit": options.commit,
+        "load_average": spread(loads), "wall_seconds": wall, "families": families,
+        "speedup": speedups, "speedup_method": (
+            "L* = final value of GPT+'s seed-mean validation curve (fixed validation subset, every "
+            f"{settings['eval_interval']} steps); steps to reach L* by linear interpolation between evaluations; "
+            "speed-up = steps(GPT+) / steps(model); per seed: seed s against GPT+ seed s's own final loss"),
+        "ablations": {"reference": {"lr": reference["lr"], "seed": 0, "final_val_loss": reference["final_val_loss"],
+                                    "ms_per_step": reference["ms_per_step"],
+                                    "seed_std_relative": (seed_noise["std"] / seed_noise["mean"])
+                                    if seed_noise["mean"] else None},
+                      "rows": abl_rows},
+        "norm_health": health, "paper": PAPER,
+        "runs": [{k: r[k] for k in ("name", "family", "lr", "seed", "final_val_loss", "ms_per_step",
+                                    "train_seconds", "exit_code", "command")}
+                 for r in [*[x for f in FAMILIES for x in grid[f]], *[x for f in FAMILIES for x in seeds[f]],
+                           *ablations.values()]],
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Output
+
+
+def clean(value):
+    """NaN and Inf as None, so that the JSON is valid."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [clean(v) for v in value]
+    return value
+
+
+def fmt(value, spec=".4f", none="n/a"):
+    return none if value is None else format(value, spec)
+
+
+def markdown(report: dict) -> str:
+    s = report["settings"]
+    load = report["load_average"]
+    lines = [
+        f"# Small-scale reproduction ({report['mode']} mode)", "",
+        f"Shape: d={s['hidden_size']}, {s['num_layers']} layers, {s['num_attention_heads']} heads (head dim "
+        f"{s['hidden_size'] // s['num_attention_heads']}), context {s['seq_length']}, global batch "
+        f"{s['global_batch_size']}, {s['train_iters']} steps = {report['tokens_per_run']} tokens per run; "
+        f"Shakespeare BPE 8192. Validation: the same {report['validation_tokens_per_eval']} tokens every "
+        f"{s['eval_interval']} steps. Seeds {report['seeds']}; {report['jobs']} runs at a time; wall "
+        f"{report['wall_seconds'] / 60:.1f} min; 1-min load average during the runs "
+        f"{fmt(load['mean'], '.2f')} (min {fmt(load['min'], '.2f')}, max {fmt(load['max'], '.2f')}).", "",
+        "## Convergence", "",
+        "| model | best lr (grid) | final val loss (mean ± std over seeds) | min-max | ms/step (median) | speed-up over GPT+ | paper |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for f in FAMILIES:
+        fam = report["families"][f]
+        v = fam["final_val_loss"]
+        grid = ", ".join(f"{g['lr']:g}: {fmt(g['final_val_loss'], '.3f')}" for g in fam["grid"])
+        if f == "gptplus":
+            sp, paper = "1 (reference)", "1"
+        else:
+            su = report["speedup"][f]
+            sp = (f"{su['speedup']:.2f}x" if su["speedup"] else "not reached") + \
+                 f" (per seed {fmt(su['per_seed_spread']['mean'], '.2f')} ± {fmt(su['per_seed_spread']['std'], '.2f')})"
+            paper = f"{PAPER['speedup'][f]:.2f}x"
+        lines.append(f"| {NAMES[f]} | {fam['best_lr']:g} ({grid}) | {fmt(v['mean'])} ± {fmt(v['std'])} | "
+                     f"{fmt(v['min'])}-{fmt(v['max'])} | {fmt(fam['ms_per_step']['mean'], '.1f')} | {sp} | {paper} |")
+    su = report["speedup"]["angpt"]
+    lines += ["", f"Speed-up: {report['speedup_method']}. L* = {su['target_loss']:.4f}, reached by GPT+ at step "
+              f"{fmt(su['gptplus_steps'], '.1f')}, by anGPT at {fmt(su['steps'], '.1f')}, by nGPT at "
+              f"{fmt(report['speedup']['ngpt']['steps'], '.1f')} ('n/a': not within the budget).", "",
+              "![convergence](convergence.png)", "",
+              "## Ablations (spec section 9)", ""]
+    ref = report["ablations"]["reference"]
+    lines += [f"anGPT at its best lr {ref['lr']:g}, seed 0 only (one seed per ablation to fit the time budget): "
+              f"val loss {fmt(ref['final_val_loss'])}, {fmt(ref['ms_per_step'], '.1f')} ms/step. Seed-to-seed std of "
+              f"anGPT's final loss: {fmt(100 * ref['seed_std_relative'] if ref['seed_std_relative'] is not None else None, '.2f')}% "
+              "of the mean; changes smaller than that are noise. Step times are medians of runs that shared the "
+              "CPU with another run and other work: rough.", "",
+              "| ablation | flags | val loss | change vs anGPT | paper | step time vs anGPT | collapsed |",
+              "|---|---|---|---|---|---|---|"]
+    for row in report["ablations"]["rows"]:
+        change = fmt(100 * row["relative_change"] if row["relative_change"] is not None else None, "+.2f")
+        lines.append(f"| {row['label']} | `{' '.join(row['flags']) or '--model-family gptplus'}` | "
+                     f"{fmt(row['final_val_loss'])} | {change}% | {row['paper']} | "
+                     f"{fmt(row['step_time_relative'], '.3f')}x | {'yes' if row['collapsed'] else 'no'} |")
+    lines += ["", "![ablations](ablations.png)", "", "## Norm health (spec section 10)", "",
+              "Mean residual-stream norm after each layer (validation text), per trained model (seed 0); the "
+              "out-of-distribution test feeds the same number of sequences of one token repeated.", "",
+              "| model | residual norm per layer (text) | (one token repeated) | OOD ratio seed 0 | OOD ratio over seeds | paper |",
+              "|---|---|---|---|---|---|"]
+    for f in FAMILIES:
+        h = report["norm_health"][f]
+        text = ", ".join(f"{v:.2f}" for v in h["residual_norms_text"] or [])
+        rep = ", ".join(f"{v:.2f}" for v in h["residual_norms_repeated"] or [])
+        sp = h["ood_ratio_spread"]
+        paper = f"x{PAPER['ood_ratio'][f]}" if f in PAPER["ood_ratio"] else "-"
+        lines.append(f"| {NAMES[f]} | {text} | {rep} | x{fmt(h['ood_ratio'], '.2f')} | "
+                     f"x{fmt(sp['mean'], '.2f')} ± {fmt(sp['std'], '.2f')} | {paper} |")
+    lines += [""]
+    for f in ("angpt", "ngpt"):
+        alpha = report["norm_health"][f]["alpha"]
+        for kind, traj in alpha.items():
+            if traj:
+                lines.append(f"- {NAMES[f]} mean alpha_{kind[0].upper()} (over layers and units): "
+                             f"{traj[0][1]:.4f} at step {traj[0][0]} -> {traj[-1][1]:.4f} at step {traj[-1][0]} "
+                             f"(max {max(v for _, v in traj):.4f}).")
+    lines += [f"- Paper: alpha {PAPER['alpha']}; residual norms: {PAPER['residual_norms']}.", "",
+              "![norm health](norm_health.png)", ""]
+    return "\n".join(lines)
+
+
+def plots(report: dict, seeds: dict, output_dir: str, prefix: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"angpt": "tab:blue", "gptplus": "tab:orange", "ngpt": "tab:green"}
+    paths = []
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for f in FAMILIES:
+        for r in seeds[f]:
+            ax.plot(*zip(*r["curve"]), color=colors[f], alpha=0.25, lw=0.8)
+        ax.plot(*zip(*report["families"][f]["mean_curve"]), color=colors[f], lw=2,
+                label=f"{NAMES[f]} (lr {report['families'][f]['best_lr']:g})")
+        grid = report["families"][f]["grid"]
+        ax2.plot([g["lr"] for g in grid], [g["final_val_loss"] if g["final_val_loss"] is not None else float("nan")
+                                          for g in grid], "o-", color=colors[f], label=NAMES[f])
+    target = report["speedup"]["angpt"]["target_loss"]
+    ax.axhline(target, color="gray", ls=":", lw=1, label="GPT+ final (L*)")
+    for f in ("angpt", "ngpt"):
+        steps = report["speedup"][f]["steps"]
+        if steps:
+            ax.plot([steps], [target], "x", color=colors[f], ms=9)
+    curves = [l for f in FAMILIES for _, l in report["families"][f]["mean_curve"]]
+    low = min(curves)
+    ax.set_ylim(low - 0.1, min(max(curves), low + 3))
+    ax.set(xlabel="step", ylabel="validation loss", title="validation loss (thin: seeds, thick: mean)")
+    ax.legend()
+    ax2.set(xscale="log", xlabel="learning rate", ylabel="final validation loss (seed 0)", title="lr grid")
+    ax2.legend()
+    fig.tight_layout()
+    paths.append(os.path.join(output_dir, f"{prefix}.png"))
+    fig.savefig(paths[-1], dpi=90)
+    plt.close(fig)
+
+    rows = report["ablations"]["rows"]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.5), gridspec_kw={"width_ratios": [1.2, 1]})
+    labels = [r["label"] for r in rows]
+    values = [100 * r["relative_change"] if r["relative_change"] is not None else float("nan") for r in rows]
+    ax.barh(range(len(rows)), values, color=["tab:red" if r["collapsed"] else "tab:blue" for r in rows])
+    for i, r in enumerate(rows):
+        ax.text(0, i, f"  paper {r['paper']}", va="center", fontsize=7)
+    ax.set_yticks(range(len(rows)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set(xlabel="change of final validation loss vs anGPT (%)", title="ablations (red: collapsed)")
+    ax.axvline(0, color="k", lw=0.8)
+    for r in rows:
+        if r["curve"]:
+            ax2.plot(*zip(*r["curve"]), lw=0.9, label=r["label"])
+    ref = next(x for x in seeds["angpt"] if x["seed"] == 0)
+    ax2.plot(*zip(*ref["curve"]), color="k", lw=2, label="anGPT")
+    finite = [l for r in rows for _, l in r["curve"] if l is not None and math.isfinite(l)]
+    if finite:
+        ax2.set_ylim(min(finite) - 0.1, min(max(finite), min(finite) + 3))
+    ax2.set(xlabel="step", ylabel="validation loss")
+    ax2.legend(fontsize=6)
+    fig.tight_layout()
+    paths.append(os.path.join(output_dir, "ablations.png" if prefix == "convergence" else f"{prefix}_ablations.png"))
+    fig.savefig(paths[-1], dpi=90)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for f in FAMILIES:
+        h = report["norm_health"][f]
+        if h["residual_norms_text"]:
+            layers = range(1, len(h["residual_norms_text"]) + 1)
+            axes[0].plot(layers, h["residual_norms_text"], "o-", color=colors[f], label=f"{NAMES[f]} text")
+            axes[0].plot(layers, h["residual_norms_repeated"], "s--", color=colors[f], alpha=0.6,
+                         label=f"{NAMES[f]} one token repeated")
+        for kind, style in (("attention", "-"), ("mlp", "--")):
+            traj = h["alpha"].get(kind)
+            if traj:
+                axes[1].plot(*zip(*traj), style, color=colors[f], label=f"{NAMES[f]} alpha_{kind[0].upper()}")
+    axes[0].set(xlabel="layer", ylabel="mean ||h|| after the layer", title="residual-stream norms (Fig. 1 analog)")
+    axes[0].legend(fontsize=7)
+    axes[1].set(xlabel="step", ylabel="mean alpha", title="alpha during training")
+    axes[1].legend(fontsize=7)
+    names = [f for f in FAMILIES if report["norm_health"][f]["ood_ratio"] is not None]
+    axes[2].bar([NAMES[f] for f in names], [report["norm_health"][f]["ood_ratio_spread"]["mean"] for f in names],
+                yerr=[report["norm_health"][f]["ood_ratio_spread"]["std"] for f in names],
+                color=[colors[f] for f in names], label="measured (mean ± std over seeds)")
+    for i, f in enumerate(names):
+        if f in PAPER["ood_ratio"]:
+            axes[2].plot([i], [PAPER["ood_ratio"][f]], "k*", ms=12, label="paper" if i == 0 else None)
+    axes[2].set(ylabel="mean norm: repeated token / text", title="out-of-distribution input")
+    axes[2].legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(os.path.join(output_dir, "norm_health.png" if prefix == "convergence" else f"{prefix}_norm_health.png"))
+    fig.savefig(paths[-1], dpi=90)
+    plt.close(fig)
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def ensure_corpus(corpus: str) -> None:
+    """The quickstart's data steps (examples/quickstart.sh), each skipped when its output exists."""
+    steps = [
+        (f"{corpus}/train.jsonl", ["tools/fetch_example_corpus.py", "--output-dir", corpus]),
+        (f"{corpus}/tokenizer/tokenizer.json", ["tools/train_tokenizer.py", "--input", f"{corpus}/train.jsonl",
+                                                "--vocab-size", "8192", "--output-dir", f"{corpus}/tokenizer"]),
+    ]
+    for split in ("train", "valid"):
+        steps.append((f"{corpus}/{split}_text_document.idx", [
+            "tools/preprocess_data.py", "--input", f"{corpus}/{split}.jsonl", "--output-prefix", f"{corpus}/{split}",
+            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", f"{corpus}/tokenizer", "--append-eod",
+            "--workers", "2"]))
+    for output, command in steps:
+        if not os.path.isfile(os.path.join(ROOT, output) if not os.path.isabs(output) else output):
+            print(f"data: {' '.join(command)}", flush=True)
+            subprocess.run([sys.executable, *command], cwd=ROOT, check=True)
+
+
+def snapshot_code(work_dir: str) -> tuple[str, str]:
+    """A copy of the committed `angpt` package (git HEAD, plus the built extensions of the working tree)
+    under work_dir/code, which the runs import: other work may edit the tree during a long invocation.
+    Reused when it exists, so a resumed invocation runs the same code. Returns (directory, commit)."""
+    code = os.path.join(work_dir, "code")
+    marker = os.path.join(code, "COMMIT")
+    if not os.path.isfile(marker):
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, check=True, capture_output=True,
+                                text=True).stdout.strip()
+        shutil.rmtree(code, ignore_errors=True)
+        os.makedirs(code)
+        archive = subprocess.run(["git", "archive", commit, "angpt"], cwd=ROOT, check=True, capture_output=True)
+        subprocess.run(["tar", "-x", "-C", code], input=archive.stdout, check=True)
+        for folder, _, files in os.walk(os.path.join(ROOT, "angpt")):
+            for name in files:
+                if name.endswith(".so"):
+                    relative = os.path.relpath(os.path.join(folder, name), ROOT)
+                    os.makedirs(os.path.dirname(os.path.join(code, relative)), exist_ok=True)
+                    shutil.copy2(os.path.join(ROOT, relative), os.path.join(code, relative))
+        with open(marker, "w") as file:
+            file.write(commit + "\n")
+    with open(marker) as file:
+        return code, file.read().strip()
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output-dir", required=True, help="where the PNGs, Markdown and JSON go")
+    parser.add_argument("--work-dir", help="run directories (default: runs/convergence-<mode>)")
+    parser.add_argument("--quick", action="store_true", help="tiny shape and budget (a few minutes)")
+    parser.add_argument("--train-iters", type=int, help="override the mode's steps per run")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds at each family's best lr (seed 0 included)")
+    parser.add_argument("--max-lrs", type=int, help="use only this many lrs of each grid (the middle ones)")
+    parser.add_argument("--ablations", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--ablation-list", help="comma-separated subset of: " + ", ".join(ABLATIONS))
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time (each gets cores / jobs threads)")
+    parser.add_argument("--corpus", default="data/shakespeare")
+    parser.add_argument("--snapshot", action=argparse.BooleanOptionalAction, default=True,
+                        help="run a copy of the committed angpt package (default), not the working tree")
+    parser.add_argument("--prefix", default="convergence", help="file name stem of the Markdown, JSON and main PNG")
+    options = parser.parse_args(argv)
+    options.mode_name = "quick" if options.quick else "full"
+    options.work_dir = options.work_dir or os.path.join(ROOT, "runs", f"convergence-{options.mode_name}"
+                                                        + (f"-{options.train_iters}it" if options.train_iters else ""))
+    return options
+
+
+def main(argv=None) -> None:
+    options = parse_args(argv)
+    settings = dict(MODES[options.mode_name])
+    settings["lrs"] = dict(settings["lrs"])
+    if options.train_iters:
+        settings["train_iters"] = options.train_iters
+        for key in ("eval_interval", "log_interval"):
+            settings[key] = min(settings[key], options.train_iters)
+    if options.max_lrs:
+        for f in FAMILIES:
+            lrs = settings["lrs"][f]
+            first = max(0, (len(lrs) - options.max_lrs) // 2)
+            settings["lrs"][f] = lrs[first:first + options.max_lrs]
+    ablation_names = list(ABLATIONS) if options.ablations else []
+    if options.ablation_list:
+        ablation_names = [a for a in options.ablation_list.split(",") if a]
+        unknown = set(ablation_names) - set(ABLATIONS)
+        if unknown:
+            raise SystemExit(f"unknown ablations {sorted(unknown)}; known: {', '.join(ABLATIONS)}")
+    os.makedirs(options.output_dir, exist_ok=True)
+    os.makedirs(options.work_dir, exist_ok=True)
+    ensure_corpus(options.corpus)
+    options.code, options.commit = snapshot_code(options.work_dir) if options.snapshot else (None, None)
+    start = time.time()
+    loads = [os.getloadavg()[0]]
+    print(f"{options.mode_name} mode: {settings}; work dir {options.work_dir}; {options.jobs} runs at a time",
+          flush=True)
+
+    def make(name, family, lr, seed, flags=()):
+        return Run(name, family, lr, seed, list(flags), settings, options)
+
+    grid_runs = {f: [make(f"{f}_lr{lr:g}_seed0", f, lr, 0) for lr in settings["lrs"][f]] for f in FAMILIES}
+    print(f"1/3 lr grid: {sum(map(len, grid_runs.values()))} runs", flush=True)
+    run_all([r for f in FAMILIES for r in grid_runs[f]], options.jobs, loads)
+    grid = {f: [r.load() for r in grid_runs[f]] for f in FAMILIES}
+    best = {f: min(grid[f], key=loss_key)["lr"] for f in FAMILIES}
+    print("best lr: " + ", ".join(f"{NAMES[f]} {best[f]:g}" for f in FAMILIES), flush=True)
+
+    seed_runs = {f: [make(f"{f}_lr{best[f]:g}_seed{s}", f, best[f], s) for s in range(1, options.seeds)]
+                 for f in FAMILIES}
+    ablation_runs = {a: make(f"ablation_{a}_lr{best['angpt']:g}_seed0", "angpt", best["angpt"], 0, ABLATIONS[a][0])
+                     for a in ablation_names}
+    pending = [r for f in FAMILIES for r in seed_runs[f]] + list(ablation_runs.values())
+    print(f"2/3 seeds and 3/3 ablations: {len(pending)} runs", flush=True)
+    run_all(pending, options.jobs, loads)
+    seeds = {f: [next(r for r in grid[f] if r["lr"] == best[f]), *[r.load() for r in seed_runs[f]]]
+             for f in FAMILIES}
+    ablations = {a: r.load() for a, r in ablation_runs.items()}
+    wall = time.time() - start
+
+    report = analyse(grid, seeds, ablations, settings, options, loads, wall)
+    md = markdown(report)
+    if options.prefix != "convergence":
+        md = md.replace("(ablations.png)", f"({options.prefix}_ablations.png)").replace(
+            "(norm_health.png)", f"({options.prefix}_norm_health.png)").replace(
+            "(convergence.png)", f"({options.prefix}.png)")
+    paths = plots(report, seeds, options.output_dir, options.prefix)
+    with open(os.path.join(options.output_dir, f"{options.prefix}.json"), "w") as file:
+        json.dump(clean(report), file, indent=1, allow_nan=False)
+    with open(os.path.join(options.output_dir, f"{options.prefix}.md"), "w") as file:
+        file.write(md)
+    print()
+    print(md)
+    print("wrote " + ", ".join([*paths, os.path.join(options.output_dir, f"{options.prefix}.json"),
+                                os.path.join(options.output_dir, f"{options.prefix}.md")]))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_worker":
+        worker(sys.argv[2], sys.argv[5:], int(sys.argv[3]))
+    else:
+        main()
