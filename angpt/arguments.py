@@ -119,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     precision.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default="local",
                            help="megatron-core's own layers (default; CPU and GPU) or NVIDIA Transformer Engine's "
                            "(GPU; needed for FP8)")
+    precision.add_argument("--attention-backend", choices=("auto", "flash", "fused", "unfused", "local"),
+                           default="auto", help="core attention: auto = FlashAttention on GPUs (torch's kernels with "
+                           "the local implementation, TE's with Transformer Engine) and megatron's unfused "
+                           "attention on CPU; flash forces the fused kernels, unfused/local megatron's path")
     precision.add_argument("--fp8-format", choices=FP8_FORMATS, help="FP8 GEMMs in the transformer layers "
                            "(Transformer Engine): e4m3 everywhere, or hybrid (e5m2 for gradients); docs/fp8.md")
     precision.add_argument("--fp8-recipe", choices=FP8_RECIPES, help="scaling recipe (default delayed); mxfp8 "

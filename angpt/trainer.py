@@ -35,6 +35,8 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) 
 
 
 def model_config_from_args(args: argparse.Namespace):
+    from megatron.core.transformer.enums import AttnBackend
+
     from angpt.models import model_config
 
     pp = args.pipeline_model_parallel_size
@@ -69,6 +71,7 @@ def model_config_from_args(args: argparse.Namespace):
         if getattr(args, key):
             overrides[key] = getattr(args, key)
     overrides["transformer_impl"] = getattr(args, "transformer_impl", "local")
+    overrides["attention_backend"] = AttnBackend[args.attention_backend]
     if getattr(args, "fp8_format", None):
         # FP8 GEMMs in the transformer layers (Transformer Engine); docs/fp8.md.
         overrides.update(fp8=args.fp8_format, fp8_recipe=args.fp8_recipe, fp8_margin=args.fp8_margin,

@@ -1,5 +1,7 @@
 """The fused core attention (torch's scaled_dot_product_attention) computes megatron-core's local attention."""
 
+import os
+
 import pytest
 import torch
 from megatron.core.transformer.enums import AttnBackend
@@ -27,14 +29,27 @@ def run(model, tokens):
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
+NVTE_BACKEND_VARIABLES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
+@pytest.fixture
+def fresh_backend_variables():
+    """megatron-core exports each model's attention backend as NVTE_* variables and refuses to build a model
+    of another backend in the same process (a job builds one): clear them around each build here."""
+    def clear():
+        for name in NVTE_BACKEND_VARIABLES:
+            os.environ.pop(name, None)
+
+    clear()
+    yield clear
+    clear()
+
+
 @pytest.mark.parametrize("family,num_query_groups", [("angpt", None), ("gptplus", None), ("gptplus", 2),
                                                      ("ngpt", None)])
-def test_fused_attention_equals_megatron_local(seeded, monkeypatch, family, num_query_groups):
+def test_fused_attention_equals_megatron_local(seeded, fresh_backend_variables, family, num_query_groups):
     def build(backend):
-        # megatron-core exports each model's backend as NVTE_* variables and refuses to build a model
-        # of another backend in the same process; a job builds one.
-        for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
-            monkeypatch.delenv(name, raising=False)
+        fresh_backend_variables()
         extra = {"num_query_groups": num_query_groups} if num_query_groups else {}
         return build_model(model_config(family, **SHAPE, **extra, attention_backend=backend), VOCAB, SEQ)
 

@@ -58,7 +58,10 @@ class LearnableScale(MegatronModule):
             raise ValueError(f"{name} of size {size} does not split over {tp_size} tensor-parallel ranks")
         self.partitioned = partitioned
         self.reduce_grad_over_tp = reduce_grad_over_tp and tp_size > 1 and not partitioned
-        self.s_hat = torch.nn.Parameter(torch.full((local_size,), self.s_scale, dtype=torch.float32))
+        # On the GPU like megatron-core's own parameters (the DDP buffers of the distributed optimizer
+        # would move it there, plain DDP would not).
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.s_hat = torch.nn.Parameter(torch.full((local_size,), self.s_scale, dtype=torch.float32, device=device))
         if partitioned:
             tensor_parallel.set_tensor_model_parallel_attributes(self.s_hat, True, 0, 1)
 
