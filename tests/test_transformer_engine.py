@@ -75,7 +75,9 @@ class StandInLinear(torch.nn.Module):
     def __init__(self, input_size, output_size, *, config, init_method, bias, skip_bias_add, is_expert,
                  tp_comm_buffer_name=None, tp_group=None, **kwargs):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype,
+                                                     device=device))
         init_method(self.weight)
 
     def forward(self, x):
@@ -92,11 +94,11 @@ class StandInRow(StandInLinear):
 
 @pytest.fixture
 def stand_in_te(monkeypatch):
-    """Transformer Engine 'installed', its layers replaced by the stand-ins (megatron's DotProductAttention
-    stands in for TEDotProductAttention)."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    """Transformer Engine 'installed', its layers replaced by the stand-ins (the local core attention stands
+    in for TEDotProductAttention)."""
+    from angpt.models.attention import FusedDotProductAttention
 
-    modules = te_specs.compose_normalized_modules(StandInColumn, StandInRow, DotProductAttention)
+    modules = te_specs.compose_normalized_modules(StandInColumn, StandInRow, FusedDotProductAttention)
     monkeypatch.setattr(te_specs, "transformer_engine_error", lambda: None)
     monkeypatch.setattr(te_specs, "te_normalized_modules", lambda: modules)
     return modules
@@ -141,8 +143,9 @@ def test_te_spec_on_stand_ins_builds_and_equals_the_local_spec(family, seeded, s
     assert len(constrained_parameters([te])) == len(constrained_parameters([local]))
     missing, unexpected = te.load_state_dict(local.state_dict(), strict=False)
     assert missing == [] and all(key.endswith("._extra_state") for key in unexpected)  # local layers' extra state
-    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-    positions = torch.arange(16).unsqueeze(0).expand(2, -1)
+    device = local.embedding.word_embeddings.weight.device
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0)).to(device)
+    positions = torch.arange(16, device=device).unsqueeze(0).expand(2, -1)
     with torch.no_grad():
         torch.testing.assert_close(te(tokens, positions, None), local(tokens, positions, None),
                                    rtol=1e-5, atol=1e-5)
@@ -317,9 +320,10 @@ def test_projection_runs_on_main_weights_before_the_cast_to_the_model(seeded, mo
                     events.append("cast")
                     return original(*a, **k)
                 monkeypatch.setattr(inner, name, recording_copy)
-    tokens = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(1))
-    batch = dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(4, 16),
-                 position_ids=torch.arange(16).unsqueeze(0).expand(4, -1))
+    device = constrained_parameters(chunks)[0].device
+    tokens = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(1)).to(device)
+    batch = dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(4, 16, device=device),
+                 position_ids=torch.arange(16, device=device).unsqueeze(0).expand(4, -1))
     _, _, updated = train_step(iter([batch]), chunks, optimizer, scheduler, 1, 4, 16)
     assert updated
     assert events and events[0] == "project" and "cast" in events[events.index("project"):]
