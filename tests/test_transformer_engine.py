@@ -151,6 +151,22 @@ def test_te_spec_on_stand_ins_builds_and_equals_the_local_spec(family, seeded, s
                                    rtol=1e-5, atol=1e-5)
 
 
+def test_trainer_path_tags_ngpt_te_row_weights_before_the_optimizer(seeded, stand_in_te):
+    """build_model_chunks + build_optimizer (what the trainer runs): nGPT's TE row-parallel weights end up
+    normalized along dim 0 before the optimizer takes its main copies."""
+    from angpt.optimizer import build_optimizer
+    from angpt.training import build_model_chunks
+
+    config = model_config("ngpt", transformer_impl="transformer_engine", **SMALL)
+    chunks = build_model_chunks(config, 128, 16)
+    build_optimizer(chunks, "ngpt", lr=1e-3, train_iters=10)
+    for layer in chunks[0].module.decoder.layers:
+        for module in (layer.self_attention.linear_proj, layer.mlp.linear_fc2):
+            assert module.weight.unit_norm_dim == 0
+            norms = module.weight.data.norm(dim=0)
+            torch.testing.assert_close(norms, torch.ones_like(norms))
+
+
 # -- FP8 flags ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(
