@@ -236,6 +236,16 @@ class Run:
         }
 
 
+LOAD_FILE = None  # where the load averages seen by an invocation go, so that --report-only finds them
+
+
+def record_load(loads: list) -> None:
+    loads.append(os.getloadavg()[0])
+    if LOAD_FILE:
+        with open(LOAD_FILE, "a") as file:
+            file.write(f"{time.time():.0f} {loads[-1]:.2f}\n")
+
+
 def run_all(runs: list[Run], jobs: int, loads: list) -> None:
     """Run what is not done yet, `jobs` at a time, printing progress."""
     todo = [r for r in runs if not r.done()]
@@ -258,14 +268,14 @@ def run_all(runs: list[Run], jobs: int, loads: list) -> None:
                 continue
             r.log_file.close()
             running.remove(r)
-            loads.append(os.getloadavg()[0])
+            record_load(loads)
             if code != 0 or not r.done():
                 tail = open(r.log).read()[-3000:]
                 raise SystemExit(f"run {r.name} failed (exit {code}); its log {r.log} ends:\n{tail}")
             print(f"  done  {r.name} in {time.time() - r.started:.0f} s", flush=True)
         if running and time.time() - last_report > 30:
             last_report = time.time()
-            loads.append(os.getloadavg()[0])
+            record_load(loads)
             status = ", ".join(f"{r.name} at step {r.iteration()}" for r in running)
             print(f"  ... {status}; load average {os.getloadavg()[0]:.2f}", flush=True)
 
@@ -368,6 +378,7 @@ def analyse(grid: dict, seeds: dict, ablations: dict, settings: dict, options, l
         "tokens_per_run": settings["train_iters"] * settings["global_batch_size"] * settings["seq_length"],
         "validation_tokens_per_eval": settings["eval_iters"] * settings["global_batch_size"] * settings["seq_length"],
         "seeds": sorted({r["seed"] for r in seeds["angpt"]}), "jobs": options.jobs,
+        "seeds_by_family": {f: sorted(r["seed"] for r in seeds[f]) for f in FAMILIES},
         "code_commit": options.commit,
         "load_average": spread(loads), "wall_seconds": wall, "families": families,
         "speedup": speedups, "speedup_method": (
@@ -380,10 +391,10 @@ def analyse(grid: dict, seeds: dict, ablations: dict, settings: dict, options, l
                                     if seed_noise["mean"] else None},
                       "rows": abl_rows},
         "norm_health": health, "paper": PAPER,
-        "runs": [{k: r[k] for k in ("name", "family", "lr", "seed", "final_val_loss", "ms_per_step",
-                                    "train_seconds", "exit_code", "command")}
-                 for r in [*[x for f in FAMILIES for x in grid[f]], *[x for f in FAMILIES for x in seeds[f]],
-                           *ablations.values()]],
+        "runs": list({r["name"]: {k: r[k] for k in ("name", "family", "lr", "seed", "final_val_loss", "ms_per_step",
+                                                  "train_seconds", "exit_code", "command")}
+                      for r in [*[x for f in FAMILIES for x in grid[f]], *[x for f in FAMILIES for x in seeds[f]],
+                                *ablations.values()]}.values()),
     }
 
 
@@ -418,6 +429,8 @@ def markdown(report: dict) -> str:
         f"{s['eval_interval']} steps. Seeds {report['seeds']}; {report['jobs']} runs at a time; wall "
         f"{report['wall_seconds'] / 60:.1f} min; 1-min load average during the runs "
         f"{fmt(load['mean'], '.2f')} (min {fmt(load['min'], '.2f')}, max {fmt(load['max'], '.2f')}).", "",
+        *([f"Not finished when this report was written (left out): {', '.join(report['not_finished'])}.", ""]
+          if report.get("not_finished") else []),
         "## Convergence", "",
         "| model | best lr (grid) | final val loss (mean ± std over seeds) | min-max | ms/step (median) | speed-up over GPT+ | paper |",
         "|---|---|---|---|---|---|---|",
@@ -633,6 +646,8 @@ def parse_args(argv=None):
     parser.add_argument("--corpus", default="data/shakespeare")
     parser.add_argument("--snapshot", action=argparse.BooleanOptionalAction, default=True,
                         help="run a copy of the committed angpt package (default), not the working tree")
+    parser.add_argument("--report-only", action="store_true",
+                        help="start no run: report on the finished ones (unfinished ones are left out and named)")
     parser.add_argument("--prefix", default="convergence", help="file name stem of the Markdown, JSON and main PNG")
     options = parser.parse_args(argv)
     options.mode_name = "quick" if options.quick else "full"
@@ -647,8 +662,8 @@ def main(argv=None) -> None:
     settings["lrs"] = dict(settings["lrs"])
     if options.train_iters:
         settings["train_iters"] = options.train_iters
-        for key in ("eval_interval", "log_interval"):
-            settings[key] = min(settings[key], options.train_iters)
+        for key in ("eval_interval", "log_interval"):  # at least two points on each curve
+            settings[key] = min(settings[key], max(1, options.train_iters // 2))
     if options.max_lrs:
         for f in FAMILIES:
             lrs = settings["lrs"][f]
@@ -664,8 +679,11 @@ def main(argv=None) -> None:
     os.makedirs(options.work_dir, exist_ok=True)
     ensure_corpus(options.corpus)
     options.code, options.commit = snapshot_code(options.work_dir) if options.snapshot else (None, None)
-    start = time.time()
-    loads = [os.getloadavg()[0]]
+    global LOAD_FILE
+    LOAD_FILE = os.path.join(options.work_dir, "load_average.txt")
+    loads = []
+    if not options.report_only:
+        record_load(loads)
     print(f"{options.mode_name} mode: {settings}; work dir {options.work_dir}; {options.jobs} runs at a time",
           flush=True)
 
@@ -674,8 +692,11 @@ def main(argv=None) -> None:
 
     grid_runs = {f: [make(f"{f}_lr{lr:g}_seed0", f, lr, 0) for lr in settings["lrs"][f]] for f in FAMILIES}
     print(f"1/3 lr grid: {sum(map(len, grid_runs.values()))} runs", flush=True)
-    run_all([r for f in FAMILIES for r in grid_runs[f]], options.jobs, loads)
-    grid = {f: [r.load() for r in grid_runs[f]] for f in FAMILIES}
+    if not options.report_only:
+        run_all([r for f in FAMILIES for r in grid_runs[f]], options.jobs, loads)
+    grid = {f: [r.load() for r in grid_runs[f] if r.done()] for f in FAMILIES}
+    if not all(grid.values()):
+        raise SystemExit("no finished lr-grid run of " + ", ".join(f for f in FAMILIES if not grid[f]))
     best = {f: min(grid[f], key=loss_key)["lr"] for f in FAMILIES}
     print("best lr: " + ", ".join(f"{NAMES[f]} {best[f]:g}" for f in FAMILIES), flush=True)
 
@@ -685,13 +706,24 @@ def main(argv=None) -> None:
                      for a in ablation_names}
     pending = [r for f in FAMILIES for r in seed_runs[f]] + list(ablation_runs.values())
     print(f"2/3 seeds and 3/3 ablations: {len(pending)} runs", flush=True)
-    run_all(pending, options.jobs, loads)
-    seeds = {f: [next(r for r in grid[f] if r["lr"] == best[f]), *[r.load() for r in seed_runs[f]]]
+    if not options.report_only:
+        run_all(pending, options.jobs, loads)
+    missing = [r.name for r in pending if not r.done()]
+    if missing:
+        print(f"--report-only: {len(missing)} runs not finished, left out of the report: {', '.join(missing)}")
+    seeds = {f: [next(r for r in grid[f] if r["lr"] == best[f]), *[r.load() for r in seed_runs[f] if r.done()]]
              for f in FAMILIES}
-    ablations = {a: r.load() for a, r in ablation_runs.items()}
-    wall = time.time() - start
+    ablations = {a: r.load() for a, r in ablation_runs.items() if r.done()}
+    # Wall clock of the runs: first start to last finish (over resumed invocations, gaps included).
+    done = [r for r in [*[x for f in FAMILIES for x in grid_runs[f]], *pending] if r.done()]
+    wall = (max(os.path.getmtime(r.result) for r in done)
+            - min(os.path.getmtime(os.path.join(r.dir, "command.txt")) for r in done))
+    if os.path.isfile(LOAD_FILE):
+        loads = [float(line.split()[1]) for line in open(LOAD_FILE) if line.strip()]
 
     report = analyse(grid, seeds, ablations, settings, options, loads, wall)
+    report["not_finished"] = missing
+    report["ablations"]["not_run"] = [a for a in ablation_names if a not in ablations]
     md = markdown(report)
     if options.prefix != "convergence":
         md = md.replace("(ablations.png)", f"({options.prefix}_ablations.png)").replace(

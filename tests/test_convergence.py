@@ -1,0 +1,80 @@
+"""benchmarks/convergence.py end to end on a two-step budget: every output is written and well-formed.
+The science (which model wins) is not asserted; only that training happened and was reported."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+CORPUS = os.path.join(ROOT, "data", "shakespeare")
+
+
+def finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def test_convergence_quick_two_steps(tmp_path):
+    import pytest
+
+    if not os.path.isfile(os.path.join(CORPUS, "valid_text_document.idx")):
+        pytest.skip("the Shakespeare corpus of examples/quickstart.sh is not prepared")
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "convergence.py"), "--output-dir", str(out), "--quick",
+         "--train-iters", "2", "--max-lrs", "1", "--seeds", "2", "--ablation-list", "plain_residual",
+         "--work-dir", str(tmp_path / "work"), "--corpus", CORPUS],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    for name in ("convergence.png", "ablations.png", "norm_health.png"):
+        data = (out / name).read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000, name
+
+    report = json.loads((out / "convergence.json").read_text())
+    assert {"settings", "families", "speedup", "speedup_method", "ablations", "norm_health", "load_average",
+            "wall_seconds", "runs"} <= set(report)
+    assert report["settings"]["train_iters"] == 2
+    assert report["seeds"] == [0, 1]
+    for family in ("angpt", "gptplus", "ngpt"):
+        fam = report["families"][family]
+        assert fam["final_val_loss"]["n"] == 2
+        assert finite(fam["final_val_loss"]["mean"]) and finite(fam["final_val_loss"]["std"])
+        assert 0 < fam["final_val_loss"]["mean"] < 20  # about ln(8192) = 9 after two steps
+        assert finite(fam["ms_per_step"]["mean"]) and fam["ms_per_step"]["mean"] > 0
+        assert [step for step, _ in fam["mean_curve"]] == [1, 2]
+        health = report["norm_health"][family]
+        assert len(health["residual_norms_text"]) == len(health["residual_norms_repeated"]) == 2  # layers
+        assert all(finite(v) and v > 0 for v in health["residual_norms_text"] + health["residual_norms_repeated"])
+        assert finite(health["ood_ratio"]) and health["ood_ratio"] > 0
+    for family in ("angpt", "ngpt"):
+        speedup = report["speedup"][family]
+        assert finite(speedup["target_loss"])
+        assert speedup["speedup"] is None or finite(speedup["speedup"])
+        alpha = report["norm_health"][family]["alpha"]
+        assert alpha["attention"] and alpha["mlp"] and all(finite(v) for _, v in alpha["attention"])
+    assert report["norm_health"]["gptplus"]["alpha"] == {}
+    rows = {row["name"]: row for row in report["ablations"]["rows"]}
+    assert set(rows) == {"plain_residual", "gptplus_instead"}
+    for row in rows.values():
+        assert finite(row["final_val_loss"]) and finite(row["relative_change"]) and finite(row["step_time_relative"])
+    assert len(report["runs"]) == 3 + 3 + 1 and all(r["exit_code"] == 0 for r in report["runs"])
+
+    markdown = (out / "convergence.md").read_text()
+    for row_start in ("| anGPT |", "| GPT+ |", "| nGPT |", "| plain residual instead of LERP |",
+                      "| GPT+ instead of anGPT"):
+        assert row_start in markdown, row_start
+    for image in ("convergence.png", "ablations.png", "norm_health.png"):
+        assert f"({image})" in markdown
+
+    # A second invocation finds every run done and only rebuilds the report.
+    again = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "convergence.py"), "--output-dir", str(out), "--quick",
+         "--train-iters", "2", "--max-lrs", "1", "--seeds", "2", "--ablation-list", "plain_residual",
+         "--work-dir", str(tmp_path / "work"), "--corpus", CORPUS],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "start " not in again.stdout and again.stdout.count("done before, skipped") == 7
