@@ -119,13 +119,6 @@ def build_optimizer(
 
     model_config = get_model_config(model_chunks[0])
     log_backends(model_config)
-    if getattr(model_config, "transformer_impl", "local") == "transformer_engine":
-        # Before the optimizer copies the weights: nGPT's TE row-parallel weights normalized along dim 0
-        # (a no-op once angpt.models.gpt tags them with layers.is_row_parallel_linear).
-        from angpt.models.te_specs import retag_row_parallel_weights
-
-        for chunk in model_chunks:
-            retag_row_parallel_weights(getattr(chunk, "module", chunk), model_config)
     optimizer = get_megatron_optimizer(config, model_chunks)
     constraint = WEIGHT_CONSTRAINTS[model_family]
     if constraint is not None:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from megatron.core.models.gpt import GPTModel
-from megatron.core.tensor_parallel import RowParallelLinear
 
 from angpt import megatron_cpu
 from angpt.bounding import project_parameters_
 from angpt.models.config import AnGPTConfig
-from angpt.models.layers import ScaledOutputLayer
+from angpt.models.layers import ScaledOutputLayer, is_row_parallel_linear
 from angpt.models.scales import LearnableScale
 from angpt.models.specs import block_spec
 
@@ -31,7 +30,7 @@ class NormalizedGPTModel(GPTModel):
                 if param.dim() == 2:
                     # A row is one output unit's weights (dim 1). nGPT normalizes along the embedding
                     # dimension, which is dim 0 of the output projections W_p and W_d.
-                    along_columns = config.model_family == "ngpt" and isinstance(module, RowParallelLinear)
+                    along_columns = config.model_family == "ngpt" and is_row_parallel_linear(module)
                     param.unit_norm_dim = 0 if along_columns else 1
         # Rows drawn from N(0, 1), normalized to exactly 1 (spec section 6).
         project_parameters_([self], "normalize")

@@ -145,29 +145,6 @@ def layer_and_final_norm(config: AnGPTConfig) -> tuple[ModuleSpec, Optional[type
     return te_gptplus_layer_spec(), TENorm
 
 
-def retag_row_parallel_weights(model, config: AnGPTConfig) -> int:
-    """nGPT normalizes W_p and W_d along dim 0. angpt.models.gpt tags that by `isinstance(module,
-    RowParallelLinear)`, which TE's row-parallel layers are not: re-tag their weights (and normalize them
-    again) where that happened. Returns how many weights were re-tagged (0 once gpt.py uses
-    angpt.models.layers.is_row_parallel_linear)."""
-    from megatron.core.tensor_parallel import RowParallelLinear
-
-    from angpt.bounding import project_parameters_
-
-    if config.model_family != "ngpt":
-        return 0
-    fixed = []
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if (getattr(module, "parallel_mode", None) == "row" and not isinstance(module, RowParallelLinear)
-                and getattr(weight, "unit_norm_dim", None) == 1):
-            weight.unit_norm_dim = 0
-            fixed.append(module)
-    if fixed:
-        project_parameters_(fixed, "normalize")
-    return len(fixed)
-
-
 def build_model_with_impl(config: AnGPTConfig, vocab_size: int, max_sequence_length: int,
                           transformer_impl: Optional[str] = None, **kwargs):
     """One pipeline stage of the config's family in `transformer_impl` ("local" or "transformer_engine";
@@ -179,6 +156,4 @@ def build_model_with_impl(config: AnGPTConfig, vocab_size: int, max_sequence_len
         config = dataclasses.replace(config, transformer_impl=transformer_impl)
     if config.transformer_impl == "transformer_engine":
         require_transformer_engine()
-    model = build_model(config, vocab_size, max_sequence_length, **kwargs)
-    retag_row_parallel_weights(model, config)
-    return model
+    return build_model(config, vocab_size, max_sequence_length, **kwargs)
