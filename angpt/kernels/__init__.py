@@ -7,15 +7,20 @@
 The extension is used when it was built (`pip install --no-build-isolation -e .`) and supports the
 tensors' device; otherwise the PyTorch implementations of `angpt.kernels.reference` run, and the first
 such call logs why. ANGPT_KERNELS=0 (or off) in the environment, or `reference_only()`, forces them.
+
+- `fused_on_gpu`: the model's short elementwise chains (QK normalization, post-norm, LERP residual) as one
+  torch.compile'd (Triton) kernel each on CUDA tensors, instead of 4-8 eager passes forward and backward;
+  eager elsewhere, and under the same switches.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import logging
 import os
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -23,7 +28,7 @@ from angpt.kernels import reference
 from angpt.kernels.reference import Piece, projection_factors
 
 __all__ = ["Piece", "scaled_swiglu", "accumulate_sq_norms_", "scale_", "project_whole_", "projection_factors",
-           "extension", "reference_only"]
+           "extension", "reference_only", "fused_on_gpu"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +85,30 @@ def reference_only():
         yield
     finally:
         _forced_off = previous
+
+
+def fused_on_gpu(function: Callable) -> Callable:
+    """`function` (tensors first) compiled by torch.compile when its first argument is a CUDA tensor and the
+    kernels are on; the plain function otherwise. A compilation failure is logged once and the plain
+    function runs from then on."""
+    compiled = torch.compile(function, dynamic=False)
+    failed = []
+
+    @functools.wraps(function)
+    def run(x: torch.Tensor, *args):
+        if x.is_cuda and not failed and _fusion_on():
+            try:
+                return compiled(x, *args)
+            except Exception as error:  # noqa: BLE001 - Triton or Inductor missing or failing on this machine
+                failed.append(error)
+                log.warning("torch.compile of %s failed (%s); running it eagerly", function.__name__, error)
+        return function(x, *args)
+
+    return run
+
+
+def _fusion_on() -> bool:
+    return not _forced_off and os.environ.get("ANGPT_KERNELS", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 class _FusedScaledSwiGLU(torch.autograd.Function):

@@ -43,6 +43,30 @@ def l2_normalize(
     return (x * torch.rsqrt(squared.clamp_min(eps * eps)).to(x.dtype)).reshape(shape)
 
 
+@kernels.fused_on_gpu
+def scaled_l2_normalize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """scale * x / ||x||_2 over the last dim (QK normalization), one fused kernel on GPUs."""
+    return scale * l2_normalize(x)
+
+
+@kernels.fused_on_gpu
+def fused_l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    """x / ||x||_2 over the last dim, one fused kernel on GPUs."""
+    return l2_normalize(x)
+
+
+@kernels.fused_on_gpu
+def lerp_update(h: torch.Tensor, x: torch.Tensor, alpha: torch.Tensor, nu: torch.Tensor) -> torch.Tensor:
+    """nu * (h + alpha (x - h)), one fused kernel on GPUs (alpha and nu in fp32, applied in h's dtype)."""
+    return (h + alpha.to(h.dtype) * (x - h)) * nu.to(h.dtype)
+
+
+@kernels.fused_on_gpu
+def normalized_lerp_update(h: torch.Tensor, x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """Norm(h + alpha (x - h)), nGPT's residual update, one fused kernel on GPUs."""
+    return l2_normalize(h + alpha.to(h.dtype) * (x - h))
+
+
 class NuScale(torch.nn.Module):
     """Applies one constant factor nu_g of spec section 2, or in the "exact" ablation 1/||x||.
 
@@ -81,7 +105,7 @@ class PostNorm(torch.nn.Module):
         self.enabled = config.post_norm == "l2"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return l2_normalize(x) if self.enabled else x
+        return fused_l2_normalize(x) if self.enabled else x
 
 
 class NormalizedResidual(MegatronModule):
@@ -99,21 +123,25 @@ class NormalizedResidual(MegatronModule):
 
     def forward(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         config = self.config
-        if self.lerp:
-            alpha = self.alpha()
-            if config.alpha_abs:
-                alpha = alpha.abs()
-            out = h + alpha.to(h.dtype) * (x - h)
-        else:
+        if not self.lerp:  # the plain-residual ablation
             out = h + x
-        if config.nu_alpha_mode == "exact":
-            return l2_normalize(out)
+            if config.nu_alpha_mode == "exact":
+                return l2_normalize(out)
+            if config.nu_alpha_mode == "one":
+                return out
+            nu = torch.tensor(NU_PLAIN_RESIDUAL, dtype=torch.float32)
+            return out * (config.nu_alpha_multiplier * nu).to(out.dtype)
+        alpha = self.alpha()
+        if config.alpha_abs:
+            alpha = alpha.abs()
+        if config.nu_alpha_mode == "exact":  # nGPT
+            return normalized_lerp_update(h, x, alpha)
         if config.nu_alpha_mode == "one":
-            return out
-        nu = nu_alpha(alpha) if self.lerp else torch.tensor(NU_PLAIN_RESIDUAL, dtype=torch.float32)
+            return lerp_update(h, x, alpha, torch.ones_like(alpha))
+        nu = nu_alpha(alpha)
         if not config.nu_alpha_grad:
             nu = nu.detach()
-        return out * (config.nu_alpha_multiplier * nu).to(out.dtype)
+        return lerp_update(h, x, alpha, config.nu_alpha_multiplier * nu)
 
 
 class FactorScaledColumn:
@@ -181,8 +209,8 @@ class QKNormalization:
                 packed_seq_params=None, **kwargs):
         # query, key: [s, b, heads, h] in both implementations (TE's "sbhd").
         s_qk = self.s_qk().view(-1, query.shape[-1]).to(query.dtype)  # [heads or 1, h]
-        query = s_qk * l2_normalize(query)
-        key = s_qk * l2_normalize(key)
+        query = scaled_l2_normalize(query, s_qk)
+        key = scaled_l2_normalize(key, s_qk)
         return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
                                packed_seq_params, **kwargs)
 
