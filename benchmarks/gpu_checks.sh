@@ -30,13 +30,19 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-nvidia-smi > "$out/nvidia-smi.log" 2>&1
-python3 -c "import torch, megatron.core; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+nvidia-smi > "$out/machine.log" 2>&1
+python3 -c "import torch, megatron.core; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" \
+    | tee -a "$out/machine.log"
 # The extension for this GPU only (the Docker image builds sm_80 and sm_90).
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 stage build python3 setup.py build_ext --inplace
 gpu_tests=$(grep -l "pytest.mark.gpu" tests/test_*.py)
 stage tests python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors -o addopts="-ra" $gpu_tests
-stage throughput python3 benchmarks/gpu_throughput.py --json "$out/throughput.json" --markdown "$out/throughput.md"
+stage throughput python3 benchmarks/gpu_throughput.py --json "$out/throughput.json"
+# What FlashAttention gives over megatron's unfused attention, and where the GPU time of a step goes.
+stage attention-unfused python3 benchmarks/gpu_throughput.py --shapes 0.5b --families gptplus angpt --precisions bf16 \
+    --attention-backend unfused
+stage profile python3 benchmarks/gpu_throughput.py --shapes 0.5b --families gptplus angpt ngpt --precisions bf16 \
+    --warmup 2 --steps 3 --profile "$out/profile.txt"
 exit $status

@@ -18,6 +18,7 @@ measured rate of an 8192^3 BF16 matmul on the same GPU is printed first as the p
 
 import argparse
 import contextlib
+import functools
 import gc
 import itertools
 import json
@@ -48,6 +49,10 @@ def parse_args():
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each kernel setting")
     parser.add_argument("--steps", type=int, default=10, help="timed steps of each kernel setting")
+    parser.add_argument("--attention-backend", choices=("auto", "flash", "unfused"), default="auto",
+                        help="core attention (auto: FlashAttention on the GPU)")
+    parser.add_argument("--profile", help="also profile 2 steps of each model (kernels on) and append the GPU "
+                        "kernels by time to this file")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--markdown", help="write the table here")
     return parser.parse_args()
@@ -70,7 +75,8 @@ def matmul_tflops(size: int = 8192, repeats: int = 10) -> float:
 def pretrain_flags(args, shape: str, family: str, precision: str) -> list[str]:
     flags = ["--model-family", family, "--mock-data", "--vocab-size", str(GPT2_VOCAB), "--bf16", "--use-distributed-optimizer",
              "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
-             "--global-batch-size", str(args.micro_batch_size), "--train-iters", "1000", "--lr", "1e-3"]
+             "--global-batch-size", str(args.micro_batch_size), "--train-iters", "1000", "--lr", "1e-3",
+             "--attention-backend", args.attention_backend]
     for key, value in SHAPES[shape].items():
         flags += [f"--{key.replace('_', '-')}", str(value)]
     if precision == "fp8":
@@ -109,26 +115,30 @@ def measure(args, shape: str, family: str, precision: str, peak_bf16: float) -> 
     from angpt.training import train_step
 
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
     config, vocab_size, chunks, optimizer, scheduler = build(pretrain_flags(args, shape, family, precision))
     b, s = args.micro_batch_size, args.seq_length
     tokens = torch.randint(0, GPT2_VOCAB, (b, s + 1), device="cuda", generator=None)
     batch = dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(b, s, device="cuda"),
                  position_ids=torch.arange(s, device="cuda").unsqueeze(0).expand(b, -1))
     settings = {"on": contextlib.nullcontext, "off": kernels.reference_only}
+    step_once = functools.partial(train_step, itertools.repeat(batch), chunks, optimizer, scheduler, 1, b, s)
     times = {name: [] for name in settings}
     losses = {name: [] for name in settings}
+    peak_memory = dict.fromkeys(settings, 0.0)
     for step in range(args.warmup + args.steps):
         for name, context in settings.items():
             torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
             with context():
-                loss, _, updated = train_step(itertools.repeat(batch), chunks, optimizer, scheduler, 1, b, s)
+                loss = step_once()[0]
             torch.cuda.synchronize()
+            peak_memory[name] = max(peak_memory[name], torch.cuda.max_memory_allocated() / 2**30)
             if step >= args.warmup:
                 times[name].append(time.perf_counter() - start)
                 losses[name].append(loss)
-    peak_memory = torch.cuda.max_memory_allocated() / 2**30
+    if args.profile:
+        profile_steps(args.profile, f"{shape} {family} {precision}, kernels on", step_once)
     flops_per_token = model_flops_per_token(config, s, vocab_size)
     parameters = sum(p.numel() for c in chunks for p in c.parameters())
     rows = []
@@ -138,11 +148,37 @@ def measure(args, shape: str, family: str, precision: str, peak_bf16: float) -> 
         rows.append(dict(shape=shape, family=family, precision=precision, kernels=name, parameters=parameters,
                          ms_per_step=seconds * 1e3, tokens_per_s_per_gpu=tokens_per_s,
                          mfu=flops_per_token * tokens_per_s / peak_bf16 if peak_bf16 else None,
-                         peak_memory_gib=peak_memory, loss_last=losses[name][-1],
+                         peak_memory_gib=peak_memory[name], loss_last=losses[name][-1],
                          step_spread=max(samples) / min(samples)))
-    del chunks, optimizer, scheduler
+    del chunks, optimizer, scheduler, step_once
     gc.collect()
     return rows
+
+
+def profile_steps(path: str, title: str, step) -> None:
+    """Append the GPU kernels of 2 profiled steps, by total time, and the share of matmuls, attention and
+    everything else (elementwise, norms, reductions, optimizer) to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in profiler.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    total = sum(e.self_device_time_total for e in events)
+    groups = {"matmul": ("gemm", "nvjet", "cutlass", "xmma", "cublas"), "attention": ("flash", "fmha", "attention")}
+    shares = {name: 0.0 for name in (*groups, "other")}
+    for event in events:
+        name = event.key.lower()
+        group = next((g for g, keys in groups.items() if any(k in name for k in keys)), "other")
+        shares[group] += event.self_device_time_total / total
+    with open(path, "a") as f:
+        f.write(f"== {title}: GPU time per step {total / 2e3:.1f} ms; "
+                + ", ".join(f"{g} {share:.1%}" for g, share in shares.items()) + "\n")
+        for event in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
+            f.write(f"{event.self_device_time_total / total:7.2%} {event.self_device_time_total / 2e3:8.2f} ms "
+                    f"x{event.count // 2:<5} {event.key[:150]}\n")
+    print(f"profiled {title}: " + ", ".join(f"{g} {share:.1%}" for g, share in shares.items()), flush=True)
 
 
 def transformer_engine_missing() -> str:
@@ -202,12 +238,12 @@ def main():
                      f"{row['ms_per_step']:.1f} | {row['tokens_per_s_per_gpu']:.0f} | {row['mfu']:.3f} | {ratio} | "
                      f"{row['peak_memory_gib']:.1f} GiB |")
     summary = "\n".join(lines + [f"\nnot measured: {line}" for line in skipped])
-    print(f"\n{name}, micro-batch {args.micro_batch_size} x {args.seq_length} tokens, median of {args.steps} "
-          f"steps; MFU against {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s dense BF16, matmul ceiling "
+    print(f"\n{name}, micro-batch {args.micro_batch_size} x {args.seq_length} tokens, attention "
+          f"{args.attention_backend}, median of {args.steps} steps; MFU against {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s dense BF16, matmul ceiling "
           f"{ceiling:.0f} TFLOP/s\n{summary}")
     meta = dict(device=name, torch=torch.__version__, peak_bf16_tflops=peak / 1e12 if peak else None,
                 matmul_bf16_tflops=ceiling, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
-                steps=args.steps)
+                attention_backend=args.attention_backend, steps=args.steps)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(meta, rows=rows, not_measured=skipped), f, indent=1)

@@ -49,6 +49,44 @@ def train(family, steps, bf16=False, distributed_optimizer=False, lr=0.01, **ove
     return losses, chunks, optimizer
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_elementwise_chains_equal_eager(dtype):
+    from angpt import kernels
+    from angpt.factors import nu_alpha
+    from angpt.models import layers
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    h, x = (torch.randn(64, 2, 256, device="cuda", generator=generator).to(dtype).requires_grad_() for _ in range(2))
+    alpha = (0.2 * torch.rand(256, device="cuda", generator=generator)).requires_grad_()
+    chains = {
+        layers.scaled_l2_normalize: lambda: layers.scaled_l2_normalize(h, alpha.to(dtype)),
+        layers.fused_l2_normalize: lambda: layers.fused_l2_normalize(h),
+        layers.lerp_update: lambda: layers.lerp_update(h, x, alpha, nu_alpha(alpha)),
+        layers.normalized_lerp_update: lambda: layers.normalized_lerp_update(h, x, alpha),
+    }
+
+    def assert_close(a, b, name):
+        if dtype == torch.float32:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+        else:  # bf16 rounding, and eager reduces alpha's gradient in bf16 where Triton uses fp32
+            assert (a.float() - b.float()).norm() <= 3e-2 * b.float().norm(), name
+
+    def value_and_grads(chain):
+        out = chain()
+        weights = torch.linspace(-1, 1, out.numel(), device="cuda").view_as(out)
+        return out, torch.autograd.grad((out.float() * weights).sum(), (h, x, alpha), allow_unused=True)
+
+    for function, chain in chains.items():
+        fused, fused_grads = value_and_grads(chain)
+        assert not function.compile_failures, function.compile_failures
+        with kernels.reference_only():
+            eager, eager_grads = value_and_grads(chain)
+        assert_close(fused, eager, function.__name__)
+        for a, b in zip(fused_grads, eager_grads):
+            if b is not None:
+                assert_close(a, b, function.__name__)
+
+
 def test_the_extension_has_cuda_kernels():
     from angpt import kernels
 

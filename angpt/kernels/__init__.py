@@ -92,7 +92,7 @@ def fused_on_gpu(function: Callable) -> Callable:
     kernels are on; the plain function otherwise. A compilation failure is logged once and the plain
     function runs from then on."""
     compiled = torch.compile(function, dynamic=False)
-    failed = []
+    failed = []  # the error, once compiling failed
 
     @functools.wraps(function)
     def run(x: torch.Tensor, *args):
@@ -104,6 +104,7 @@ def fused_on_gpu(function: Callable) -> Callable:
                 log.warning("torch.compile of %s failed (%s); running it eagerly", function.__name__, error)
         return function(x, *args)
 
+    run.compile_failures = failed
     return run
 
 
