@@ -14,11 +14,11 @@ out=${1:-gpu-results}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 status=0
-stage() {  # stage NAME COMMAND...: run it, log to $out/NAME.log, remember the first failure
-    local name=$1; shift
+stage() {  # stage NAME SECONDS COMMAND...: run it for at most SECONDS, log to $out/NAME.log, remember the first failure
+    local name=$1 limit=$2; shift 2
     echo "== $name: $*"
     local start=$SECONDS
-    "$@" > "$out/$name.log" 2>&1
+    timeout "$limit" "$@" > "$out/$name.log" 2>&1
     local rc=$?
     echo "== $name: exit $rc after $((SECONDS - start)) s"
     tail -n 40 "$out/$name.log"
@@ -36,13 +36,13 @@ python3 -c "import torch, megatron.core; print('torch', torch.__version__, 'cuda
 # The extension for this GPU only (the Docker image builds sm_80 and sm_90).
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
-stage build python3 setup.py build_ext --inplace
+stage build 300 python3 setup.py build_ext --inplace
 gpu_tests=$(grep -l "pytest.mark.gpu" tests/test_*.py)
-stage tests python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors -o addopts="-ra" $gpu_tests
-stage throughput python3 benchmarks/gpu_throughput.py --json "$out/throughput.json"
+stage tests 180 python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors -o addopts="-ra" $gpu_tests
+stage throughput 300 python3 benchmarks/gpu_throughput.py --json "$out/throughput.json"
 # What FlashAttention gives over megatron's unfused attention, and where the GPU time of a step goes.
-stage attention-unfused python3 benchmarks/gpu_throughput.py --shapes 0.5b --families gptplus angpt --precisions bf16 \
+stage attention-unfused 120 python3 benchmarks/gpu_throughput.py --shapes 0.5b --families gptplus angpt --precisions bf16 \
     --attention-backend unfused
-stage profile python3 benchmarks/gpu_throughput.py --shapes 0.5b --families gptplus angpt ngpt --precisions bf16 \
+stage profile 150 python3 benchmarks/gpu_throughput.py --shapes 0.5b --families gptplus angpt ngpt --precisions bf16 \
     --warmup 2 --steps 3 --profile "$out/profile.txt"
 exit $status
