@@ -557,6 +557,12 @@ def run_sweep(sweep: Sweep, jobs: int = 1, threads: Optional[int] = None, stop_o
     return counts
 
 
+def _interrupt(signum, frame):
+    """SIGTERM (kill, Slurm's scancel or time limit) stops a sweep as Ctrl-C does: its runs are stopped and
+    recorded as failed, to be rerun by the next `run`."""
+    raise KeyboardInterrupt
+
+
 def _loss(value) -> str:
     return "n/a" if value is None else f"{value:.4f}"
 
@@ -727,7 +733,18 @@ def main(argv=None) -> int:
     except SweepError as error:
         print(f"tools/sweep.py: {error}", file=sys.stderr)
         return 2
+    try:
+        return _command(args, sweep)
+    except KeyboardInterrupt:
+        print("tools/sweep.py: interrupted; the runs in flight were stopped and marked failed (run again to "
+              "resume)", file=sys.stderr)
+        return 130
 
+
+def _command(args, sweep: Sweep) -> int:
+
+    if args.command in ("run", "run-one"):
+        signal.signal(signal.SIGTERM, _interrupt)
     if args.command == "run":
         counts = run_sweep(sweep, jobs=args.jobs, threads=args.threads, stop_on_failure=args.stop_on_failure,
                            indices=args.only, force=args.force, nproc_per_node=args.nproc_per_node)
@@ -748,7 +765,14 @@ def main(argv=None) -> int:
             return 0
         print(f"[{run.index + 1}/{len(sweep.runs)}] {run.run_id}: {describe(run)} ...", flush=True)
         process, log, started = start_run(sweep, run, command, args.threads)
-        process.wait()
+        try:
+            process.wait()
+        except KeyboardInterrupt:
+            process.send_signal(signal.SIGTERM)
+            process.wait()
+            log.close()
+            finish_run(sweep, run, command, process.returncode, started)
+            raise
         log.close()
         status = finish_run(sweep, run, command, process.returncode, started)
         print(f"[{run.index + 1}/{len(sweep.runs)}] {run.run_id}: {status['status']}, validation loss "
