@@ -103,6 +103,8 @@ def test_too_few_shapes_is_said():
     assert two["fit"]["ci"]["b"] is None and "no confidence interval" in two["fit"]["note"]
     one = fit_scaling_law.fit_hyperparameter(synthetic_records([1e6], [1e-3], [64]), "lr", None, 100, 0)
     assert one["fit"] is None and "too few shapes" in one["note"]
+    beyond = fit_scaling_law.fit_hyperparameter(synthetic_records(n, [1e-5, 1e-5], [64, 128]), "lr", None, 100, 0)
+    assert beyond["fit"] is None and "edge of the grid for every shape" in beyond["note"]
     with pytest.raises(ValueError, match="at least 3 points"):
         fit_scaling_law.fit_loss_compute([1e15, 1e16], [3.0, 2.9])
 

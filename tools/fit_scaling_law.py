@@ -272,6 +272,10 @@ def fit_hyperparameter(records: list[dict], name: str, tokens: Optional[float], 
     if all(r["grid_points"] < 2 for r in rows):
         result["note"] = f"one {name} in the grid: nothing to optimize"
         return result
+    if all(r["at_edge"] for r in rows):
+        result["note"] = (f"the best {name} is at the edge of the grid for every shape: the optima are outside the "
+                          "grid, nothing to fit (widen the grid)")
+        return result
     result["fit"] = bootstrap_power_law([r["N"] for r in rows], [r["optimum"] for r in rows], resamples, seed)
     edges = [r for r in rows if r["at_edge"]]
     if edges:
