@@ -65,7 +65,7 @@ ABLATIONS = {
                         "all factors -> 1 incl. nu(alpha)"),
     "nu_alpha_off": (["--angpt-nu-alpha", "one"], "about +3%", "nu(alpha) -> 1 only"),
     "exact_norm": (["--angpt-constant-factors", "exact", "--angpt-nu-alpha", "exact"],
-                   "+0.4% (+30% step time)", "every factor exact 1/||x||"),
+                   "+0.4% (+30% step time)", "every factor exact 1/norm(x)"),
     "constant_factors_x0.5": (["--angpt-constant-factor-multiplier", "0.5"], "+0.34%", "constant factors x0.5"),
     "constant_factors_x2": (["--angpt-constant-factor-multiplier", "2"], "+0.12%", "constant factors x2"),
     "nu_alpha_x0.5": (["--angpt-nu-alpha-multiplier", "0.5"], "collapses", "nu(alpha) x0.5"),
@@ -146,6 +146,41 @@ def probe_norms(trainer, num_batches: int) -> dict:
     ratio = statistics.fmean(repeated) / statistics.fmean(text)
     return {"token": token, "residual_norms_text": text, "residual_norms_repeated": repeated,
             "ood_ratio": ratio}
+
+
+def step_times(result_path: str, rounds: int, configs: dict) -> None:
+    """Median training-step time of each configuration {name: pretrain argv}, built side by side in one
+    process and stepped in turn (a, b, c, a, b, c, ...) on one fixed random batch, as
+    benchmarks/step_time.py does, so that machine load hits all of them alike. Writes {name: ms}."""
+    import torch
+
+    from angpt import distributed
+    from angpt.arguments import parse_args
+    from angpt.optimizer import build_optimizer
+    from angpt.trainer import model_config_from_args
+    from angpt.training import build_model_chunks, train_step
+
+    distributed.initialize()
+    built = {}
+    for name, argv in configs.items():
+        args = parse_args(argv)
+        chunks = build_model_chunks(model_config_from_args(args), 8192, args.seq_length)
+        optimizer, scheduler = build_optimizer(chunks, args.model_family, lr=args.lr, train_iters=args.train_iters)
+        built[name] = (chunks, optimizer, scheduler, args)
+    b, s = args.micro_batch_size, args.seq_length
+    tokens = torch.randint(0, 8192, (b, s + 1), generator=torch.Generator().manual_seed(0))
+    batch = dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(b, s),
+                 position_ids=torch.arange(s).unsqueeze(0).expand(b, -1))
+    times = {name: [] for name in built}
+    for round_ in range(rounds + 1):  # the first round warms up
+        for name, (chunks, optimizer, scheduler, args) in built.items():
+            start = time.perf_counter()
+            train_step(iter([batch]), chunks, optimizer, scheduler, 1, b, s)
+            if round_:
+                times[name].append(time.perf_counter() - start)
+    with open(result_path, "w") as file:
+        json.dump({"ms": {n: 1000 * statistics.median(t) for n, t in times.items()}, "rounds": rounds,
+                   "threads": torch.get_num_threads()}, file)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -458,12 +493,13 @@ def markdown(report: dict) -> str:
     su = report["speedup"]["angpt"]
     lines += ["", f"Speed-up: {report['speedup_method']}. L* = {su['target_loss']:.4f}, reached by GPT+ at step "
               f"{fmt(su['gptplus_steps'], '.1f')}, by anGPT at {fmt(su['steps'], '.1f')}, by nGPT at "
-              f"{fmt(report['speedup']['ngpt']['steps'], '.1f')} ('n/a': not within the budget). "
-              "A model that does not reach L* is measured the other way round: speed-up = steps GPT+ needs to "
-              "reach the model's final loss / steps the model needs to reach it (GPT+: "
-              + ", ".join(f"{NAMES[f]}'s {report['speedup'][f]['own_final_loss']:.4f} at step "
-                          f"{fmt(report['speedup'][f]['gptplus_steps_to_own_final'], '.1f')}" for f in ("angpt", "ngpt"))
-              + ").", "",
+              f"{fmt(report['speedup']['ngpt']['steps'], '.1f')} ('n/a': not within the budget)."
+              + ("" if all(report["speedup"][f]["reached"] for f in ("angpt", "ngpt")) else
+                 " A model that does not reach L* is measured the other way round: speed-up = steps GPT+ needs to "
+                 "reach the model's final loss / steps the model needs to reach it (GPT+: "
+                 + ", ".join(f"{NAMES[f]}'s {report['speedup'][f]['own_final_loss']:.4f} at step "
+                             f"{fmt(report['speedup'][f]['gptplus_steps_to_own_final'], '.1f')}"
+                             for f in ("angpt", "ngpt") if not report["speedup"][f]["reached"]) + ")."), "",
               "![convergence](convergence.png)", "",
               "## Ablations (spec section 9)", ""]
     ref = report["ablations"]["reference"]
@@ -471,14 +507,19 @@ def markdown(report: dict) -> str:
               f"val loss {fmt(ref['final_val_loss'])}, {fmt(ref['ms_per_step'], '.1f')} ms/step. Seed-to-seed std of "
               f"anGPT's final loss: {fmt(100 * ref['seed_std_relative'] if ref['seed_std_relative'] is not None else None, '.2f')}% "
               "of the mean; changes smaller than that are noise. Step times are medians of runs that shared the "
-              "CPU with another run and other work: rough.", "",
-              "| ablation | flags | val loss | change vs anGPT | paper | step time vs anGPT | collapsed |",
-              "|---|---|---|---|---|---|---|"]
+              "CPU with another run and other work: rough. The side-by-side column times every model in one process, "
+              "one step of each in turn on one random batch (as benchmarks/step_time.py does), median of "
+              f"{(report['ablations'].get('step_times_interleaved') or {}).get('rounds', 'n/a')} rounds after a warm-up "
+              "round: load hits all alike.", "",
+              "| ablation | flags | val loss | change vs anGPT | paper | step time vs anGPT (in the run) | "
+              "(side by side) | collapsed |",
+              "|---|---|---|---|---|---|---|---|"]
     for row in report["ablations"]["rows"]:
         change = fmt(100 * row["relative_change"] if row["relative_change"] is not None else None, "+.2f")
         lines.append(f"| {row['label']} | `{' '.join(row['flags']) or '--model-family gptplus'}` | "
                      f"{fmt(row['final_val_loss'])} | {change}% | {row['paper']} | "
-                     f"{fmt(row['step_time_relative'], '.3f')}x | {'yes' if row['collapsed'] else 'no'} |")
+                     f"{fmt(row['step_time_relative'], '.3f')}x | "
+                     f"{fmt(row.get('step_time_relative_interleaved'), '.3f')}x | {'yes' if row['collapsed'] else 'no'} |")
     lines += ["", "![ablations](ablations.png)", "", "## Norm health (spec section 10)", "",
               "Mean residual-stream norm after each layer (validation text), per trained model (seed 0); the "
               "out-of-distribution test feeds the same number of sequences of one token repeated.", "",
@@ -662,6 +703,9 @@ def parse_args(argv=None):
     parser.add_argument("--grid-extensions", type=int, default=1,
                         help="how many times a best lr at the edge of its grid extends the grid")
     parser.add_argument("--stop-after-grid", action="store_true", help="run (and extend) the lr grid only")
+    parser.add_argument("--step-time-rounds", type=int, default=5,
+                        help="after the runs, time anGPT, GPT+ and each ablation side by side in one process, "
+                        "this many steps each, in turn (0: skip)")
     parser.add_argument("--report-only", action="store_true",
                         help="start no run: report on the finished ones (unfinished ones are left out and named)")
     parser.add_argument("--prefix", default="convergence", help="file name stem of the Markdown, JSON and main PNG")
@@ -754,6 +798,22 @@ def main(argv=None) -> None:
     seeds = {f: [next(r for r in grid[f] if r["lr"] == best[f]), *[r.load() for r in seed_runs[f] if r.done()]]
              for f in FAMILIES}
     ablations = {a: r.load() for a, r in ablation_runs.items() if r.done()}
+    interleaved = None
+    if options.step_time_rounds and ablations:
+        path = os.path.join(options.work_dir, f"step_times_{options.step_time_rounds}.json")
+        if not os.path.isfile(path) and not options.report_only:
+            configs = {"anGPT": next(r for r in grid_runs["angpt"] if r.lr == best["angpt"]).argv,
+                       "GPT+": next(r for r in grid_runs["gptplus"] if r.lr == best["gptplus"]).argv,
+                       **{a: ablation_runs[a].argv for a in ablations}}
+            print(f"step times: {len(configs)} models side by side, {options.step_time_rounds} rounds", flush=True)
+            env = {**os.environ, "PYTHONWARNINGS": "ignore",
+                   "PYTHONPATH": os.pathsep.join(p for p in (options.code, ROOT) if p)}
+            subprocess.run([sys.executable, os.path.abspath(__file__), "_step_times", path,
+                            str(options.step_time_rounds), json.dumps(configs)], check=True, cwd=ROOT, env=env,
+                           stdout=subprocess.DEVNULL)
+        if os.path.isfile(path):
+            with open(path) as file:
+                interleaved = json.load(file)
     # Wall clock of the runs: first start to last finish (over resumed invocations, gaps included).
     done = [r for r in [*[x for f in FAMILIES for x in grid_runs[f]], *pending] if r.done()]
     wall = (max(os.path.getmtime(r.result) for r in done)
@@ -763,6 +823,12 @@ def main(argv=None) -> None:
 
     report = analyse(grid, seeds, ablations, settings, options, loads, wall)
     report["not_finished"] = missing
+    report["ablations"]["step_times_interleaved"] = interleaved
+    if interleaved:
+        ms = interleaved["ms"]
+        for row in report["ablations"]["rows"]:
+            key = "GPT+" if row["name"] == "gptplus_instead" else row["name"]
+            row["step_time_relative_interleaved"] = ms[key] / ms["anGPT"] if key in ms else None
     report["ablations"]["not_run"] = [a for a in ablation_names if a not in ablations]
     md = markdown(report)
     if options.prefix != "convergence":
@@ -781,7 +847,9 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "_worker":
+    if len(sys.argv) > 1 and sys.argv[1] == "_step_times":
+        step_times(sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "_worker":
         worker(sys.argv[2], sys.argv[5:], int(sys.argv[3]))
     else:
         main()

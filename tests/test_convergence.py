@@ -24,7 +24,7 @@ def test_convergence_quick_two_steps(tmp_path):
     done = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "convergence.py"), "--output-dir", str(out), "--quick",
          "--train-iters", "2", "--max-lrs", "1", "--seeds", "2", "--ablation-list", "plain_residual",
-         "--work-dir", str(tmp_path / "work"), "--corpus", CORPUS],
+         "--step-time-rounds", "1", "--work-dir", str(tmp_path / "work"), "--corpus", CORPUS],
         capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -60,6 +60,7 @@ def test_convergence_quick_two_steps(tmp_path):
     assert set(rows) == {"plain_residual", "gptplus_instead"}
     for row in rows.values():
         assert finite(row["final_val_loss"]) and finite(row["relative_change"]) and finite(row["step_time_relative"])
+        assert finite(row["step_time_relative_interleaved"]) and row["step_time_relative_interleaved"] > 0
     assert len(report["runs"]) == 3 + 3 + 1 and all(r["exit_code"] == 0 for r in report["runs"])
 
     markdown = (out / "convergence.md").read_text()
@@ -73,7 +74,7 @@ def test_convergence_quick_two_steps(tmp_path):
     again = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "convergence.py"), "--output-dir", str(out), "--quick",
          "--train-iters", "2", "--max-lrs", "1", "--seeds", "2", "--ablation-list", "plain_residual",
-         "--work-dir", str(tmp_path / "work"), "--corpus", CORPUS],
+         "--step-time-rounds", "1", "--work-dir", str(tmp_path / "work"), "--corpus", CORPUS],
         capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
     assert again.returncode == 0, again.stderr[-3000:]
