@@ -343,12 +343,22 @@ def plot_hyperparameters(results: list[dict], path: str) -> None:
     for axes, result in zip(all_axes[0], results):
         rows = result["per_shape"]
         label = {"lr": "learning rate", "global_batch_size": "global batch size"}[result["name"]]
+        if not rows or all(r["grid_points"] < 2 for r in rows):
+            axes.text(0.5, 0.5, f"not fitted: {result.get('note', 'no runs')}", ha="center", va="center", wrap=True,
+                      transform=axes.transAxes, fontsize=9)
+            axes.set_title(label, fontsize=10)
+            axes.set_axis_off()
+            continue
         for row in rows:
             axes.scatter([row["N"]] * len(row["grid"]), row["grid"], s=12, color="gray", alpha=0.4)
-        axes.scatter([r["N"] for r in rows if not r["at_edge"]], [r["optimum"] for r in rows if not r["at_edge"]],
-                     color="C0", zorder=3, label="optimum (parabola in log)")
-        axes.scatter([r["N"] for r in rows if r["at_edge"]], [r["optimum"] for r in rows if r["at_edge"]],
-                     color="C1", marker="^", zorder=3, label="best at the grid's edge")
+        inside = [r for r in rows if not r["at_edge"]]
+        edge = [r for r in rows if r["at_edge"]]
+        if inside:
+            axes.scatter([r["N"] for r in inside], [r["optimum"] for r in inside], color="C0", zorder=3,
+                         label="optimum (parabola in log)")
+        if edge:
+            axes.scatter([r["N"] for r in edge], [r["optimum"] for r in edge], color="C1", marker="^", zorder=3,
+                         label="best at the grid's edge")
         fit = result.get("fit")
         if fit:
             n = np.logspace(math.log10(min(r["N"] for r in rows)) - 0.1, math.log10(max(r["N"] for r in rows)) + 0.1, 50)
