@@ -819,7 +819,7 @@ def main(argv=None) -> None:
     wall = (max(os.path.getmtime(r.result) for r in done)
             - min(os.path.getmtime(os.path.join(r.dir, "command.txt")) for r in done))
     if os.path.isfile(LOAD_FILE):
-        loads = [float(line.split()[1]) for line in open(LOAD_FILE) if line.strip()]
+        loads = [float(line.split()[1]) for line in open(LOAD_FILE) if len(line.split()) == 2]
 
     report = analyse(grid, seeds, ablations, settings, options, loads, wall)
     report["not_finished"] = missing
