@@ -90,14 +90,12 @@ def build(flags: list[str]):
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from angpt.arguments import parse_args as parse_pretrain_args
+    from angpt.models.attention import clear_attention_backend_environment
     from angpt.optimizer import build_optimizer
     from angpt.trainer import model_config_from_args, padded_vocab_size
     from angpt.training import build_model_chunks
 
-    # megatron-core exports each model's attention backend as NVTE_* variables and refuses a second model
-    # of another backend in the process; this script builds several.
-    for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
-        os.environ.pop(name, None)
+    clear_attention_backend_environment()  # this script builds several models
     pretrain_args = parse_pretrain_args(flags, world_size=1)
     config = model_config_from_args(pretrain_args)
     vocab_size = padded_vocab_size(GPT2_VOCAB, pretrain_args.make_vocab_size_divisible_by, 1)

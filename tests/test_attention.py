@@ -1,13 +1,12 @@
 """The fused core attention (torch's scaled_dot_product_attention) computes megatron-core's local attention."""
 
-import os
-
 import pytest
 import torch
 from megatron.core.transformer.enums import AttnBackend
 
 from angpt.models import build_model, model_config
-from angpt.models.attention import FusedDotProductAttention, uses_fused_attention
+from angpt.models.attention import (FusedDotProductAttention, clear_attention_backend_environment,
+                                    uses_fused_attention)
 
 SHAPE = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
 VOCAB, SEQ = 128, 32
@@ -29,20 +28,11 @@ def run(model, tokens):
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-NVTE_BACKEND_VARIABLES = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
-
-
 @pytest.fixture
 def fresh_backend_variables():
-    """megatron-core exports each model's attention backend as NVTE_* variables and refuses to build a model
-    of another backend in the same process (a job builds one): clear them around each build here."""
-    def clear():
-        for name in NVTE_BACKEND_VARIABLES:
-            os.environ.pop(name, None)
-
-    clear()
-    yield clear
-    clear()
+    clear_attention_backend_environment()
+    yield clear_attention_backend_environment
+    clear_attention_backend_environment()
 
 
 @pytest.mark.parametrize("family,num_query_groups", [("angpt", None), ("gptplus", None), ("gptplus", 2),

@@ -4,7 +4,6 @@ they test)."""
 
 import itertools
 import math
-import os
 
 import pytest
 import torch
@@ -21,22 +20,16 @@ def batch(seed=1):
                 position_ids=torch.arange(SEQ, device="cuda").unsqueeze(0).expand(BATCH, -1))
 
 
-def fresh_backend_variables():
-    # megatron-core exports each model's attention backend as NVTE_* variables and refuses a model of
-    # another backend in the same process.
-    for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
-        os.environ.pop(name, None)
-
-
 def train(family, steps, bf16=False, distributed_optimizer=False, lr=0.01, **overrides):
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from angpt.distributed import set_random_seed
     from angpt.models import model_config
+    from angpt.models.attention import clear_attention_backend_environment
     from angpt.optimizer import build_optimizer
     from angpt.training import build_model_chunks, train_step
 
-    fresh_backend_variables()
+    clear_attention_backend_environment()
     set_random_seed(1234)
     dtype = dict(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16) if bf16 else {}
     config = model_config(family, **SHAPE, **dtype, **overrides)
@@ -113,10 +106,11 @@ def test_flash_attention_equals_unfused_attention_in_bf16(family, single_process
 
     from angpt.distributed import set_random_seed
     from angpt.models import build_model, model_config
+    from angpt.models.attention import clear_attention_backend_environment
 
     logits = {}
     for backend in (AttnBackend.unfused, AttnBackend.flash):
-        fresh_backend_variables()
+        clear_attention_backend_environment()
         set_random_seed(1234)
         config = model_config(family, **SHAPE, bf16=True, params_dtype=torch.bfloat16, attention_backend=backend)
         model = build_model(config, VOCAB, SEQ).cuda()

@@ -10,10 +10,20 @@ bit-identical to megatron's local spec; flash forces torch's kernels everywhere.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
+
+
+def clear_attention_backend_environment() -> None:
+    """megatron-core exports each model's attention backend as NVTE_FLASH_ATTN / NVTE_FUSED_ATTN /
+    NVTE_UNFUSED_ATTN and refuses to build a model of another backend in the same process. A training job
+    builds one; benchmarks and tests that build several clear them before each build."""
+    for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+        os.environ.pop(name, None)
 
 
 def uses_fused_attention(backend: AttnBackend, device: torch.device) -> bool:
