@@ -37,9 +37,13 @@ log = logging.getLogger(__name__)
 _ISAS = ("avx512", "avx2", "default")
 
 
+def _switched_off_by_environment() -> bool:
+    return os.environ.get("ANGPT_KERNELS", "1").strip().lower() in ("0", "off", "false", "no")
+
+
 def _load() -> tuple[Optional[object], str]:
     """(the extension module or None, why not)."""
-    if os.environ.get("ANGPT_KERNELS", "1").strip().lower() in ("0", "off", "false", "no"):
+    if _switched_off_by_environment():
         return None, "ANGPT_KERNELS is set to off"
     runtime = torch.backends.cpu.get_cpu_capability().lower()
     usable = _ISAS[_ISAS.index(runtime):] if runtime in _ISAS else _ISAS[-1:]
@@ -109,7 +113,7 @@ def fused_on_gpu(function: Callable) -> Callable:
 
 
 def _fusion_on() -> bool:
-    return not _forced_off and os.environ.get("ANGPT_KERNELS", "1").strip().lower() not in ("0", "off", "false", "no")
+    return not _forced_off and not _switched_off_by_environment()
 
 
 class _FusedScaledSwiGLU(torch.autograd.Function):
