@@ -22,6 +22,17 @@ def batch(seed=0):
                 position_ids=torch.arange(S).unsqueeze(0).expand(MB, -1))
 
 
+# The spec's table of learnable scales (section 5), for d = 64: (initial value s_init, effective lr factor
+# s_init / s_scale). Written out here, not read from the modules, so that a wrong s_init or s_scale fails.
+D = 64
+SPEC_SCALES = {
+    "angpt": {"alpha": (0.01, 0.01 * D**0.5), "s_qk": (1.0, D**0.5), "logit_scale": (1.0, D**0.5),
+              "s_u": (1.0, 1.0), "s_v": (1.0, 1.0)},
+    "ngpt": {"alpha": (0.05, 0.05 * D**0.5), "s_qk": (1.0, D**0.5), "logit_scale": (1.0, D**0.5),
+             "s_u": (1.0, 1.0), "s_v": (1.0, 1.0)},
+}
+
+
 @pytest.mark.parametrize("family", ["angpt", "ngpt"])
 def test_one_adam_step_moves_each_scale_by_its_effective_lr(family, seeded):
     lr = 1e-3
@@ -29,20 +40,20 @@ def test_one_adam_step_moves_each_scale_by_its_effective_lr(family, seeded):
     # Adam's first step is lr * g / (|g| + eps); a tiny eps makes it lr * sign(g) for these gradients.
     optimizer, scheduler = build_optimizer(chunks, family, lr=lr, train_iters=10, adam_eps=1e-15)
     scales = {name: module for name, module in chunks[0].module.named_modules() if isinstance(module, LearnableScale)}
-    assert {name.rsplit(".", 1)[-1] for name in scales} >= {"alpha", "s_qk", "s_u", "s_v", "logit_scale"}
+    kinds = {name: name.rsplit(".", 1)[-1] for name in scales}
+    assert set(kinds.values()) == set(SPEC_SCALES[family])
     before = {name: module().detach().clone() for name, module in scales.items()}
+    for name, value in before.items():
+        torch.testing.assert_close(value, torch.full_like(value, SPEC_SCALES[family][kinds[name]][0]), msg=name)
     train_step(iter([batch()]), chunks, optimizer, scheduler, 1, MB, S)
-    checked = 0
     for name, module in scales.items():
         assert module.s_hat.dtype == torch.float32
-        expected = lr * module.s_init / module.s_scale
+        expected = lr * SPEC_SCALES[family][kinds[name]][1]
         grad = module.s_hat.main_grad
         moved = (module().detach() - before[name]).abs()
         clear = grad.abs() > 1e-10
         assert clear.any(), name
-        torch.testing.assert_close(moved[clear], torch.full_like(moved[clear], expected), rtol=1e-3, atol=0)
-        checked += 1
-    assert checked == len(scales)
+        torch.testing.assert_close(moved[clear], torch.full_like(moved[clear], expected), rtol=1e-3, atol=0, msg=name)
 
 
 def test_weight_decay_reaches_two_dimensional_weights_only(seeded):
