@@ -62,3 +62,34 @@ def test_fused_attention_equals_megatron_local(seeded, fresh_backend_variables, 
     attention.softmax_scale *= 2
     name = "decoder.layers.0.self_attention.linear_qkv.weight"
     assert not torch.allclose(run(fused, tokens)[1][name], grads_unfused[name], rtol=1e-3)
+
+
+# The softmax scale each family's attention must apply (spec sections 3 and 8): anGPT and nGPT normalize q
+# and k to unit length, so their logits are scaled up by sqrt(h); GPT+ scales by 1/sqrt(h) as a GPT does.
+HEAD_DIM = SHAPE["hidden_size"] // SHAPE["num_attention_heads"]
+SPEC_SOFTMAX_SCALE = {"angpt": HEAD_DIM**0.5, "ngpt": HEAD_DIM**0.5, "gptplus": HEAD_DIM**-0.5}
+
+
+def handwritten_attention(query, key, value, scale):
+    """softmax(scale * q k^T + causal mask) v per head, for [s, b, heads, h] inputs; [s, b, heads * h] out."""
+    q, k, v = (t.permute(1, 2, 0, 3).double() for t in (query, key, value))  # [b, heads, s, h]
+    scores = scale * q @ k.transpose(-1, -2)
+    causal = torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1)
+    probabilities = scores.masked_fill(causal, float("-inf")).softmax(-1)
+    out = (probabilities @ v).permute(2, 0, 1, 3)
+    return out.reshape(out.shape[0], out.shape[1], -1).float()
+
+
+@pytest.mark.parametrize("backend", [AttnBackend.unfused, AttnBackend.flash])
+@pytest.mark.parametrize("family", list(SPEC_SOFTMAX_SCALE))
+def test_core_attention_applies_the_spec_softmax_scale(seeded, fresh_backend_variables, family, backend):
+    model = build_model(model_config(family, **SHAPE, attention_backend=backend), VOCAB, SEQ)
+    attention = model.decoder.layers[0].self_attention.core_attention
+    # Unit-norm q and k, as the normalized families feed them: large enough logits that a wrong scale shows.
+    generator = torch.Generator().manual_seed(2)
+    query, key, value = torch.randn(3, SEQ, 2, SHAPE["num_attention_heads"], HEAD_DIM, generator=generator)
+    query, key = query / query.norm(dim=-1, keepdim=True), key / key.norm(dim=-1, keepdim=True)
+    with torch.no_grad():
+        out = attention(query, key, value, None)
+    expected = handwritten_attention(query, key, value, SPEC_SOFTMAX_SCALE[family])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
