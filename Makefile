@@ -22,24 +22,31 @@ test: setup
 quickstart: setup
 	PATH=$(abspath $(VENV))/bin:$$PATH bash examples/quickstart.sh
 
-# Compiles the CUDA sources with nvcc for sm_80 and sm_90 (no GPU, no CUDA build of torch needed), with
+# Compiles the CUDA sources with nvcc for each of CUDA_ARCHS (no GPU, no CUDA build of torch needed), with
 # the half-precision flags torch's extension builds use, and the CUDA dispatch of the bindings for syntax,
-# so that CUDA code that does not compile fails here rather than on a cluster.
+# so that CUDA code that does not compile fails here rather than on a cluster. Outputs (objects, and a stamp
+# for the bindings) go under build/, so an unchanged source is not compiled again.
 NVCC ?= $(shell command -v nvcc || echo /usr/local/cuda/bin/nvcc)
 CUDA_CHECK_DIR := build/cuda-check
-CUDA_GENCODE := -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
+CUDA_ARCHS ?= 80 90
+CUDA_GENCODE = $(foreach arch,$(CUDA_ARCHS),-gencode arch=compute_$(arch),code=sm_$(arch))
 TORCH_CUDA_FLAGS := -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ -D__CUDA_NO_BFLOAT16_CONVERSIONS__ \
 	-D__CUDA_NO_HALF2_OPERATORS__
-CUDA_OBJECTS := $(patsubst csrc/cuda/%.cu,$(CUDA_CHECK_DIR)/%.o,$(wildcard csrc/cuda/*.cu))
+CUDA_ARCH_DIR = $(CUDA_CHECK_DIR)/sm_$(subst $() ,_,$(strip $(CUDA_ARCHS)))
+CUDA_OBJECTS = $(patsubst csrc/cuda/%.cu,$(CUDA_ARCH_DIR)/%.o,$(wildcard csrc/cuda/*.cu))
 # Each .cu compiles on its own, so `make -j` checks them in parallel.
-cuda-check: $(CUDA_OBJECTS)
+cuda-check: $(CUDA_OBJECTS) $(CUDA_CHECK_DIR)/bindings.checked
+
+$(CUDA_CHECK_DIR)/bindings.checked: csrc/angpt_kernels.cpp $(wildcard csrc/*.h csrc/cpu/*.h csrc/cuda/*.h)
+	@mkdir -p $(@D)
 	$(CXX) -std=c++20 -fsyntax-only -DANGPT_WITH_CUDA -DTORCH_EXTENSION_NAME=cuda_check \
 		$$($(PY) -c "import sysconfig; from torch.utils.cpp_extension import include_paths; \
 		print(' '.join('-I' + p for p in [*include_paths(), sysconfig.get_paths()['include']]))") \
 		csrc/angpt_kernels.cpp
+	touch $@
 
-$(CUDA_CHECK_DIR)/%.o: csrc/cuda/%.cu $(wildcard csrc/cuda/*.h csrc/cuda/*.cuh csrc/*.h)
-	@mkdir -p $(CUDA_CHECK_DIR)
+$(CUDA_ARCH_DIR)/%.o: csrc/cuda/%.cu $(wildcard csrc/cuda/*.h csrc/cuda/*.cuh csrc/*.h)
+	@mkdir -p $(@D)
 	$(NVCC) -std=c++20 -O3 $(CUDA_GENCODE) $(TORCH_CUDA_FLAGS) -c $< -o $@
 
 clean:

@@ -1,10 +1,12 @@
 // Python bindings of the fused kernels: argument checks, allocation, and dispatch to the CPU kernels or
 // (in builds with ANGPT_WITH_CUDA) the CUDA launchers. Device-generic torch code only: the CUDA stream is
 // reached through c10's device-guard interface, so this file needs no CUDA headers.
+#include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
-#include <torch/extension.h>
+// at::Tensor <-> Python; half the compile time of torch/extension.h, which brings all of libtorch's C++ API.
+#include <torch/csrc/utils/pybind.h>
 
 #include <map>
 #include <tuple>
