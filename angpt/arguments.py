@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="use the embedding as the output head (default: untied, as in the spec)")
     tying.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                        help="accepted for Megatron-LM scripts; untied is already the default")
+    # Megatron-LM defaults both to 0.1; the paper and the spec train all three families without dropout.
+    model.add_argument("--attention-dropout", type=float, default=0.0, help="dropout on the attention "
+                       "probabilities, all families (default 0: no dropout, as in the paper; Megatron-LM's is 0.1)")
+    model.add_argument("--hidden-dropout", type=float, default=0.0, help="dropout on the embeddings and on "
+                       "each sub-block output before its residual add, GPT+ only (default 0: no dropout, as in "
+                       "the paper; Megatron-LM's is 0.1)")
     model.add_argument("--recompute-granularity", choices=("full",), help="recompute activations in the "
                        "backward pass")
     model.add_argument("--recompute-method", choices=("uniform", "block"), default="uniform")
@@ -271,10 +277,22 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
     if args.max_position_embeddings is not None and args.max_position_embeddings < args.seq_length:
         parser.error(f"--max-position-embeddings {args.max_position_embeddings} is below --seq-length "
                      f"{args.seq_length}")
+    _validate_dropout(parser, args)
     _validate_schedule(parser, args)
     _validate_precision(parser, args)
     _validate_checkpoints(parser, args)
     _validate_data(parser, args)
+
+
+def _validate_dropout(parser, args) -> None:
+    for flag in ("attention_dropout", "hidden_dropout"):
+        value = getattr(args, flag)
+        if not 0 <= value < 1:
+            parser.error(f"--{flag.replace('_', '-')} {value} must be in [0, 1)")
+    if args.hidden_dropout and args.model_family != "gptplus":
+        # Their layers have no bias-dropout-add; megatron-core would drop out only the embeddings.
+        parser.error(f"--hidden-dropout is not supported for --model-family {args.model_family} (its normalized "
+                     "residual has no hidden dropout; GPT+ only); use --attention-dropout")
 
 
 def _validate_schedule(parser, args) -> None:

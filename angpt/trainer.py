@@ -63,6 +63,9 @@ def model_config_from_args(args: argparse.Namespace):
         residual=args.angpt_residual,
         share_embeddings_and_output_weights=args.tie_embeddings_and_output_weights,
         rotary_base=args.rotary_base,
+        # Checkpoints saved before these flags existed record neither.
+        attention_dropout=getattr(args, "attention_dropout", 0.0),
+        hidden_dropout=getattr(args, "hidden_dropout", 0.0),
     )
     if args.model_family == "ngpt":  # nGPT fixes its own factors.
         for key in ("constant_factors", "nu_alpha_mode"):

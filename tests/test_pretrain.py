@@ -61,6 +61,10 @@ def test_training_at_tensor_parallel_2_lowers_the_loss(family, tmp_path):
         ([*MOCK, "--lr-decay-style", "WSD"], "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
         ([*MOCK, "--exit-interval", "5"], "need --save"),
         ([*MOCK, "--train-samples", "12"], "--train-samples 12 is not a multiple of --global-batch-size 8"),
+        ([*MOCK, "--hidden-dropout", "0.1"], "--hidden-dropout is not supported for --model-family angpt"),
+        ([*MOCK, "--model-family", "ngpt", "--hidden-dropout", "0.1"],
+         "--hidden-dropout is not supported for --model-family ngpt"),
+        ([*MOCK, "--attention-dropout", "1"], "--attention-dropout 1.0 must be in [0, 1)"),
     ],
 )
 def test_impossible_settings_fail_before_starting(flags, message, monkeypatch, capsys):

@@ -10,10 +10,12 @@ bit-identical to megatron's local spec; flash forces torch's kernels everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
 import torch.nn.functional as F
+from megatron.core import tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 
@@ -54,10 +56,14 @@ class FusedDotProductAttention(DotProductAttention):
                                    packed_seq_params)
         # [s, b, heads, head_dim] -> [b, heads, s, head_dim]; grouped keys and values are broadcast by SDPA.
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        context = F.scaled_dot_product_attention(
-            query, key, value, is_causal=True, scale=self.softmax_scale,
-            dropout_p=self.attention_dropout.p if self.training else 0.0,
-            enable_gqa=key.shape[1] != query.shape[1],
-        )
+        dropout_p = self.attention_dropout.p if self.training else 0.0
+        # As megatron's unfused path: the mask comes from the model-parallel RNG tracker (TP ranks hold
+        # different heads, which need different masks), except under sequence parallelism.
+        forked = dropout_p > 0 and not self.config.sequence_parallel
+        with tensor_parallel.get_cuda_rng_tracker().fork() if forked else contextlib.nullcontext():
+            context = F.scaled_dot_product_attention(
+                query, key, value, is_causal=True, scale=self.softmax_scale, dropout_p=dropout_p,
+                enable_gqa=key.shape[1] != query.shape[1],
+            )
         sequence, batch = context.shape[2], context.shape[0]
         return context.permute(2, 0, 1, 3).reshape(sequence, batch, -1)

@@ -110,7 +110,8 @@ def model_config(model_family: str = "angpt", **overrides) -> AnGPTConfig:
         raise TypeError(f"unknown model config fields: {unknown}")
     hidden_size = overrides["hidden_size"]
     settings = dict(
-        # SwiGLU MLP without biases or dropout, RoPE, untied embeddings: the same in all three families.
+        # SwiGLU MLP without biases, RoPE, untied embeddings, no dropout (unless asked for): the same in all
+        # three families.
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         ffn_hidden_size=4 * hidden_size,
@@ -142,4 +143,7 @@ def model_config(model_family: str = "angpt", **overrides) -> AnGPTConfig:
         # nGPT (spec section 8): no nu factors, exact normalization after each residual update, |alpha|.
         settings.update(constant_factors="one", nu_alpha_mode="exact", alpha_abs=True)
     settings.update(overrides)
+    if model_family != "gptplus" and settings["hidden_dropout"]:
+        # The normalized layers have no bias-dropout-add; GPTModel would drop out the embeddings alone.
+        raise ValueError(f"hidden_dropout is not supported for {model_family} (GPT+ only); attention_dropout is")
     return AnGPTConfig(model_family=model_family, **settings)
