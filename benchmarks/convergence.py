@@ -5,7 +5,7 @@ section 9 and the norm-health figures of spec section 10, on the Shakespeare cor
     python benchmarks/convergence.py --output-dir docs/results                 # full: about 30-40 min, 2 cores
     python benchmarks/convergence.py --output-dir /tmp/conv --quick            # tiny shape: a few minutes
     python benchmarks/convergence.py --output-dir /tmp/conv --quick --train-iters 2 --max-lrs 1 --seeds 2 \\
-        --ablation-list nu_alpha_off                                           # what the test runs
+        --ablation-list plain_residual --step-time-rounds 1 --jobs 4 --corpus DIR  # what the test runs
 
 What it does
 1. Learning-rate grid: each family (anGPT, GPT+ with its warm-up and weight decay, nGPT; each with its own
@@ -109,7 +109,8 @@ def worker(result_path: str, argv: list[str], probe_batches: int) -> None:
         probe = {"error": repr(error)}
     dist.barrier()
     dist.destroy_process_group()
-    result = {"exit_code": code, "train_seconds": seconds, "threads": torch.get_num_threads(), "probe": probe}
+    result = {"exit_code": code, "train_seconds": seconds, "threads": torch.get_num_threads(), "probe": probe,
+              "vocab_size": trainer.vocabulary.vocab_size, "padded_vocab_size": trainer.vocab_size}
     with open(result_path + ".tmp", "w") as file:
         json.dump(result, file)
     os.replace(result_path + ".tmp", result_path)
@@ -156,19 +157,23 @@ def step_times(result_path: str, rounds: int, configs: dict) -> None:
 
     from angpt import distributed
     from angpt.arguments import parse_args
+    from angpt.data.gpt_datasets import dataset_vocabulary
     from angpt.optimizer import build_optimizer
-    from angpt.trainer import model_config_from_args
+    from angpt.trainer import data_arguments, model_config_from_args, padded_vocab_size
     from angpt.training import build_model_chunks, train_step
 
     distributed.initialize()
     built = {}
     for name, argv in configs.items():
         args = parse_args(argv)
-        chunks = build_model_chunks(model_config_from_args(args), 8192, args.seq_length)
+        # The vocabulary of the runs: that of their corpus, padded as the trainer pads it.
+        vocab_size = padded_vocab_size(dataset_vocabulary(data_arguments(args)).vocab_size,
+                                       args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+        chunks = build_model_chunks(model_config_from_args(args), vocab_size, args.seq_length)
         optimizer, scheduler = build_optimizer(chunks, args.model_family, lr=args.lr, train_iters=args.train_iters)
         built[name] = (chunks, optimizer, scheduler, args)
     b, s = args.micro_batch_size, args.seq_length
-    tokens = torch.randint(0, 8192, (b, s + 1), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(0))
     batch = dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(b, s),
                  position_ids=torch.arange(s).unsqueeze(0).expand(b, -1))
     times = {name: [] for name in built}
@@ -264,6 +269,7 @@ class Run:
         return {
             "name": self.name, "family": self.family, "lr": self.lr, "seed": self.seed, "flags": self.flags,
             "exit_code": result["exit_code"], "train_seconds": result["train_seconds"],
+            "vocab_size": result.get("vocab_size"),  # absent from the results of older versions
             "curve": evals, "final_val_loss": final, "first_train_loss": train[0]["lm_loss"] if train else None,
             "skipped_steps": sum(r.get("skipped", 0) or 0 for r in train),
             "ms_per_step": statistics.median(ms) if ms else None, "alpha": alpha, "probe": result["probe"],
@@ -420,7 +426,7 @@ def analyse(grid: dict, seeds: dict, ablations: dict, settings: dict, options, l
         "validation_tokens_per_eval": settings["eval_iters"] * settings["global_batch_size"] * settings["seq_length"],
         "seeds": sorted({r["seed"] for r in seeds["angpt"]}), "jobs": options.jobs,
         "seeds_by_family": {f: sorted(r["seed"] for r in seeds[f]) for f in FAMILIES},
-        "code_commit": options.commit,
+        "code_commit": options.commit, "corpus": options.corpus, "vocab_size": reference["vocab_size"],
         "load_average": spread(loads), "wall_seconds": wall, "families": families,
         "speedup": speedups, "speedup_method": (
             "L* = final value of GPT+'s seed-mean validation curve (fixed validation subset, every "
@@ -466,7 +472,8 @@ def markdown(report: dict) -> str:
         f"Shape: d={s['hidden_size']}, {s['num_layers']} layers, {s['num_attention_heads']} heads (head dim "
         f"{s['hidden_size'] // s['num_attention_heads']}), context {s['seq_length']}, global batch "
         f"{s['global_batch_size']}, {s['train_iters']} steps = {report['tokens_per_run']} tokens per run; "
-        f"Shakespeare BPE 8192. Validation: the same {report['validation_tokens_per_eval']} tokens every "
+        f"corpus {report['corpus']}, vocabulary {fmt(report.get('vocab_size'), 'd', 'not recorded')}. "
+        f"Validation: the same {report['validation_tokens_per_eval']} tokens every "
         f"{s['eval_interval']} steps. Seeds {report['seeds']}; {report['jobs']} runs at a time; wall "
         f"{report['wall_seconds'] / 60:.1f} min; 1-min load average during the runs "
         f"{fmt(load['mean'], '.2f')} (min {fmt(load['min'], '.2f')}, max {fmt(load['max'], '.2f')}).", "",
@@ -644,7 +651,11 @@ def plots(report: dict, seeds: dict, output_dir: str, prefix: str) -> list[str]:
 
 
 def ensure_corpus(corpus: str) -> None:
-    """The quickstart's data steps (examples/quickstart.sh), each skipped when its output exists."""
+    """The quickstart's data steps (examples/quickstart.sh), each skipped when its output exists; none
+    when both indexed datasets exist (however they were made)."""
+    datasets = [f"{corpus}/{split}_text_document.{ext}" for split in ("train", "valid") for ext in ("bin", "idx")]
+    if all(os.path.isfile(os.path.join(ROOT, path)) for path in datasets):  # an absolute path stays as it is
+        return
     steps = [
         (f"{corpus}/train.jsonl", ["tools/fetch_example_corpus.py", "--output-dir", corpus]),
         (f"{corpus}/tokenizer/tokenizer.json", ["tools/train_tokenizer.py", "--input", f"{corpus}/train.jsonl",
@@ -697,7 +708,9 @@ def parse_args(argv=None):
     parser.add_argument("--ablations", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--ablation-list", help="comma-separated subset of: " + ", ".join(ABLATIONS))
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (each gets cores / jobs threads)")
-    parser.add_argument("--corpus", default="data/shakespeare")
+    parser.add_argument("--corpus", default="data/shakespeare",
+                        help="directory of the indexed datasets train_text_document and valid_text_document; "
+                        "the quickstart's Shakespeare corpus is fetched and prepared there when missing")
     parser.add_argument("--snapshot", action=argparse.BooleanOptionalAction, default=True,
                         help="run a copy of the committed angpt package (default), not the working tree")
     parser.add_argument("--grid-extensions", type=int, default=1,

@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -5,6 +6,7 @@ import sys
 import pytest
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+PYDOC_VOCAB_SIZE = 512  # the BPE of the pydoc_corpus fixture
 
 
 def pytest_configure(config):
@@ -69,3 +71,40 @@ def seeded(single_process):
     from angpt.distributed import set_random_seed
 
     set_random_seed(1234)
+
+
+@pytest.fixture(scope="session")
+def pydoc_corpus(tmp_path_factory):
+    """Python's own help texts (pydoc_data.topics, one document per topic, every tenth topic for validation),
+    prepared offline with the project's tools as examples/quickstart.sh prepares its corpus: train.jsonl and
+    valid.jsonl, a byte-level BPE of PYDOC_VOCAB_SIZE tokens trained on train.jsonl (tokenizer/), and the
+    indexed datasets train_text_document and valid_text_document. The directory is a `--corpus` of
+    benchmarks/convergence.py."""
+    from pydoc_data.topics import topics
+
+    root = tmp_path_factory.mktemp("pydoc_corpus")
+    keys = sorted(topics)
+    splits = {"train": [key for i, key in enumerate(keys) if i % 10], "valid": keys[::10]}
+    for split, names in splits.items():
+        with open(root / f"{split}.jsonl", "w") as handle:
+            for key in names:
+                handle.write(json.dumps({"text": topics[key]}) + "\n")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+
+    def start(*command: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, *command], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env)
+
+    def finish(process: subprocess.Popen) -> None:
+        stdout, stderr = process.communicate()
+        assert process.returncode == 0, f"{' '.join(process.args[1:])} failed:\n{stdout[-2000:]}{stderr[-4000:]}"
+
+    finish(start("tools/train_tokenizer.py", "--input", str(root / "train.jsonl"),
+                 "--vocab-size", str(PYDOC_VOCAB_SIZE), "--output-dir", str(root / "tokenizer")))
+    # Both splits side by side: each process spends most of its time importing megatron-core.
+    for process in [start("tools/preprocess_data.py", "--input", str(root / f"{split}.jsonl"),
+                          "--output-prefix", str(root / split), "--tokenizer-type", "HuggingFaceTokenizer",
+                          "--tokenizer-model", str(root / "tokenizer"), "--append-eod")
+                    for split in splits]:
+        finish(process)
+    return root

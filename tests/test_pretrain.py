@@ -77,27 +77,10 @@ def test_impossible_settings_fail_before_starting(flags, message, monkeypatch, c
 
 
 @pytest.fixture(scope="module")
-def preprocessed(tmp_path_factory):
-    """A tokenizer and an indexed dataset made with the project's tools from Python's own help texts."""
-    import json
-
-    from pydoc_data.topics import topics
-
-    root = tmp_path_factory.mktemp("corpus")
-    with open(root / "docs.jsonl", "w") as handle:
-        for key in sorted(topics):
-            handle.write(json.dumps({"text": topics[key]}) + "\n")
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    for command in (
-        ["tools/train_tokenizer.py", "--input", str(root / "docs.jsonl"), "--vocab-size", "512",
-         "--output-dir", str(root / "tokenizer")],
-        ["tools/preprocess_data.py", "--input", str(root / "docs.jsonl"), "--output-prefix", str(root / "docs"),
-         "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(root / "tokenizer"),
-         "--append-eod", "--workers", "2"],
-    ):
-        done = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True, env=env)
-        assert done.returncode == 0, done.stderr
-    return root / "docs_text_document"
+def preprocessed(pydoc_corpus):
+    """An indexed dataset of Python's own help texts (the pydoc_corpus fixture of conftest.py: the
+    training split), its tokenizer in tokenizer/ beside it."""
+    return pydoc_corpus / "train_text_document"
 
 
 @pytest.mark.multiprocess
