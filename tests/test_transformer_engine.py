@@ -418,7 +418,7 @@ def test_the_gpu_image_runs_the_install_steps_of_make_setup():
     assert re.search(r"^ARG BASE_IMAGE=nvcr\.io/nvidia/pytorch:[0-9.]+-py3$", dockerfile, re.M)
     # Kernels for the architectures `make cuda-check` compiles.
     with open(os.path.join(ROOT, "Makefile")) as file:
-        make_archs = sorted(set(re.findall(r"arch=compute_(\d)(\d)", file.read())))
+        make_archs = sorted(tuple(arch) for arch in re.search(r"^CUDA_ARCHS \?= (.+)$", file.read(), re.M).group(1).split())
     arch_list = re.search(r'TORCH_CUDA_ARCH_LIST="([^"]+)"', dockerfile).group(1).split()
     assert sorted(tuple(a.split(".")) for a in arch_list) == make_archs
 
