@@ -1,17 +1,33 @@
 """Hugging Face export (tools/convert_to_hf.py, angpt/hf/): models trained a few steps at TP 2 or PP 2,
 exported, loaded with transformers and compared with angpt's own model (TP 1, fp32, one process) on
-logits, greedy decoding and padded batches."""
+logits, greedy decoding and padded batches; and anGPT under the switches whose constant factors the export
+folds into weights.
+
+The exported model computes in other arithmetic than ours (another order of operations, bf16), so logits
+are compared within tolerances, and argmaxes and greedy choices only up to what those tolerances allow
+(angpt.hf.verify): a near-tie may fall either way on another CPU."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 
 import pytest
 import torch
+from megatron.core import parallel_state
 
+from angpt import distributed
+from angpt.arguments import parse_args
+from angpt.data.tokenizers import EOD_TOKEN, build_tokenizer
+from angpt.hf.export import LAYER, ExportError, export, read_checkpoint
+from angpt.hf.importer import import_hf
+from angpt.hf.verify import (FP32_LOGIT_TOLERANCE, decided, greedy_within_tolerance, load_exported,
+                             load_megatron_model, load_tokenizer, logit_tolerance, megatron_logits, near_argmax)
+from angpt.trainer import Trainer
 from conftest import ROOT
 from test_pretrain import preprocessed  # noqa: F401  (the fixture: a tokenizer and dataset of pydoc topics)
 
@@ -28,6 +44,19 @@ RUNS = {
     "gptplus": ["--model-family", "gptplus", "--pipeline-model-parallel-size", "2", "--mock-data",
                 "--vocab-size", "200"],
 }
+# The switches that change what the exported anGPT must compute. Without the post-norm nothing cancels the
+# constant factors after W_v, W_o and W_down, and the export folds them into those weights (with it they
+# cancel, so the runs above cannot see one left out); the nu_p reading is W_o's factor, which shows only
+# without the post-norm; the plain residual has no alpha and a constant of its own.
+SWITCHES = {
+    "post_norm_none": ["--angpt-post-norm", "none"],
+    # Here nu_qkv nu_p = sqrt(d/h) sqrt(h/d) = 1: W_v's and W_o's factors both left out would go unseen (not
+    # above, where nu_p = 1), either one alone shows.
+    "post_norm_none_nu_p_sqrt_h_over_d_plain_residual": ["--angpt-post-norm", "none", "--angpt-nu-p", "sqrt_h_over_d",
+                                                         "--angpt-residual", "plain"],
+}
+# Logits of the same exported weights with and without left padding: only the order of a few sums differs.
+PADDING_TOLERANCE = 1e-5
 
 
 def run(*command: str, **env: str) -> str:
@@ -56,8 +85,6 @@ def checkpoints(tmp_path_factory, preprocessed):  # noqa: F811
 @pytest.fixture(scope="module")
 def exported(checkpoints, tmp_path_factory, single_process):
     """{(family, dtype): (checkpoint, Hugging Face directory)}, written by the library."""
-    from angpt.hf.export import export
-
     out = {}
     for family, load in checkpoints.items():
         for dtype in ("float32", "bfloat16"):
@@ -69,8 +96,6 @@ def exported(checkpoints, tmp_path_factory, single_process):
 @pytest.fixture(scope="module")
 def models(exported):
     """{family: (angpt's model, the exported fp32 model, the exported bf16 model)}."""
-    from angpt.hf.verify import load_exported, load_megatron_model
-
     return {family: (load_megatron_model(exported[family, "float32"][0]),
                      load_exported(exported[family, "float32"][1]),
                      load_exported(exported[family, "bfloat16"][1], torch.bfloat16))
@@ -83,35 +108,40 @@ def tokens(vocab_size: int, shape=(2, 24), seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", RUNS)
 def test_the_exported_model_computes_our_logits(family, models):
-    from angpt.hf.verify import megatron_logits
-
     ours, fp32, bf16 = models[family]
-    ids = tokens(fp32.config.vocab_size)
+    ids = tokens(fp32.config.vocab_size, (8, 24))
     reference = megatron_logits(ours, ids, fp32.config.vocab_size)
     with torch.no_grad():
         theirs = fp32(ids).logits
         theirs_bf16 = bf16(ids).logits.float()
     difference = (theirs - reference).abs().max().item()
     cosine = torch.nn.functional.cosine_similarity(theirs_bf16.flatten(), reference.flatten(), dim=0).item()
-    print(f"{family}: fp32 max |difference| {difference:.3g}; bf16 cosine similarity {cosine:.6f}")
+    tolerance = logit_tolerance(reference, torch.bfloat16)
+    bf16_error = ((theirs_bf16 - reference).abs() / tolerance).max().item()  # in tolerances
+    positions = decided(reference, tolerance)
+    print(f"{family}: fp32 max |difference| {difference:.3g}; bf16 cosine similarity {cosine:.6f}, largest error "
+          f"{bf16_error:.3f} of its bound; argmax decided at {int(positions.sum())} of {positions.numel()} positions")
     assert theirs.shape == reference.shape
-    assert difference < 1e-4
+    assert difference < FP32_LOGIT_TOLERANCE
     assert cosine > 0.999
-    assert torch.equal(theirs_bf16.argmax(-1), reference.argmax(-1))
+    assert bf16_error <= 1
+    # The argmax wherever the bf16 error cannot move it (a near-tie may go either way), on enough positions
+    # for the check to say something.
+    assert positions.float().mean() >= 0.15
+    assert torch.equal(theirs_bf16.argmax(-1)[positions], reference.argmax(-1)[positions])
 
 
 @pytest.mark.parametrize("family", RUNS)
 def test_greedy_generation_matches_our_greedy_decoding(family, models):
-    from angpt.hf.verify import megatron_greedy
-
     ours, fp32, _ = models[family]
     prompt = tokens(fp32.config.vocab_size, (1, 8), seed=1)
     with torch.no_grad():
         generated = fp32.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20, do_sample=False)
-    expected = megatron_greedy(ours, prompt, 20, fp32.config.vocab_size, fp32.config.eos_token_id)
     print(family, generated[0, 8:].tolist())
     assert generated.shape[1] == 28 or generated[0, -1] == fp32.config.eos_token_id
-    assert torch.equal(generated, expected)
+    # Each token (generated with the cache) is a greedy choice of our model on the tokens before it, up to
+    # the fp32 tolerance; not our own greedy sequence, which a near-tie could send elsewhere.
+    assert greedy_within_tolerance(ours, generated, prompt.shape[1], fp32.config.vocab_size)
 
 
 @pytest.mark.parametrize("family", RUNS)
@@ -125,20 +155,23 @@ def test_a_left_padded_batch_gives_the_logits_and_continuations_of_its_rows_alon
     with torch.no_grad():
         padded = fp32(batch, attention_mask=mask).logits
         alone = [fp32(long).logits[0], fp32(short).logits[0]]
-    torch.testing.assert_close(padded[0], alone[0], rtol=0, atol=1e-5)
-    torch.testing.assert_close(padded[1, padding:], alone[1], rtol=0, atol=1e-5)
+    torch.testing.assert_close(padded[0], alone[0], rtol=0, atol=PADDING_TOLERANCE)
+    torch.testing.assert_close(padded[1, padding:], alone[1], rtol=0, atol=PADDING_TOLERANCE)
+    eos = fp32.config.eos_token_id
     with torch.no_grad():
         generated = fp32.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False)
         for row, prompt in zip(generated, (long, short)):
-            alone = fp32.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False)
-            continuation = alone[0, prompt.shape[1]:]  # shorter when it ends with eos; the batch pads after it
-            assert torch.equal(row[batch.shape[1]:][: len(continuation)], continuation)
+            continuation = row[batch.shape[1]:]
+            ends = (continuation == eos).nonzero()
+            if len(ends):  # the batch pads a row after its eos (with eos)
+                continuation = continuation[: ends[0, 0] + 1]
+            # Each token is a greedy choice of the row alone, teacher-forced, up to the padding tolerance.
+            logits = fp32(torch.cat([prompt[0], continuation])[None, :-1]).logits[:, prompt.shape[1] - 1:]
+            tolerance = torch.full_like(logits[..., :1], PADDING_TOLERANCE)
+            assert near_argmax(logits, continuation[None], tolerance).all()
 
 
 def test_the_export_carries_the_tokenizer_with_the_end_of_document_token_as_eos(exported, preprocessed):  # noqa: F811
-    from angpt.data.tokenizers import EOD_TOKEN, build_tokenizer
-    from angpt.hf.verify import load_tokenizer
-
     output = exported["angpt", "float32"][1]
     theirs = load_tokenizer(output)
     ours = build_tokenizer("HuggingFaceTokenizer", os.path.join(os.path.dirname(preprocessed), "tokenizer"))
@@ -165,8 +198,6 @@ def test_gptplus_is_exported_as_qwen3_without_remote_code(exported):
 def test_large_weights_are_sharded_with_an_index(checkpoints, tmp_path, single_process):
     from safetensors import safe_open
 
-    from angpt.hf.export import export
-
     export(checkpoints["ngpt"], str(tmp_path), max_shard_bytes=100_000)
     with open(tmp_path / "model.safetensors.index.json") as file:
         weight_map = json.load(file)["weight_map"]
@@ -191,16 +222,16 @@ def test_the_converter_checks_its_output_against_our_model(checkpoints, tmp_path
     convert_to_hf("--load", checkpoints["angpt"], "--output", str(tmp_path), monkeypatch=monkeypatch)
     printed = capsys.readouterr().out
     print(printed)
-    assert "max |logit difference|" in printed and "same argmax everywhere: True" in printed
-    assert "greedy continuation of 20 tokens agrees" in printed
+    assert "max |logit difference|" in printed
+    argmax = re.search(r"same argmax where the margin exceeds twice the tolerance \((\d+) of \d+ positions\): True",
+                       printed)
+    assert argmax and int(argmax.group(1)) > 0
+    assert "greedy continuation of 20 tokens agrees up to the tolerance" in printed
     assert "exported model's continuation: 'The quick brown fox" in printed
 
 
 @pytest.mark.parametrize("family", RUNS)
 def test_export_then_import_gives_back_every_tensor_bit_exactly(family, exported, tmp_path):
-    from angpt.hf.export import read_checkpoint
-    from angpt.hf.importer import import_hf
-
     checkpoint, output = exported[family, "float32"]
     import_hf(output, str(tmp_path))
     original, imported = checkpoint.tensors, read_checkpoint(str(tmp_path)).tensors
@@ -211,6 +242,80 @@ def test_export_then_import_gives_back_every_tensor_bit_exactly(family, exported
     differing = [key for key in original
                  if not torch.equal(imported[key][:vocab_size], original[key][:vocab_size])]
     assert not differing
+
+
+@pytest.fixture(scope="module")
+def switched(tmp_path_factory, single_process):
+    """{switches: (checkpoint, Hugging Face fp32 directory)}: anGPT trained 2 steps in this process at TP =
+    PP = 1 (a torchrun launch costs 20 s or more; the layouts are the runs above)."""
+    out = {}
+    for name, flags in SWITCHES.items():
+        save = str(tmp_path_factory.mktemp(f"{name}_checkpoint"))
+        args = parse_args([*MODEL, "--model-family", "angpt", "--mock-data", "--vocab-size", "200", *flags,
+                           "--train-iters", "2", "--save", save], world_size=1)
+        sigterm = signal.getsignal(signal.SIGTERM)
+        parallel_state.destroy_model_parallel()  # the trainer builds the same groups (TP = PP = 1) itself
+        try:
+            assert Trainer(args).run() == 0
+        finally:
+            signal.signal(signal.SIGTERM, sigterm)  # the trainer saves and carries on at SIGTERM; pytest should stop
+            if not parallel_state.model_parallel_is_initialized():
+                distributed.initialize()
+        output = str(tmp_path_factory.mktemp(f"{name}_hf"))
+        out[name] = export(save, output), output
+    return out
+
+
+@pytest.mark.parametrize("switches", SWITCHES)
+def test_the_export_computes_our_logits_under_the_switches_that_fold_factors(switches, switched):
+    checkpoint, output = switched[switches]
+    theirs = load_exported(output)
+    assert any(factor != 1.0 for factor in theirs.config.folded_factors.values())  # some weights do change
+    ids = tokens(theirs.config.vocab_size)
+    reference = megatron_logits(load_megatron_model(checkpoint), ids, theirs.config.vocab_size)
+    with torch.no_grad():
+        difference = (theirs(ids).logits - reference).abs().max().item()
+    print(f"{switches}: folded {theirs.config.folded_factors}; max |difference| {difference:.3g}")
+    assert difference < FP32_LOGIT_TOLERANCE
+
+
+@pytest.mark.parametrize("switches", SWITCHES)
+def test_export_then_import_under_the_switches_gives_back_every_tensor_and_our_model(switches, switched, tmp_path):
+    checkpoint, output = switched[switches]
+    import_hf(output, str(tmp_path))
+    imported = read_checkpoint(str(tmp_path))
+    assert {flag: imported.args[flag] for flag in ("angpt_post_norm", "angpt_nu_p", "angpt_residual")} == \
+        {flag: checkpoint.args[flag] for flag in ("angpt_post_norm", "angpt_nu_p", "angpt_residual")}
+    assert imported.tensors.keys() == checkpoint.tensors.keys()
+    vocab_size = checkpoint.args["vocab_size"]
+    # A weight times a folded factor f, divided by f again, is rounded to fp32 twice (three times if the
+    # division multiplies by 1/f), 2^-24 relative each: within 2^-22. Every other tensor comes back bit
+    # for bit.
+    folded = {LAYER + name for name in ("self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
+                                        "mlp.linear_fc2.weight")}
+    for key, original in checkpoint.tensors.items():
+        back, original = imported.tensors[key][:vocab_size], original[:vocab_size]
+        if key in folded:
+            torch.testing.assert_close(back, original, rtol=2**-22, atol=0, msg=key)
+        else:
+            assert torch.equal(back, original), key
+    ids = tokens(vocab_size)
+    difference = (megatron_logits(load_megatron_model(imported), ids, vocab_size)
+                  - megatron_logits(load_megatron_model(checkpoint), ids, vocab_size)).abs().max().item()
+    assert difference < FP32_LOGIT_TOLERANCE
+
+
+def test_the_margin_rules_pass_over_near_ties_and_catch_other_choices():
+    reference = torch.tensor([[0.50, 0.50 - 1e-5, 0.1],  # a near-tie: rounding may pick either
+                              [0.50, 0.40, 0.1]])  # decided
+    tolerance = logit_tolerance(reference, torch.float32)
+    assert decided(reference, tolerance).tolist() == [False, True]
+    assert near_argmax(reference, torch.tensor([1, 0]), tolerance).tolist() == [True, True]
+    assert near_argmax(reference, torch.tensor([2, 1]), tolerance).tolist() == [False, False]
+    # bf16: 16 roundoffs of 2^-8 of the largest |logit|, 1/32 of 0.5; its argmax decided past twice that.
+    assert decided(reference, logit_tolerance(reference, torch.bfloat16)).tolist() == [False, True]
+    close = torch.tensor([[0.50, 0.47, 0.1]])
+    assert not decided(close, logit_tolerance(close, torch.bfloat16)).item()
 
 
 def test_an_imported_checkpoint_is_fine_tuned_by_the_trainer_at_another_layout(exported, tmp_path):
@@ -231,16 +336,12 @@ def test_a_directory_that_is_not_a_checkpoint_is_refused_by_name(tmp_path, monke
 
 
 def test_a_missing_iteration_is_refused_with_the_ones_there(checkpoints, tmp_path, single_process):
-    from angpt.hf.export import ExportError, export
-
     with pytest.raises(ExportError, match=r"has no checkpoint of iteration 7 \(it has \[4\]\)"):
         export(checkpoints["ngpt"], str(tmp_path), iteration=7)
 
 
 def test_a_checkpoint_of_an_unknown_family_is_refused(checkpoints, tmp_path, single_process):
     import shutil
-
-    from angpt.hf.export import ExportError, export
 
     copy = tmp_path / "checkpoint"
     shutil.copytree(checkpoints["ngpt"], copy)
@@ -267,28 +368,24 @@ def multiple_choice_items(count: int = 24) -> list[dict]:
     return items
 
 
-def our_scores(model, tokenizer, items: list[dict], vocab_size: int) -> list[float]:
-    """Whether each item is answered right (1.0) by loglikelihood, as lm-eval scores it (the choice's
+def our_loglikelihoods(model, tokenizer, items: list[dict], vocab_size: int) -> list[list[tuple[float, int]]]:
+    """(log-likelihood, number of tokens) of each choice of each item as lm-eval scores it (the choice's
     tokens are those of context + choice after the context's), from our model's logits."""
-    from angpt.hf.verify import megatron_logits
-
-    correct = []
+    scores = []
     for item in items:
         context = tokenizer(item["context"]).input_ids
-        scores = []
+        scores.append([])
         for choice in item["choices"]:
             whole = tokenizer(item["context"] + choice).input_ids
             log_probs = megatron_logits(model, torch.tensor([whole[:-1]]), vocab_size).log_softmax(-1)[0]
             continuation = torch.tensor(whole[len(context):])
-            scores.append(log_probs[len(context) - 1:].gather(-1, continuation[:, None]).sum().item())
-        correct.append(float(max(range(len(scores)), key=scores.__getitem__) == item["label"]))
-    return correct
+            score = log_probs[len(context) - 1:].gather(-1, continuation[:, None]).sum().item()
+            scores[-1].append((score, len(continuation)))
+    return scores
 
 
 def test_lm_eval_runs_offline_on_the_export_and_scores_what_our_model_does(exported, models, tmp_path):
     import glob
-
-    from angpt.hf.verify import load_tokenizer
 
     items = multiple_choice_items()
     with open(tmp_path / "items.jsonl", "w") as file:
@@ -309,8 +406,23 @@ def test_lm_eval_runs_offline_on_the_export_and_scores_what_our_model_does(expor
         accuracy = json.load(file)["results"]["angpt_local"]["acc,none"]
     (samples_file,) = glob.glob(str(tmp_path / "results" / "*" / "samples_angpt_local_*.jsonl"))
     with open(samples_file) as file:
-        their_scores = [sample["acc"] for sample in sorted(map(json.loads, file), key=lambda s: s["doc_id"])]
-    expected = our_scores(models["angpt"][0], load_tokenizer(output), items, models["angpt"][1].config.vocab_size)
-    print(f"lm-eval accuracy {accuracy}, ours {sum(expected) / len(expected)}")
-    assert accuracy == pytest.approx(sum(expected) / len(expected), abs=1e-9)
-    assert their_scores == expected  # item by item
+        samples = sorted(map(json.loads, file), key=lambda sample: sample["doc_id"])
+    ours = our_loglikelihoods(models["angpt"][0], load_tokenizer(output), items, models["angpt"][1].config.vocab_size)
+    assert len(samples) == len(items)
+    assert accuracy == pytest.approx(sum(sample["acc"] for sample in samples) / len(samples), abs=1e-9)
+    decided_items = 0
+    for sample, item, choices in zip(samples, items, ours):
+        theirs = [float(loglikelihood) for loglikelihood, _ in sample["filtered_resps"]]
+        # A choice's log-likelihood sums the log-softmax of n tokens; logits within the fp32 tolerance t
+        # move each log-softmax by at most 2 t (t for the logit, t for the log-sum-exp): 2 n t in all.
+        bounds = [2 * n * FP32_LOGIT_TOLERANCE for _, n in choices]
+        scores = [score for score, _ in choices]
+        assert all(abs(a - b) <= bound for a, b, bound in zip(theirs, scores, bounds)), (theirs, scores)
+        # Right or wrong as ours, item by item, wherever those bounds cannot change the best choice.
+        best = max(range(len(scores)), key=scores.__getitem__)
+        if all(scores[best] - scores[other] > bounds[best] + bounds[other] for other in range(len(scores))
+               if other != best):
+            decided_items += 1
+            assert sample["acc"] == float(best == item["label"]), sample["doc_id"]
+    print(f"lm-eval accuracy {accuracy}; the best choice decided on {decided_items} of {len(items)} items")
+    assert decided_items >= len(items) // 2
