@@ -1,7 +1,7 @@
 """Parallel layouts against the single-process model with the same weights, for all three families, fp32.
 
-Each layout runs as real processes under torchrun on gloo (tests/distributed/equivalence_worker.py),
-records logits, loss, every gradient, the parameters after three optimizer steps (with the family's
+The layouts run as real processes under torchrun on gloo, all in one job
+(tests/distributed/equivalence_worker.py), and record logits, loss, every gradient, the parameters after three optimizer steps (with the family's
 bounding), and one bounding projection of weights pushed partly outside the unit ball."""
 
 import pytest
@@ -11,14 +11,7 @@ from conftest import run_workers
 
 FAMILIES = ["angpt", "gptplus", "ngpt"]
 LR = 1e-2  # the worker's learning rate
-LAYOUTS = {
-    "tp2": ["--tp", "2"],
-    "tp2_sequence_parallel": ["--tp", "2", "--sequence-parallel"],
-    "pp2": ["--pp", "2"],
-    "pp2_interleaved": ["--pp", "2", "--vp", "2"],
-    "dp2": [],
-    "dp2_distributed_optimizer": ["--distributed-optimizer"],
-}
+LAYOUTS = ["tp2", "tp2_sequence_parallel", "pp2", "pp2_interleaved", "dp2", "dp2_distributed_optimizer"]
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -32,12 +25,17 @@ def reference(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="session", params=list(LAYOUTS))
-def layout(request, reference, tmp_path_factory):
-    out = tmp_path_factory.mktemp(request.param)
-    run_workers("equivalence_worker.py", *LAYOUTS[request.param], "--name", request.param,
-                "--reference-dir", str(reference), "--out", str(out))
-    return request.param, out
+@pytest.fixture(scope="session")
+def layouts(reference, tmp_path_factory):
+    out = tmp_path_factory.mktemp("layouts")
+    run_workers("equivalence_worker.py", "--layouts", ",".join(LAYOUTS), "--reference-dir", str(reference),
+                "--out", str(out))
+    return out
+
+
+@pytest.fixture(params=LAYOUTS)
+def layout(request, layouts):
+    return request.param, layouts
 
 
 @pytest.mark.multiprocess

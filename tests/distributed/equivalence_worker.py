@@ -1,8 +1,12 @@
-"""Runs the three families at one parallel layout and records logits, loss, gradients, parameters after
-three optimizer steps, and one bounding projection, for comparison with the single-process reference.
+"""Runs the three families at parallel layouts and records logits, loss, gradients, parameters after three
+optimizer steps, and one bounding projection, for comparison with the single-process reference.
 
     python tests/distributed/equivalence_worker.py --reference --out DIR         (1 process)
-    torchrun --nproc-per-node 2 tests/distributed/equivalence_worker.py --tp 2 --out DIR --reference-dir REF
+    torchrun --nproc-per-node 2 tests/distributed/equivalence_worker.py --layouts tp2,pp2 --out DIR \
+        --reference-dir REF
+
+Every layout runs in the one job (megatron-core's groups are rebuilt for each): a torchrun start costs more
+than a layout.
 """
 
 from __future__ import annotations
@@ -26,6 +30,15 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 LR = 1e-2
+# Two processes: megatron-core's layout arguments, and whether the distributed optimizer shards Adam's state.
+LAYOUTS = {
+    "tp2": dict(tensor_model_parallel_size=2),
+    "tp2_sequence_parallel": dict(tensor_model_parallel_size=2, sequence_parallel=True),
+    "pp2": dict(pipeline_model_parallel_size=2),
+    "pp2_interleaved": dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+    "dp2": dict(),
+    "dp2_distributed_optimizer": dict(distributed_optimizer=True),
+}
 
 
 def logits_step(data_iterator, model):
@@ -72,6 +85,8 @@ def describe_shards(optimizer) -> dict:
 
 
 def run_family(family: str, args, layout: dict, world: int) -> dict | None:
+    layout = dict(layout)
+    distributed_optimizer = layout.pop("distributed_optimizer", False)
     config = small_config(family, **layout)
     dp = world // (config.tensor_model_parallel_size * config.pipeline_model_parallel_size)
     distributed.initialize(
@@ -80,7 +95,7 @@ def run_family(family: str, args, layout: dict, world: int) -> dict | None:
         config.virtual_pipeline_model_parallel_size,
     )
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
-    if args.distributed_optimizer:
+    if distributed_optimizer:
         # Small buckets with overlapped reduction, as on clusters; their shard boundaries cut rows.
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=10000
@@ -109,7 +124,7 @@ def run_family(family: str, args, layout: dict, world: int) -> dict | None:
 
     # Loss and gradients over the global batch, then three optimizer steps.
     optimizer, scheduler = build_optimizer(chunks, family, lr=LR, train_iters=3,
-                                           use_distributed_optimizer=args.distributed_optimizer)
+                                           use_distributed_optimizer=distributed_optimizer)
     for chunk in chunks:
         chunk.zero_grad_buffer()
     losses = schedule(forward_step_func=forward_step, data_iterator=iterators(mine), num_microbatches=len(mine),
@@ -120,7 +135,7 @@ def run_family(family: str, args, layout: dict, world: int) -> dict | None:
     per_dp = {r: l for r, l in all_losses if l is not None}
     loss = sum(per_dp.values()) / len(per_dp)
     # The distributed optimizer reduce-scatters gradients: each rank holds only its shard reduced.
-    grads = None if args.distributed_optimizer else gather_full(chunks, "grad")
+    grads = None if distributed_optimizer else gather_full(chunks, "grad")
     optimizer.step()
     scheduler.step(1)
     for _ in range(2):
@@ -140,7 +155,7 @@ def run_family(family: str, args, layout: dict, world: int) -> dict | None:
         chunks = build_model_chunks(small_config(family, **layout), V, S, ddp_config)
         load_full(chunks, perturbed)
         optimizer, _ = build_optimizer(chunks, family, lr=0.0, train_iters=1, min_lr=0.0,
-                                       use_distributed_optimizer=args.distributed_optimizer)
+                                       use_distributed_optimizer=distributed_optimizer)
         for chunk in chunks:
             chunk.zero_grad_buffer()
         optimizer.step()
@@ -158,12 +173,7 @@ def main():
     parser.add_argument("--reference-dir")
     parser.add_argument("--out", required=True)
     parser.add_argument("--families", default="angpt,gptplus,ngpt")
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--vp", type=int, default=None)
-    parser.add_argument("--sequence-parallel", action="store_true")
-    parser.add_argument("--distributed-optimizer", action="store_true")
-    parser.add_argument("--name", default="reference")
+    parser.add_argument("--layouts", default="", help=f"comma-separated, of {', '.join(LAYOUTS)}")
     args = parser.parse_args()
     if args.reference:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -172,14 +182,14 @@ def main():
     else:
         distributed.initialize()  # joins the torchrun job
         parallel_state.destroy_model_parallel()
-    layout = dict(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                  virtual_pipeline_model_parallel_size=args.vp, sequence_parallel=args.sequence_parallel)
+    layouts = {"reference": {}} if args.reference else {name: LAYOUTS[name] for name in args.layouts.split(",")}
     os.makedirs(args.out, exist_ok=True)
-    for family in args.families.split(","):
-        result = run_family(family, args, layout, dist.get_world_size())
-        if result is not None:
-            torch.save(result, os.path.join(args.out, f"{family}_{args.name}.pt"))
-            print(f"{family} {args.name}: loss {result['loss']:.6f}", flush=True)
+    for name, layout in layouts.items():
+        for family in args.families.split(","):
+            result = run_family(family, args, layout, dist.get_world_size())
+            if result is not None:
+                torch.save(result, os.path.join(args.out, f"{family}_{name}.pt"))
+                print(f"{family} {name}: loss {result['loss']:.6f}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
