@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test quickstart setup clean cuda-check
+.PHONY: test test-fast quickstart setup clean cuda-check
 
 setup: $(VENV)/.installed
 
@@ -16,8 +16,15 @@ $(VENV)/.installed: setup.py requirements/cpu.txt $(wildcard csrc/*.cpp csrc/*.h
 	$(PY) -m pip install --quiet --no-build-isolation -e '.[test]'
 	touch $@
 
+# Every test; the files are spread over one pytest-xdist worker per core (tests/conftest.py keeps a file's
+# tests, and files sharing a fixture, on one worker).
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadgroup
+
+# The in-process tests that take seconds each, for iterating: no torchrun jobs, no compiler, no end-to-end
+# scripts (`make test` runs those too).
+test-fast: setup
+	$(PY) -m pytest -q -n auto --dist loadgroup -m "not multiprocess and not slow"
 
 quickstart: setup
 	PATH=$(abspath $(VENV))/bin:$$PATH bash examples/quickstart.sh

@@ -81,8 +81,9 @@ setup(
         "safetensors",
     ],
     extras_require={
-        # lm-eval (and the accelerate its Hugging Face back end imports) runs on an exported model in the tests.
-        "test": ["pytest>=8", "lm_eval>=0.4", "accelerate", "angpt[bench]"],
+        # lm-eval (and the accelerate its Hugging Face back end imports) runs on an exported model in the tests;
+        # pytest-xdist runs the test files on parallel workers.
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "lm_eval>=0.4", "accelerate", "angpt[bench]"],
         # Plots and fits of benchmarks/convergence.py and tools/fit_scaling_law.py.
         "bench": ["matplotlib", "scipy"],
         # GPU only; apex is built from source inside NVIDIA's containers and is never required.

@@ -1,9 +1,16 @@
 import json
 import os
+import socket
 import subprocess
 import sys
 
 import pytest
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from pydoc_data.topics import topics
+
+from angpt import distributed
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 PYDOC_VOCAB_SIZE = 512  # the BPE of the pydoc_corpus fixture
@@ -12,17 +19,29 @@ PYDOC_VOCAB_SIZE = 512  # the BPE of the pydoc_corpus fixture
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
     config.addinivalue_line("markers", "multiprocess: launches real processes with torchrun on gloo")
+    config.addinivalue_line("markers", "slow: takes more than a few seconds in one process (left out of `make test-fast`)")
 
 
+# `make test` runs the files on parallel pytest-xdist workers (--dist loadgroup), a file per worker at a
+# time, so that a file's module fixtures are built once. Files that share a session fixture too expensive
+# to build twice run on one worker.
+SHARED_WORKER = {"test_pretrain.py": "trained_runs", "test_hf_export.py": "trained_runs"}
+# The longest groups start first, so that none of them is left running alone at the end.
+LONGEST_FIRST = ["test_trainer.py", "trained_runs", "test_quickstart.py", "test_convergence.py",
+                 "test_parallel_equivalence.py", "test_kernels.py"]
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    import torch
-
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        item.add_marker(pytest.mark.xdist_group(SHARED_WORKER.get(item.path.name, item.path.name)))
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(SHARED_WORKER.get(item.path.name, item.path.name), len(rank)))
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
 
 
 def run_workers(script: str, *args: str, nproc: int = 2, timeout: int = 600) -> str:
@@ -43,14 +62,6 @@ def run_workers(script: str, *args: str, nproc: int = 2, timeout: int = 600) -> 
 @pytest.fixture(scope="session")
 def single_process():
     """A one-process gloo group with megatron-core's parallel state (TP = PP = DP = 1)."""
-    import socket
-
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from angpt import distributed
-
     if not dist.is_initialized():
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
@@ -68,9 +79,7 @@ def single_process():
 
 @pytest.fixture
 def seeded(single_process):
-    from angpt.distributed import set_random_seed
-
-    set_random_seed(1234)
+    distributed.set_random_seed(1234)
 
 
 @pytest.fixture(scope="session")
@@ -80,8 +89,6 @@ def pydoc_corpus(tmp_path_factory):
     valid.jsonl, a byte-level BPE of PYDOC_VOCAB_SIZE tokens trained on train.jsonl (tokenizer/), and the
     indexed datasets train_text_document and valid_text_document. The directory is a `--corpus` of
     benchmarks/convergence.py."""
-    from pydoc_data.topics import topics
-
     root = tmp_path_factory.mktemp("pydoc_corpus")
     keys = sorted(topics)
     splits = {"train": [key for i, key in enumerate(keys) if i % 10], "valid": keys[::10]}
@@ -108,3 +115,34 @@ def pydoc_corpus(tmp_path_factory):
                     for split in splits]:
         finish(process)
     return root
+
+
+# A small model trained by `angpt.pretrain` under torchrun, once per family, at a layout that splits its
+# tensors: test_pretrain checks that training lowers the loss, test_hf_export exports the checkpoints.
+TRAINED_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+                 "--micro-batch-size", "4", "--global-batch-size", "8", "--log-interval", "1", "--eval-iters", "0"]
+TRAINED_ITERS = 30
+TRAINED_RUNS = {
+    "angpt": ["--model-family", "angpt", "--tensor-model-parallel-size", "2", "--lr", "3e-2"],  # on pydoc_corpus
+    "ngpt": ["--model-family", "ngpt", "--pipeline-model-parallel-size", "2", "--lr", "1e-2", "--mock-data",
+             "--vocab-size", "256"],
+    # 200 ids padded to 256: the export trims the head to the vocabulary.
+    "gptplus": ["--model-family", "gptplus", "--pipeline-model-parallel-size", "2", "--lr", "1e-2", "--mock-data",
+                "--vocab-size", "200"],
+}
+
+
+@pytest.fixture(scope="session")
+def trained_runs(tmp_path_factory, pydoc_corpus):
+    """{family: run directory}: the final checkpoint, metrics.jsonl and the job's output in output.txt."""
+    runs = {}
+    for family, flags in TRAINED_RUNS.items():
+        run_dir = tmp_path_factory.mktemp(f"{family}_trained")
+        data = [] if "--mock-data" in flags else [
+            "--data-path", str(pydoc_corpus / "train_text_document"), "--split", "98,2,0",
+            "--data-cache-path", str(run_dir)]
+        output = run_workers(os.path.join(ROOT, "angpt", "pretrain.py"), *TRAINED_MODEL, *flags, *data,
+                             "--train-iters", str(TRAINED_ITERS), "--save", str(run_dir))
+        (run_dir / "output.txt").write_text(output)
+        runs[family] = run_dir
+    return runs

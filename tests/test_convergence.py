@@ -8,7 +8,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import PYDOC_VOCAB_SIZE, ROOT
+
+pytestmark = pytest.mark.slow
 
 
 def finite(value) -> bool:

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 PROBE = """
@@ -24,9 +26,11 @@ def run(pretend_cuda: bool) -> list[str]:
     return done.stdout.split()
 
 
+@pytest.mark.slow
 def test_untouched_when_cuda_is_available():
     assert run(pretend_cuda=True) == ["False", "True"]
 
 
+@pytest.mark.slow
 def test_cuda_requests_land_on_the_cpu_without_cuda():
     assert run(pretend_cuda=False) == ["True", "False", "cpu", "cpu", "torch.cuda.FloatTensor"]

@@ -9,6 +9,8 @@ import sys
 import pytest
 from conftest import ROOT
 
+pytestmark = pytest.mark.slow
+
 
 def names_in(text: str) -> set:
     """Capitalized words: mostly the characters' names, which both editions of a play share."""

@@ -84,6 +84,7 @@ def test_nu_alpha_keeps_the_lerp_of_independent_unit_vectors_at_unit_norm():
     assert (NU_PLAIN_RESIDUAL * (h + x)).norm(dim=-1).mean().item() == pytest.approx(1.0, abs=0.01)
 
 
+@pytest.mark.slow
 def test_factor_tool_prints_the_table():
     done = subprocess.run(
         [sys.executable, "tools/angpt_factors.py", "--hidden-size", "1024", "--ffn-hidden-size", "4096",

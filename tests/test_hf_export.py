@@ -28,22 +28,14 @@ from angpt.hf.importer import import_hf
 from angpt.hf.verify import (FP32_LOGIT_TOLERANCE, decided, greedy_within_tolerance, load_exported,
                              load_megatron_model, load_tokenizer, logit_tolerance, megatron_logits, near_argmax)
 from angpt.trainer import Trainer
-from conftest import ROOT
-from test_pretrain import preprocessed  # noqa: F401  (the fixture: a tokenizer and dataset of pydoc topics)
+from conftest import ROOT, TRAINED_ITERS, TRAINED_MODEL, TRAINED_RUNS
 
 pytestmark = pytest.mark.multiprocess
 
-MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-         "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-2", "--train-iters", "4",
-         "--log-interval", "1", "--eval-iters", "0"]
-# Each family at a layout that splits its tensors: the export reads them back whole.
-RUNS = {
-    "angpt": ["--model-family", "angpt", "--tensor-model-parallel-size", "2"],  # on the pydoc dataset
-    "ngpt": ["--model-family", "ngpt", "--pipeline-model-parallel-size", "2", "--mock-data", "--vocab-size", "256"],
-    # 200 ids padded to 256: the export trims the head to the vocabulary.
-    "gptplus": ["--model-family", "gptplus", "--pipeline-model-parallel-size", "2", "--mock-data",
-                "--vocab-size", "200"],
-}
+# The model of conftest's trained_runs (each family trained at a layout that splits its tensors: the export
+# reads them back whole).
+MODEL = [*TRAINED_MODEL, "--lr", "1e-2"]
+RUNS = list(TRAINED_RUNS)
 # The switches that change what the exported anGPT must compute. Without the post-norm nothing cancels the
 # constant factors after W_v, W_o and W_down, and the export folds them into those weights (with it they
 # cancel, so the runs above cannot see one left out); the nu_p reading is W_o's factor, which shows only
@@ -69,17 +61,9 @@ def run(*command: str, **env: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, preprocessed):  # noqa: F811
+def checkpoints(trained_runs):
     """{family: checkpoint directory}."""
-    dirs = {}
-    for family, flags in RUNS.items():
-        save = tmp_path_factory.mktemp(f"{family}_checkpoint")
-        data = ["--data-path", str(preprocessed), "--split", "98,2,0", "--data-cache-path", str(save)] \
-            if "--mock-data" not in flags else []
-        run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "angpt.pretrain",
-            *MODEL, *flags, *data, "--save", str(save))
-        dirs[family] = str(save)
-    return dirs
+    return {family: str(run_dir) for family, run_dir in trained_runs.items()}
 
 
 @pytest.fixture(scope="module")
@@ -171,10 +155,10 @@ def test_a_left_padded_batch_gives_the_logits_and_continuations_of_its_rows_alon
             assert near_argmax(logits, continuation[None], tolerance).all()
 
 
-def test_the_export_carries_the_tokenizer_with_the_end_of_document_token_as_eos(exported, preprocessed):  # noqa: F811
+def test_the_export_carries_the_tokenizer_with_the_end_of_document_token_as_eos(exported, pydoc_corpus):
     output = exported["angpt", "float32"][1]
     theirs = load_tokenizer(output)
-    ours = build_tokenizer("HuggingFaceTokenizer", os.path.join(os.path.dirname(preprocessed), "tokenizer"))
+    ours = build_tokenizer("HuggingFaceTokenizer", str(pydoc_corpus / "tokenizer"))
     text = "Return the value of the named attribute of object."
     assert theirs(text).input_ids == ours.encode_batch([text])[0]
     assert theirs.eos_token == EOD_TOKEN and theirs.eos_token_id == ours.eod
@@ -321,9 +305,9 @@ def test_the_margin_rules_pass_over_near_ties_and_catch_other_choices():
 def test_an_imported_checkpoint_is_fine_tuned_by_the_trainer_at_another_layout(exported, tmp_path):
     output = exported["ngpt", "float32"][1]
     printed = run("tools/convert_from_hf.py", "--input", output, "--save", str(tmp_path))
-    assert "--model-family ngpt --num-layers 2 --hidden-size 64 --seq-length 32" in printed
+    assert "--model-family ngpt --num-layers 2 --hidden-size 64 --seq-length 64" in printed
     trained = run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "angpt.pretrain",
-                  *MODEL, *RUNS["ngpt"][:2], "--tensor-model-parallel-size", "2", "--mock-data", "--vocab-size", "256",
+                  *MODEL, "--model-family", "ngpt", "--tensor-model-parallel-size", "2", "--mock-data", "--vocab-size", "256",
                   "--train-iters", "1", "--load", str(tmp_path), "--finetune")
     assert "for fine-tuning" in trained and "iteration        1/       1" in trained
 
@@ -336,7 +320,7 @@ def test_a_directory_that_is_not_a_checkpoint_is_refused_by_name(tmp_path, monke
 
 
 def test_a_missing_iteration_is_refused_with_the_ones_there(checkpoints, tmp_path, single_process):
-    with pytest.raises(ExportError, match=r"has no checkpoint of iteration 7 \(it has \[4\]\)"):
+    with pytest.raises(ExportError, match=rf"has no checkpoint of iteration 7 \(it has \[{TRAINED_ITERS}\]\)"):
         export(checkpoints["ngpt"], str(tmp_path), iteration=7)
 
 
@@ -345,7 +329,7 @@ def test_a_checkpoint_of_an_unknown_family_is_refused(checkpoints, tmp_path, sin
 
     copy = tmp_path / "checkpoint"
     shutil.copytree(checkpoints["ngpt"], copy)
-    common_file = copy / "iter_0000004" / "common.pt"
+    common_file = copy / f"iter_{TRAINED_ITERS:07d}" / "common.pt"
     common = torch.load(common_file, weights_only=False)
     common["args"]["model_family"] = "bert"
     torch.save(common, common_file)

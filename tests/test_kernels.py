@@ -262,6 +262,7 @@ def test_training_with_and_without_the_kernels_gives_the_same_losses(family, sin
         assert abs(a - b) <= 1e-6 * abs(b), (fused, fallback)
 
 
+@pytest.mark.slow
 def test_fallback_is_logged_once_when_switched_off():
     code = ("import logging, torch; logging.basicConfig(); from angpt import kernels; "
             "x = torch.randn(3, 8); s = torch.ones(4); "
@@ -273,6 +274,7 @@ def test_fallback_is_logged_once_when_switched_off():
     assert done.stderr.count("ANGPT_KERNELS is set to off; running the PyTorch implementations") == 1, done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"),
                     reason="needs nvcc")
 def test_cuda_sources_compile_for_sm80_and_sm90():

@@ -199,6 +199,7 @@ def test_a_failed_run_is_recorded_and_the_sweep_goes_on(tmp_path, capsys):
     assert (stopped["failed"], stopped["not_started"]) == (1, 1)
 
 
+@pytest.mark.slow
 def test_a_local_sweep_of_two_tiny_runs_resumes_and_collects(tmp_path, capsys):
     path = write(tmp_path, TINY)
     out = tmp_path / "out"

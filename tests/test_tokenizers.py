@@ -36,6 +36,7 @@ def trained(tmp_path_factory):
     return directory / "bpe"
 
 
+@pytest.mark.slow
 def test_trained_tokenizer_round_trips_file_and_directory(trained):
     with open(trained / "tokenizer.json") as file:
         vocab = json.load(file)["model"]["vocab"]
@@ -51,6 +52,7 @@ def test_trained_tokenizer_round_trips_file_and_directory(trained):
     json.dumps(by_directory.description)
 
 
+@pytest.mark.slow
 def test_train_tokenizer_reports_bad_line(tmp_path):
     (tmp_path / "corpus.jsonl").write_text('{"text": "fine"}\n{"text": 3}\n')
     command = [sys.executable, os.path.join(TOOLS, "train_tokenizer.py"), "--input", str(tmp_path / "corpus.jsonl"),
@@ -62,6 +64,7 @@ def test_train_tokenizer_reports_bad_line(tmp_path):
     assert done.returncode == 0 and "skipped 1 bad lines: 1 not a string" in done.stdout
 
 
+@pytest.mark.slow
 def test_directory_config_names_the_eos(trained, tmp_path):
     (tmp_path / "tokenizer.json").write_bytes((trained / "tokenizer.json").read_bytes())
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|endoftext|>"}}))
@@ -119,6 +122,7 @@ def gpt2_ranks(tmp_path_factory):
     return str(path)
 
 
+@pytest.mark.slow
 def test_real_gpt2_ranks(gpt2_ranks):
     tokenizer = build_tokenizer("GPT2BPETokenizer", tokenizer_model=gpt2_ranks)
     assert (tokenizer.vocab_size, tokenizer.eod) == (50257, 50256)
