@@ -22,6 +22,7 @@ import os
 import random
 import re
 import shutil
+import signal
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
@@ -181,6 +182,43 @@ def _delete_old(root: str, keep_last: Optional[int]) -> None:
         logger.info("deleted %s (--keep-last-n-checkpoints %d)", checkpoint_dir(root, iteration), keep_last)
 
 
+def _results_queue_that_outlives_exit_signals():
+    """megatron-core 0.16's `filesystem_async._get_write_results_queue`, with its Manager process deaf
+    to the exit signals. Every save, sync or async, sends the written files' metadata back through a
+    queue served by a spawned multiprocessing Manager, started at the first save and kept for the
+    process's life, in the training process's process group. torchrun forwards SIGTERM and SIGINT to
+    that group (os.killpg), as `kill -TERM -<pgid>` does, and Slurm signals every process of a job: the
+    Manager died of it, and the save the signal asked for failed (BrokenPipeError or
+    ConnectionRefusedError, an `.incomplete` directory left, the steps since the last save lost).
+    The Manager starts with the exit signals blocked (a child inherits its parent's signal mask, and
+    the Manager never unblocks them), so they stay pending there: the training process decides, and
+    shuts it down at exit; SIGKILL to the group still ends it. Starting multiprocessing's resource
+    tracker unblocks SIGINT and SIGTERM, so it is started before they are blocked."""
+    from multiprocessing import get_context, resource_tracker
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from angpt.arguments import EXIT_SIGNALS
+
+    if filesystem_async._results_queue is None:
+        manager = SyncManager(ctx=get_context("spawn"))
+        resource_tracker.ensure_running()
+        unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {getattr(signal, name) for name in EXIT_SIGNALS})
+        try:
+            manager.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)  # what arrived meanwhile is handled now
+        filesystem_async._results_queue = manager.Queue()  # the queue's proxy keeps the manager alive
+    return filesystem_async._results_queue
+
+
+def _make_saves_outlive_exit_signals() -> None:
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._get_write_results_queue = _results_queue_that_outlives_exit_signals
+
+
 def save_checkpoint(
     root: str,
     state: TrainState,
@@ -197,6 +235,7 @@ def save_checkpoint(
     the tensors are written in the background and the checkpoint is committed when the queue finalizes
     the request; otherwise it is committed before this returns. `before_commit` runs on every rank after
     the files are written and before the commit (tests pause there to kill a save midway)."""
+    _make_saves_outlive_exit_signals()
     iteration = state.iteration  # the state moves on while an async save is being written
     final = checkpoint_dir(root, iteration)
     staging = final + INCOMPLETE

@@ -377,6 +377,48 @@ def format_log_line(record: dict) -> str:
     return " | ".join(parts)
 
 
+class _StreamOutlivingItsReader:
+    """sys.stdout or sys.stderr, made to outlive the reader of the pipe behind it (`torchrun ... | tee
+    log` where the Ctrl-C that stops training kills tee too, or a log collector that died): at the first
+    BrokenPipeError the stream's descriptor is pointed at /dev/null and the write retried, so that a
+    print, a log record or the flush at exit (which would turn exit status 0 into 120) never fails a
+    save in progress. Output written after that is lost; metrics.jsonl still has every record."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def _retried(self, method, *args):
+        try:
+            return method(*args)
+        except BrokenPipeError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, self._stream.fileno())
+            finally:
+                os.close(devnull)
+            return method(*args)
+
+    def write(self, text):
+        return self._retried(self._stream.write, text)
+
+    def writelines(self, lines):
+        return self._retried(self._stream.writelines, lines)
+
+    def flush(self):
+        return self._retried(self._stream.flush)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def console_outlives_its_reader() -> None:
+    """Wrap sys.stdout and sys.stderr in `_StreamOutlivingItsReader` (before logging takes sys.stderr)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _StreamOutlivingItsReader):
+            setattr(sys, name, _StreamOutlivingItsReader(stream))
+
+
 class ProgressBar:
     """A tqdm bar on stderr when `enabled` (rank 0) and stderr is a terminal. `write` prints log lines
     above the bar, or plainly to stdout when there is no bar; with `enabled=False` everything is a no-op."""

@@ -20,6 +20,9 @@ from angpt.arguments import parse_args
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    from angpt.monitoring import console_outlives_its_reader
+
+    console_outlives_its_reader()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("angpt").setLevel(logging.INFO)
     from angpt.trainer import pretrain

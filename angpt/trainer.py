@@ -275,6 +275,8 @@ class Trainer:
         args = self.args
         try:
             while self.state.iteration < args.train_iters:
+                if self.state.iteration + 1 == self.faults.wait_for_signal_before:
+                    faults.wait_for_signal(lambda: self.exits.received is not None, self.state.iteration + 1)
                 record = self.train_one_step()
                 iteration = record["iteration"]
                 self.monitor.log_step(record)

@@ -4,6 +4,7 @@ checkpoints themselves."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -105,13 +106,17 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """{layout: run directory} of 6 uninterrupted iterations, checkpointed at 3 and 6."""
-    runs = {}
-    for name, layout in LAYOUTS.items():
-        run_dir = tmp_path_factory.mktemp(f"uninterrupted_{name}")
-        train(*layout, *ITERS, "--save", str(run_dir), "--save-interval", "3")
-        runs[name] = run_dir
-    return runs
+    """{layout: run directory} of 6 uninterrupted iterations, checkpointed at 3 and 6; each layout is
+    trained when first asked for (a selection of the tests runs only the layouts it needs)."""
+
+    class Runs(dict):
+        def __missing__(self, name):
+            run_dir = tmp_path_factory.mktemp(f"uninterrupted_{name}")
+            train(*LAYOUTS[name], *ITERS, "--save", str(run_dir), "--save-interval", "3")
+            self[name] = run_dir
+            return run_dir
+
+    return Runs()
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -248,6 +253,102 @@ def test_exit_signal_handler_with_sigusr1_under_torchrun(tmp_path):
     output = process.communicate(timeout=120)[0]
     assert process.returncode == 0, output[-4000:]
     assert "received SIGUSR1" in output and latest(tmp_path) >= 2
+
+
+def signal_job(process: subprocess.Popen, iteration: int, nproc: int, whom: str, signum: signal.Signals,
+               close_output: bool = False, timeout: float = 240) -> tuple[int, str]:
+    """Signal a torchrun job (started in a session of its own, stdout a pipe) once its ranks wait before
+    `iteration` (ANGPT_TEST_WAIT_FOR_SIGNAL_BEFORE), with saves behind them. `whom`: "torchrun" (a
+    shell's kill or Ctrl-C, Kubernetes, `kill -TERM -<torchrun's pgid>`: torchrun forwards the signal to
+    each training process's group) or "workers" (`kill -TERM -<pgid>` of each training process: torchrun
+    starts each in a session of its own, with the processes megatron-core forks and spawns for saves).
+    `close_output` closes the read end of the job's stdout first, as a killed `torchrun ... | tee`.
+    Returns torchrun's exit code and what it printed (nothing after a close)."""
+    import psutil
+
+    descriptor, output = process.stdout.fileno(), bytearray()
+    os.set_blocking(descriptor, False)
+    waiting = f"waiting for an exit signal before iteration {iteration}".encode()
+
+    def drain():
+        try:
+            while chunk := os.read(descriptor, 1 << 16):
+                output.extend(chunk)
+        except BlockingIOError:
+            pass
+
+    deadline = time.monotonic() + timeout
+    while output.count(waiting) < nproc:
+        drain()
+        assert process.poll() is None and time.monotonic() < deadline, output.decode(errors="replace")[-4000:]
+        time.sleep(0.2)
+    workers = psutil.Process(process.pid).children()
+    assert len(workers) == nproc and all(os.getpgid(worker.pid) == worker.pid for worker in workers)
+    if close_output:
+        process.stdout.close()
+    if whom == "torchrun":
+        os.kill(process.pid, signum)
+    else:
+        for worker in workers:
+            os.killpg(worker.pid, signum)
+    if close_output:
+        return process.wait(timeout=timeout), ""
+    os.set_blocking(descriptor, True)
+    output.extend(process.communicate(timeout=timeout)[0])
+    return process.returncode, output.decode(errors="replace")
+
+
+# Per save mode, a layout of `uninterrupted`, its flags, and the runs that stop it and resume it to iteration
+# 6: (the iteration the run exits at, whom the signal goes to, the signal, whether its stdout is closed).
+SIGNALLED_RUNS = {
+    "sync": ("tp2", ["--save-interval", "1", "--exit-signal-handler", "--exit-signal", "SIGINT"],
+             [(2, "torchrun", signal.SIGTERM, False), (4, "torchrun", signal.SIGINT, False),
+              (6, "workers", signal.SIGTERM, True)]),
+    "async": ("dp2_distributed_optimizer", ["--save-interval", "2", "--async-save"],
+              [(3, "torchrun", signal.SIGTERM, False), (6, "workers", signal.SIGTERM, True)]),
+}
+
+
+@pytest.mark.parametrize("saves", SIGNALLED_RUNS)
+def test_signals_to_torchrun_or_to_the_workers_groups_save_and_the_runs_resume_exactly(saves, uninterrupted,
+                                                                                      tmp_path, single_process):
+    """What a shell's kill, Ctrl-C, Kubernetes, scancel do: every process of a training process's group
+    (megatron-core's save helpers too) gets the signal. The step finishes, a complete checkpoint of it is
+    written, the processes exit 0, and the runs resumed from these checkpoints equal an uninterrupted run."""
+    import psutil
+
+    layout, flags, runs = SIGNALLED_RUNS[saves]
+    flags = [*LAYOUTS[layout], *flags, *ITERS, "--save", str(tmp_path)]
+    for index, (stop, whom, signum, close_output) in enumerate(runs):
+        resume = ["--load", str(tmp_path)] if index else []
+        process = subprocess.Popen(command(*flags, *resume), cwd=ROOT, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, start_new_session=True,
+                                   env=environment(ANGPT_TEST_WAIT_FOR_SIGNAL_BEFORE=str(stop)))
+        try:
+            code, output = signal_job(process, stop, 2, whom, signum, close_output)
+        finally:
+            if process.poll() is None:  # a failed check: the launcher and every training process
+                for victim in [*psutil.Process(process.pid).children(recursive=True), process]:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        victim.kill()
+                process.wait()
+        described = f"{signum.name} to {whom} before iteration {stop}: exit code {code}\n{output[-5000:]}"
+        if whom == "torchrun":
+            # torch's launcher re-raises the signal it got (SignalException) once its workers have exited:
+            # status 1 whatever they did. That they exited cleanly: no other traceback, none killed.
+            raised = f"SignalException: Process {process.pid} got signal: {int(signum)}"
+            assert code == 1 and raised in output, described
+            assert output.count("Traceback") == 1 and "forcefully exiting" not in output, described
+            assert f"exiting at iteration {stop}: received {signum.name}" in output, described
+        else:
+            assert code == 0, described
+        assert latest(tmp_path) == stop, described
+        assert not [name for name in os.listdir(tmp_path) if name.endswith(checkpointing.INCOMPLETE)], described
+    assert [r["iteration"] for r in records(tmp_path)] == [1, 2, 3, 4, 5, 6]
+    assert losses(tmp_path) == losses(uninterrupted[layout])
+    final, expected = checkpoint_tensors(tmp_path, 6), checkpoint_tensors(uninterrupted[layout], 6)
+    assert final.keys() == expected.keys()
+    assert not [key for key in final if not torch.equal(final[key], expected[key])]
 
 
 def test_a_nan_step_is_skipped_and_logged(tmp_path):
