@@ -77,8 +77,9 @@ def hf_tokenizer(tmp_path_factory):
     return str(directory / "tokenizer")
 
 
-def test_golden_bytes(tmp_path, byte_tokenizer):
 @pytest.mark.slow
+@pytest.mark.slow
+def test_golden_bytes(tmp_path, byte_tokenizer):
     corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"text": "abc"}, {"text": "de"}])
     run_preprocess("--input", corpus, "--output-prefix", tmp_path / "out", "--tokenizer-type", "TikTokenizer",
                    "--tokenizer-model", byte_tokenizer)
@@ -91,9 +92,9 @@ def test_golden_bytes(tmp_path, byte_tokenizer):
     assert check_indexed_dataset(str(prefix))["dtype"] == "uint16"
 
 
+@pytest.mark.slow
 def test_workers_and_partitions_write_the_same_tokens(tmp_path, hf_tokenizer):
     texts = [f"line {i} of the corpus, " * (i % 7) + "ünïcødé ✓" for i in range(300)]
-@pytest.mark.slow
     texts[5] = ""  # empty: counted and skipped
     texts[17] = "a literal <|endoftext|> is text"
     first = write_jsonl(tmp_path / "a.jsonl", [{"text": text} for text in texts[:120]])
@@ -124,10 +125,10 @@ def test_workers_and_partitions_write_the_same_tokens(tmp_path, hf_tokenizer):
     assert outputs["w1"] == outputs["w2"] == outputs["p2"]
 
 
+@pytest.mark.slow
 def test_large_vocabulary_writes_int32(tmp_path):
     pairs = write_tiktoken(tmp_path / "pairs.tiktoken", pair_tokens=True)
     corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"text": "abcd"}, {"text": "xyz"}])
-@pytest.mark.slow
     run_preprocess("--input", corpus, "--output-prefix", tmp_path / "out", "--tokenizer-type", "TikTokenizer",
                    "--tokenizer-model", pairs, "--append-eod")
     prefix = str(tmp_path / "out_text_document")
@@ -153,10 +154,10 @@ def write_with_bad_line(path, bad: bytes) -> str:
     return str(path)  # the bad line is line 4: line 2 is blank
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reason", BAD_LINES)
 def test_bad_line_stops_with_file_and_line(tmp_path, byte_tokenizer, reason):
     tool = load_tool()
-@pytest.mark.slow
     corpus = write_with_bad_line(tmp_path / "corpus.jsonl", BAD_LINES[reason])
     args = tool.parse_args(["--input", corpus, "--output-prefix", str(tmp_path / "out" / "data"),
                             "--tokenizer-type", "TikTokenizer", "--tokenizer-model", byte_tokenizer])
@@ -165,20 +166,20 @@ def test_bad_line_stops_with_file_and_line(tmp_path, byte_tokenizer, reason):
     assert os.listdir(tmp_path / "out") == []  # neither outputs nor scratch
 
 
+@pytest.mark.slow
 def test_bad_line_run_exits_non_zero_and_leaves_nothing(tmp_path, byte_tokenizer):
     corpus = write_with_bad_line(tmp_path / "corpus.jsonl", BAD_LINES["not JSON"])
     done = run_preprocess("--input", corpus, "--output-prefix", tmp_path / "data", "--tokenizer-type",
-@pytest.mark.slow
                           "TikTokenizer", "--tokenizer-model", byte_tokenizer, "--workers", 2, "--partitions", 2,
                           check=False)
     assert done.returncode != 0 and f"{corpus}:4: not JSON" in done.stderr
     assert sorted(os.listdir(tmp_path)) == ["corpus.jsonl"]
 
 
+@pytest.mark.slow
 def test_skip_bad_lines_counts_per_reason_and_keeps_good_documents(tmp_path, byte_tokenizer):
     lines = []
     for reason, bad in BAD_LINES.items():
-@pytest.mark.slow
         lines += [b'{"text": "kept ' + reason.encode() + b'"}', bad]
     lines.append(b'{"text": ""}')
     (tmp_path / "corpus.jsonl").write_bytes(b"\n".join(lines) + b"\n")
@@ -192,10 +193,10 @@ def test_skip_bad_lines_counts_per_reason_and_keeps_good_documents(tmp_path, byt
     assert metadata["skipped_lines"] == {reason: 1 for reason in BAD_LINES} and metadata["empty_documents"] == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pattern, message", [("missing.jsonl", "no such file"), ("none/*.jsonl", "matches no file")])
 def test_missing_inputs_are_clear_errors(tmp_path, byte_tokenizer, pattern, message):
     tool = load_tool()
-@pytest.mark.slow
     args = tool.parse_args(["--input", str(tmp_path / pattern), "--output-prefix", str(tmp_path / "out"),
                             "--tokenizer-type", "TikTokenizer", "--tokenizer-model", byte_tokenizer])
     with pytest.raises(tool.InputError, match=message):
@@ -221,18 +222,18 @@ def dataset(tmp_path, written_dataset):
     return prefix
 
 
+@pytest.mark.slow
 def test_truncated_bin_is_named(dataset):
     with open(dataset + ".bin", "r+b") as file:
         file.truncate(os.path.getsize(dataset + ".bin") - 2)
-@pytest.mark.slow
     with pytest.raises(IndexedDatasetError, match=rf"^{dataset}\.bin: .*truncated"):
         check_indexed_dataset(dataset)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("corruption, message", [
     (lambda data: data[:-8], "truncated or corrupted"),
     (lambda data: b"XXIDIDX\x00\x00" + data[9:], "not a megatron-core index"),
-@pytest.mark.slow
     (lambda data: data[:9] + (2).to_bytes(8, "little") + data[17:], "version 2"),
     (lambda data: data[:17] + b"\x63" + data[18:], "unknown dtype code 99"),
     (lambda data: data[:18] + (21).to_bytes(8, "little") + data[26:], "truncated or corrupted"),
@@ -246,10 +247,10 @@ def test_corrupted_idx_is_named(dataset, corruption, message):
         check_indexed_dataset(dataset)
 
 
+@pytest.mark.slow
 def test_metadata_errors_name_the_file(dataset):
     with pytest.raises(IndexedDatasetError, match=r"no_such_prefix\.json: no dataset metadata"):
         read_metadata(dataset.replace("out_text_document", "no_such_prefix"))
-@pytest.mark.slow
     with open(dataset + ".json") as file:
         metadata = json.load(file)
     with open(dataset + ".json", "w") as file:
