@@ -7,6 +7,7 @@ Impossible combinations are refused here, before any process-group work, by a me
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 from typing import Optional
@@ -32,6 +33,25 @@ FP8_RECIPES = ("delayed", "tensorwise", "mxfp8")
 FP8_AMAX_ALGOS = ("max", "most_recent")
 # Megatron-LM's defaults of the FP8 details; they apply only with --fp8-format (None here = not given).
 FP8_DEFAULTS = dict(fp8_recipe="delayed", fp8_margin=0, fp8_amax_history_len=1, fp8_amax_compute_algo="most_recent")
+# The range of every numeric flag (a test holds the parser to it), checked before anything divides by one:
+# (what the error says, the test, the flags). A flag left unset (None) is not checked; floats must be finite.
+NUMERIC_RANGES = (
+    ("must be at least 1", lambda value: value >= 1, (
+        "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "kv_channels",
+        "seq_length", "max_position_embeddings", "rotary_base", "recompute_num_layers", "tensor_model_parallel_size",
+        "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage", "micro_batch_size",
+        "global_batch_size", "train_iters", "train_samples", "lr_decay_iters", "lr_wsd_decay_iters",
+        "fp8_amax_history_len", "vocab_size", "make_vocab_size_divisible_by", "save_interval",
+        "keep_last_n_checkpoints", "eval_interval", "log_interval", "exit_interval")),
+    ("cannot be negative", lambda value: value >= 0, (
+        "angpt_alpha_init", "min_lr", "lr_warmup_iters", "lr_warmup_init", "weight_decay", "clip_grad", "seed",
+        "fp8_margin", "eval_iters", "max_skipped_steps")),
+    ("must be positive", lambda value: value > 0, (
+        "init_method_std", "angpt_constant_factor_multiplier", "angpt_nu_alpha_multiplier",
+        "distributed_timeout_minutes", "lr", "adam_eps", "exit_duration_in_mins")),
+    ("must be in [0, 1)", lambda value: 0 <= value < 1, (
+        "attention_dropout", "hidden_dropout", "lr_warmup_fraction", "adam_beta1", "adam_beta2")),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--test-data-path", nargs="+")
     data.add_argument("--data-cache-path", help="where GPTDataset caches its indices")
     data.add_argument("--mock-data", action="store_true", help="megatron-core's synthetic sequences")
-    data.add_argument("--vocab-size", type=int, help="vocabulary of --mock-data")
+    data.add_argument("--vocab-size", type=int, help="vocabulary of --mock-data; with datasets, it must be the "
+                      "vocab_size their .json records")
     data.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                       help="pad the vocabulary to a multiple of this times the tensor-parallel size")
 
@@ -244,6 +265,7 @@ def read_config(parser: argparse.ArgumentParser, path: str) -> dict:
 
 def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_size: int) -> None:
     """Refuse impossible settings before any process-group work, naming the flags."""
+    _validate_ranges(parser, args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world_size % (tp * pp):
         parser.error(f"the world size {world_size} is not divisible by --tensor-model-parallel-size {tp} "
@@ -284,11 +306,19 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
     _validate_data(parser, args)
 
 
+def _validate_ranges(parser, args) -> None:
+    for requirement, holds, flags in NUMERIC_RANGES:
+        for flag in flags:
+            value = getattr(args, flag)
+            if value is None:
+                continue
+            if isinstance(value, float) and not math.isfinite(value):
+                parser.error(f"--{flag.replace('_', '-')} {value} must be a finite number")
+            if not holds(value):
+                parser.error(f"--{flag.replace('_', '-')} {value} {requirement}")
+
+
 def _validate_dropout(parser, args) -> None:
-    for flag in ("attention_dropout", "hidden_dropout"):
-        value = getattr(args, flag)
-        if not 0 <= value < 1:
-            parser.error(f"--{flag.replace('_', '-')} {value} must be in [0, 1)")
     if args.hidden_dropout and args.model_family != "gptplus":
         # Their layers have no bias-dropout-add; megatron-core would drop out only the embeddings.
         parser.error(f"--hidden-dropout is not supported for --model-family {args.model_family} (its normalized "
@@ -303,15 +333,6 @@ def _validate_schedule(parser, args) -> None:
             parser.error(f"--train-samples {args.train_samples} is not a multiple of --global-batch-size "
                          f"{args.global_batch_size}")
         args.train_iters = args.train_samples // args.global_batch_size
-    for flag in ("train_iters", "micro_batch_size", "global_batch_size", "log_interval", "eval_interval",
-                 "save_interval", "exit_interval", "lr_decay_iters", "keep_last_n_checkpoints"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
-    if args.eval_iters < 0 or args.max_skipped_steps < 0:
-        parser.error("--eval-iters and --max-skipped-steps cannot be negative")
-    if args.lr_warmup_fraction is not None and not 0 <= args.lr_warmup_fraction < 1:
-        parser.error(f"--lr-warmup-fraction {args.lr_warmup_fraction} must be in [0, 1)")
     if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None:
         parser.error("--lr-decay-style WSD needs --lr-wsd-decay-iters")
     if args.min_lr is not None and args.min_lr > args.lr:
@@ -342,10 +363,6 @@ def _validate_precision(parser, args) -> None:
                          "at initialization and after every step in fp32, and FP8 parameters would need that "
                          "projection on their high-precision copies (docs/fp8.md); leave it out (the FP8 casts "
                          "then happen in each GEMM)")
-        if args.fp8_margin < 0:
-            parser.error(f"--fp8-margin {args.fp8_margin} cannot be negative")
-        if args.fp8_amax_history_len < 1:
-            parser.error(f"--fp8-amax-history-len {args.fp8_amax_history_len} must be at least 1")
         if args.fp8_recipe != "delayed":
             for flag in ("fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo"):
                 if getattr(args, flag) != FP8_DEFAULTS[flag]:

@@ -303,9 +303,10 @@ class MetricsLogger:
     """One JSON object per line in `path_jsonl` (appended, so resumed runs continue the file; flushed per
     line, so a crash loses nothing written before it) and each numeric figure as the TensorBoard scalar
     "{kind}/{name}" at step = iteration. Records hold "kind" ("train" or "eval"), "iteration" and
-    figures; the JSON line adds "time" (Unix seconds). Non-finite figures (a NaN loss on a skipped step)
-    are written as null, which keeps every line valid JSON (pandas reads null back as NaN); TensorBoard
-    gets the NaN itself. Disabled (`enabled=False`, e.g. on ranks other than 0), it does nothing."""
+    figures, or "kind": "start" and where a run starts (JSON only; `angpt.metrics` reads the file back);
+    the JSON line adds "time" (Unix seconds). Non-finite figures (a NaN loss) are written as null, which
+    keeps every line valid JSON (pandas reads null back as NaN); TensorBoard gets the NaN itself.
+    Disabled (`enabled=False`, e.g. on ranks other than 0), it does nothing."""
 
     def __init__(self, path_jsonl: Optional[str], tensorboard_dir: Optional[str], enabled: bool = True):
         self._file = None
@@ -326,7 +327,7 @@ class MetricsLogger:
             line.setdefault("time", round(time.time(), 3))
             self._file.write(json.dumps(line, allow_nan=False) + "\n")
             self._file.flush()
-        if self._writer is not None:
+        if self._writer is not None and record["kind"] != "start":
             for name, value in record.items():
                 value = _number(value)
                 if name not in _NOT_SCALARS and isinstance(value, (int, float)) and not isinstance(value, bool):

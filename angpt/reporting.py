@@ -7,6 +7,7 @@ import math
 import os
 import time
 from contextlib import contextmanager, nullcontext
+from typing import Optional
 
 import torch.distributed as dist
 
@@ -14,7 +15,8 @@ from angpt import monitoring
 
 
 class TrainingMonitor:
-    def __init__(self, args, config, chunks, vocab_size: int, rank: int, start_iteration: int):
+    def __init__(self, args, config, chunks, vocab_size: int, rank: int, start_iteration: int,
+                 loaded_from: Optional[str] = None):
         self.args = args
         self.is_reporting_rank = rank == 0
         output_dir = args.save or args.tensorboard_dir
@@ -29,6 +31,13 @@ class TrainingMonitor:
         self.world_size = dist.get_world_size()
         self.progress = monitoring.ProgressBar(args.train_iters, start_iteration, enabled=self.is_reporting_rank)
         self._reset_window()
+        # Marks where the steps logged after it start: a resumed run logs again the steps its checkpoint
+        # did not hold, and readers (angpt.metrics.read_metrics) drop the first run's records of them.
+        tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+        self.metrics.log({"kind": "start", "iteration": start_iteration, "train_iters": args.train_iters,
+                          "resumed": start_iteration > 0, "checkpoint": loaded_from, "world_size": self.world_size,
+                          "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+                          "data_parallel_size": self.world_size // (tp * pp)})
 
     def _reset_window(self) -> None:
         self.window_seconds, self.window_steps, self.window_losses, self.window_skipped = 0.0, 0, [], 0
@@ -47,9 +56,9 @@ class TrainingMonitor:
 
     def log_step(self, step: dict) -> None:
         """Collective on logged iterations (the health summary gathers over every rank)."""
-        if step["skipped"]:
-            self.window_skipped += 1
-        elif math.isfinite(step["loss"]):
+        # A step skipped for its grad norm still computed a loss: it counts (and "skipped" says so).
+        self.window_skipped += step["skipped"]
+        if math.isfinite(step["loss"]):
             self.window_losses.append(step["loss"])
         iteration = step["iteration"]
         self.progress.update(1, {"loss": f"{step['loss']:.4f}"})

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from angpt import checkpointing, faults
 from angpt.arguments import exit_signals
 from angpt.checkpointing import TrainState
+from angpt.data.indexed import IndexedDatasetError
 from angpt.reporting import TrainingMonitor
 
 logger = logging.getLogger("angpt.trainer")
@@ -173,6 +174,7 @@ class Trainer:
             adam_eps=args.adam_eps, use_distributed_optimizer=args.use_distributed_optimizer, bf16=args.bf16,
         )
         self.state = TrainState()
+        self.loaded_from: Optional[str] = None  # the checkpoint directory this run starts from
         if args.save and self.rank == 0:
             os.makedirs(args.save, exist_ok=True)
             checkpointing.remove_incomplete(args.save)
@@ -182,6 +184,9 @@ class Trainer:
                 load_rng=not args.no_load_rng, finetune=args.finetune,
             )
             self.state = loaded or self.state
+            if loaded is not None:
+                latest = checkpointing.read_latest_iteration(args.load)
+                self.loaded_from = checkpointing.checkpoint_dir(args.load, latest)
         # Nothing to save before the first step of this run (a resumed state is in its checkpoint).
         self.saved_iteration = self.state.iteration
         self.async_queue = None
@@ -198,7 +203,7 @@ class Trainer:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.exits = ExitRequests(exit_signals(args), args.exit_duration_in_mins)
         self.monitor = TrainingMonitor(args, self.config, self.chunks, self.vocab_size, self.rank,
-                                       self.state.iteration)
+                                       self.state.iteration, self.loaded_from)
         if self.rank == 0:
             parameters = sum(p.numel() for c in self.chunks for p in c.parameters())
             logger.info("%s: %d layers, d=%d, vocabulary %d (padded %d), %d parameters on rank 0; world %d "
@@ -212,7 +217,7 @@ class Trainer:
         from angpt.data.gpt_datasets import micro_batches
 
         batches = micro_batches(dataset, consumed_samples, self.args.global_batch_size, self.args.micro_batch_size,
-                                self.dp_rank, self.dp_size)
+                                self.dp_rank, self.dp_size, vocab_size=self.vocabulary.vocab_size)
         if poison:  # fault injection: a NaN loss (and NaN gradients) in this step
             for batch in batches:
                 batch["loss_mask"] = batch["loss_mask"].float() * float("nan")
@@ -340,7 +345,11 @@ def pretrain(args: argparse.Namespace) -> int:
     except (ValueError, OSError, checkpointing.CheckpointError) as error:
         print(f"angpt.pretrain: {error}", file=sys.stderr)
         return 2
-    code = trainer.run()
+    try:
+        code = trainer.run()
+    except IndexedDatasetError as error:  # a token id out of range, found in a batch (micro_batches)
+        print(f"angpt.pretrain: {error}", file=sys.stderr)
+        return 2
     dist.barrier()
     dist.destroy_process_group()
     return code

@@ -1,6 +1,7 @@
 """Training data through megatron-core's BlendedMegatronDatasetBuilder and GPTDataset."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 from angpt.data.gpt_datasets import DataArguments, build_datasets, dataset_vocabulary, micro_batches
+from angpt.data.indexed import IndexedDatasetError
 
 VOCAB, EOD = 500, 499
 
@@ -25,7 +27,15 @@ def write_dataset(prefix: str, documents: int, seed: int) -> None:
     builder.finalize(prefix + ".idx")
     with open(prefix + ".json", "w") as handle:
         json.dump({"tokenizer": {"type": "test"}, "vocab_size": VOCAB, "eod": EOD, "append_eod": True,
-                   "documents": documents, "tokens": tokens}, handle)
+                   "documents": documents, "tokens": tokens, "max_token_id": EOD}, handle)
+
+
+def rewrite_metadata(prefix: str, **changes) -> None:
+    """Change the .json of a dataset (a key given None is removed)."""
+    with open(prefix + ".json") as handle:
+        metadata = {**json.load(handle), **changes}
+    with open(prefix + ".json", "w") as handle:
+        json.dump({key: value for key, value in metadata.items() if value is not None}, handle)
 
 
 @pytest.fixture
@@ -73,6 +83,41 @@ def test_datasets_tokenized_differently_are_refused(two_prefixes, tmp_path):
     json.dump(meta, open(b + ".json", "w"))
     with pytest.raises(ValueError, match="tokenized differently"):
         dataset_vocabulary(DataArguments(data_path=["1", a, "1", b]))
+
+
+# The drill: a .json that understates the vocabulary its .bin uses. megatron-core's embedding then fails
+# with an IndexError at TP 1 but masks the ids at TP 2 and trains (tests/test_faults.py runs that).
+@pytest.mark.parametrize("recorded", [True, False], ids=["max_token_id recorded", "bin scanned"])
+def test_token_ids_outside_the_vocabulary_are_refused_when_the_datasets_open(two_prefixes, recorded):
+    a, _ = two_prefixes
+    rewrite_metadata(a, vocab_size=EOD, eod=0, max_token_id=EOD if recorded else None)
+    expected = (f"{a}.json: token ids reach {EOD} (max_token_id), outside its vocab_size {EOD}" if recorded else
+                f"{a}.bin holds token id {EOD}, outside the vocab_size {EOD} of {a}.json")
+    with pytest.raises(IndexedDatasetError, match=f"^{re.escape(expected)}$"):
+        dataset_vocabulary(DataArguments(train_data_path=[a]))
+
+
+def test_vocab_size_must_be_the_datasets(two_prefixes):
+    a, _ = two_prefixes
+    assert dataset_vocabulary(DataArguments(train_data_path=[a], vocab_size=VOCAB)).vocab_size == VOCAB
+    with pytest.raises(ValueError, match=f"^--vocab-size 600 disagrees with the vocab_size {VOCAB} of {a}.json"):
+        dataset_vocabulary(DataArguments(train_data_path=[a], vocab_size=600))
+
+
+@pytest.mark.parametrize("blend", [False, True], ids=["one dataset", "blend"])
+def test_batches_check_their_token_ids_and_name_the_dataset(blend, two_prefixes, tmp_path, single_process):
+    """A .json whose max_token_id understates its .bin passes the check at opening; the batches do not."""
+    a, b = two_prefixes
+    paths = dict(data_path=["1", a, "1", b], split="98,2,0") if blend else dict(train_data_path=[a])
+    data = DataArguments(**paths, data_cache_path=str(tmp_path / "cache"))
+    train, _, _ = build_datasets(data, dataset_vocabulary(data), 16, 1234, [64, 0, 0])
+    assert len(micro_batches(train, 0, 16, 4, 0, 1, vocab_size=VOCAB)) == 4
+    for prefix in (a, b):
+        rewrite_metadata(prefix, vocab_size=100, eod=0, max_token_id=99)
+    vocabulary = dataset_vocabulary(data)
+    with pytest.raises(IndexedDatasetError, match=rf"^({a}|{b})\.bin: sample \d+ holds token id \d+, outside the "
+                                                  r"vocabulary of 100 its \.json records$"):
+        micro_batches(train, 0, 16, 4, 0, 1, vocab_size=vocabulary.vocab_size)
 
 
 def test_a_split_left_without_documents_is_refused_by_name(tmp_path, single_process):

@@ -14,6 +14,7 @@ import sys
 import pytest
 from conftest import ROOT
 
+from angpt.data.gpt_datasets import DataArguments, dataset_vocabulary
 from angpt.data.indexed import IndexedDatasetError, check_indexed_dataset, read_metadata
 from angpt.data.tokenizers import build_tokenizer
 
@@ -88,6 +89,7 @@ def test_golden_bytes(tmp_path, byte_tokenizer):
     assert (tmp_path / "out_text_document.bin").read_bytes() == bytes([97, 0, 98, 0, 99, 0, 100, 0, 101, 0])
     metadata = read_metadata(str(prefix))
     assert (metadata["documents"], metadata["tokens"], metadata["eod"], metadata["vocab_size"]) == (2, 5, 256, 257)
+    assert metadata["max_token_id"] == 101  # "e"
     assert metadata["tokenizer"]["type"] == "TikTokenizer" and metadata["append_eod"] is False
     assert check_indexed_dataset(str(prefix))["dtype"] == "uint16"
 
@@ -119,6 +121,8 @@ def test_workers_and_partitions_write_the_same_tokens(tmp_path, hf_tokenizer):
         metadata = read_metadata(document_prefix)
         assert metadata["documents"] == len(expected) and metadata["empty_documents"] == 1
         assert metadata["tokens"] == sum(map(len, expected)) and metadata["eod"] == tokenizer.eod
+        assert metadata["max_token_id"] == max(map(max, expected))  # merged over partitions too
+        assert dataset_vocabulary(DataArguments(train_data_path=[document_prefix])).vocab_size == tokenizer.vocab_size
         assert check_indexed_dataset(document_prefix)["dtype"] == "uint16"
         outputs[name] = [open(document_prefix + suffix, "rb").read() for suffix in (".bin", ".idx")]
         assert [path for path in os.listdir(tmp_path) if path.startswith(".")] == []  # no scratch left
@@ -261,3 +265,27 @@ def test_metadata_errors_name_the_file(dataset):
         file.write("{not json")
     with pytest.raises(IndexedDatasetError, match=rf"^{dataset}\.json: invalid dataset metadata"):
         read_metadata(dataset)
+
+
+@pytest.mark.slow
+def test_metadata_is_checked_against_the_tokenizer_it_names(dataset, tmp_path):
+    with open(dataset + ".json") as file:
+        metadata = json.load(file)
+    data = DataArguments(train_data_path=[dataset])
+
+    def write(**changes):
+        with open(dataset + ".json", "w") as file:
+            json.dump({**metadata, **changes}, file)
+
+    write(vocab_size=300)  # overstated: every id fits, but the model would not match its tokenizer
+    with pytest.raises(IndexedDatasetError, match=rf"^{dataset}\.json: records vocab_size 300 and eod 256, but its "
+                                                  r"tokenizer has vocab_size 257 and eod 256$"):
+        dataset_vocabulary(data)
+    copy = tmp_path / "bytes.tiktoken"
+    shutil.copy(metadata["tokenizer"]["model"]["path"], copy)
+    write(tokenizer={**metadata["tokenizer"], "model": {**metadata["tokenizer"]["model"], "path": str(copy)}})
+    assert dataset_vocabulary(data).vocab_size == 257
+    with open(copy, "a") as file:
+        file.write("YWI= 257\n")  # a token more: the checkpoints would carry a tokenizer the data never saw
+    with pytest.raises(IndexedDatasetError, match=rf"^{dataset}\.json: its tokenizer file {copy} has changed"):
+        dataset_vocabulary(data)

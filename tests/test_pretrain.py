@@ -68,6 +68,20 @@ def test_training_lowers_the_loss(family, trained_runs):
         ([*MOCK, "--model-family", "ngpt", "--hidden-dropout", "0.1"],
          "--hidden-dropout is not supported for --model-family ngpt"),
         ([*MOCK, "--attention-dropout", "1"], "--attention-dropout 1.0 must be in [0, 1)"),
+        # Numeric ranges (arguments.NUMERIC_RANGES), checked before anything divides by them.
+        ([*MOCK, "--micro-batch-size", "0"], "--micro-batch-size 0 must be at least 1"),
+        ([*MOCK, "--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size 0 must be at least 1"),
+        ([*MOCK, "--global-batch-size", "-8"], "--global-batch-size -8 must be at least 1"),
+        ([*MOCK, "--seq-length", "0"], "--seq-length 0 must be at least 1"),
+        ([*MOCK, "--train-iters", "0"], "--train-iters 0 must be at least 1"),
+        ([*MOCK, "--log-interval", "0"], "--log-interval 0 must be at least 1"),
+        (["--mock-data", "--vocab-size", "0"], "--vocab-size 0 must be at least 1"),
+        ([*MOCK, "--eval-iters", "-1"], "--eval-iters -1 cannot be negative"),
+        ([*MOCK, "--lr", "0"], "--lr 0.0 must be positive"),
+        ([*MOCK, "--lr", "nan"], "--lr nan must be a finite number"),
+        ([*MOCK, "--weight-decay", "-0.1"], "--weight-decay -0.1 cannot be negative"),
+        ([*MOCK, "--adam-beta2", "1"], "--adam-beta2 1.0 must be in [0, 1)"),
+        ([*MOCK, "--exit-duration-in-mins", "inf", "--save", "/tmp/x"], "--exit-duration-in-mins inf must be a finite"),
     ],
 )
 def test_impossible_settings_fail_before_starting(flags, message, monkeypatch, capsys):
@@ -76,7 +90,16 @@ def test_impossible_settings_fail_before_starting(flags, message, monkeypatch, c
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit):
         parse_args([*FLAGS, *([] if "--train-samples" in flags else ["--train-iters", "10"]), *flags])
-    assert message in capsys.readouterr().err
+    last_line = capsys.readouterr().err.splitlines()[-1]  # after argparse's usage
+    assert last_line.startswith("angpt.pretrain: error: ") and message in last_line
+
+
+def test_every_numeric_flag_has_a_range():
+    from angpt.arguments import NUMERIC_RANGES, build_parser
+
+    numeric = {action.dest for action in build_parser()._actions if action.type in (int, float)}
+    ranged = [flag for _, _, flags in NUMERIC_RANGES for flag in flags]
+    assert sorted(ranged) == sorted(numeric)  # each numeric flag once, and nothing else
 
 
 @pytest.fixture(scope="module")

@@ -59,11 +59,14 @@ class Stats:
     tokens: Counter = field(default_factory=Counter)  # per key
     empty: Counter = field(default_factory=Counter)  # per key: documents of no tokens, not written
     bad_lines: Counter = field(default_factory=Counter)  # per reason, skipped with --skip-bad-lines
+    max_token_id: dict = field(default_factory=dict)  # per key, once it has tokens
     bytes: int = 0
 
     def add(self, other: "Stats") -> None:
         for name in ("documents", "tokens", "empty", "bad_lines"):
             getattr(self, name).update(getattr(other, name))
+        for key, largest in other.max_token_id.items():
+            self.max_token_id[key] = max(largest, self.max_token_id.get(key, largest))
         self.bytes += other.bytes
 
 
@@ -159,6 +162,8 @@ def write_batch(builders: dict, batch: EncodedBatch, stats: Stats, skip_bad_line
             offset += length
         stats.documents[key] += len(batch.lengths[key]) - batch.lengths[key].count(0)
         stats.tokens[key] += len(tokens)
+        if len(tokens):
+            stats.max_token_id[key] = max(int(tokens.max()), stats.max_token_id.get(key, 0))
     stats.bytes += batch.bytes
 
 
@@ -329,6 +334,8 @@ def preprocess(args: argparse.Namespace) -> dict:
             metadata[key] = {
                 "tokenizer": tokenizer.description, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod,
                 "append_eod": args.append_eod, "documents": stats.documents[key], "tokens": stats.tokens[key],
+                # Training checks it against the vocabulary instead of scanning the .bin.
+                "max_token_id": stats.max_token_id.get(key),
                 "dtype": dtype.__name__, "json_key": key, "empty_documents": stats.empty[key],
                 "skipped_lines": dict(stats.bad_lines), "input": [os.path.abspath(path) for path in paths],
             }

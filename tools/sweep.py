@@ -59,6 +59,8 @@ from typing import Optional
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, ROOT)
 
+from angpt import metrics  # noqa: E402
+
 TOP_KEYS = ("name", "output_dir", "checkpoints", "eval_tokens", "base", "grid")
 GRID_KEYS = ("shapes", "tokens", "lr", "global_batch_size")
 SHAPE_KEYS = ("num_layers", "hidden_size", "num_attention_heads")
@@ -397,17 +399,11 @@ def write_json(path: str, data: dict) -> None:
 
 
 def read_metrics(path: str) -> list[dict]:
-    records = []
+    """The run's current records (a resumed run's re-run steps replace the first run's); none before it ran."""
     try:
-        with open(path) as file:
-            for line in file:
-                try:
-                    records.append(json.loads(line))
-                except ValueError:
-                    pass  # a line cut by a kill
+        return metrics.read_metrics(path)
     except OSError:
-        pass
-    return records
+        return []
 
 
 def final_losses(records: list[dict], train_iters: int) -> dict:

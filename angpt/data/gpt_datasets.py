@@ -3,6 +3,7 @@ and GPTDataset, with Megatron-LM's flags and its order of samples across data-pa
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -10,7 +11,8 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
-from angpt.data.indexed import check_indexed_dataset, read_metadata
+from angpt.data.indexed import IndexedDatasetError, check_indexed_dataset, check_token_ids, metadata_path, read_metadata
+from angpt.data.tokenizers import recorded_tokenizer
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class DataArguments:
     test_data_path: Optional[Sequence[str]] = None
     data_cache_path: Optional[str] = None
     mock_data: bool = False
-    vocab_size: Optional[int] = None  # only with mock_data
+    vocab_size: Optional[int] = None  # mock_data's; with datasets, it must be theirs
 
     def prefixes(self) -> list[str]:
         paths = [self.data_path, self.train_data_path, self.valid_data_path, self.test_data_path]
@@ -56,8 +58,10 @@ def parse_blend(values: Sequence[str]) -> tuple[list[str], Optional[list[float]]
 
 
 def dataset_vocabulary(data: DataArguments) -> DatasetVocabulary:
-    """The vocabulary recorded with the datasets; every prefix must agree on it. Checks that each
-    .bin/.idx pair is whole before anything reads it."""
+    """The vocabulary recorded with the datasets; every prefix must agree on it, and with --vocab-size
+    when given. Checks that each .bin/.idx pair is whole, that its token ids lie within that vocabulary,
+    and that the tokenizer the metadata names (when its files are at hand) has that vocabulary, before
+    anything reads the data."""
     if data.mock_data:
         if not data.vocab_size:
             raise ValueError("--mock-data needs --vocab-size")
@@ -69,11 +73,32 @@ def dataset_vocabulary(data: DataArguments) -> DatasetVocabulary:
     for prefix in prefixes:
         check_indexed_dataset(prefix)
         metadata[prefix] = read_metadata(prefix)
+        check_token_ids(prefix, metadata[prefix])
     recorded = {prefix: (meta["vocab_size"], meta["eod"]) for prefix, meta in metadata.items()}
     if len(set(recorded.values())) > 1:
         raise ValueError(f"the datasets were tokenized differently (vocab_size, eod): {recorded}")
     first = metadata[prefixes[0]]
+    if data.vocab_size is not None and data.vocab_size != first["vocab_size"]:
+        raise ValueError(f"--vocab-size {data.vocab_size} disagrees with the vocab_size {first['vocab_size']} of "
+                         f"{metadata_path(prefixes[0])} (leave --vocab-size out: the datasets' is used)")
+    described = {json.dumps(meta["tokenizer"], sort_keys=True): prefix for prefix, meta in metadata.items()}
+    for prefix in described.values():  # each tokenizer once: a split's datasets usually share one
+        _check_tokenizer(prefix, metadata[prefix])
     return DatasetVocabulary(first["vocab_size"], first["eod"], {"tokenizer": first["tokenizer"]})
+
+
+def _check_tokenizer(prefix: str, metadata: dict) -> None:
+    """The metadata's vocab_size and eod against the tokenizer it names, rebuilt from its files (skipped
+    when they are not at hand, e.g. on another machine). A .json that understates the vocabulary would
+    otherwise give a model too small for the tokenizer its checkpoints carry."""
+    try:
+        tokenizer = recorded_tokenizer(metadata["tokenizer"])
+    except ValueError as error:
+        raise IndexedDatasetError(f"{metadata_path(prefix)}: {error}") from error
+    if tokenizer is not None and (tokenizer.vocab_size, tokenizer.eod) != (metadata["vocab_size"], metadata["eod"]):
+        raise IndexedDatasetError(
+            f"{metadata_path(prefix)}: records vocab_size {metadata['vocab_size']} and eod {metadata['eod']}, but "
+            f"its tokenizer has vocab_size {tokenizer.vocab_size} and eod {tokenizer.eod}")
 
 
 def build_datasets(data: DataArguments, vocabulary, seq_length: int, seed: int, samples: Sequence[int]):
@@ -119,15 +144,36 @@ def _check_every_split_has_documents(split: str, split_matrix, prefixes) -> None
 
 
 def micro_batches(dataset, consumed_samples: int, global_batch_size: int, micro_batch_size: int,
-                  dp_rank: int, dp_size: int) -> list[dict]:
+                  dp_rank: int, dp_size: int, vocab_size: Optional[int] = None) -> list[dict]:
     """This rank's micro-batches of the global batch that starts at sample `consumed_samples`, in
     Megatron-LM's order: micro-batch m of data-parallel rank r holds samples
-    consumed + m * micro * dp + r * micro + [0, micro). Resuming at `consumed_samples` continues exactly."""
+    consumed + m * micro * dp + r * micro + [0, micro). Resuming at `consumed_samples` continues exactly.
+    With `vocab_size`, a token id outside [0, vocab_size) is refused, naming the dataset it came from."""
     step = micro_batch_size * dp_size
     batches = []
     for start in range(consumed_samples, consumed_samples + global_batch_size, step):
         first = start + dp_rank * micro_batch_size
         samples = [dataset[i] for i in range(first, first + micro_batch_size)]
-        batches.append({key: torch.stack([s[key] for s in samples])
-                        for key in ("tokens", "labels", "loss_mask", "position_ids")})
+        batch = {key: torch.stack([s[key] for s in samples])
+                 for key in ("tokens", "labels", "loss_mask", "position_ids")}
+        if vocab_size is not None:
+            _check_token_ids(batch, samples, first, dataset, vocab_size)
+        batches.append(batch)
     return batches
+
+
+def _check_token_ids(batch: dict, samples: list, first: int, dataset, vocab_size: int) -> None:
+    """The last guard before the embedding (tens of microseconds per micro-batch, on the host, in numpy,
+    which beats torch's reductions on such small tensors): catches a max_token_id in a .json that does not
+    match its .bin, which the check at opening trusts."""
+    # The labels are the tokens shifted by one: their last column is all they add.
+    tokens, last_labels = batch["tokens"].numpy(), batch["labels"][:, -1].numpy()
+    if min(tokens.min(), last_labels.min()) >= 0 and max(tokens.max(), last_labels.max()) < vocab_size:
+        return
+    for offset, sample in enumerate(samples):
+        bad = [int(i) for key in ("tokens", "labels") for i in sample[key] if not 0 <= i < vocab_size]
+        if bad:
+            # A blend's sample names the dataset it came from; a GPTDataset reads one indexed dataset.
+            source = dataset.datasets[int(sample["dataset_id"])] if "dataset_id" in sample else dataset
+            raise IndexedDatasetError(f"{source.dataset.path_prefix}.bin: sample {first + offset} holds token id "
+                                      f"{bad[0]}, outside the vocabulary of {vocab_size} its .json records")

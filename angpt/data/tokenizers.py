@@ -124,6 +124,28 @@ def load_gpt2_vocab_merges(vocab_file: str, merge_file: str) -> HuggingFaceToken
     return HuggingFaceTokenizer(tokenizer, EOD_TOKEN, description)
 
 
+def recorded_tokenizer(description) -> Optional[Tokenizer]:
+    """The tokenizer a dataset's metadata describes (its "tokenizer" entry), rebuilt from the files it
+    names; None when one of them is no longer where it was, or the description is not one of ours.
+    Raises ValueError when a file has changed since (its sha256 differs): the checkpoints would copy it."""
+    if not isinstance(description, dict) or description.get("type") not in TOKENIZER_TYPES:
+        return None
+    files = {name: entry["path"] for name, entry in description.items() if isinstance(entry, dict) and "path" in entry}
+    if not files or not all(os.path.isfile(path) for path in files.values()):
+        return None
+    for name, path in files.items():
+        if sha256_of(path) != description[name].get("sha256"):
+            raise ValueError(f"its tokenizer file {path} has changed since the dataset was written (sha256)")
+    if description["type"] == "HuggingFaceTokenizer":
+        from tokenizers import Tokenizer as RustTokenizer
+
+        return HuggingFaceTokenizer(RustTokenizer.from_file(files["model"]), description.get("eod_token", EOD_TOKEN),
+                                    description)
+    if "model" in files:
+        return TikTokenizer(files["model"], description["type"])
+    return load_gpt2_vocab_merges(files["vocab_file"], files["merge_file"])
+
+
 def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None, vocab_file: Optional[str] = None,
                     merge_file: Optional[str] = None) -> Tokenizer:
     """The tokenizer the flags name."""

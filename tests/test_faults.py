@@ -1,0 +1,145 @@
+"""Fault drills that once ended in a wrong result or a traceback: token ids beyond the vocabulary at tensor
+parallelism 2 (under torchrun), and what metrics.jsonl says about a skipped step and a resumed run (in
+this process: a torchrun launch costs 20 s or more)."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT
+from megatron.core import parallel_state
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+from angpt import distributed, training
+from angpt.arguments import parse_args
+from angpt.checkpointing import write_latest_iteration
+from angpt.data.indexed import IndexedDatasetError, write_metadata
+from angpt.metrics import read_metrics
+from angpt.trainer import Trainer
+
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+         "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "1e-2", "--log-interval", "1",
+         "--eval-iters", "0"]
+
+
+def write_understated_dataset(prefix: str, **metadata) -> int:
+    """20 documents of ids up to 599 whose .json records vocab_size 100; returns the largest id."""
+    documents = [np.random.default_rng(seed).integers(0, 600, size=300) for seed in range(20)]
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for document in documents:
+        builder.add_document(torch.from_numpy(document), [len(document)])
+    builder.finalize(prefix + ".idx")
+    write_metadata(prefix + ".json", {"tokenizer": {"type": "test"}, "vocab_size": 100, "eod": 99,
+                                      "append_eod": False, "documents": 20, "tokens": 20 * 300, **metadata})
+    return max(int(document.max()) for document in documents)
+
+
+@pytest.mark.multiprocess
+def test_token_ids_beyond_the_vocabulary_stop_a_tensor_parallel_run_before_it_trains(tmp_path):
+    """The drill: a .json (here without max_token_id, as older ones) records vocab_size 100 for ids up to 599.
+    At TP 1 megatron-core's embedding raised IndexError; at TP 2 its vocab-parallel embedding and
+    cross-entropy mask ids outside each rank's rows, and the run trained to exit 0 on zero embeddings."""
+    prefix = str(tmp_path / "understated_text_document")
+    largest = write_understated_dataset(prefix)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "angpt.pretrain",
+         *MODEL, "--tensor-model-parallel-size", "2", "--train-iters", "2", "--train-data-path", prefix,
+         "--data-cache-path", str(tmp_path / "cache")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore"})
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output[-4000:]
+    assert (f"angpt.pretrain: {prefix}.bin holds token id {largest}, outside the vocab_size 100 of {prefix}.json"
+            in done.stderr.splitlines()), output[-4000:]
+    assert "iteration        1/" not in output  # refused before the first step
+
+
+def train_in_process(*flags: str, data=("--mock-data", "--vocab-size", "256")) -> int:
+    """Trainer(args).run() at TP = PP = DP = 1 in this process (the single_process group)."""
+    args = parse_args([*MODEL, *data, *flags], world_size=1)
+    sigterm = signal.getsignal(signal.SIGTERM)
+    parallel_state.destroy_model_parallel()  # the trainer builds the same groups itself
+    try:
+        return Trainer(args).run()
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)  # the trainer saves and carries on at SIGTERM; pytest should stop
+        if not parallel_state.model_parallel_is_initialized():
+            distributed.initialize()
+
+
+def test_a_max_token_id_that_understates_the_bin_is_caught_by_the_batches(tmp_path, single_process):
+    """The check at opening trusts a recorded max_token_id; the trainer's batches do not."""
+    prefix = str(tmp_path / "lying_text_document")
+    write_understated_dataset(prefix, max_token_id=99)
+    with pytest.raises(IndexedDatasetError, match=rf"^{prefix}\.bin: sample 0 holds token id \d+, outside the "
+                                                  "vocabulary of 100"):
+        train_in_process("--train-iters", "1", data=("--train-data-path", prefix, "--data-cache-path",
+                                                     str(tmp_path / "cache")))
+
+
+@pytest.fixture(scope="module")
+def resumed_run(tmp_path_factory, single_process):
+    """A run of 3 steps whose step 2 has a NaN grad norm but a finite loss, checkpointed at 2 (its save at
+    3 lost, as in a crash), then resumed from 2 to 4, both logging to one metrics.jsonl. Returns (the
+    metrics file, the second checkpoint directory, the loss step 2 computed)."""
+    root = tmp_path_factory.mktemp("resumed")
+    metrics, first, second = root / "metrics.jsonl", root / "first", root / "second"
+    real_step = training.step_unless_not_finite
+    losses = []
+
+    def nan_grad_norm_at_step_2(optimizer, loss):
+        losses.append(loss)
+        return (False, float("nan")) if len(losses) == 2 else real_step(optimizer, loss)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(training, "step_unless_not_finite", nan_grad_norm_at_step_2)
+        assert train_in_process("--train-iters", "3", "--save", str(first), "--save-interval", "2",
+                                "--metrics-file", str(metrics)) == 0
+    shutil.copytree(first / "iter_0000002", second / "iter_0000002")
+    write_latest_iteration(str(second), 2)
+    assert train_in_process("--train-iters", "4", "--save", str(second), "--load", str(second),
+                            "--metrics-file", str(metrics)) == 0
+    return metrics, second, losses[1]
+
+
+def test_a_step_skipped_for_its_grad_norm_logs_the_loss_it_computed(resumed_run):
+    metrics, _, loss = resumed_run
+    step = next(r for r in read_metrics(str(metrics)) if r["kind"] == "train" and r["iteration"] == 2)
+    # It used to log NaN (null): the window's loss left skipped steps out.
+    assert step["skipped"] == 1 and step["grad_norm"] is None
+    assert step["lm_loss"] == pytest.approx(loss)
+
+
+def test_each_start_is_marked_and_readers_keep_the_resumed_runs_steps(resumed_run):
+    metrics, second, _ = resumed_run
+    with open(metrics) as file:
+        lines = [json.loads(line) for line in file]
+    assert [(r["kind"], r["iteration"]) for r in lines] == [
+        ("start", 0), ("train", 1), ("train", 2), ("train", 3), ("start", 2), ("train", 3), ("train", 4)]
+    first_start, resumed_start = lines[0], lines[4]
+    assert first_start["resumed"] is False and first_start["checkpoint"] is None
+    assert resumed_start["resumed"] is True and resumed_start["checkpoint"] == str(second / "iter_0000002")
+    assert resumed_start["world_size"] == 1 and resumed_start["train_iters"] == 4
+    assert resumed_start["time"] >= lines[3]["time"]
+    current = read_metrics(str(metrics))
+    assert [r["iteration"] for r in current if r["kind"] == "train"] == [1, 2, 3, 4]
+    assert lines[3] not in current and lines[5] in current  # step 3 as the resumed run trained it
+
+
+def test_readers_drop_every_step_a_restart_trains_again(tmp_path):
+    """Resumed from 2 and stopped after 3 without a save, then resumed from 3: the first run's steps 4 and 5
+    are gone, though no later run logged 5 again."""
+    path = tmp_path / "metrics.jsonl"
+    runs = [("start", 0), *[("train", i) for i in range(1, 6)], ("start", 2), ("train", 3), ("start", 3),
+            ("train", 4)]
+    path.write_text("".join(json.dumps({"kind": kind, "iteration": i, "run": n}) + "\n"
+                            for n, (kind, i) in enumerate(runs)) + '{"kind": "tra')  # a line cut by a kill
+    assert [(r["kind"], r["iteration"], r["run"]) for r in read_metrics(str(path))] == [
+        ("start", 0, 0), ("train", 1, 1), ("train", 2, 2), ("start", 2, 6), ("train", 3, 7), ("start", 3, 8),
+        ("train", 4, 9)]
