@@ -79,7 +79,6 @@ def hf_tokenizer(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_golden_bytes(tmp_path, byte_tokenizer):
     corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"text": "abc"}, {"text": "de"}])
     run_preprocess("--input", corpus, "--output-prefix", tmp_path / "out", "--tokenizer-type", "TikTokenizer",
