@@ -19,24 +19,38 @@ PYDOC_VOCAB_SIZE = 512  # the BPE of the pydoc_corpus fixture
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
     config.addinivalue_line("markers", "multiprocess: launches real processes with torchrun on gloo")
+    config.addinivalue_line("markers", "xdist_group(name): run on the pytest-xdist worker of that group")
     config.addinivalue_line("markers", "slow: takes more than a few seconds in one process (left out of `make test-fast`)")
 
 
-# `make test` runs the files on parallel pytest-xdist workers (--dist loadgroup), a file per worker at a
-# time, so that a file's module fixtures are built once. Files that share a session fixture too expensive
-# to build twice run on one worker.
-SHARED_WORKER = {"test_pretrain.py": "trained_runs", "test_hf_export.py": "trained_runs"}
-# The longest groups start first, so that none of them is left running alone at the end.
-LONGEST_FIRST = ["test_trainer.py", "trained_runs", "test_quickstart.py", "test_convergence.py",
+# `make test` runs the tests on parallel pytest-xdist workers (--dist loadgroup). A test that uses a fixture of
+# its own file living longer than the test runs on the worker of its file, so that the fixture is built
+# once; tests of trained_runs (too expensive to build twice) on one worker; any other test wherever a worker
+# is free (conftest's other session fixtures are cheap enough to build on each worker).
+SHARED_SESSION_FIXTURES = ("trained_runs",)
+# Files whose tests take longest start first, so that none is left running alone at the end.
+LONGEST_FIRST = ["test_trainer.py", "test_hf_export.py", "test_pretrain.py", "test_quickstart.py",
+                 "test_convergence.py", "test_faults.py", "test_checkpoint_integrity.py",
                  "test_parallel_equivalence.py", "test_kernels.py"]
+
+
+def worker_group(item: pytest.Item) -> str:
+    shared = [name for name in SHARED_SESSION_FIXTURES if name in item.fixturenames]
+    if shared:
+        return shared[0]
+    # pytest keeps the resolved fixture definitions of an item only in this private attribute.
+    own_lasting = [definition for definitions in item._fixtureinfo.name2fixturedefs.values()
+                   for definition in definitions[-1:]
+                   if definition.scope != "function" and definition.baseid.endswith(item.path.name)]
+    return item.path.name if own_lasting else item.nodeid
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(SHARED_WORKER.get(item.path.name, item.path.name)))
+        item.add_marker(pytest.mark.xdist_group(worker_group(item)))
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(SHARED_WORKER.get(item.path.name, item.path.name), len(rank)))
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs a CUDA device")
         for item in items:
