@@ -70,8 +70,11 @@ setup(
         "tokenizers>=0.20",
         "tiktoken>=0.7",
         "tqdm",
-        # megatron-core's distributed checkpointing hangs without it, and does not declare it.
+        # megatron-core's distributed checkpointing hangs without it, and does not declare it; the --save lock
+        # checks its holder's process with it.
         "psutil",
+        # Checkpoint digests at memory speed (angpt/digests.py; blake2b and sha256 hash ten times slower).
+        "xxhash",
         # Training metrics as TensorBoard scalars (angpt/monitoring.py).
         "tensorboard",
         # `angpt.pretrain --config run.yaml`.

@@ -179,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "latest_checkpointed_iteration.txt")
     checkpoints.add_argument("--load", help="resume from the latest complete checkpoint in this directory "
                              "(nothing there: start from scratch)")
+    checkpoints.add_argument("--load-fallback-to-intact", action="store_true",
+                             help="when the latest checkpoint fails its digests (a damaged, truncated or missing "
+                             "file) or the latest file is missing, resume from the newest intact checkpoint "
+                             "before it instead of stopping")
     checkpoints.add_argument("--save-interval", type=int, help="save every this many iterations")
     checkpoints.add_argument("--keep-last-n-checkpoints", type=int,
                              help="delete older checkpoints once a newer one is complete")
@@ -389,8 +393,9 @@ def _validate_checkpoints(parser, args) -> None:
     if (args.exit_signal_handler or args.exit_interval or args.exit_duration_in_mins) and not args.save:
         # Megatron-LM exits without saving then; a user who asks for a graceful exit wants the state.
         parser.error("--exit-signal-handler, --exit-interval and --exit-duration-in-mins need --save")
-    if args.finetune and not args.load:
-        parser.error("--finetune needs --load")
+    for flag in ("finetune", "load_fallback_to_intact"):
+        if getattr(args, flag) and not args.load:
+            parser.error(f"--{flag.replace('_', '-')} needs --load")
 
 
 def _validate_data(parser, args) -> None:

@@ -3,10 +3,14 @@
     <save>/latest_checkpointed_iteration.txt    the iteration of the newest complete checkpoint
     <save>/iter_0001000/                         model, optimizer, scheduler, training state, RNG states
     <save>/iter_0001000/tokenizer/               the tokenizer files the training data were written with
+    <save>/iter_0001000/angpt_digests.json       every file's size and digest (angpt.digests)
+    <save>/angpt_save.lock                       the run writing here (angpt.save_lock)
 
 A checkpoint is written into `iter_XXXXXXX.incomplete/`, renamed once every rank has finished, and only
 then named in `latest_checkpointed_iteration.txt` (replaced atomically). A process killed at any point of
-a save therefore leaves the previous checkpoint as the one `--load` picks up.
+a save therefore leaves the previous checkpoint as the one `--load` picks up. The digests are recorded just
+before the rename and checked before a load, which refuses a damaged checkpoint (or falls back to the
+newest intact one when asked).
 
 Sharded tensors are stored by their global names and offsets, so a checkpoint loads at another tensor,
 pipeline, virtual-pipeline or data-parallel layout; the distributed optimizer's state is stored per
@@ -16,6 +20,7 @@ layout they were saved at (elsewhere each rank's generator would be some other r
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -30,9 +35,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
-from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory, is_main_replica
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+from torch.distributed.checkpoint.api import CheckpointException
+
+from angpt import digests
 
 logger = logging.getLogger("angpt.checkpointing")
 
@@ -42,6 +51,7 @@ INCOMPLETE = ".incomplete"
 # per-parameter "fully_sharded_model_space" format no longer validates).
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 _ITERATION_DIR = re.compile(r"^iter_(\d{7,})$")
+FALLBACK_FLAG = "load-fallback-to-intact"
 
 
 class CheckpointError(RuntimeError):
@@ -219,6 +229,89 @@ def _make_saves_outlive_exit_signals() -> None:
     filesystem_async._get_write_results_queue = _results_queue_that_outlives_exit_signals
 
 
+def commit_checkpoint(root: str, iteration: int, tokenizer: Optional[dict] = None,
+                      keep_last: Optional[int] = None) -> None:
+    """Collectively turn the written `iter_XXXXXXX.incomplete` into the latest checkpoint: the tokenizer
+    files are added, every file's digest recorded, the directory renamed and named in the latest file."""
+    final = checkpoint_dir(root, iteration)
+    staging = final + INCOMPLETE
+    if dist.get_rank() == 0:
+        save_tokenizer_files(tokenizer, os.path.join(staging, "tokenizer"))
+    digests.record(staging)
+    if dist.get_rank() == 0:
+        if os.path.isdir(final):  # a checkpoint of this iteration that is not the latest one
+            shutil.rmtree(final)
+        os.rename(staging, final)
+        write_latest_iteration(root, iteration)
+        _delete_old(root, keep_last)
+        logger.info("saved checkpoint %s", final)
+    dist.barrier()
+
+
+def _estimated_bytes(sharded: dict) -> int:
+    """What a save's tensors take on disk, over all ranks (each at its main replica; metadata add a little)."""
+    local = sum(value.data.numel() * value.data.element_size() for value in nested_values(sharded)
+                if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and is_main_replica(value.replica_id))
+    total = torch.tensor([local], dtype=torch.float64,
+                         device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(total)
+    return int(total.item())
+
+
+def _mib(size: float) -> str:
+    return f"{size / 2**20:.1f} MiB"
+
+
+def _no_space(root: str, iteration: int, need: str) -> str:
+    try:
+        latest = read_latest_iteration(root)
+    except CheckpointError:
+        latest = None
+    previous = f"the previous checkpoint (iteration {latest}) is intact" if latest is not None else \
+        "nothing was saved before"
+    return f"no space left in {root} for the checkpoint of iteration {iteration}: {need}; {previous}"
+
+
+def _causes(error: BaseException):
+    while error is not None:
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def _out_of_space(error: BaseException, free: int, missing: int) -> bool:
+    """Whether a save failed for want of space: an ENOSPC (or quota) error, also as the text other ranks and
+    megatron-core's writer processes pass on, or less free space than the rest of the checkpoint needed
+    (torch.save says only "unexpected pos")."""
+    codes = (errno.ENOSPC, errno.EDQUOT)
+    if any(isinstance(cause, OSError) and cause.errno in codes for cause in _causes(error)):
+        return True
+    return any(os.strerror(code) in str(error) for code in codes) or free < missing
+
+
+def _bytes_under(directory: str) -> int:
+    return sum(os.path.getsize(os.path.join(parent, name)) for parent, _, names in os.walk(directory) for name in names)
+
+
+def _refusing_a_full_disk(action: Callable, root: str, iteration: int, needed: int) -> Callable:
+    """`action` (writing a checkpoint, committing it), turning a failure for want of space into a CheckpointError
+    that says so, with the space needed; the partial checkpoint is removed to give its space back."""
+    staging = checkpoint_dir(root, iteration) + INCOMPLETE
+
+    def guarded():
+        try:
+            return action()
+        except (Exception, CheckpointException) as error:  # torch's CheckpointException is a BaseException
+            written = _bytes_under(staging)
+            free = shutil.disk_usage(root).free
+            if not _out_of_space(error, free, needed - written):
+                raise
+            shutil.rmtree(staging, ignore_errors=True)
+            raise CheckpointError(_no_space(root, iteration, f"it needs more than the {_mib(free + written)} that "
+                                                             f"were free (its tensors: about {_mib(needed)})")) from error
+
+    return guarded
+
+
 def save_checkpoint(
     root: str,
     state: TrainState,
@@ -234,18 +327,12 @@ def save_checkpoint(
     """Save collectively (every rank calls this). With `async_queue` (megatron-core's AsyncCallsQueue)
     the tensors are written in the background and the checkpoint is committed when the queue finalizes
     the request; otherwise it is committed before this returns. `before_commit` runs on every rank after
-    the files are written and before the commit (tests pause there to kill a save midway)."""
+    the files are written and before the commit (tests pause there to kill a save midway). A save that
+    cannot fit in the free space is refused before it writes anything, and one that fills the disk is
+    removed; both raise a CheckpointError that says so."""
     _make_saves_outlive_exit_signals()
     iteration = state.iteration  # the state moves on while an async save is being written
-    final = checkpoint_dir(root, iteration)
-    staging = final + INCOMPLETE
-    rank = dist.get_rank()
-    if rank == 0:
-        if os.path.isdir(staging):
-            shutil.rmtree(staging)
-        os.makedirs(staging)
-    dist.barrier()
-
+    staging = checkpoint_dir(root, iteration) + INCOMPLETE
     model = _model_state(chunks)
     sharded = {
         **model,
@@ -257,6 +344,19 @@ def save_checkpoint(
         "checkpoint_version": 3.0,
         "rng_state": _rng_sharded_object(_gathered_rng_states()),
     }
+    needed = _estimated_bytes(sharded)
+    refusal = [None]
+    if dist.get_rank() == 0:
+        free = shutil.disk_usage(root).free
+        if free < needed:
+            refusal = [_no_space(root, iteration, f"it needs about {_mib(needed)}, {_mib(free)} free")]
+        else:
+            if os.path.isdir(staging):
+                shutil.rmtree(staging)
+            os.makedirs(staging)
+    dist.broadcast_object_list(refusal, src=0)
+    if refusal[0] is not None:
+        raise CheckpointError(refusal[0])
     strategy = FullyParallelSaveStrategyWrapper(
         get_default_save_sharded_strategy(), parallel_state.get_data_parallel_group(with_context_parallel=True)
     )
@@ -265,23 +365,26 @@ def save_checkpoint(
         if before_commit is not None:
             before_commit()
         dist.barrier()
-        if rank == 0:
-            save_tokenizer_files(tokenizer, os.path.join(staging, "tokenizer"))
-            if os.path.isdir(final):  # a checkpoint of this iteration that is not the latest one
-                shutil.rmtree(final)
-            os.rename(staging, final)
-            write_latest_iteration(root, iteration)
-            _delete_old(root, keep_last)
-            logger.info("saved checkpoint %s", final)
-        dist.barrier()
+        commit_checkpoint(root, iteration, tokenizer, keep_last)
 
-    request = dist_checkpointing.save(sharded, staging, sharded_strategy=strategy,
-                                      async_sharded_save=async_queue is not None)
+    def write():
+        return dist_checkpointing.save(sharded, staging, sharded_strategy=strategy,
+                                       async_sharded_save=async_queue is not None)
+
     if async_queue is None:
-        commit()
-    else:
-        request.add_finalize_fn(commit)
-        async_queue.schedule_async_request(request)
+        _refusing_a_full_disk(write, root, iteration, needed)()
+        _refusing_a_full_disk(commit, root, iteration, needed)()
+        return
+    request = _refusing_a_full_disk(write, root, iteration, needed)()
+    steps = [*request.finalize_fns, commit]
+
+    def finalize():
+        for step in steps:
+            step()
+
+    # The background writer's errors surface when the queue finalizes the request, on every rank.
+    async_queue.schedule_async_request(
+        request._replace(finalize_fns=[_refusing_a_full_disk(finalize, root, iteration, needed)]))
 
 
 def prepare_optimizer_for_loading(optimizer) -> None:
@@ -332,24 +435,101 @@ def _unshare_adam_steps(optimizer) -> None:
                 state["step"] = state["step"].clone()
 
 
+def _iteration_of(path: str) -> int:
+    return int(_ITERATION_DIR.match(os.path.basename(os.path.normpath(path))).group(1))
+
+
+def verify_checkpoint(path: str) -> bool:
+    """Collectively check a checkpoint directory against the digests recorded when it was committed. True
+    when it is intact; False, with a note, when it has none (saved before digests were recorded); a damaged,
+    truncated or missing file raises a CheckpointError of one line naming it and the iteration."""
+    what = f"the checkpoint of iteration {_iteration_of(path)}"
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{what} is missing: no {path}")
+    problem = digests.check(path)
+    if problem == digests.NOT_RECORDED:
+        if dist.get_rank() == 0:
+            logger.warning("%s has no %s (saved before digests were recorded): it cannot be verified",
+                           path, digests.DIGESTS)
+        return False
+    if problem is not None:
+        raise CheckpointError(f"{what} is damaged: {problem}")
+    return True
+
+
+def intact_checkpoint(root: str, fallback: bool = False) -> Optional[str]:
+    """Collectively find the checkpoint directory to resume from under root and verify it: the latest one
+    (a damaged one is refused), or with `fallback` the newest intact one at or before it, also when the
+    latest file is missing, unreadable or names a missing directory. None when root holds no checkpoint;
+    checkpoint directories without a latest file are refused unless `fallback` (never silently skipped)."""
+    iterations = complete_iterations(root)
+    try:
+        latest = read_latest_iteration(root)
+    except CheckpointError as error:
+        if not fallback:
+            raise
+        if dist.get_rank() == 0:
+            logger.warning("%s; looking for the newest intact checkpoint", error)
+        latest = None
+    if latest is None:
+        if not iterations:
+            if dist.get_rank() == 0:
+                logger.warning("no checkpoint in %s (no %s): starting from scratch", root, LATEST)
+            return None
+        if not fallback:
+            raise CheckpointError(
+                f"{root} has no {LATEST} but holds checkpoints of iterations {', '.join(map(str, iterations))}: "
+                f"give --{FALLBACK_FLAG} to resume from the newest intact one, or another --load")
+        if dist.get_rank() == 0:
+            logger.warning("%s has no usable %s: looking for the newest intact checkpoint of iterations %s",
+                           root, LATEST, ", ".join(map(str, iterations)))
+    candidates = [latest] if latest is not None else []
+    candidates += [iteration for iteration in reversed(iterations) if latest is None or iteration < latest]
+    for iteration in candidates:
+        path = checkpoint_dir(root, iteration)
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as error:
+            if not fallback:
+                raise CheckpointError(f"{error}; --{FALLBACK_FLAG} resumes from the newest intact checkpoint "
+                                      "before it") from None
+            if dist.get_rank() == 0:
+                logger.warning("%s; trying the checkpoint before it", error)
+            continue
+        if iteration != latest and dist.get_rank() == 0:
+            logger.warning("resuming from %s, the newest intact checkpoint in %s", path, root)
+        return path
+    raise CheckpointError(f"no intact checkpoint in {root} (iterations {', '.join(map(str, candidates))} checked)")
+
+
+def _unverified_read(read: Callable, path: str):
+    """A read of a checkpoint without digests: its failure (a truncated or missing file) said in one line."""
+    try:
+        return read()
+    except (Exception, CheckpointException) as error:
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"the checkpoint of iteration {_iteration_of(path)} in {path}, which has no digests "
+                              f"to name a damaged file, cannot be read: {type(error).__name__}: {first_line}") from error
+
+
 def load_checkpoint(
-    root: str,
+    path: str,
     chunks,
     optimizer,
     scheduler,
     load_optimizer: bool = True,
     load_rng: bool = True,
     finetune: bool = False,
-) -> Optional[TrainState]:
-    """Load the latest complete checkpoint under root into the model (and optimizer, scheduler, RNG),
-    collectively. Returns its training state, or None when root holds no checkpoint."""
-    iteration = read_latest_iteration(root)
-    if iteration is None:
-        if dist.get_rank() == 0:
-            logger.warning("no checkpoint in %s (no %s): starting from scratch", root, LATEST)
-        return None
-    path = checkpoint_dir(root, iteration)
-    common = dist_checkpointing.load_common_state_dict(path)
+) -> TrainState:
+    """Load the checkpoint directory `path` (`intact_checkpoint`'s) into the model (and optimizer, scheduler,
+    RNG), collectively. Returns its training state."""
+    iteration = _iteration_of(path)
+    verified = os.path.isfile(os.path.join(path, digests.DIGESTS))
+
+    def read(function: Callable):
+        return function() if verified else _unverified_read(function, path)
+
+    common = read(lambda: dist_checkpointing.load_common_state_dict(path))
     if finetune:
         load_optimizer = load_rng = False
     same_layout = common.get("layout") == _layout()
@@ -365,7 +545,7 @@ def load_checkpoint(
         request["optimizer"] = optimizer.sharded_state_dict(model, is_loading=True, metadata=dict(OPTIMIZER_SHARDING))
     if load_rng:
         request["rng_state"] = _rng_sharded_object(None)
-    loaded = dist_checkpointing.load(request, path)
+    loaded = read(lambda: dist_checkpointing.load(request, path))
 
     if len(chunks) == 1:
         chunks[0].module.load_state_dict(loaded["model"], strict=True)

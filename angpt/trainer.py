@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 import time
@@ -16,7 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from angpt import checkpointing, faults
+from angpt import checkpointing, faults, save_lock
 from angpt.arguments import exit_signals
 from angpt.checkpointing import TrainState
 from angpt.data.indexed import IndexedDatasetError
@@ -151,6 +150,8 @@ class Trainer:
         distributed.initialize(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                virtual_pipeline_stages(args), args.seed, args.distributed_timeout_minutes)
         self.rank = dist.get_rank()
+        if args.save:  # one run writes into a --save directory: locked before anything is written there
+            save_lock.take(args.save)
         self.config = model_config_from_args(args)
         self.vocab_size = padded_vocab_size(self.vocabulary.vocab_size, args.make_vocab_size_divisible_by,
                                             args.tensor_model_parallel_size)
@@ -176,17 +177,14 @@ class Trainer:
         self.state = TrainState()
         self.loaded_from: Optional[str] = None  # the checkpoint directory this run starts from
         if args.save and self.rank == 0:
-            os.makedirs(args.save, exist_ok=True)
             checkpointing.remove_incomplete(args.save)
         if args.load:
-            loaded = checkpointing.load_checkpoint(
-                args.load, self.chunks, self.optimizer, self.scheduler, load_optimizer=not args.no_load_optim,
+            self.loaded_from = checkpointing.intact_checkpoint(args.load, fallback=args.load_fallback_to_intact)
+        if self.loaded_from is not None:
+            self.state = checkpointing.load_checkpoint(
+                self.loaded_from, self.chunks, self.optimizer, self.scheduler, load_optimizer=not args.no_load_optim,
                 load_rng=not args.no_load_rng, finetune=args.finetune,
             )
-            self.state = loaded or self.state
-            if loaded is not None:
-                latest = checkpointing.read_latest_iteration(args.load)
-                self.loaded_from = checkpointing.checkpoint_dir(args.load, latest)
         # Nothing to save before the first step of this run (a resumed state is in its checkpoint).
         self.saved_iteration = self.state.iteration
         self.async_queue = None
@@ -326,6 +324,8 @@ class Trainer:
             self.async_queue.maybe_finalize_async_calls(blocking=True, no_dist=False)
             self.async_queue.close()
         self.monitor.close()
+        if self.args.save and self.rank == 0:
+            save_lock.release(self.args.save)
 
 
 def data_arguments(args):
@@ -350,6 +350,9 @@ def pretrain(args: argparse.Namespace) -> int:
     except IndexedDatasetError as error:  # a token id out of range, found in a batch (micro_batches)
         print(f"angpt.pretrain: {error}", file=sys.stderr)
         return 2
+    except checkpointing.CheckpointError as error:  # a save that found no space: the previous checkpoint stands
+        print(f"angpt.pretrain: {error}", file=sys.stderr)
+        return 1
     dist.barrier()
     dist.destroy_process_group()
     return code

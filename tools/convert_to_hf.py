@@ -2,7 +2,7 @@
 """Export an angpt checkpoint (any tensor/pipeline/data layout) to a Hugging Face model directory.
 
     python tools/convert_to_hf.py --load runs/quickstart --output runs/quickstart/hf [--iteration N]
-        [--dtype float32|bfloat16] [--max-shard-size-mb 5120] [--no-verify]
+        [--dtype float32|bfloat16] [--max-shard-size-mb 5120] [--no-verify] [--overwrite]
 
 anGPT and nGPT load with `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`; GPT+ is
 written as transformers' Qwen3ForCausalLM. After writing, the output is loaded with transformers and a
@@ -32,9 +32,12 @@ def main():
     parser.add_argument("--max-shard-size-mb", type=float, default=5120,
                         help="weights above this size are split into shards with an index")
     parser.add_argument("--no-verify", action="store_true", help="skip comparing the output with angpt's model")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a non-empty --output whole (the new export is written beside it and swapped in)")
     args = parser.parse_args()
     try:
-        checkpoint = export(args.load, args.output, args.iteration, args.dtype, int(args.max_shard_size_mb * 2**20))
+        checkpoint = export(args.load, args.output, args.iteration, args.dtype, int(args.max_shard_size_mb * 2**20),
+                            overwrite=args.overwrite)
     except ExportError as error:
         sys.exit(f"convert_to_hf: {error}")
     print(f"wrote {args.output} ({checkpoint.family}) from {checkpoint.path}")

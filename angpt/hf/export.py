@@ -83,6 +83,10 @@ def read_checkpoint(load: str, iteration: Optional[int] = None) -> Checkpoint:
     path = checkpoint_path(load, iteration)
     ensure_process_group()
     try:
+        checkpointing.verify_checkpoint(path)
+    except checkpointing.CheckpointError as error:
+        raise ExportError(str(error)) from None
+    try:
         common = dist_checkpointing.load_common_state_dict(path)
     except Exception as error:  # megatron-core raises several kinds for a directory it cannot read
         raise ExportError(f"{path} is not a readable distributed checkpoint: {error}") from error
@@ -340,13 +344,34 @@ def save_tokenizer(vocab: Vocabulary, output: str, max_length: int) -> None:
         json.dump(config, file, indent=2)
 
 
+def _replace_directory(staging: str, output: str) -> None:
+    """Put the finished `staging` where `output` is: what was there goes (no stale file stays beside the
+    new export: an old model.safetensors would shadow new shards)."""
+    if not os.path.exists(output):
+        os.rename(staging, output)
+        return
+    previous = staging + ".previous"
+    os.rename(output, previous)
+    os.rename(staging, output)
+    shutil.rmtree(previous)
+
+
 def export(load: str, output: str, iteration: Optional[int] = None, dtype: str = "float32",
-           max_shard_bytes: int = 5 * 2**30) -> Checkpoint:
-    """Write the Hugging Face directory of a checkpoint; returns the checkpoint read."""
+           max_shard_bytes: int = 5 * 2**30, overwrite: bool = False) -> Checkpoint:
+    """Write the Hugging Face directory of a checkpoint; returns the checkpoint read. An `output` that is
+    not empty is refused unless `overwrite`, and is then replaced whole. The export is written to a
+    sibling directory and moved into place when complete."""
     from transformers import GenerationConfig
 
     if dtype not in DTYPES:
         raise ExportError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise ExportError(f"{output} exists and is not a directory")
+    output = os.path.abspath(output)
+    if os.path.commonpath([output, os.path.abspath(load)]) == output:  # replacing it would delete the checkpoint
+        raise ExportError(f"{output} holds the checkpoint {load}: export to another directory")
+    if os.path.isdir(output) and os.listdir(output) and not overwrite:
+        raise ExportError(f"{output} is not empty: give --overwrite to replace it with the new export")
     checkpoint = read_checkpoint(load, iteration)
     config = model_config(checkpoint)
     vocab = vocabulary(checkpoint)
@@ -355,13 +380,19 @@ def export(load: str, output: str, iteration: Optional[int] = None, dtype: str =
     else:
         state = normalized_state_dict(checkpoint, config, vocab.size)
     state = {name: tensor.to(DTYPES[dtype]) for name, tensor in state.items()}
-    os.makedirs(output, exist_ok=True)
-    hf_config(checkpoint, config, vocab, dtype).save_pretrained(output)
-    if checkpoint.family != "gptplus":
-        for name in REMOTE_CODE:
-            shutil.copy(os.path.join(HERE, name), os.path.join(output, name))
-    save_safetensors(state, output, max_shard_bytes)
-    save_tokenizer(vocab, output, checkpoint.args["seq_length"])
-    GenerationConfig(bos_token_id=vocab.eos_token_id, eos_token_id=vocab.eos_token_id,
-                     pad_token_id=vocab.eos_token_id).save_pretrained(output)
+    staging = os.path.join(os.path.dirname(output), f".{os.path.basename(output)}.incomplete-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    try:
+        hf_config(checkpoint, config, vocab, dtype).save_pretrained(staging)
+        if checkpoint.family != "gptplus":
+            for name in REMOTE_CODE:
+                shutil.copy(os.path.join(HERE, name), os.path.join(staging, name))
+        save_safetensors(state, staging, max_shard_bytes)
+        save_tokenizer(vocab, staging, checkpoint.args["seq_length"])
+        GenerationConfig(bos_token_id=vocab.eos_token_id, eos_token_id=vocab.eos_token_id,
+                         pad_token_id=vocab.eos_token_id).save_pretrained(staging)
+        _replace_directory(staging, output)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return checkpoint

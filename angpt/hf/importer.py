@@ -185,17 +185,12 @@ def import_hf(directory: str, save: str, make_vocab_size_divisible_by: int = 128
                 parameter[: value.shape[0]] = value
             else:
                 parameter.copy_(value)
-    final = checkpointing.checkpoint_dir(save, 0)
-    staging = final + checkpointing.INCOMPLETE
+    staging = checkpointing.checkpoint_dir(save, 0) + checkpointing.INCOMPLETE
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
     dist_checkpointing.save({
         "model": model.sharded_state_dict(), "args": args, "checkpoint_version": 3.0,
         "train_state": asdict(checkpointing.TrainState()), "layout": {"tensor": 1, "pipeline": 1, "data": 1},
     }, staging)
-    checkpointing.save_tokenizer_files(tokenizer_description(directory, config.get("eos_token_id")),
-                                       os.path.join(staging, "tokenizer"))
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(staging, final)
-    checkpointing.write_latest_iteration(save, 0)
+    checkpointing.commit_checkpoint(save, 0, tokenizer_description(directory, config.get("eos_token_id")))
     return args

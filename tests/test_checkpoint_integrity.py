@@ -1,0 +1,302 @@
+"""Nothing lost, nothing silently wrong: the fault drills on checkpoints. Damaged, truncated or missing files
+are refused in one line naming the file and the iteration (or skipped for the newest intact checkpoint
+when asked); one run at a time writes into a --save directory; a missing latest file is not ignored; a
+full disk says so and leaves the previous checkpoint; the Hugging Face export replaces an old one whole.
+
+Trainers run in this process (one-process gloo group) on a tiny model; one test launches real runs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import runpy
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from megatron.core import parallel_state
+
+from angpt import checkpointing, digests, distributed, save_lock
+from angpt.arguments import parse_args
+from angpt.hf.export import ExportError, export
+from angpt.hf.importer import import_hf
+from angpt.trainer import Trainer
+from conftest import ROOT
+
+MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+         "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-2", "--mock-data", "--vocab-size", "128",
+         "--log-interval", "1", "--eval-iters", "0", "--train-iters", "4"]
+
+
+def trainer(*flags: str) -> Trainer:
+    """A trainer built in this process (its own TP = PP = 1 groups; pytest keeps its SIGTERM handler)."""
+    args = parse_args([*MODEL, *flags], world_size=1)
+    sigterm = signal.getsignal(signal.SIGTERM)
+    parallel_state.destroy_model_parallel()
+    try:
+        return Trainer(args)
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+        if not parallel_state.model_parallel_is_initialized():
+            distributed.initialize()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, single_process):
+    """A run of 4 iterations, checkpointed at 2 and 4."""
+    run_dir = tmp_path_factory.mktemp("saved")
+    assert trainer("--save", str(run_dir), "--save-interval", "2").run() == 0
+    return run_dir
+
+
+@pytest.fixture
+def copy(saved, tmp_path):
+    destination = tmp_path / "run"
+    shutil.copytree(saved, destination)
+    return destination
+
+
+def overwrite_256_bytes(path) -> None:
+    with open(path, "r+b") as file:
+        file.seek(os.path.getsize(path) // 2)
+        file.write(bytes(range(256)))
+
+
+def truncate(path) -> None:
+    os.truncate(path, os.path.getsize(path) // 2)
+
+
+# The drills: what happened to a file of the latest checkpoint (iteration 4), and the file.
+DAMAGES = {
+    "256_bytes_overwritten_in_a_shard": (overwrite_256_bytes, "__0_0.distcp"),
+    "truncated_shard": (truncate, "__0_1.distcp"),
+    "truncated_common_state": (truncate, "common.pt"),
+    "missing_metadata": (os.remove, ".metadata"),
+    "missing_common_state": (os.remove, "common.pt"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_checkpoint_is_refused_in_one_line_naming_the_file(damage, copy):
+    """Before digests: the overwritten shard loaded silently (its NaNs surfaced as a NaN loss two steps
+    later); truncated and missing files raised EOFError, PytorchStreamReader or 'metadata is None' naming no
+    file."""
+    harm, name = DAMAGES[damage]
+    harm(copy / "iter_0000004" / name)
+    with pytest.raises(checkpointing.CheckpointError) as refusal:
+        trainer("--load", str(copy))
+    message = str(refusal.value)
+    print(message)
+    assert "\n" not in message
+    assert message.startswith("the checkpoint of iteration 4 is damaged: ")
+    assert str(copy / "iter_0000004" / name) in message
+    assert "--load-fallback-to-intact" in message
+
+
+def test_the_fallback_resumes_from_the_newest_intact_checkpoint(copy, caplog):
+    overwrite_256_bytes(copy / "iter_0000004" / "__0_0.distcp")
+    with caplog.at_level(logging.WARNING):
+        resumed = trainer("--load", str(copy), "--load-fallback-to-intact")
+    assert resumed.state.iteration == 2
+    assert f"{copy / 'iter_0000004' / '__0_0.distcp'} is corrupted" in caplog.text
+    assert f"resuming from {copy / 'iter_0000002'}, the newest intact checkpoint" in caplog.text
+
+
+def test_a_checkpoint_without_digests_still_loads_with_a_note(copy, caplog):
+    """As written before digests were recorded; damaged, it is refused in one line naming the directory."""
+    os.remove(copy / "iter_0000004" / digests.DIGESTS)
+    with caplog.at_level(logging.WARNING):
+        assert trainer("--load", str(copy)).state.iteration == 4
+    assert f"{copy / 'iter_0000004'} has no {digests.DIGESTS} (saved before digests were recorded): it cannot be " \
+           "verified" in caplog.text
+    truncate(copy / "iter_0000004" / "common.pt")
+    with pytest.raises(checkpointing.CheckpointError) as refusal:
+        trainer("--load", str(copy))
+    assert "\n" not in str(refusal.value)
+    assert str(refusal.value).startswith(f"the checkpoint of iteration 4 in {copy / 'iter_0000004'}, which has no "
+                                         "digests to name a damaged file, cannot be read: ")
+
+
+def test_a_missing_latest_file_beside_checkpoints_is_refused_or_resolved_when_asked(copy, caplog):
+    """Before: a warning, and training from scratch over the checkpoints."""
+    os.remove(copy / checkpointing.LATEST)
+    with pytest.raises(checkpointing.CheckpointError,
+                       match=rf"has no {re.escape(checkpointing.LATEST)} but holds checkpoints of iterations 2, 4: give "
+                             "--load-fallback-to-intact"):
+        trainer("--load", str(copy), "--save", str(copy))
+    with caplog.at_level(logging.WARNING):
+        assert trainer("--load", str(copy), "--load-fallback-to-intact").state.iteration == 4
+    assert "has no usable latest_checkpointed_iteration.txt" in caplog.text
+
+
+def test_the_export_verifies_the_checkpoint_it_reads(copy, tmp_path):
+    damaged = copy / "iter_0000004" / "common.pt"
+    overwrite_256_bytes(damaged)
+    with pytest.raises(ExportError, match=rf"^the checkpoint of iteration 4 is damaged: {re.escape(str(damaged))} "
+                                          r"is corrupted"):
+        export(str(copy), str(tmp_path / "hf"))
+
+
+def lock_of(process: psutil.Process, host: str = socket.gethostname()) -> dict:
+    return {"host": host, "pid": process.pid, "started": process.create_time(), "command": "an earlier run"}
+
+
+def write_lock(directory, holder: dict) -> None:
+    with open(os.path.join(directory, save_lock.LOCK), "w") as file:
+        json.dump(holder, file)
+
+
+def test_a_second_run_on_a_save_directory_is_refused_naming_the_holder(copy):
+    """Before: the second run deleted the first one's save in progress and appended to its metrics."""
+    in_progress = copy / "iter_0000006.incomplete"
+    in_progress.mkdir()
+    metrics = (copy / "metrics.jsonl").read_bytes()
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        write_lock(copy, lock_of(psutil.Process(holder.pid)))
+        with pytest.raises(save_lock.SaveLockError) as refusal:
+            trainer("--save", str(copy), "--load", str(copy))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert str(refusal.value).startswith(f"{copy} is being written by another run (PID {holder.pid} on "
+                                         f"{socket.gethostname()}, started ")
+    assert in_progress.is_dir() and (copy / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_a_stale_lock_is_taken_over_on_its_host_and_refused_from_another(copy, caplog):
+    ended = subprocess.Popen(["sleep", "60"])
+    holder = lock_of(psutil.Process(ended.pid))
+    ended.kill()
+    ended.wait()
+    write_lock(copy, holder)
+    with caplog.at_level(logging.WARNING):
+        run = trainer("--save", str(copy), "--load", str(copy), "--train-iters", "5")
+    assert f"taking over {copy / save_lock.LOCK} from a run that is no longer running (PID {ended.pid}" in caplog.text
+    assert run.run() == 0 and not (copy / save_lock.LOCK).exists()  # released at the end
+
+    write_lock(copy, lock_of(psutil.Process(), host="another-host"))
+    with pytest.raises(save_lock.SaveLockError, match=rf"locked by a run on another host \(PID {os.getpid()} on "
+                                                      rf"another-host, .*remove {re.escape(str(copy / save_lock.LOCK))} "
+                                                      "and start again"):
+        trainer("--save", str(copy))
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A 1 MiB tmpfs: room for one checkpoint of the tiny model (660 kB), not two. Mounting needs root."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
+                             capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs (not root?): {mounted.stderr.strip()}")
+    yield mount_point
+    subprocess.run(["umount", str(mount_point)], check=True)
+
+
+@pytest.mark.parametrize("when", ["refused_before_writing", "filled_while_writing"])
+def test_a_full_disk_says_so_and_leaves_the_previous_checkpoint(when, small_filesystem, tmp_path, monkeypatch):
+    """A real full file system. "filled_while_writing": the estimate of the space needed is taken as 0, so
+    the save runs into ENOSPC. Before: a CheckpointException whose text never said "no space" (or a
+    torch.save 'unexpected pos'), and an `.incomplete` directory filling the disk."""
+    if when == "filled_while_writing":
+        monkeypatch.setattr(checkpointing, "_estimated_bytes", lambda sharded: 0)
+    run_dir = small_filesystem / "run"
+    run = trainer("--save", str(run_dir), "--save-interval", "2", "--metrics-file", str(tmp_path / "metrics.jsonl"),
+                  "--tensorboard-dir", str(tmp_path / "tensorboard"))
+    with pytest.raises(checkpointing.CheckpointError) as refusal:
+        run.run()
+    message = str(refusal.value)
+    print(message)
+    assert message.startswith(f"no space left in {run_dir} for the checkpoint of iteration 4: it needs ")
+    assert message.endswith("; the previous checkpoint (iteration 2) is intact")
+    # Nothing of the failed save left; the lock goes when the process exits.
+    assert set(os.listdir(run_dir)) - {save_lock.LOCK} == {checkpointing.LATEST, "iter_0000002"}
+    assert checkpointing.verify_checkpoint(str(run_dir / "iter_0000002"))
+
+
+def convert_to_hf(*argv: str, monkeypatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["convert_to_hf.py", *argv, "--no-verify"])
+    runpy.run_path(os.path.join(ROOT, "tools", "convert_to_hf.py"), run_name="__main__")
+
+
+def test_an_export_over_an_old_one_is_refused_unless_asked_and_then_replaces_it_whole(saved, tmp_path, monkeypatch):
+    """Before: the sharded export was written beside the old model.safetensors, which transformers loads
+    first, and exited 0."""
+    output = tmp_path / "hf"
+    convert_to_hf("--load", str(saved), "--output", str(output), monkeypatch=monkeypatch)
+    (output / "notes.txt").write_text("from the old export")
+    sharded = ["--load", str(saved), "--output", str(output), "--max-shard-size-mb", "0.05"]
+    with pytest.raises(SystemExit, match=rf"^convert_to_hf: {re.escape(str(output))} is not empty: give --overwrite"):
+        convert_to_hf(*sharded, monkeypatch=monkeypatch)
+    assert (output / "model.safetensors").exists()
+    convert_to_hf(*sharded, "--overwrite", monkeypatch=monkeypatch)
+    files = sorted(os.listdir(output))
+    assert "model.safetensors" not in files and "notes.txt" not in files
+    assert "model.safetensors.index.json" in files and any(name.startswith("model-00001-of-") for name in files)
+    assert os.listdir(tmp_path) == ["hf"]  # no staging directory left beside it
+
+
+def test_a_checkpoint_imported_from_hugging_face_records_digests(saved, tmp_path):
+    export(str(saved), str(tmp_path / "hf"))
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "imported"))
+    assert checkpointing.verify_checkpoint(str(tmp_path / "imported" / "iter_0000000"))
+
+
+@pytest.mark.multiprocess
+def test_two_runs_on_one_save_directory(tmp_path):
+    """Real runs under torchrun: a second run on the directory of one in progress is refused by every rank
+    without touching it; the first (saving asynchronously) goes on, releases the lock at exit and recorded
+    digests at each commit; a resume at two ranks verifies them and falls back past a damaged checkpoint."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore"}
+
+    def launch(*flags: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "angpt.pretrain",
+             *MODEL, "--global-batch-size", "4", "--save", str(tmp_path), *flags],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+    first = launch("--train-iters", "1000", "--save-interval", "2", "--keep-last-n-checkpoints", "3", "--async-save")
+    try:
+        deadline = time.monotonic() + 240
+        while not os.path.isfile(tmp_path / checkpointing.LATEST):
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0][-4000:]
+            time.sleep(0.2)
+        with open(tmp_path / save_lock.LOCK) as file:
+            holder = json.load(file)
+        second = launch("--load", str(tmp_path), "--train-iters", "1000", "--lr", "5e-3")
+        output = second.communicate(timeout=240)[0]
+        assert second.returncode != 0, output[-4000:]
+        assert f"angpt.pretrain: {tmp_path} is being written by another run (PID {holder['pid']} on {holder['host']}" \
+            in output, output[-4000:]
+        assert first.poll() is None
+    finally:
+        for worker in psutil.Process(first.pid).children():  # as a cluster's warning: save and exit 0
+            worker.send_signal(signal.SIGTERM)
+        output = first.communicate(timeout=240)[0]
+    assert first.returncode == 0, output[-4000:]
+    assert not (tmp_path / save_lock.LOCK).exists()
+    with open(tmp_path / "metrics.jsonl") as file:
+        steps = [record["iteration"] for record in map(json.loads, file) if record["kind"] == "train"]
+    assert steps == list(range(1, len(steps) + 1))  # the first run's alone
+    latest = checkpointing.read_latest_iteration(str(tmp_path))
+    previous = checkpointing.complete_iterations(str(tmp_path))[-2]
+    for iteration in checkpointing.complete_iterations(str(tmp_path)):
+        with open(tmp_path / f"iter_{iteration:07d}" / digests.DIGESTS) as file:
+            assert json.load(file)["algorithm"] == digests.ALGORITHM
+    overwrite_256_bytes(tmp_path / f"iter_{latest:07d}" / "__1_0.distcp")
+    resumed = launch("--load", str(tmp_path), "--load-fallback-to-intact", "--train-iters", str(previous + 1))
+    output = resumed.communicate(timeout=240)[0]
+    assert resumed.returncode == 0, output[-4000:]
+    assert f"the checkpoint of iteration {latest} is damaged: {tmp_path / f'iter_{latest:07d}' / '__1_0.distcp'}" \
+           in output
+    assert f"loaded checkpoint {tmp_path / f'iter_{previous:07d}'} (iteration {previous})" in output
+    assert checkpointing.read_latest_iteration(str(tmp_path)) == previous + 1
