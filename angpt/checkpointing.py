@@ -29,6 +29,8 @@ import re
 import shutil
 import signal
 from dataclasses import asdict, dataclass
+from multiprocessing import get_context, resource_tracker
+from multiprocessing.managers import SyncManager
 from typing import Callable, Optional
 
 import numpy as np
@@ -38,10 +40,12 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory, is_main_replica
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from torch.distributed.checkpoint.api import CheckpointException
 
 from angpt import digests
+from angpt.arguments import EXIT_SIGNALS
 
 logger = logging.getLogger("angpt.checkpointing")
 
@@ -204,13 +208,6 @@ def _results_queue_that_outlives_exit_signals():
     the Manager never unblocks them), so they stay pending there: the training process decides, and
     shuts it down at exit; SIGKILL to the group still ends it. Starting multiprocessing's resource
     tracker unblocks SIGINT and SIGTERM, so it is started before they are blocked."""
-    from multiprocessing import get_context, resource_tracker
-    from multiprocessing.managers import SyncManager
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    from angpt.arguments import EXIT_SIGNALS
-
     if filesystem_async._results_queue is None:
         manager = SyncManager(ctx=get_context("spawn"))
         resource_tracker.ensure_running()
@@ -224,8 +221,6 @@ def _results_queue_that_outlives_exit_signals():
 
 
 def _make_saves_outlive_exit_signals() -> None:
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
     filesystem_async._get_write_results_queue = _results_queue_that_outlives_exit_signals
 
 
