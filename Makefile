@@ -8,13 +8,26 @@ PY := $(VENV)/bin/python
 setup: $(VENV)/.installed
 
 # The editable install runs without build isolation, so that the fused kernels (csrc/) build against the
-# torch installed first; it reruns when their sources change.
+# torch installed first; it reruns when their sources change. pip is quiet (pages of output otherwise), so
+# each step says what it installs, how long it may take, and how long it took.
 $(VENV)/.installed: setup.py requirements/cpu.txt $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/* csrc/cuda/*)
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements/cpu.txt
-	$(PY) -m pip install --quiet --no-build-isolation -e '.[test]'
-	touch $@
+	@echo "Setting up $(VENV)/: torch (CPU build), megatron-core, angpt and the test tools; 3-15 minutes in all"
+	$(call timed,[setup 1/3] the virtual environment and the latest pip: under a minute,\
+		{ test -x $(PY) || $(PYTHON) -m venv $(VENV); } && $(PY) -m pip install --quiet --upgrade pip)
+	$(call timed,[setup 2/3] torch 2.13 (CPU build$(comma) about 200 MB) and megatron-core: 1-5 minutes,\
+		$(PY) -m pip install --quiet -r requirements/cpu.txt)
+	$(call timed,[setup 3/3] angpt and its dependencies (transformers$(comma) TensorBoard$(comma) pytest$(comma)\
+		lm-eval$(comma) matplotlib)$(comma) compiling its C++ kernels: 2-10 minutes,\
+		$(PY) -m pip install --quiet --no-build-isolation -e '.[test]')
+	@touch $@
+
+comma := ,
+# $(call timed,heading,command): the heading, the command, then how long it took (its failure stops make).
+define timed
+	@echo "$(strip $(1)) ..."
+	@start=$$(date +%s) && $(2) && seconds=$$(($$(date +%s) - start)) && \
+		printf '    done in %dm %02ds\n' $$((seconds / 60)) $$((seconds % 60))
+endef
 
 # Every test; the files are spread over one pytest-xdist worker per core (tests/conftest.py keeps a file's
 # tests, and files sharing a fixture, on one worker).

@@ -36,3 +36,13 @@ def test_the_quickstart_validation_loss_falls_well_below_the_unigram_entropy(tmp
     # The export matched our logits (the converter exits 1 otherwise) and generated through transformers.
     assert (run / "hf" / "modeling_angpt.py").is_file()
     assert re.search(r"transformers generates: 'ROMEO:.{10,}", output, re.DOTALL)
+    # Every step under its heading with its time, no blank lines from progress bars, and a summary that
+    # points at what the run left.
+    headings = [match.group(1) for match in re.finditer(r"^\[(\d)/6\] .*$", output, re.MULTILINE)]
+    assert headings == [str(step) for step in range(1, 7)], headings
+    assert len(re.findall(r"^ +done in \d+m \d\ds$", output, re.MULTILINE)) == 6
+    assert "\n\n\n" not in output
+    assert f"checkpoint:    {run}/iter_0000100" in output and f"metrics:       {run}/metrics.jsonl" in output
+    assert f"tensorboard --logdir {run}/tensorboard" in output and any((run / "tensorboard").iterdir())
+    assert f"curves:        {run}/metrics.png" in output
+    assert (run / "metrics.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

@@ -33,6 +33,8 @@ def trained(tmp_path_factory):
                            directory / "corpus.jsonl", directory / "*.txt", "--vocab-size", "320",
                            "--output-dir", directory / "bpe"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+    # Without a terminal, the summary alone (the progress bars of `tokenizers` left blank lines on stdout).
+    assert done.stdout == f"{directory / 'bpe' / 'tokenizer.json'}: 320 tokens, <|endoftext|> = 0\n"
     return directory / "bpe"
 
 

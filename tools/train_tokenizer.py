@@ -37,8 +37,11 @@ def train(paths: list, keys: list, vocab_size: int, skip_bad_lines: bool = False
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
+    # The progress bars draw on stderr, but each stage ends with a newline on stdout even when no bar was
+    # drawn: without a terminal, they would only leave blank lines.
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOD_TOKEN],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=True)
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=sys.stderr.isatty())
     skipped = Counter()
     tokenizer.train_from_iterator(iter_texts(paths, keys, skip_bad_lines, skipped), trainer=trainer)
     return tokenizer, skipped
