@@ -1,5 +1,6 @@
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -11,6 +12,8 @@ from megatron.core import parallel_state
 from pydoc_data.topics import topics
 
 from angpt import distributed
+from angpt.arguments import parse_args
+from angpt.trainer import Trainer
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 PYDOC_VOCAB_SIZE = 512  # the BPE of the pydoc_corpus fixture
@@ -89,6 +92,21 @@ def single_process():
     distributed.initialize()
     yield
     parallel_state.destroy_model_parallel()
+
+
+def in_process_trainer(argv: list[str]) -> Trainer:
+    """`angpt.pretrain`'s trainer built in this process at TP = PP = DP = 1, for tests that need a real run
+    without a torchrun launch (20 s or more). It builds megatron-core's groups itself (the same as
+    single_process's); pytest keeps its SIGTERM handler (the trainer's saves and carries on)."""
+    args = parse_args(argv, world_size=1)
+    sigterm = signal.getsignal(signal.SIGTERM)
+    parallel_state.destroy_model_parallel()
+    try:
+        return Trainer(args)
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+        if not parallel_state.model_parallel_is_initialized():
+            distributed.initialize()
 
 
 @pytest.fixture

@@ -21,14 +21,12 @@ import time
 
 import psutil
 import pytest
-from megatron.core import parallel_state
 
-from angpt import checkpointing, digests, distributed, save_lock
-from angpt.arguments import parse_args
+from angpt import checkpointing, digests, save_lock
 from angpt.hf.export import ExportError, export
 from angpt.hf.importer import import_hf
 from angpt.trainer import Trainer
-from conftest import ROOT
+from conftest import ROOT, in_process_trainer
 
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-2", "--mock-data", "--vocab-size", "128",
@@ -36,16 +34,7 @@ MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
 
 
 def trainer(*flags: str) -> Trainer:
-    """A trainer built in this process (its own TP = PP = 1 groups; pytest keeps its SIGTERM handler)."""
-    args = parse_args([*MODEL, *flags], world_size=1)
-    sigterm = signal.getsignal(signal.SIGTERM)
-    parallel_state.destroy_model_parallel()
-    try:
-        return Trainer(args)
-    finally:
-        signal.signal(signal.SIGTERM, sigterm)
-        if not parallel_state.model_parallel_is_initialized():
-            distributed.initialize()
+    return in_process_trainer([*MODEL, *flags])
 
 
 @pytest.fixture(scope="module")

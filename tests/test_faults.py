@@ -5,23 +5,19 @@ this process: a torchrun launch costs 20 s or more)."""
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT
-from megatron.core import parallel_state
+from conftest import ROOT, in_process_trainer
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-from angpt import distributed, training
-from angpt.arguments import parse_args
+from angpt import training
 from angpt.checkpointing import write_latest_iteration
 from angpt.data.indexed import IndexedDatasetError, write_metadata
 from angpt.metrics import read_metrics
-from angpt.trainer import Trainer
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
          "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "1e-2", "--log-interval", "1",
@@ -61,16 +57,7 @@ def test_token_ids_beyond_the_vocabulary_stop_a_tensor_parallel_run_before_it_tr
 
 
 def train_in_process(*flags: str, data=("--mock-data", "--vocab-size", "256")) -> int:
-    """Trainer(args).run() at TP = PP = DP = 1 in this process (the single_process group)."""
-    args = parse_args([*MODEL, *data, *flags], world_size=1)
-    sigterm = signal.getsignal(signal.SIGTERM)
-    parallel_state.destroy_model_parallel()  # the trainer builds the same groups itself
-    try:
-        return Trainer(args).run()
-    finally:
-        signal.signal(signal.SIGTERM, sigterm)  # the trainer saves and carries on at SIGTERM; pytest should stop
-        if not parallel_state.model_parallel_is_initialized():
-            distributed.initialize()
+    return in_process_trainer([*MODEL, *data, *flags]).run()
 
 
 def test_a_max_token_id_that_understates_the_bin_is_caught_by_the_batches(tmp_path, single_process):

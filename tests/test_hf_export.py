@@ -12,23 +12,18 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 
 import pytest
 import torch
-from megatron.core import parallel_state
 
-from angpt import distributed
-from angpt.arguments import parse_args
 from angpt.data.tokenizers import EOD_TOKEN, build_tokenizer
 from angpt.hf.export import LAYER, ExportError, export, read_checkpoint
 from angpt.hf.importer import import_hf
 from angpt.hf.verify import (FP32_LOGIT_TOLERANCE, decided, greedy_within_tolerance, load_exported,
                              load_megatron_model, load_tokenizer, logit_tolerance, megatron_logits, near_argmax)
-from angpt.trainer import Trainer
-from conftest import ROOT, TRAINED_ITERS, TRAINED_MODEL, TRAINED_RUNS
+from conftest import ROOT, TRAINED_ITERS, TRAINED_MODEL, TRAINED_RUNS, in_process_trainer
 
 pytestmark = pytest.mark.multiprocess
 
@@ -235,16 +230,8 @@ def switched(tmp_path_factory, single_process):
     out = {}
     for name, flags in SWITCHES.items():
         save = str(tmp_path_factory.mktemp(f"{name}_checkpoint"))
-        args = parse_args([*MODEL, "--model-family", "angpt", "--mock-data", "--vocab-size", "200", *flags,
-                           "--train-iters", "2", "--save", save], world_size=1)
-        sigterm = signal.getsignal(signal.SIGTERM)
-        parallel_state.destroy_model_parallel()  # the trainer builds the same groups (TP = PP = 1) itself
-        try:
-            assert Trainer(args).run() == 0
-        finally:
-            signal.signal(signal.SIGTERM, sigterm)  # the trainer saves and carries on at SIGTERM; pytest should stop
-            if not parallel_state.model_parallel_is_initialized():
-                distributed.initialize()
+        assert in_process_trainer([*MODEL, "--model-family", "angpt", "--mock-data", "--vocab-size", "200", *flags,
+                                   "--train-iters", "2", "--save", save]).run() == 0
         output = str(tmp_path_factory.mktemp(f"{name}_hf"))
         out[name] = export(save, output), output
     return out

@@ -5,19 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import struct
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from megatron.core import parallel_state
 
-from angpt import distributed
-from angpt.arguments import parse_args
-from angpt.trainer import Trainer
-from conftest import ROOT
+from conftest import ROOT, in_process_trainer
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
@@ -31,19 +26,12 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 def real_run(tmp_path_factory, single_process):
     """A metrics.jsonl written by the trainer: anGPT, ITERS steps, each logged, validation every EVAL_INTERVAL."""
     path = tmp_path_factory.mktemp("real_run") / "metrics.jsonl"
-    args = parse_args(["--model-family", "angpt", "--num-layers", str(LAYERS), "--hidden-size", "64",
+    argv = ["--model-family", "angpt", "--num-layers", str(LAYERS), "--hidden-size", "64",
                        "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
                        "--global-batch-size", "4", "--mock-data", "--vocab-size", "128", "--lr", "1e-2",
                        "--train-iters", str(ITERS), "--log-interval", "1", "--eval-interval", str(EVAL_INTERVAL),
-                       "--eval-iters", "1", "--metrics-file", str(path)], world_size=1)
-    sigterm = signal.getsignal(signal.SIGTERM)
-    parallel_state.destroy_model_parallel()  # the trainer builds the same groups (TP = PP = 1) itself
-    try:
-        assert Trainer(args).run() == 0
-    finally:
-        signal.signal(signal.SIGTERM, sigterm)  # the trainer saves and carries on at SIGTERM; pytest should stop
-        if not parallel_state.model_parallel_is_initialized():
-            distributed.initialize()
+                       "--eval-iters", "1", "--metrics-file", str(path)]
+    assert in_process_trainer(argv).run() == 0
     return path
 
 
