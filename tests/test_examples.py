@@ -36,10 +36,20 @@ def tool_flags(tool: str) -> set[str]:
 
 
 def commands(path: str) -> list[str]:
-    """The script's commands, continuation lines joined, comments and #SBATCH lines dropped."""
+    """The script's commands, continuation lines joined, comments, #SBATCH lines and here-documents (text
+    for a program's standard input, not flags) dropped."""
     with open(path) as file:
         text = file.read()
-    return [line for line in text.replace("\\\n", " ").splitlines() if not line.lstrip().startswith("#")]
+    lines, ends = [], None
+    for line in text.replace("\\\n", " ").splitlines():
+        if ends is not None:
+            ends = None if line.strip() == ends else ends
+            continue
+        if not line.lstrip().startswith("#"):
+            lines.append(line)
+            if here := re.search(r"<<-?\s*['\"]?(\w+)['\"]?", line):
+                ends = here.group(1)
+    return lines
 
 
 def test_the_examples_are_there():

@@ -375,7 +375,10 @@ def _makefile_recipe(target_prefix: str) -> list[str]:
 
 
 def _pip_install_arguments(command: str) -> list[str]:
-    """The arguments of a `pip install` command, without --quiet and the interpreter spelling."""
+    """The arguments of a `pip install` command, without --quiet, the interpreter spelling, and the parenthesis
+    that closes the Makefile's `$(call timed,...)` around it."""
+    if command.endswith(")") and command.count(")") > command.count("("):
+        command = command[:-1]
     words = command.split()
     at = next(i for i in range(len(words) - 1) if words[i] == "pip" and words[i + 1] == "install")
     return [w for w in words[at + 2:] if w not in ("--quiet", "-q")]
