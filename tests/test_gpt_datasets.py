@@ -15,10 +15,13 @@ from angpt.data.indexed import IndexedDatasetError
 VOCAB, EOD = 500, 499
 
 
-def write_dataset(prefix: str, documents: int, seed: int) -> None:
-    """A small indexed dataset with the metadata tools/preprocess_data.py records beside it."""
+def write_dataset(prefix: str, documents: int, seed: int, empty: int = 0) -> None:
+    """A small indexed dataset with the metadata tools/preprocess_data.py records beside it; `empty` zero-length
+    documents first, as Megatron-LM's tools/preprocess_data.py writes an empty text (add_document([], []))."""
     rng = np.random.default_rng(seed)
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for _ in range(empty):
+        builder.add_document(torch.zeros(0, dtype=torch.int64), [])
     tokens = 0
     for _ in range(documents):
         document = np.append(rng.integers(0, EOD, size=int(rng.integers(20, 200))), EOD)
@@ -27,7 +30,8 @@ def write_dataset(prefix: str, documents: int, seed: int) -> None:
     builder.finalize(prefix + ".idx")
     with open(prefix + ".json", "w") as handle:
         json.dump({"tokenizer": {"type": "test"}, "vocab_size": VOCAB, "eod": EOD, "append_eod": True,
-                   "documents": documents, "tokens": tokens, "max_token_id": EOD}, handle)
+                   "documents": documents + empty, "tokens": tokens, "max_token_id": EOD, "empty_documents": empty},
+                  handle)
 
 
 def rewrite_metadata(prefix: str, **changes) -> None:
@@ -122,12 +126,13 @@ def test_batches_check_their_token_ids_and_name_the_dataset(blend, two_prefixes,
 
 def test_a_split_left_without_documents_is_refused_by_name(tmp_path, single_process):
     """70 documents at 969,30,1: the test split gets round(0.999 * 70) = round(70) = 70, nothing. megatron-core
-    would loop forever building it."""
+    would loop forever building it. It splits the sequences, which 500 empty documents more do not add to
+    (over 570 documents, the test split would have one)."""
     prefix = str(tmp_path / "small_text_document")
-    write_dataset(prefix, 70, 3)
+    write_dataset(prefix, 70, 3, empty=500)
     data = DataArguments(data_path=[prefix], split="969,30,1", data_cache_path=str(tmp_path / "cache"))
     with pytest.raises(ValueError, match=f"--split 969,30,1 leaves the test split of {prefix} without documents "
-                                         r"\(it has 70\)"):
+                                         r"\(it has 70 non-empty documents\)"):
         build_datasets(data, dataset_vocabulary(data), 16, 1234, [64, 8, 8])
     data = DataArguments(data_path=[prefix], split="96,4,0", data_cache_path=str(tmp_path / "cache"))
     train, valid, test = build_datasets(data, dataset_vocabulary(data), 16, 1234, [64, 8, 0])

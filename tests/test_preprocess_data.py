@@ -11,17 +11,32 @@ import shutil
 import subprocess
 import sys
 
+import numpy
 import pytest
-from conftest import ROOT
+from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from angpt.data.gpt_datasets import DataArguments, dataset_vocabulary
 from angpt.data.indexed import IndexedDatasetError, check_indexed_dataset, read_metadata
 from angpt.data.tokenizers import build_tokenizer
 
+from conftest import ROOT
+
 TOOL = os.path.join(ROOT, "tools", "preprocess_data.py")
 GOLDEN_IDX = bytes.fromhex(
     "4d4d49444944580000 0100000000000000 08 0200000000000000 0300000000000000 03000000 02000000"
     " 0000000000000000 0600000000000000 0000000000000000 0100000000000000 0200000000000000".replace(" ", ""))
+# Megatron-LM's tools/preprocess_data.py on "", "ab", "c<|endoftext|>", "" with --append-eod and the byte tokenizer
+# (id = byte, EOD 256): an empty text is add_document([], []), a document index and no sequence (5 documents,
+# 2 sequences, document indices 0 0 1 2 2), and "<|endoftext|>" in the text is the EOD (sequence lengths 3 and 3).
+GOLDEN_EMPTY_IDX = bytes.fromhex(
+    "4d4d49444944580000 0100000000000000 08 0200000000000000 0500000000000000 03000000 03000000"
+    " 0000000000000000 0600000000000000"
+    " 0000000000000000 0000000000000000 0100000000000000 0200000000000000 0200000000000000".replace(" ", ""))
+GOLDEN_EMPTY_BIN = bytes([97, 0, 98, 0, 0, 1, 99, 0, 0, 1, 0, 1])
+# The same with --special-tokens-as-text: "<|endoftext|>" is its 13 bytes (sequence lengths 3 and 15).
+GOLDEN_AS_TEXT_IDX = GOLDEN_EMPTY_IDX.replace(bytes.fromhex("03000000 03000000"), bytes.fromhex("03000000 0f000000"))
+GOLDEN_AS_TEXT_BIN = bytes([97, 0, 98, 0, 0, 1, 99, 0]) + b"".join(bytes([byte, 0]) for byte in b"<|endoftext|>") \
+    + bytes([0, 1])
 
 
 def load_tool():
@@ -56,8 +71,7 @@ def run_preprocess(*args, check=True):
 
 
 def read_documents(prefix):
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
+    """The sequences of prefix.bin: its documents, but the empty ones."""
     dataset = IndexedDataset(str(prefix))
     return [dataset[index].tolist() for index in range(len(dataset))]
 
@@ -90,22 +104,51 @@ def test_golden_bytes(tmp_path, byte_tokenizer):
     assert (metadata["documents"], metadata["tokens"], metadata["eod"], metadata["vocab_size"]) == (2, 5, 256, 257)
     assert metadata["max_token_id"] == 101  # "e"
     assert metadata["tokenizer"]["type"] == "TikTokenizer" and metadata["append_eod"] is False
+    assert metadata["special_tokens_as_text"] is False and metadata["empty_documents"] == 0
     assert check_indexed_dataset(str(prefix))["dtype"] == "uint16"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("as_text", [False, True], ids=["as Megatron-LM", "special tokens as text"])
+def test_golden_bytes_of_empty_documents_and_special_token_text(tmp_path, byte_tokenizer, as_text):
+    tool = load_tool()
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"text": ""}, {"text": "ab"}, {"text": "c<|endoftext|>"},
+                                                     {"text": ""}])
+    prefix = str(tmp_path / "out_text_document")
+    tool.preprocess(tool.parse_args(["--input", corpus, "--output-prefix", str(tmp_path / "out"), "--append-eod",
+                                     "--tokenizer-type", "TikTokenizer", "--tokenizer-model", byte_tokenizer,
+                                     *(["--special-tokens-as-text"] if as_text else [])]))
+    assert (tmp_path / "out_text_document.idx").read_bytes() == (GOLDEN_AS_TEXT_IDX if as_text else GOLDEN_EMPTY_IDX)
+    assert (tmp_path / "out_text_document.bin").read_bytes() == (GOLDEN_AS_TEXT_BIN if as_text else GOLDEN_EMPTY_BIN)
+    metadata = read_metadata(prefix)
+    assert (metadata["documents"], metadata["empty_documents"], metadata["tokens"]) == (4, 2, 18 if as_text else 6)
+    assert metadata["special_tokens_as_text"] is as_text
+    assert check_indexed_dataset(prefix)["documents"] == 4
+    # Metadata written before special_tokens_as_text was recorded still reads, and still trains.
+    del metadata["special_tokens_as_text"]
+    with open(prefix + ".json", "w") as file:
+        json.dump(metadata, file)
+    assert "special_tokens_as_text" not in read_metadata(prefix)
+    assert dataset_vocabulary(DataArguments(train_data_path=[prefix])).eod == 256
 
 
 @pytest.mark.slow
 def test_workers_and_partitions_write_the_same_tokens(tmp_path, hf_tokenizer):
     texts = [f"line {i} of the corpus, " * (i % 7) + "ünïcødé ✓" for i in range(300)]
-    texts[5] = ""  # empty: counted and skipped
-    texts[17] = "a literal <|endoftext|> is text"
+    texts[5] = ""  # empty: a document of no tokens, as Megatron-LM writes it (no EOD even with --append-eod)
+    texts[17] = "a literal <|endoftext|> ends a document"  # the EOD, as Megatron-LM encodes it
     first = write_jsonl(tmp_path / "a.jsonl", [{"text": text} for text in texts[:120]])
     with gzip.open(tmp_path / "b.jsonl.gz", "wt", encoding="utf-8") as file:
         file.writelines(json.dumps({"text": text}) + "\n" for text in texts[120:])
     (tmp_path / "c.txt").write_text("a whole file\nis one document\n", encoding="utf-8")
     texts.append("a whole file\nis one document\n")
     tokenizer = build_tokenizer("HuggingFaceTokenizer", hf_tokenizer)
-    expected = [ids + [tokenizer.eod] for ids in tokenizer.encode_batch(texts) if ids]
-    assert len(expected) == len(texts) - 1 and tokenizer.eod not in expected[16][:-1]
+    documents = [ids + [tokenizer.eod] if ids else [] for ids in tokenizer.encode_batch(texts)]
+    assert documents[5] == [] and all(documents[:5] + documents[6:])
+    before, after = tokenizer.encode_batch(["a literal ", " ends a document"])
+    assert documents[17] == before + [tokenizer.eod] + after + [tokenizer.eod]
+    expected = [ids for ids in documents if ids]  # the sequences: an empty document has none
+    document_indices = [0, *numpy.cumsum([1 if ids else 0 for ids in documents]).tolist()]
 
     outputs = {}
     for name, flags in {"w1": ["--workers", 1], "w2": ["--workers", 2],
@@ -117,8 +160,9 @@ def test_workers_and_partitions_write_the_same_tokens(tmp_path, hf_tokenizer):
         assert re.search(r"^Processed [1-9]\d* documents \(", done.stderr, re.MULTILINE)  # --log-interval
         document_prefix = f"{prefix}_text_document"
         assert read_documents(document_prefix) == expected, name
+        assert IndexedDataset(document_prefix).document_indices.tolist() == document_indices, name
         metadata = read_metadata(document_prefix)
-        assert metadata["documents"] == len(expected) and metadata["empty_documents"] == 1
+        assert metadata["documents"] == len(texts) and metadata["empty_documents"] == 1
         assert metadata["tokens"] == sum(map(len, expected)) and metadata["eod"] == tokenizer.eod
         assert metadata["max_token_id"] == max(map(max, expected))  # merged over partitions too
         assert dataset_vocabulary(DataArguments(train_data_path=[document_prefix])).vocab_size == tokenizer.vocab_size
@@ -148,6 +192,7 @@ BAD_LINES = {
     "not a JSON object": b'["text"]',
     "missing key": b'{"body": "no text key"}',
     "not a string": b'{"text": 42}',
+    "lone surrogate": b'{"text": "half a pair: \\ud800"}',  # json.loads makes it; no UTF-8 encodes it
 }
 
 
@@ -188,18 +233,25 @@ def test_skip_bad_lines_counts_per_reason_and_keeps_good_documents(tmp_path, byt
     (tmp_path / "corpus.jsonl").write_bytes(b"\n".join(lines) + b"\n")
     done = run_preprocess("--input", tmp_path / "corpus.jsonl", "--output-prefix", tmp_path / "out",
                           "--tokenizer-type", "TikTokenizer", "--tokenizer-model", byte_tokenizer, "--skip-bad-lines")
-    assert "skipped 5 bad lines: 1 not UTF-8, 1 not JSON, 1 not a JSON object, 1 missing key, 1 not a string" \
+    assert "skipped 6 bad lines: 1 not UTF-8, 1 not JSON, 1 not a JSON object, 1 missing key, 1 not a string, " \
+        "1 lone surrogate" in done.stderr
+    assert f"skipping {tmp_path / 'corpus.jsonl'}:12: lone surrogate: 'text' holds '\\ud800' at character 13" \
         in done.stderr
     prefix = str(tmp_path / "out_text_document")
     assert [bytes(ids).decode() for ids in read_documents(prefix)] == [f"kept {reason}" for reason in BAD_LINES]
     metadata = read_metadata(prefix)
     assert metadata["skipped_lines"] == {reason: 1 for reason in BAD_LINES} and metadata["empty_documents"] == 1
+    assert metadata["documents"] == len(BAD_LINES) + 1  # the empty one too, written as Megatron-LM writes it
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pattern, message", [("missing.jsonl", "no such file"), ("none/*.jsonl", "matches no file")])
+@pytest.mark.parametrize("pattern, message", [
+    ("missing.jsonl", "no such file"), ("none/*.jsonl", "matches no file"),
+    ("corpus", r"corpus' is a directory: give its files, or a glob pattern such as '.*corpus/\*\.jsonl'$"),
+])
 def test_missing_inputs_are_clear_errors(tmp_path, byte_tokenizer, pattern, message):
     tool = load_tool()
+    (tmp_path / "corpus").mkdir()
     args = tool.parse_args(["--input", str(tmp_path / pattern), "--output-prefix", str(tmp_path / "out"),
                             "--tokenizer-type", "TikTokenizer", "--tokenizer-model", byte_tokenizer])
     with pytest.raises(tool.InputError, match=message):

@@ -1,17 +1,19 @@
 """angpt.data.tokenizers: every --tokenizer-type, offline, and tools/train_tokenizer.py."""
 
+import base64
 import json
 import os
 import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
 
 from angpt.data.tokenizers import build_tokenizer
 
+from conftest import ROOT
+
 TOOLS = os.path.join(ROOT, "tools")
-TEXTS = ["Hello world, hello tokenizers!", "  spaces\tand\nnewlines  ", "ünïcødé ✓ 日本語", "<|endoftext|> stays text"]
+TEXTS = ["Hello world, hello tokenizers!", "  spaces\tand\nnewlines  ", "ünïcødé ✓ 日本語", "<|endoftext|> in the text"]
 
 
 def bytes_to_unicode() -> dict:
@@ -49,9 +51,27 @@ def test_trained_tokenizer_round_trips_file_and_directory(trained):
     encoded = by_directory.encode_batch(TEXTS)
     assert encoded == by_file.encode_batch(TEXTS)
     assert [by_directory.decode(ids) for ids in encoded] == TEXTS
-    assert by_directory.eod not in encoded[3]  # a literal EOD in the text is text
+    assert encoded[3][0] == by_directory.eod and by_directory.eod not in encoded[3][1:]  # as Megatron-LM
+    as_text = build_tokenizer("HuggingFaceTokenizer", str(trained), special_tokens_as_text=True)
+    assert by_directory.eod not in as_text.encode_batch([TEXTS[3]])[0]
+    assert as_text.encode_batch(TEXTS[:3]) == encoded[:3]
     assert len(encoded[0]) < len(TEXTS[0].encode())
     json.dumps(by_directory.description)
+
+
+@pytest.mark.slow
+def test_trained_tokenizer_reads_in_transformers_as_megatron_reads_it(trained):
+    """Megatron-LM's HuggingFaceTokenizer is transformers' AutoTokenizer on the directory: its EOD is the EOS,
+    and it encodes with tokens_to_ids(tokenize(text)) (megatron-core 0.16), or tokenizer(text) (later)."""
+    from transformers import AutoTokenizer  # noqa: PLC0415 (slow to import: only this test needs it)
+
+    theirs = AutoTokenizer.from_pretrained(str(trained), use_fast=False)  # Megatron-LM's default use_fast
+    ours = build_tokenizer("HuggingFaceTokenizer", str(trained))
+    assert theirs.eos_token == "<|endoftext|>" and theirs.eos_token_id == ours.eod == 0
+    assert [theirs.convert_tokens_to_ids(theirs.tokenize(text)) for text in TEXTS] == ours.encode_batch(TEXTS)
+    assert [theirs(text).input_ids for text in TEXTS] == ours.encode_batch(TEXTS)  # and no BOS is added
+    as_text = build_tokenizer("HuggingFaceTokenizer", str(trained), special_tokens_as_text=True)
+    assert theirs(TEXTS[3], split_special_tokens=True).input_ids == as_text.encode_batch([TEXTS[3]])[0]
 
 
 @pytest.mark.slow
@@ -90,17 +110,24 @@ def test_gpt2_vocab_and_merges(tmp_path):
     assert (tokenizer.vocab_size, tokenizer.eod) == (260, 259)
     assert tokenizer.encode_batch(["the the!", "é"]) == [[ord("t"), 256, 258, ord("!")], [0xC3, 0xA9]]
     assert tokenizer.decode([ord("t"), 256, 258]) == "the the"
+    # As Megatron-LM's GPT2BPETokenizer (Hugging Face's GPT2Tokenizer): "<|endoftext|>" in the text is the EOD.
+    assert tokenizer.encode_batch(["a<|endoftext|>"]) == [[ord("a"), 259]]
+    as_text = build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "vocab.json"),
+                              merge_file=str(tmp_path / "merges.txt"), special_tokens_as_text=True)
+    assert as_text.encode_batch(["a<|endoftext|>"]) == [list(b"a<|endoftext|>")]
+    assert (as_text.vocab_size, as_text.eod) == (260, 259)
 
 
 def test_tiktoken_file(tmp_path):
-    import base64
-
     ranks = [bytes([byte]) for byte in range(256)] + [b"ab", b"abc"]
     (tmp_path / "tiny.tiktoken").write_text("".join(f"{base64.b64encode(t).decode()} {r}\n"
                                                     for r, t in enumerate(ranks)))
     tokenizer = build_tokenizer("TikTokenizer", str(tmp_path / "tiny.tiktoken"))
     assert (tokenizer.vocab_size, tokenizer.eod) == (259, 258)
-    assert tokenizer.encode_batch(["abc abd", "<|endoftext|>"]) == [[257, 32, 256, 100], list(b"<|endoftext|>")]
+    # As Megatron-LM's TikTokenizer (encode(allowed_special="all")): "<|endoftext|>" in the text is the EOD.
+    assert tokenizer.encode_batch(["abc abd", "<|endoftext|>"]) == [[257, 32, 256, 100], [258]]
+    as_text = build_tokenizer("TikTokenizer", str(tmp_path / "tiny.tiktoken"), special_tokens_as_text=True)
+    assert as_text.encode_batch(["abc abd", "<|endoftext|>"]) == [[257, 32, 256, 100], list(b"<|endoftext|>")]
     assert tokenizer.description["model"]["path"] == str(tmp_path / "tiny.tiktoken")
 
 
@@ -129,4 +156,7 @@ def test_real_gpt2_ranks(gpt2_ranks):
     tokenizer = build_tokenizer("GPT2BPETokenizer", tokenizer_model=gpt2_ranks)
     assert (tokenizer.vocab_size, tokenizer.eod) == (50257, 50256)
     assert tokenizer.encode_batch(["Hello world"]) == [[15496, 995]]  # GPT-2's published ids
+    assert tokenizer.encode_batch(["<|endoftext|>"]) == [[50256]]
+    as_text = build_tokenizer("GPT2BPETokenizer", tokenizer_model=gpt2_ranks, special_tokens_as_text=True)
+    assert as_text.encode_batch(["<|endoftext|>"]) == [[27, 91, 437, 1659, 5239, 91, 29]]  # < | end of text | >
     assert tokenizer.decode(tokenizer.encode_batch(TEXTS)[2]) == TEXTS[2]

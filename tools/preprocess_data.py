@@ -6,14 +6,20 @@
 
 Input: JSON lines (`.jsonl`, `.jsonl.gz`; one document per line, its text under each --json-keys key) and
 `.txt` files (one document per file); --input takes several paths and glob patterns. For each key it writes
-{output-prefix}_{key}_document.bin/.idx, byte-identical to Megatron-LM's output for the same tokens, and
+{output-prefix}_{key}_document.bin/.idx, byte-identical to Megatron-LM's output with the same tokenizer, and
 {output-prefix}_{key}_document.json, which records the tokenizer, its EOD id and the counts.
+
+As Megatron-LM's tool, it writes a document of no tokens (an empty text) as a zero-length document (no EOD
+even with --append-eod), and encodes special-token text in a document as that token: a literal
+"<|endoftext|>" becomes the end-of-document token. Web text can hold that string; --special-tokens-as-text
+encodes it as ordinary text, so that only --append-eod ends a document (the .json records the choice).
 
 Documents are tokenized in batches by --workers processes and written in input order while the input streams
 through, so memory stays flat as the corpus grows. --partitions N splits the input into N contiguous parts
 processed side by side (--workers // N workers each) and merges them in order: the result is the same.
-A bad line (not UTF-8, not JSON, lacking a key, a non-string) stops the run with its file and line number,
-unless --skip-bad-lines; outputs appear under their final names only when the run succeeds.
+A bad line (not UTF-8, not JSON, lacking a key, a non-string, a string with a lone surrogate such as
+"\\ud800") stops the run with its file and line number, unless --skip-bad-lines; outputs appear under their
+final names only when the run succeeds.
 """
 
 import argparse
@@ -32,17 +38,24 @@ from multiprocessing.connection import wait
 from typing import Optional
 
 import numpy
+from tqdm import tqdm
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
-
-from angpt.data.corpus import BAD_LINE_REASONS, BadLine, InputError, expand_inputs, is_text_file  # noqa: E402
-from angpt.data.corpus import iter_records, parse_record  # noqa: E402
-from angpt.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from angpt.data.corpus import (
+    BAD_LINE_REASONS,
+    BadLine,
+    InputError,
+    expand_inputs,
+    is_text_file,
+    iter_records,
+    parse_record,
+)
+from angpt.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 
 with warnings.catch_warnings():  # megatron-core warns at import about GPU libraries this tool does not use
     warnings.simplefilter("ignore")
-    from angpt.data.indexed import write_metadata  # noqa: E402
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: E402
+
+    from angpt.data.indexed import write_metadata  # noqa: E402
 
 # A batch is ~0.3 s of one core's tokenization: large enough that the tokenizer's threads share it evenly
 # and inter-process traffic is amortized (128 KB batches cost HF tokenizers 20% here), small enough to keep
@@ -55,9 +68,9 @@ SKIPPED_LINES_SHOWN = 10
 
 @dataclass
 class Stats:
-    documents: Counter = field(default_factory=Counter)  # per key
+    documents: Counter = field(default_factory=Counter)  # per key, the empty ones included
     tokens: Counter = field(default_factory=Counter)  # per key
-    empty: Counter = field(default_factory=Counter)  # per key: documents of no tokens, not written
+    empty: Counter = field(default_factory=Counter)  # per key: documents of no tokens, written as Megatron-LM does
     bad_lines: Counter = field(default_factory=Counter)  # per reason, skipped with --skip-bad-lines
     max_token_id: dict = field(default_factory=dict)  # per key, once it has tokens
     bytes: int = 0
@@ -155,12 +168,11 @@ def write_batch(builders: dict, batch: EncodedBatch, stats: Stats, skip_bad_line
     for key, builder in builders.items():
         tokens, offset = batch.tokens[key], 0
         for length in batch.lengths[key]:
-            if length == 0:
-                stats.empty[key] += 1
-                continue
-            builder.add_document(tokens[offset:offset + length], [length])
+            # As Megatron-LM writes a document of no tokens: a document index and no sequence (lengths []).
+            builder.add_document(tokens[offset:offset + length], [length] if length else [])
             offset += length
-        stats.documents[key] += len(batch.lengths[key]) - batch.lengths[key].count(0)
+        stats.empty[key] += batch.lengths[key].count(0)
+        stats.documents[key] += len(batch.lengths[key])
         stats.tokens[key] += len(tokens)
         if len(tokens):
             stats.max_token_id[key] = max(int(tokens.max()), stats.max_token_id.get(key, 0))
@@ -169,8 +181,6 @@ def write_batch(builders: dict, batch: EncodedBatch, stats: Stats, skip_bad_line
 
 def tokenize_partition(job: PartitionJob) -> Stats:
     """Tokenize records [start, stop) into the job's .bin/.idx files, in order."""
-    from tqdm import tqdm
-
     context = multiprocessing.get_context("fork")
     pool = context.Pool(job.workers, initializer=init_worker, initargs=(
         job.tokenizer, job.keys, job.append_eod, job.dtype, job.threads_per_worker))
@@ -184,7 +194,8 @@ def tokenize_partition(job: PartitionJob) -> Stats:
 
     def write(encoded: EncodedBatch) -> None:
         nonlocal logged
-        write_batch(builders, encoded, stats, job.skip_bad_lines, bar.write)
+        # tqdm.write goes to stdout unless told: the skipped lines go with the other diagnostics, on stderr.
+        write_batch(builders, encoded, stats, job.skip_bad_lines, lambda line: bar.write(line, file=sys.stderr))
         seconds = max(time.monotonic() - started, 1e-9)
         bar.update(len(encoded.lengths[key]) + len(encoded.bad_lines))
         bar.set_postfix_str(f"{stats.tokens[key]:,} tokens, {stats.bytes / seconds / 1e6:.2f} MB/s", refresh=False)
@@ -264,13 +275,21 @@ def parse_args(argv=None) -> argparse.Namespace:
                        help="input files or glob patterns: .jsonl, .jsonl.gz, .txt (one document per file)")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract from each JSON line")
     group.add_argument("--skip-bad-lines", action="store_true",
-                       help="skip lines that are not UTF-8/JSON or lack a string under a key, instead of stopping")
+                       help="skip lines that are not UTF-8/JSON, lack a string under a key or hold a lone surrogate "
+                            "(\"\\ud800\"), instead of stopping; they are counted in the .json")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     group.add_argument("--tokenizer-model", help="tokenizer.json (or its directory), or a .tiktoken ranks file")
     group.add_argument("--vocab-file", help="GPT-2 vocab.json (GPT2BPETokenizer)")
     group.add_argument("--merge-file", help="GPT-2 merges.txt (GPT2BPETokenizer)")
-    group.add_argument("--append-eod", action="store_true", help="append the end-of-document token to each document")
+    group.add_argument("--append-eod", action="store_true",
+                       help="append the end-of-document token to each document (not to an empty one, as Megatron-LM)")
+    group.add_argument("--special-tokens-as-text", action="store_true",
+                       help="encode special-token text in a document (a literal <|endoftext|>) as ordinary text. "
+                            "By default it is that special token, as Megatron-LM encodes it, so a document "
+                            "holding the string is cut in two by an end-of-document token; use this on "
+                            "untrusted (web) text, so that it cannot inject document boundaries and only "
+                            "--append-eod ends a document")
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True, help="path prefix of the output files")
     group = parser.add_argument_group("runtime")
@@ -294,7 +313,8 @@ def preprocess(args: argparse.Namespace) -> dict:
     paths = expand_inputs(args.input)
     if len(args.json_keys) > 1 and any(is_text_file(path) for path in paths):
         raise InputError("a .txt input is one document of one text: give a single --json-keys key")
-    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file)
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file,
+                                special_tokens_as_text=args.special_tokens_as_text)
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     final_prefixes = {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}
     output_dir = os.path.dirname(os.path.abspath(args.output_prefix))
@@ -333,7 +353,10 @@ def preprocess(args: argparse.Namespace) -> dict:
             scratch_prefix = os.path.join(scratch, key)
             metadata[key] = {
                 "tokenizer": tokenizer.description, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod,
-                "append_eod": args.append_eod, "documents": stats.documents[key], "tokens": stats.tokens[key],
+                "append_eod": args.append_eod, "special_tokens_as_text": args.special_tokens_as_text,
+                # documents: the .idx's, the empty_documents (zero-length, as Megatron-LM writes them) included.
+                # (Metadata written before they were kept counted only the others and the skipped empty ones.)
+                "documents": stats.documents[key], "tokens": stats.tokens[key],
                 # Training checks it against the vocabulary instead of scanning the .bin.
                 "max_token_id": stats.max_token_id.get(key),
                 "dtype": dtype.__name__, "json_key": key, "empty_documents": stats.empty[key],
@@ -347,10 +370,10 @@ def preprocess(args: argparse.Namespace) -> dict:
         shutil.rmtree(scratch, ignore_errors=True)
     for key, prefix in final_prefixes.items():
         print(f"{prefix}.bin/.idx/.json: {stats.documents[key]:,} documents, {stats.tokens[key]:,} tokens "
-              f"({dtype.__name__}, vocab {tokenizer.vocab_size}, eod {tokenizer.eod}); "
-              f"{stats.empty[key]:,} empty documents skipped", file=sys.stderr)
+              f"({dtype.__name__}, vocab {tokenizer.vocab_size}, eod {tokenizer.eod}), "
+              f"{stats.empty[key]:,} of the documents empty", file=sys.stderr)
     seconds = time.monotonic() - started
-    documents = sum(stats.documents.values()) + sum(stats.empty.values())
+    documents = sum(stats.documents.values())
     print(f"done in {seconds:.2f} s: {documents / seconds:.1f} docs/s, {stats.bytes / seconds / 1e6:.3f} MB/s, "
           f"{sum(stats.tokens.values()) / seconds:.0f} tokens/s", file=sys.stderr)
     if stats.bad_lines:

@@ -5,18 +5,22 @@
     python tools/preprocess_data.py ... --tokenizer-type HuggingFaceTokenizer --tokenizer-model tokenizers/bpe32k
 
 Reads the same inputs as tools/preprocess_data.py (.jsonl, .jsonl.gz, .txt, globs; --json-keys) and writes
-OUTPUT_DIR/tokenizer.json. A bad line stops training with its file and line, unless --skip-bad-lines.
+OUTPUT_DIR/tokenizer.json, and OUTPUT_DIR/tokenizer_config.json naming <|endoftext|> as the EOS (and BOS and
+UNK, as GPT-2's), so that transformers' AutoTokenizer, and Megatron-LM's HuggingFaceTokenizer with it (its
+EOD is the EOS), find the end-of-document token. A bad line stops training with its file and line, unless
+--skip-bad-lines.
 """
 
 import argparse
+import json
 import os
 import sys
 from collections import Counter
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from angpt.data.corpus import BadLine, InputError, expand_inputs, iter_records, parse_record  # noqa: E402
-from angpt.data.tokenizers import EOD_TOKEN  # noqa: E402
+from angpt.data.corpus import BadLine, InputError, expand_inputs, iter_records, parse_record
+from angpt.data.tokenizers import EOD_TOKEN
 
 
 def iter_texts(paths: list, keys: list, skip_bad_lines: bool, skipped: Counter):
@@ -32,8 +36,6 @@ def iter_texts(paths: list, keys: list, skip_bad_lines: bool, skipped: Counter):
 
 def train(paths: list, keys: list, vocab_size: int, skip_bad_lines: bool = False):
     """A byte-level BPE of vocab_size tokens, <|endoftext|> (id 0) among them; returns it and the skipped lines."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -47,12 +49,19 @@ def train(paths: list, keys: list, vocab_size: int, skip_bad_lines: bool = False
     return tokenizer, skipped
 
 
+def tokenizer_config() -> dict:
+    """tokenizer_config.json for transformers' AutoTokenizer: the tokenizer.json as it is (no post-processor,
+    so no BOS is added), with <|endoftext|> as its EOS, BOS and UNK, as GPT-2's."""
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOD_TOKEN, "eos_token": EOD_TOKEN,
+            "unk_token": EOD_TOKEN, "clean_up_tokenization_spaces": False}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", nargs="+", required=True, help="input files or glob patterns")
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="keys whose text to train on")
     parser.add_argument("--vocab-size", type=int, required=True, help="tokens in all, <|endoftext|> included")
-    parser.add_argument("--output-dir", required=True, help="where to write tokenizer.json")
+    parser.add_argument("--output-dir", required=True, help="where to write tokenizer.json and tokenizer_config.json")
     parser.add_argument("--skip-bad-lines", action="store_true", help="skip unreadable lines instead of stopping")
     args = parser.parse_args()
     minimum = 256 + 1  # every byte, and the EOD
@@ -65,6 +74,9 @@ def main() -> None:
     os.makedirs(args.output_dir, exist_ok=True)
     path = os.path.join(args.output_dir, "tokenizer.json")
     tokenizer.save(path)
+    with open(os.path.join(args.output_dir, "tokenizer_config.json"), "w") as file:
+        json.dump(tokenizer_config(), file, indent=2)
+        file.write("\n")
     print(f"{path}: {tokenizer.get_vocab_size()} tokens, {EOD_TOKEN} = {tokenizer.token_to_id(EOD_TOKEN)}")
     if skipped:
         print(f"skipped {sum(skipped.values())} bad lines: "

@@ -11,11 +11,11 @@ import os
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
-BAD_LINE_REASONS = ("not UTF-8", "not JSON", "not a JSON object", "missing key", "not a string")
+BAD_LINE_REASONS = ("not UTF-8", "not JSON", "not a JSON object", "missing key", "not a string", "lone surrogate")
 
 
 class InputError(ValueError):
-    """Input that cannot be read as documents: a missing file, an empty glob or a bad line."""
+    """Input that cannot be read as documents: a missing file, a directory, an empty glob or a bad line."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,10 @@ def expand_inputs(patterns: Sequence[str]) -> list[str]:
             paths.extend(matches)
         elif os.path.isfile(pattern):
             paths.append(pattern)
+        elif os.path.isdir(pattern):
+            example = os.path.join(pattern, "*.jsonl")
+            raise InputError(f"--input {pattern!r} is a directory: give its files, or a glob pattern such as "
+                             f"{example!r}")
         else:
             raise InputError(f"--input {pattern!r}: no such file")
     return paths
@@ -77,7 +81,9 @@ def iter_records(paths: Sequence[str]) -> Iterator[Record]:
 
 
 def parse_record(record: Record, keys: Sequence[str]) -> "dict[str, str] | BadLine":
-    """The text under each key, or the reason the record has none. A `.txt` record is the text of keys[0]."""
+    """The text under each key, or the reason the record has none. A `.txt` record is the text of keys[0].
+    A JSON string holding half of a UTF-16 surrogate pair ("\\ud800" alone) is not text any tokenizer can
+    encode (Hugging Face's refuses it, tiktoken's replaces it): the line is bad."""
     try:
         text = record.raw.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -98,4 +104,13 @@ def parse_record(record: Record, keys: Sequence[str]) -> "dict[str, str] | BadLi
         if not isinstance(obj[key], str):
             return BadLine(record.path, record.line, "not a string", f"{key!r} holds a {type(obj[key]).__name__}")
         texts[key] = obj[key]
+    # Only a \u escape makes a lone surrogate (strict UTF-8 decoding refuses an encoded one): the rest of the
+    # lines skip the check.
+    if b"\\ud" in record.raw or b"\\uD" in record.raw:
+        for key, text in texts.items():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as error:
+                return BadLine(record.path, record.line, "lone surrogate",
+                               f"{key!r} holds {text[error.start]!r} at character {error.start}")
     return texts

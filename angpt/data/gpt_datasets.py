@@ -11,6 +11,7 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
+from angpt.data.blend import parse_blend
 from angpt.data.indexed import IndexedDatasetError, check_indexed_dataset, check_token_ids, metadata_path, read_metadata
 from angpt.data.tokenizers import recorded_tokenizer
 
@@ -41,20 +42,6 @@ class DataArguments:
     def prefixes(self) -> list[str]:
         paths = [self.data_path, self.train_data_path, self.valid_data_path, self.test_data_path]
         return [prefix for path in paths if path for prefix in parse_blend(path)[0]]
-
-
-def parse_blend(values: Sequence[str]) -> tuple[list[str], Optional[list[float]]]:
-    """`prefix` or `w1 prefix1 w2 prefix2 ...`, as Megatron's --data-path."""
-    values = list(values)
-    if len(values) == 1:
-        return values, None
-    if len(values) % 2:
-        raise ValueError(f"--data-path takes one prefix or weight/prefix pairs, got {values}")
-    try:
-        weights = [float(w) for w in values[0::2]]
-    except ValueError:
-        raise ValueError(f"--data-path takes one prefix or weight/prefix pairs, got {values}") from None
-    return values[1::2], weights
 
 
 def dataset_vocabulary(data: DataArguments) -> DatasetVocabulary:
@@ -134,13 +121,15 @@ def build_datasets(data: DataArguments, vocabulary, seq_length: int, seed: int, 
 
 def _check_every_split_has_documents(split: str, split_matrix, prefixes) -> None:
     """megatron-core's GPTDataset loops forever on a split without documents; refuse it by name. The
-    bounds are computed as megatron-core's dataset builder computes them."""
+    bounds are computed as megatron-core's dataset builder computes them: over the .idx's sequences, which
+    are its non-empty documents (a zero-length document, as Megatron-LM writes an empty text, has none)."""
     for prefix in prefixes:
-        documents = read_metadata(prefix)["documents"]
+        documents = check_indexed_dataset(prefix)["sequences"]
         for name, bounds in zip(("train", "validation", "test"), split_matrix):
             if bounds is not None and round(bounds[0] * documents) == round(bounds[1] * documents):
                 raise ValueError(f"--split {split} leaves the {name} split of {prefix} without documents "
-                                 f"(it has {documents}): give that split more weight, or 0 to have none")
+                                 f"(it has {documents} non-empty documents): give that split more weight, "
+                                 f"or 0 to have none")
 
 
 def micro_batches(dataset, consumed_samples: int, global_batch_size: int, micro_batch_size: int,

@@ -5,14 +5,22 @@
     GPT2BPETokenizer      --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt,
                           or --tokenizer-model gpt2.tiktoken (tools/fetch_gpt2_bpe.py)
 
-Document text is always encoded as ordinary text: a literal "<|endoftext|>" in a document stays text, so the
-end-of-document token only ever comes from `--append-eod`.
+Special-token text in a document is encoded as Megatron-LM encodes it (megatron-core 0.16's tokenizers):
+a literal "<|endoftext|>" becomes the end-of-document token, as Hugging Face's `tokenize()` and tiktoken's
+`encode(allowed_special="all")` read it. `special_tokens_as_text=True` encodes it as ordinary text instead,
+so that the end-of-document token only ever comes from `--append-eod` (untrusted text cannot end a document).
 """
 
 import hashlib
 import json
 import os
 from typing import Optional, Protocol
+
+import tiktoken
+from tiktoken.load import load_tiktoken_bpe
+from tiktoken_ext.openai_public import r50k_pat_str
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as RustTokenizer
 
 EOD_TOKEN = "<|endoftext|>"
 TOKENIZER_TYPES = ("HuggingFaceTokenizer", "TikTokenizer", "GPT2BPETokenizer")
@@ -22,6 +30,7 @@ class Tokenizer(Protocol):
     vocab_size: int
     eod: int
     description: dict
+    special_tokens_as_text: bool
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
 
@@ -43,10 +52,12 @@ def describe_file(path: str) -> dict:
 
 
 class HuggingFaceTokenizer:
-    """A `tokenizers` tokenizer."""
+    """A `tokenizers` tokenizer. Its special tokens in the text are matched as those tokens, as by Megatron-LM's
+    HuggingFaceTokenizer (`tokens_to_ids(tokenize(text))`); with special_tokens_as_text, they are text."""
 
-    def __init__(self, tokenizer, eod_token: str, description: dict):
-        tokenizer.encode_special_tokens = True  # special tokens in the text are text, not control tokens
+    def __init__(self, tokenizer, eod_token: str, description: dict, special_tokens_as_text: bool = False):
+        tokenizer.encode_special_tokens = special_tokens_as_text
+        self.special_tokens_as_text = special_tokens_as_text
         self.tokenizer = tokenizer
         self.eod = tokenizer.token_to_id(eod_token)
         if self.eod is None:
@@ -66,12 +77,11 @@ class HuggingFaceTokenizer:
 
 
 class TikTokenizer:
-    """A `tiktoken` encoding of a ranks file with GPT-2's split pattern; EOD is the id after the last rank."""
+    """A `tiktoken` encoding of a ranks file with GPT-2's split pattern; EOD is the id after the last rank.
+    "<|endoftext|>" in the text is the EOD, as Megatron-LM's TikTokenizer encodes its special tokens
+    (`allowed_special="all"`); with special_tokens_as_text, it is text (`encode_ordinary`)."""
 
-    def __init__(self, path: str, tokenizer_type: str):
-        import tiktoken
-        from tiktoken.load import load_tiktoken_bpe
-        from tiktoken_ext.openai_public import r50k_pat_str
+    def __init__(self, path: str, tokenizer_type: str, special_tokens_as_text: bool = False):
 
         ranks = load_tiktoken_bpe(path)
         self.eod = max(ranks.values()) + 1
@@ -81,10 +91,13 @@ class TikTokenizer:
         )
         self.vocab_size = self.encoding.n_vocab
         self.threads = os.cpu_count()
+        self.special_tokens_as_text = special_tokens_as_text
         self.description = {"type": tokenizer_type, "model": describe_file(path), "eod_token": EOD_TOKEN}
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return self.encoding.encode_ordinary_batch(texts, num_threads=self.threads)
+        if self.special_tokens_as_text:
+            return self.encoding.encode_ordinary_batch(texts, num_threads=self.threads)
+        return self.encoding.encode_batch(texts, num_threads=self.threads, allowed_special="all")
 
     def set_threads(self, threads: int) -> None:
         self.threads = threads
@@ -93,10 +106,8 @@ class TikTokenizer:
         return self.encoding.decode(ids)
 
 
-def load_huggingface(path: str, tokenizer_type: str) -> HuggingFaceTokenizer:
+def load_huggingface(path: str, tokenizer_type: str, special_tokens_as_text: bool = False) -> HuggingFaceTokenizer:
     """A tokenizer.json file, or a directory with tokenizer.json (its tokenizer_config.json may name the EOS)."""
-    from tokenizers import Tokenizer as RustTokenizer
-
     eod_token = EOD_TOKEN
     if os.path.isdir(path):
         config_path = os.path.join(path, "tokenizer_config.json")
@@ -108,20 +119,21 @@ def load_huggingface(path: str, tokenizer_type: str) -> HuggingFaceTokenizer:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--tokenizer-model: no tokenizer file {path}")
     description = {"type": tokenizer_type, "model": describe_file(path)}
-    return HuggingFaceTokenizer(RustTokenizer.from_file(path), eod_token, description)
+    return HuggingFaceTokenizer(RustTokenizer.from_file(path), eod_token, description, special_tokens_as_text)
 
 
-def load_gpt2_vocab_merges(vocab_file: str, merge_file: str) -> HuggingFaceTokenizer:
-    """GPT-2's byte-level BPE from Megatron's vocab/merges pair."""
-    from tokenizers import Tokenizer as RustTokenizer
-    from tokenizers import decoders, models, pre_tokenizers
-
+def load_gpt2_vocab_merges(vocab_file: str, merge_file: str, special_tokens_as_text: bool = False
+                           ) -> HuggingFaceTokenizer:
+    """GPT-2's byte-level BPE from Megatron's vocab/merges pair; its "<|endoftext|>" (in vocab.json) is a
+    special token, as in Megatron-LM's GPT2BPETokenizer (Hugging Face's GPT2Tokenizer)."""
     tokenizer = RustTokenizer(models.BPE.from_file(vocab_file, merge_file))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
+    if tokenizer.token_to_id(EOD_TOKEN) is not None:  # keeps its vocab.json id; a vocab without it is refused below
+        tokenizer.add_special_tokens([AddedToken(EOD_TOKEN, special=True, normalized=False)])
     description = {"type": "GPT2BPETokenizer", "vocab_file": describe_file(vocab_file),
                    "merge_file": describe_file(merge_file)}
-    return HuggingFaceTokenizer(tokenizer, EOD_TOKEN, description)
+    return HuggingFaceTokenizer(tokenizer, EOD_TOKEN, description, special_tokens_as_text)
 
 
 def recorded_tokenizer(description) -> Optional[Tokenizer]:
@@ -137,8 +149,6 @@ def recorded_tokenizer(description) -> Optional[Tokenizer]:
         if sha256_of(path) != description[name].get("sha256"):
             raise ValueError(f"its tokenizer file {path} has changed since the dataset was written (sha256)")
     if description["type"] == "HuggingFaceTokenizer":
-        from tokenizers import Tokenizer as RustTokenizer
-
         return HuggingFaceTokenizer(RustTokenizer.from_file(files["model"]), description.get("eod_token", EOD_TOKEN),
                                     description)
     if "model" in files:
@@ -147,8 +157,8 @@ def recorded_tokenizer(description) -> Optional[Tokenizer]:
 
 
 def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None, vocab_file: Optional[str] = None,
-                    merge_file: Optional[str] = None) -> Tokenizer:
-    """The tokenizer the flags name."""
+                    merge_file: Optional[str] = None, special_tokens_as_text: bool = False) -> Tokenizer:
+    """The tokenizer the flags name; special_tokens_as_text: special-token text in documents is ordinary text."""
     for flag, path in (("--tokenizer-model", tokenizer_model), ("--vocab-file", vocab_file),
                        ("--merge-file", merge_file)):
         if path is not None and not os.path.exists(path):
@@ -156,15 +166,15 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None, 
     if tokenizer_type == "HuggingFaceTokenizer":
         if tokenizer_model is None:
             raise ValueError("HuggingFaceTokenizer needs --tokenizer-model (tokenizer.json or its directory)")
-        return load_huggingface(tokenizer_model, tokenizer_type)
+        return load_huggingface(tokenizer_model, tokenizer_type, special_tokens_as_text)
     if tokenizer_type == "TikTokenizer":
         if tokenizer_model is None:
             raise ValueError("TikTokenizer needs --tokenizer-model (a .tiktoken ranks file)")
-        return TikTokenizer(tokenizer_model, tokenizer_type)
+        return TikTokenizer(tokenizer_model, tokenizer_type, special_tokens_as_text)
     if tokenizer_type == "GPT2BPETokenizer":
         if vocab_file is not None and merge_file is not None:
-            return load_gpt2_vocab_merges(vocab_file, merge_file)
+            return load_gpt2_vocab_merges(vocab_file, merge_file, special_tokens_as_text)
         if tokenizer_model is not None:
-            return TikTokenizer(tokenizer_model, tokenizer_type)
+            return TikTokenizer(tokenizer_model, tokenizer_type, special_tokens_as_text)
         raise ValueError("GPT2BPETokenizer needs --vocab-file and --merge-file, or --tokenizer-model gpt2.tiktoken")
     raise ValueError(f"--tokenizer-type {tokenizer_type!r}: choose one of {', '.join(TOKENIZER_TYPES)}")

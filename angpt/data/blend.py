@@ -1,0 +1,20 @@
+"""Megatron-LM's --data-path: one dataset prefix, or weight/prefix pairs of a blend. Read here, apart
+from the datasets, so that the command line checks it before torch and megatron-core are loaded."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+
+def parse_blend(values: Sequence[str]) -> tuple[list[str], Optional[list[float]]]:
+    """`prefix` or `w1 prefix1 w2 prefix2 ...`, as Megatron's --data-path."""
+    values = list(values)
+    if len(values) == 1:
+        return values, None
+    if len(values) % 2:
+        raise ValueError(f"--data-path takes one prefix or weight/prefix pairs, got {values}")
+    try:
+        weights = [float(w) for w in values[0::2]]
+    except ValueError:
+        raise ValueError(f"--data-path takes one prefix or weight/prefix pairs, got {values}") from None
+    return values[1::2], weights
