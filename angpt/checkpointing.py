@@ -28,6 +28,8 @@ import random
 import re
 import shutil
 import signal
+import sys
+import types
 from dataclasses import asdict, dataclass
 from multiprocessing import get_context, resource_tracker
 from multiprocessing.managers import SyncManager
@@ -42,6 +44,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
 from torch.distributed.checkpoint.api import CheckpointException
 
 from angpt import digests
@@ -56,6 +59,7 @@ INCOMPLETE = ".incomplete"
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 _ITERATION_DIR = re.compile(r"^iter_(\d{7,})$")
 FALLBACK_FLAG = "load-fallback-to-intact"
+NEXT_TO_NO_SPACE = 1 << 20  # bytes free after a failed save that leave no doubt about why it failed
 
 
 class CheckpointError(RuntimeError):
@@ -153,7 +157,10 @@ def _rng_sharded_object(states: Optional[list]) -> ShardedObject:
     return ShardedObject(
         "rng_state",
         states,
-        (parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_world_size()),
+        (
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_world_size(),
+        ),
         (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()),
         replica_id=parallel_state.get_data_parallel_rank(),
     )
@@ -207,14 +214,20 @@ def _results_queue_that_outlives_exit_signals():
     The Manager starts with the exit signals blocked (a child inherits its parent's signal mask, and
     the Manager never unblocks them), so they stay pending there: the training process decides, and
     shuts it down at exit; SIGKILL to the group still ends it. Starting multiprocessing's resource
-    tracker unblocks SIGINT and SIGTERM, so it is started before they are blocked."""
+    tracker unblocks SIGINT and SIGTERM, so it is started before they are blocked.
+    A spawned process imports its parent's main module first (here `angpt.pretrain`: torch and
+    megatron-core, 5 s of CPU and 400 MB per rank), which a queue's server does not need: it is spawned
+    while `__main__` is a blank module."""
     if filesystem_async._results_queue is None:
         manager = SyncManager(ctx=get_context("spawn"))
         resource_tracker.ensure_running()
         unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {getattr(signal, name) for name in EXIT_SIGNALS})
+        main = sys.modules["__main__"]
+        sys.modules["__main__"] = types.ModuleType("__main__")
         try:
             manager.start()
         finally:
+            sys.modules["__main__"] = main
             signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)  # what arrived meanwhile is handled now
         filesystem_async._results_queue = manager.Queue()  # the queue's proxy keeps the manager alive
     return filesystem_async._results_queue
@@ -275,12 +288,12 @@ def _causes(error: BaseException):
 
 def _out_of_space(error: BaseException, free: int, missing: int) -> bool:
     """Whether a save failed for want of space: an ENOSPC (or quota) error, also as the text other ranks and
-    megatron-core's writer processes pass on, or less free space than the rest of the checkpoint needed
-    (torch.save says only "unexpected pos")."""
+    megatron-core's writer processes pass on, or less free space than the rest of the checkpoint needed, or
+    next to none (torch.save says only "unexpected pos", and an estimate may fall short)."""
     codes = (errno.ENOSPC, errno.EDQUOT)
     if any(isinstance(cause, OSError) and cause.errno in codes for cause in _causes(error)):
         return True
-    return any(os.strerror(code) in str(error) for code in codes) or free < missing
+    return any(os.strerror(code) in str(error) for code in codes) or free < max(missing, NEXT_TO_NO_SPACE)
 
 
 def _bytes_under(directory: str) -> int:
@@ -301,8 +314,9 @@ def _refusing_a_full_disk(action: Callable, root: str, iteration: int, needed: i
             if not _out_of_space(error, free, needed - written):
                 raise
             shutil.rmtree(staging, ignore_errors=True)
-            raise CheckpointError(_no_space(root, iteration, f"it needs more than the {_mib(free + written)} that "
-                                                             f"were free (its tensors: about {_mib(needed)})")) from error
+            message = (f"it needs more than the {_mib(free + written)} that were free "
+                       f"(its tensors: about {_mib(needed)})")
+            raise CheckpointError(_no_space(root, iteration, message)) from error
 
     return guarded
 
@@ -386,12 +400,10 @@ def prepare_optimizer_for_loading(optimizer) -> None:
     """megatron-core's distributed optimizer over torch's Adam (no apex or Transformer Engine) can only
     build its sharded state dict for loading once Adam's state exists: create it with dummy values,
     which the load then overwrites."""
-    from megatron.core.optimizer import distrib_optimizer
-
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if isinstance(inner, distrib_optimizer.DistributedOptimizer) and not inner.optimizer.state:
+        if isinstance(inner, DistributedOptimizer) and not inner.optimizer.state:
             inner._init_optimizer_states_with_dummy_values()
-    if not distrib_optimizer.HAVE_APEX_OR_TE:
+    if not HAVE_APEX_OR_TE:
         _load_only_checkpointed_states()
 
 
@@ -400,8 +412,6 @@ def _load_only_checkpointed_states() -> None:
     Adam's per-parameter state from the checkpoint, but the checkpoint stores `step` once, in the
     parameter groups (KeyError: 'step'). Copy the keys the checkpoint has; `_unshare_adam_steps` then
     fixes the steps."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
     original = DistributedOptimizer._set_main_param_and_optimizer_states
     if getattr(original, "copies_only_checkpointed_states", False):
         return
@@ -503,8 +513,10 @@ def _unverified_read(read: Callable, path: str):
         return read()
     except (Exception, CheckpointException) as error:
         first_line = (str(error).strip().splitlines() or [""])[0]
-        raise CheckpointError(f"the checkpoint of iteration {_iteration_of(path)} in {path}, which has no digests "
-                              f"to name a damaged file, cannot be read: {type(error).__name__}: {first_line}") from error
+        raise CheckpointError(
+            f"the checkpoint of iteration {_iteration_of(path)} in {path}, which has no digests "
+            f"to name a damaged file, cannot be read: {type(error).__name__}: {first_line}"
+        ) from error
 
 
 def load_checkpoint(

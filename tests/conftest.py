@@ -4,12 +4,12 @@ import signal
 import socket
 import subprocess
 import sys
+from pydoc_data.topics import topics
 
 import pytest
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from pydoc_data.topics import topics
 
 from angpt import distributed
 from angpt.arguments import parse_args
@@ -18,12 +18,21 @@ from angpt.trainer import Trainer
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 PYDOC_VOCAB_SIZE = 512  # the BPE of the pydoc_corpus fixture
 
+# Under pytest-xdist, each worker's tests (and the processes they start, which inherit the variable) get
+# their share of the cores: one thread each with a worker per core, rather than every process spinning
+# as many threads as there are cores.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
     config.addinivalue_line("markers", "multiprocess: launches real processes with torchrun on gloo")
     config.addinivalue_line("markers", "xdist_group(name): run on the pytest-xdist worker of that group")
-    config.addinivalue_line("markers", "slow: takes more than a few seconds in one process (left out of `make test-fast`)")
+    config.addinivalue_line("markers",
+                            "slow: takes more than a few seconds in one process (left out of `make test-fast`)")
 
 
 # `make test` runs the tests on parallel pytest-xdist workers (--dist loadgroup). A test that uses a fixture of
@@ -59,6 +68,15 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    # pytest-xdist's --dist loadgroup appends each test's group to its node id; under a pytest that ignores
+    # that (9.2, with pytest-xdist 3.8) tests are scheduled one by one and every worker builds the shared
+    # fixtures again: said here rather than found in the suite's time.
+    if getattr(session.config.option, "loadgroup", False) and session.items and "@" not in session.items[0].nodeid:
+        raise pytest.UsageError(f"pytest {pytest.__version__} does not keep pytest-xdist's test groups: "
+                                "install the pytest that setup.py's test extra names")
 
 
 def run_workers(script: str, *args: str, nproc: int = 2, timeout: int = 600) -> str:

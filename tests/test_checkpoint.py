@@ -7,16 +7,21 @@ import pytest
 
 from conftest import run_workers
 
+ROUND_TRIPS = {"tp2_to_tp1": "tp2pp1:tp1pp1", "pp2_to_tp2": "tp1pp2:tp2pp1"}
+
+
+@pytest.fixture(scope="module")
+def round_trips(tmp_path_factory) -> list[dict]:
+    """Every round trip of every family, in one torchrun job."""
+    output = run_workers("checkpoint_worker.py", "--round-trips", ",".join(ROUND_TRIPS.values()),
+                         "--dir", str(tmp_path_factory.mktemp("round_trips")))
+    return [json.loads(line[len("RESULT "):]) for line in output.splitlines() if line.startswith("RESULT ")]
+
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(
-    "save, load",
-    [(("--save-tp", "2"), ("--load-tp", "1")), (("--save-pp", "2", "--save-tp", "1"), ("--load-tp", "2"))],
-    ids=["tp2_to_tp1", "pp2_to_tp2"],
-)
-def test_distributed_checkpoint_round_trip(save, load, tmp_path):
-    output = run_workers("checkpoint_worker.py", *save, *load, "--dir", str(tmp_path))
-    results = [json.loads(line[len("RESULT "):]) for line in output.splitlines() if line.startswith("RESULT ")]
+@pytest.mark.parametrize("trip", ROUND_TRIPS)
+def test_distributed_checkpoint_round_trip(trip, round_trips):
+    results = [result for result in round_trips if result["round_trip"] == ROUND_TRIPS[trip]]
     assert sorted(r["family"] for r in results) == ["angpt", "gptplus", "ngpt"]
     for result in results:
         assert len(result["loads"]) == 2

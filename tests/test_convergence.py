@@ -26,7 +26,7 @@ def test_convergence_quick_two_steps(pydoc_corpus, tmp_path):
     command = [sys.executable, os.path.join(ROOT, "benchmarks", "convergence.py"), "--output-dir", str(out),
                "--quick", "--train-iters", "2", "--max-lrs", "1", "--seeds", "2", "--ablation-list",
                "plain_residual", "--step-time-rounds", "1", "--jobs", "4", "--work-dir", str(tmp_path / "work"),
-               "--corpus", str(pydoc_corpus)]
+               "--corpus", str(pydoc_corpus), "--no-snapshot"]  # the working tree's code, committed or not
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -14,15 +15,18 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import torch
 from megatron.core import tensor_parallel
+from megatron.core.dist_checkpointing import load_plain_tensors
 from megatron.core.transformer.enums import AttnBackend
 
-from angpt import checkpointing
+from angpt import checkpointing, faults
 from angpt.models import build_model, model_config
 from angpt.models.attention import clear_attention_backend_environment
-from conftest import ROOT
+
+from conftest import ROOT, in_process_trainer
 
 MODEL = ["--num-layers", "4", "--hidden-size", "48", "--num-attention-heads", "4", "--seq-length", "32",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-2", "--mock-data", "--vocab-size", "256",
@@ -66,8 +70,6 @@ def latest(run_dir) -> int:
 
 
 def checkpoint_tensors(run_dir, iteration: int) -> dict[str, torch.Tensor]:
-    from megatron.core.dist_checkpointing import load_plain_tensors
-
     loaded = load_plain_tensors(os.path.join(run_dir, f"iter_{iteration:07d}"))
     return {key: value for key, value in loaded.items() if isinstance(value, torch.Tensor)}
 
@@ -120,7 +122,8 @@ def uninterrupted(tmp_path_factory):
 
 
 # tp2 and dp2 with the distributed optimizer stop and resume under signals, and are compared with their
-# uninterrupted runs in the same way, in test_signals_to_torchrun_or_to_the_workers_groups_save_and_the_runs_resume_exactly.
+# uninterrupted runs in the same way, in
+# test_signals_to_torchrun_or_to_the_workers_groups_save_and_the_runs_resume_exactly.
 @pytest.mark.parametrize("layout", ["bf16_dp2_distributed_optimizer"])
 def test_a_resumed_run_equals_an_uninterrupted_one_bit_for_bit(layout, uninterrupted, tmp_path, single_process):
     flags = [*LAYOUTS[layout], *ITERS, "--save", str(tmp_path)]
@@ -177,17 +180,26 @@ def test_an_async_save_writes_what_a_synchronous_one_does(uninterrupted, tmp_pat
         assert all(torch.equal(written[key], expected[key]) for key in written)
 
 
-@pytest.mark.parametrize(
-    "saved, layout, nproc",
-    [("tp2", ["--pipeline-model-parallel-size", "2"], 2), ("dp2_distributed_optimizer", ["--use-distributed-optimizer"], 1)],
-    ids=["tp2_to_pp2", "dp2_to_dp1"],
-)
-def test_a_checkpoint_continues_at_another_layout(saved, layout, nproc, uninterrupted, tmp_path):
-    run_dir = copy_checkpoint(uninterrupted[saved], 3, tmp_path)
-    output = train(*layout, *ITERS, "--load", run_dir, "--save", run_dir, nproc=nproc)
+def test_a_checkpoint_continues_at_another_layout(uninterrupted, tmp_path):
+    run_dir = copy_checkpoint(uninterrupted["tp2"], 3, tmp_path)
+    output = train("--pipeline-model-parallel-size", "2", *ITERS, "--load", run_dir, "--save", run_dir)
     assert "RNG states are not restored" in output
-    continued, reference = losses(run_dir), losses(uninterrupted[saved])
-    print(saved, "->", layout, continued, reference)
+    continued, reference = losses(run_dir), losses(uninterrupted["tp2"])
+    print("tp2 -> pp2", continued, reference)
+    assert sorted(continued) == [4, 5, 6]
+    for iteration in continued:
+        assert continued[iteration] == pytest.approx(reference[iteration], rel=1e-5)
+
+
+def test_a_distributed_optimizer_checkpoint_continues_in_one_process(uninterrupted, tmp_path, single_process, caplog):
+    """dp2's distributed optimizer state, sharded over two ranks, continued at DP 1 (in this process)."""
+    run_dir = copy_checkpoint(uninterrupted["dp2_distributed_optimizer"], 3, tmp_path)
+    with caplog.at_level(logging.INFO, logger="angpt"):
+        code = in_process_trainer([*MODEL, "--use-distributed-optimizer", *ITERS, "--load", run_dir,
+                                   "--save", run_dir]).run()
+    assert code == 0 and "RNG states are not restored" in caplog.text
+    continued, reference = losses(run_dir), losses(uninterrupted["dp2_distributed_optimizer"])
+    print("dp2 -> dp1", continued, reference)
     assert sorted(continued) == [4, 5, 6]
     for iteration in continued:
         assert continued[iteration] == pytest.approx(reference[iteration], rel=1e-5)
@@ -195,8 +207,6 @@ def test_a_checkpoint_continues_at_another_layout(saved, layout, nproc, uninterr
 
 def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
     flags = ["--use-distributed-optimizer", *ITERS, "--save", str(tmp_path), "--save-interval", "2"]
-    import psutil
-
     process = subprocess.Popen(command(*flags), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, env=environment(ANGPT_TEST_PAUSE_IN_SAVE_AT="4"))
     try:
@@ -235,15 +245,16 @@ def test_sigterm_saves_and_exits_cleanly_and_the_next_run_resumes(tmp_path):
     assert [r["iteration"] for r in records(tmp_path)][-3:] == [stopped, stopped + 1, stopped + 2]
 
 
-def test_exit_duration_saves_and_exits_after_the_step_that_passes_it(tmp_path):
-    output = train("--train-iters", "1000", "--save", str(tmp_path), "--exit-duration-in-mins", "0.0001", nproc=0)
-    assert "past --exit-duration-in-mins 0.0001" in output and "exiting at iteration 1" in output
+def test_exit_duration_saves_and_exits_after_the_step_that_passes_it(tmp_path, single_process, caplog):
+    with caplog.at_level(logging.INFO, logger="angpt"):
+        code = in_process_trainer([*MODEL, "--train-iters", "1000", "--save", str(tmp_path),
+                                   "--exit-duration-in-mins", "0.0001"]).run()
+    assert code == 0
+    assert "past --exit-duration-in-mins 0.0001" in caplog.text and "exiting at iteration 1" in caplog.text
     assert latest(tmp_path) == 1
 
 
 def test_exit_signal_handler_with_sigusr1_under_torchrun(tmp_path):
-    import psutil
-
     flags = ["--train-iters", "1000", "--save", str(tmp_path), "--exit-signal-handler", "--exit-signal", "SIGUSR1",
              "--tensor-model-parallel-size", "2"]
     process = subprocess.Popen(command(*flags), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -266,8 +277,6 @@ def signal_job(process: subprocess.Popen, iteration: int, nproc: int, whom: str,
     starts each in a session of its own, with the processes megatron-core forks and spawns for saves).
     `close_output` closes the read end of the job's stdout first, as a killed `torchrun ... | tee`.
     Returns torchrun's exit code and what it printed (nothing after a close)."""
-    import psutil
-
     descriptor, output = process.stdout.fileno(), bytearray()
     os.set_blocking(descriptor, False)
     waiting = f"waiting for an exit signal before iteration {iteration}".encode()
@@ -317,8 +326,6 @@ def test_signals_to_torchrun_or_to_the_workers_groups_save_and_the_runs_resume_e
     """What a shell's kill, Ctrl-C, Kubernetes, scancel do: every process of a training process's group
     (megatron-core's save helpers too) gets the signal. The step finishes, a complete checkpoint of it is
     written, the processes exit 0, and the runs resumed from these checkpoints equal an uninterrupted run."""
-    import psutil
-
     layout, flags, runs = SIGNALLED_RUNS[saves]
     flags = [*LAYOUTS[layout], *flags, *ITERS, "--save", str(tmp_path)]
     for index, (stop, whom, signum, close_output) in enumerate(runs):
@@ -353,19 +360,23 @@ def test_signals_to_torchrun_or_to_the_workers_groups_save_and_the_runs_resume_e
     assert not [key for key in final if not torch.equal(final[key], expected[key])]
 
 
-def test_a_nan_step_is_skipped_and_logged(tmp_path):
-    train(*ITERS, "--save", str(tmp_path), nproc=1, env={"ANGPT_TEST_NAN_AT_ITERATIONS": "3"})
+def test_a_nan_step_is_skipped_and_logged(tmp_path, single_process, monkeypatch):
+    monkeypatch.setenv(faults.NAN_AT_ITERATIONS, "3")
+    assert in_process_trainer([*MODEL, *ITERS, "--save", str(tmp_path)]).run() == 0
     steps = {r["iteration"]: r for r in records(tmp_path)}
     assert steps[3]["skipped"] == 1 and steps[3]["lm_loss"] is None  # NaN is written as null
     assert all(steps[i]["skipped"] == 0 for i in (1, 2, 4, 5, 6))
     assert steps[6]["lm_loss"] < steps[2]["lm_loss"]
 
 
-def test_repeated_nans_stop_the_run_with_the_last_good_state(tmp_path, single_process):
+def test_repeated_nans_stop_the_run_with_the_last_good_state(tmp_path, single_process, monkeypatch, caplog):
+    monkeypatch.setenv(faults.NAN_AT_ITERATIONS, "3,4,5,6")
     run_dir = tmp_path / "run"
-    output = train(*ITERS, "--save", str(run_dir), "--save-interval", "2", "--max-skipped-steps", "2", nproc=1,
-                   expect=1, env={"ANGPT_TEST_NAN_AT_ITERATIONS": "3,4,5,6"})
-    assert "3 steps in a row had a NaN or Inf loss or grad norm (--max-skipped-steps 2)" in output
+    with caplog.at_level(logging.INFO, logger="angpt"):
+        code = in_process_trainer([*MODEL, *ITERS, "--save", str(run_dir), "--save-interval", "2",
+                                   "--max-skipped-steps", "2"]).run()
+    assert code == 1
+    assert "3 steps in a row had a NaN or Inf loss or grad norm (--max-skipped-steps 2)" in caplog.text
     assert latest(run_dir) == 5
     # The checkpoint of the last good step (2) and the one the stop wrote (5) hold the same weights.
     good, saved = checkpoint_tensors(run_dir, 2), checkpoint_tensors(run_dir, 5)
@@ -373,17 +384,14 @@ def test_repeated_nans_stop_the_run_with_the_last_good_state(tmp_path, single_pr
     assert weights and all(torch.equal(good[key], saved[key]) for key in weights)
 
 
-def test_two_nodes_train_like_one_node_with_four_processes(tmp_path):
-    flags = ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer", "--train-iters", "2"]
-    one_node = tmp_path / "one_node"
-    train(*flags, "--save", str(one_node), nproc=4)
+def test_two_nodes_train_like_one_node(uninterrupted, tmp_path):
+    """Two nodes of one process each, rendezvousing over TCP, train exactly as one node of two processes."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    two_nodes = tmp_path / "two_nodes"
     nodes = [
         subprocess.Popen(
-            command(*flags, "--save", str(two_nodes), nproc=2,
+            command(*LAYOUTS["tp2"], *ITERS, "--save", str(tmp_path), "--save-interval", "3", nproc=1,
                     torchrun=("--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
                               "--master-port", str(port))),
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment())
@@ -391,5 +399,8 @@ def test_two_nodes_train_like_one_node_with_four_processes(tmp_path):
     ]
     outputs = [node.communicate(timeout=300)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    assert losses(two_nodes) == losses(one_node)
-    assert latest(two_nodes) == latest(one_node) == 2
+    assert losses(tmp_path) == losses(uninterrupted["tp2"])
+    assert latest(tmp_path) == 6
+    final, expected = checkpoint_tensors(tmp_path, 6), checkpoint_tensors(uninterrupted["tp2"], 6)
+    assert final.keys() == expected.keys()
+    assert not [key for key in final if not torch.equal(final[key], expected[key])]
