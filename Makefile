@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test test-fast quickstart setup clean cuda-check
+.PHONY: test test-fast lint quickstart setup clean cuda-check
 
 setup: $(VENV)/.installed
 
@@ -38,6 +38,10 @@ test: setup
 # scripts (`make test` runs those too).
 test-fast: setup
 	$(PY) -m pytest -q -n auto --dist loadgroup -m "not multiprocess and not slow"
+
+# ruff, configured in pyproject.toml (tests/test_lint.py runs the same check).
+lint: setup
+	$(PY) -m ruff check .
 
 quickstart: setup
 	PATH=$(abspath $(VENV))/bin:$$PATH bash examples/quickstart.sh

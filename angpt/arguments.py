@@ -14,14 +14,9 @@ from typing import Optional
 
 import yaml
 
-from angpt.models.config import (
-    FACTOR_MODES,
-    MODEL_FAMILIES,
-    NU_P_READINGS,
-    POST_NORMS,
-    RESIDUALS,
-    TRANSFORMER_IMPLS,
-)
+from angpt import transformer_engine_support
+from angpt.choices import FACTOR_MODES, MODEL_FAMILIES, NU_P_READINGS, POST_NORMS, RESIDUALS, TRANSFORMER_IMPLS
+from angpt.data.blend import parse_blend
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
@@ -54,10 +49,33 @@ NUMERIC_RANGES = (
 )
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with failures of one line: what is wrong with which flag, then "see --help",
+    printed by one process of a torchrun job (rank 0); every process exits with status 2."""
+
+    def error(self, message: str):
+        if int(os.environ.get("RANK", "0")) == 0:
+            self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(2)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every flag's default in --help (argparse's ArgumentDefaultsHelpFormatter would also print the
+    defaults that are None or False, and none for flags without a help text)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False, argparse.SUPPRESS) or "%(default)" in action.help:
+            return action.help
+        return f"{action.help} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="angpt.pretrain",
-        description="Pretrain anGPT, GPT+ or nGPT with Megatron-style flags, under torchrun.",
+        description="Pretrain anGPT, GPT+ or nGPT with Megatron-style flags, under torchrun. Required: the "
+                    "length of training (--train-iters or --train-samples) and the data (--data-path, "
+                    "--train-data-path or --mock-data with --vocab-size).",
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--config", help="YAML file of flag names (dashes or underscores) to values; "
                         "flags on the command line override it")
@@ -78,10 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "put every row on the unit sphere instead)")
     tying = model.add_mutually_exclusive_group()
     tying.add_argument("--tie-embeddings-and-output-weights", action="store_true",
-                       help="use the embedding as the output head (default: untied, as in the spec)")
+                       help="use the embedding as the output head (default: untied, as in docs/model.md)")
     tying.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                        help="accepted for Megatron-LM scripts; untied is already the default")
-    # Megatron-LM defaults both to 0.1; the paper and the spec train all three families without dropout.
+    # Megatron-LM defaults both to 0.1; the paper trains all three families without dropout.
     model.add_argument("--attention-dropout", type=float, default=0.0, help="dropout on the attention "
                        "probabilities, all families (default 0: no dropout, as in the paper; Megatron-LM's is 0.1)")
     model.add_argument("--hidden-dropout", type=float, default=0.0, help="dropout on the embeddings and on "
@@ -92,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--recompute-method", choices=("uniform", "block"), default="uniform")
     model.add_argument("--recompute-num-layers", type=int, default=1)
 
-    switches = parser.add_argument_group("anGPT switches (spec sections 2-6 and 9)")
+    switches = parser.add_argument_group("anGPT switches (docs/model.md, Families and switches)")
     switches.add_argument("--angpt-post-norm", choices=POST_NORMS, default="l2")
     switches.add_argument("--angpt-nu-p", choices=NU_P_READINGS, default="one")
     switches.add_argument("--angpt-alpha-init", type=float, help="default 0.01 (anGPT), 0.05 (nGPT)")
@@ -117,11 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--micro-batch-size", type=int, default=4)
     batch.add_argument("--global-batch-size", type=int, default=8)
     length = batch.add_mutually_exclusive_group()
-    length.add_argument("--train-iters", type=int)
+    length.add_argument("--train-iters", type=int, help="required, or --train-samples")
     length.add_argument("--train-samples", type=int, help="train for this many samples (a multiple of the "
-                        "global batch)")
+                        "global batch); required, or --train-iters")
 
-    lr = parser.add_argument_group("learning rate and optimizer (defaults: the family's recipe, spec section 7)")
+    lr = parser.add_argument_group("learning rate and optimizer (defaults: the family's recipe, docs/model.md)")
     lr.add_argument("--lr", type=float, default=3e-3)
     lr.add_argument("--min-lr", type=float, help="default: the family's (0.1 lr; 0 for nGPT)")
     lr.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="cosine")
@@ -140,8 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     lr.add_argument("--seed", type=int, default=1234)
 
     precision = parser.add_argument_group("precision")
-    precision.add_argument("--bf16", action=SWITCH, default=False, help="bf16 weights and activations, fp32 main weights "
-                           "in the optimizer (learnable scales stay fp32)")
+    precision.add_argument("--bf16", action=SWITCH, default=False,
+                           help="bf16 weights and activations, fp32 main weights in the optimizer (learnable scales "
+                           "stay fp32)")
     precision.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default="local",
                            help="megatron-core's own layers (default; CPU and GPU) or NVIDIA Transformer Engine's "
                            "(GPU; needed for FP8)")
@@ -212,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     exits.add_argument("--exit-duration-in-mins", type=float, help="save and exit after this many minutes")
     exits.add_argument("--max-skipped-steps", type=int, default=10,
                        help="stop when more than this many steps in a row have a NaN/Inf loss or grad norm")
+    for action in parser._actions:
+        if action.help is None and action.default not in (None, False):
+            action.help = "default: %(default)s"  # argparse shows no default where there is no help text
     return parser
 
 
@@ -345,8 +367,6 @@ def _validate_schedule(parser, args) -> None:
 
 def _validate_precision(parser, args) -> None:
     """--transformer-impl and the FP8 flags (Megatron-LM's names); fills in the FP8 defaults."""
-    from angpt.models import te_specs
-
     fp8 = args.fp8_format is not None
     if not fp8:
         for flag in ("fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_param_gather"):
@@ -378,10 +398,10 @@ def _validate_precision(parser, args) -> None:
             parser.error(f"FP8 GEMMs (--fp8-recipe {args.fp8_recipe}) need --hidden-size {args.hidden_size} and "
                          f"--ffn-hidden-size {ffn} to be multiples of {multiple}")
     if args.transformer_impl == "transformer_engine":
-        if te_specs.transformer_engine_error() is not None:
-            parser.error(te_specs.unavailable_message())
+        if transformer_engine_support.transformer_engine_error() is not None:
+            parser.error(transformer_engine_support.unavailable_message())
         if fp8:
-            problem = te_specs.fp8_recipe_problem(args.fp8_recipe)
+            problem = transformer_engine_support.fp8_recipe_problem(args.fp8_recipe)
             if problem:
                 parser.error(f"--fp8-recipe {args.fp8_recipe}: {problem}")
 
@@ -401,10 +421,15 @@ def _validate_checkpoints(parser, args) -> None:
 def _validate_data(parser, args) -> None:
     if not (args.data_path or args.train_data_path or args.mock_data):
         parser.error("no training data: give --data-path, --train-data-path or --mock-data")
+    given = [f"--{flag.replace('_', '-')}" for flag in ("data_path", "train_data_path", "mock_data")
+             if getattr(args, flag)]
+    if len(given) > 1:
+        parser.error(f"{' and '.join(given)} both name the training data: give one")
+    if args.data_path and (args.valid_data_path or args.test_data_path):
+        parser.error("--data-path splits one blend into train, validation and test (--split); "
+                     "--valid-data-path and --test-data-path go with --train-data-path")
     if args.mock_data and not args.vocab_size:
         parser.error("--mock-data needs --vocab-size")
-    from angpt.data.gpt_datasets import parse_blend
-
     for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         values = getattr(args, flag)
         if not values:
@@ -414,6 +439,11 @@ def _validate_data(parser, args) -> None:
             prefixes, _ = parse_blend(values)
         except ValueError as error:
             parser.error(str(error).replace("--data-path", name))
+        # A prefix written as one of its files (`corpus_text_document.bin`) means that prefix.
+        for index, value in enumerate(values):
+            if value in prefixes and value.endswith((".bin", ".idx")):
+                values[index] = value[:-len(".bin")]
+        prefixes, _ = parse_blend(values)
         for prefix in prefixes:
             missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
             if missing:

@@ -1,4 +1,4 @@
-"""Bounded weights (spec section 6) and nGPT's normalized weights, applied after every optimizer step.
+"""Bounded weights (docs/model.md, Bounding) and nGPT's normalized weights, applied after every optimizer step.
 
 Each weight matrix W (out x in) of anGPT has every row projected into the unit ball,
 w_i <- w_i / max(1, ||w_i||); nGPT instead normalizes exactly, along the embedding dimension. Which
@@ -24,6 +24,8 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
 from angpt import kernels
 
@@ -43,7 +45,7 @@ class _Piece:
         return self.offset == 0 and self.data.numel() == self.param.numel()
 
 
-def _split_over_tp(param) -> bool:
+def split_over_tp(param) -> bool:
     return getattr(param, "tensor_model_parallel", False) and param.partition_dim == param.unit_norm_dim
 
 
@@ -59,7 +61,7 @@ def _project(params: list[torch.nn.Parameter], pieces: list[_Piece], mode: str, 
         raise ValueError(f"weight constraint must be one of {MODES}, got {mode!r}")
     reduce_over_dp = data_parallel_group is not None and data_parallel_group.size() > 1
     tp_group = parallel_state.get_tensor_model_parallel_group()
-    split = {id(p) for p in params if tp_group.size() > 1 and _split_over_tp(p)}
+    split = {id(p) for p in params if tp_group.size() > 1 and split_over_tp(p)}
     if not reduce_over_dp:
         # Weights whose vectors this rank holds whole: one pass each, no collective.
         alone = [piece for piece in pieces if piece.whole and id(piece.param) not in split]
@@ -89,7 +91,7 @@ def _project(params: list[torch.nn.Parameter], pieces: list[_Piece], mode: str, 
     kernels.scale_(on_kernels, kernels.projection_factors(sums, mode))
 
 
-def _all_reduce_in_place(tensors: list[torch.Tensor], group) -> None:
+def all_reduce_in_place(tensors: list[torch.Tensor], group) -> None:
     """One all-reduce for a list of tensors. Every rank of the group passes the same shapes."""
     if not tensors:
         return
@@ -121,9 +123,6 @@ def project_parameters_(modules: Iterable[torch.nn.Module], mode: str) -> None:
 def _optimizer_pieces(optimizer) -> tuple[list[torch.nn.Parameter], list[_Piece], Optional[object]]:
     """(weights, the pieces of them this rank updates, data-parallel group over which they are split)
     of one megatron-core optimizer."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
-
     def wanted(param):
         return hasattr(param, "unit_norm_dim")
 
@@ -148,7 +147,9 @@ def _optimizer_pieces(optimizer) -> tuple[list[torch.nn.Parameter], list[_Piece]
             for model, main in zip(model_group, main_group)
             if wanted(model)
         ]
-        pieces += [_Piece(p.data.view(-1), p, 0) for group in optimizer.fp32_from_fp32_groups for p in group if wanted(p)]
+        pieces += [
+            _Piece(p.data.view(-1), p, 0) for group in optimizer.fp32_from_fp32_groups for p in group if wanted(p)
+        ]
         return [piece.param for piece in pieces], pieces, None
     if isinstance(optimizer, FP32Optimizer):
         params = [p for group in optimizer.optimizer.param_groups for p in group["params"] if wanted(p)]

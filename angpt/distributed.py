@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 from datetime import timedelta
 from typing import Optional
 
@@ -43,8 +44,6 @@ def _default_to_one_process() -> None:
     """Without torchrun, run as the only process of a job on this machine."""
     if "RANK" in os.environ:
         return
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

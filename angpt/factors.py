@@ -1,8 +1,8 @@
-"""The normalization factors nu of anGPT (spec section 2), each derived in one place.
+"""The normalization factors nu of anGPT (docs/model.md, Normalization factors), each derived in one place.
 
 For a map g applied to a unit-norm input, nu_g = 1 / sqrt(E||g(x)||^2): a linear map with unit rows has
 E||Wx||^2 = out/in, hence nu = sqrt(in/out). The activation factor nu_acf = 1 / E||u * SiLU(z')|| has no
-closed form and is estimated by a seeded Monte Carlo run (spec section 4), cached per shape.
+closed form and is estimated by a seeded Monte Carlo run, cached per shape.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-NU_P_READINGS = ("one", "sqrt_h_over_d")
+from angpt.choices import NU_P_READINGS
 
 
 def linear_map_factor(in_features: int, out_features: int) -> float:
@@ -29,7 +29,7 @@ def nu_alpha(alpha: torch.Tensor) -> torch.Tensor:
     return torch.rsqrt((1 - alpha) ** 2 + alpha**2)
 
 
-# The plain residual h + x (section 9 ablation): E||h + x||^2 = 2.
+# The plain residual h + x (an ablation, docs/model.md, Ablations): E||h + x||^2 = 2.
 NU_PLAIN_RESIDUAL = 1 / math.sqrt(2)
 
 
@@ -42,7 +42,7 @@ def _cache_path() -> Path:
 
 @functools.lru_cache(maxsize=None)
 def nu_acf_monte_carlo(hidden_size: int, ffn_hidden_size: int, samples: int = 100_000, seed: int = 0) -> float:
-    """1 / E||u * SiLU(sqrt(d) z)|| for u, z uniform on the unit sphere of R^f (spec section 4).
+    """1 / E||u * SiLU(sqrt(d) z)|| for u, z uniform on the unit sphere of R^f (docs/model.md, Normalization factors).
 
     Deterministic for a given (d, f, samples, seed), so every rank computes the same value. The estimate
     takes seconds to minutes for large f, so it is also cached on disk (ANGPT_CACHE_DIR, else
@@ -88,7 +88,7 @@ def _store_in_cache(path: Path, key: str, value: float) -> None:
 
 @dataclass(frozen=True)
 class NormalizationFactors:
-    """The constant factors of one anGPT shape, named as in the spec's table."""
+    """The constant factors of one anGPT shape, named as in the table of docs/model.md, Normalization factors."""
 
     nu_qkv: float
     nu_p: float
@@ -112,7 +112,7 @@ def derive_factors(
     nu_acf_samples: int = 100_000,
     nu_acf_seed: int = 0,
 ) -> NormalizationFactors:
-    """Every constant factor of spec section 2 for one shape (d, f, H, h)."""
+    """Every constant factor (docs/model.md, Normalization factors) for one shape (d, f, H, h)."""
     d, f = hidden_size, ffn_hidden_size
     h = kv_channels or hidden_size // num_attention_heads
     if nu_p_reading == "one":

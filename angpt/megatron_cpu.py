@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import types
 
+import megatron.core.fusions.fused_softmax as fused_softmax
+import megatron.core.pipeline_parallel.schedules as schedules
+import megatron.core.tensor_parallel.random as mp_random
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -64,8 +67,6 @@ def enable() -> bool:
     # The model-parallel RNG tracker (dropout forks, recomputation, `model_parallel_cuda_manual_seed`)
     # stores CUDA generator states; on the CPU the device generator is the CPU generator. Without this,
     # `torch.cuda.manual_seed` is a silent no-op and "TP-parallel" randomness is not seeded at all.
-    import megatron.core.tensor_parallel.random as mp_random
-
     torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     torch.cuda.set_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
     torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
@@ -74,15 +75,11 @@ def enable() -> bool:
 
     # Without an attention mask, the local attention builds its causal mask with device="cuda",
     # which the mode below cannot see (it is cached in a compiled helper).
-    import megatron.core.fusions.fused_softmax as fused_softmax
-
     fused_softmax.get_default_causal_mask = lambda sq: torch.triu(
         torch.ones(sq, sq, dtype=torch.bool), diagonal=1
     )
 
     # All three pipeline schedules count tokens in `torch.zeros([], device="cuda")`.
-    import megatron.core.pipeline_parallel.schedules as schedules
-
     cpu_torch = types.ModuleType("torch_on_cpu")
     cpu_torch.__dict__.update(torch.__dict__)
     cpu_torch.zeros = lambda *args, device=None, **kwargs: torch.zeros(*args, **kwargs)

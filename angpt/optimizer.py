@@ -1,4 +1,5 @@
-"""Each family's optimizer and learning-rate schedule (spec section 7), on megatron-core's optimizer."""
+"""Each family's optimizer and learning-rate schedule (docs/model.md, Optimizer and schedule), on
+megatron-core's optimizer."""
 
 from __future__ import annotations
 
@@ -6,8 +7,12 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
+import torch.distributed as dist
+from megatron.core import optimizer as megatron_optimizer
+from megatron.core.fusions.fused_layer_norm import HAVE_FUSED_LAYER_NORM
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.utils import get_model_config
 
 from angpt.bounding import attach_weight_constraint
 from angpt.models import WEIGHT_CONSTRAINTS
@@ -33,8 +38,6 @@ RECIPES = {
 def optimizer_backend() -> str:
     """The Adam megatron-core's optimizer runs: Transformer Engine's FusedAdam, else apex's, else torch's
     AdamW (megatron-core picks it at import; nothing here requires apex or TE)."""
-    from megatron.core import optimizer as megatron_optimizer
-
     adam = megatron_optimizer.Adam
     name = f"{adam.__module__.split('.')[0]}'s {adam.__name__}"
     if adam.__module__.startswith("transformer_engine"):
@@ -51,8 +54,6 @@ def norm_backend(config) -> str:
     if config.transformer_impl == "transformer_engine":
         return ("Transformer Engine RMSNorm, fused into the QKV and fc1 GEMMs (TELayerNormColumnParallelLinear); "
                 "TENorm for QK-norm and the final norm")
-    from megatron.core.fusions.fused_layer_norm import HAVE_FUSED_LAYER_NORM
-
     why = ("apex's FusedLayerNorm, which megatron-core selects when apex is installed, is LayerNorm only"
            if HAVE_FUSED_LAYER_NORM else "apex not installed")
     return f"torch.nn.RMSNorm ({why})"
@@ -64,8 +65,6 @@ _logged_backends = False
 def log_backends(config) -> None:
     """One log line each for the optimizer and the norms, once per process (rank 0 only when distributed)."""
     global _logged_backends
-    import torch.distributed as dist
-
     if _logged_backends or (dist.is_initialized() and dist.get_rank() != 0):
         return
     _logged_backends = True
@@ -81,6 +80,7 @@ def build_optimizer(
     min_lr: Optional[float] = None,
     weight_decay: Optional[float] = None,
     lr_warmup_iters: Optional[int] = None,
+    lr_warmup_fraction: Optional[float] = None,
     lr_warmup_init: float = 0.0,
     lr_decay_style: str = "cosine",
     lr_decay_iters: Optional[int] = None,
@@ -102,7 +102,11 @@ def build_optimizer(
     min_lr = recipe.min_lr_ratio * lr if min_lr is None else min_lr
     weight_decay = recipe.weight_decay if weight_decay is None else weight_decay
     decay_iters = lr_decay_iters or train_iters
-    warmup = round(recipe.warmup_fraction * decay_iters) if lr_warmup_iters is None else lr_warmup_iters
+    # The warm-up: --lr-warmup-iters, else --lr-warmup-fraction of the decay, else the family's fraction.
+    if lr_warmup_iters is not None:
+        warmup = lr_warmup_iters
+    else:
+        warmup = round((recipe.warmup_fraction if lr_warmup_fraction is None else lr_warmup_fraction) * decay_iters)
     config = OptimizerConfig(
         optimizer="adam",
         lr=lr,
@@ -115,8 +119,6 @@ def build_optimizer(
         bf16=bf16,
         use_distributed_optimizer=use_distributed_optimizer,
     )
-    from megatron.core.utils import get_model_config
-
     model_config = get_model_config(model_chunks[0])
     log_backends(model_config)
     optimizer = get_megatron_optimizer(config, model_chunks)

@@ -16,16 +16,18 @@ import logging
 import sys
 
 from angpt.arguments import parse_args
+from angpt.megatron_compat import quiet_known_warnings
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
-    from angpt.monitoring import console_outlives_its_reader
+    args = parse_args(argv)  # before torch and megatron-core are imported: --help and flag errors are instant
+    quiet_known_warnings()
+    from angpt.metrics import console_outlives_its_reader  # noqa: PLC0415 (after parsing)
 
     console_outlives_its_reader()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("angpt").setLevel(logging.INFO)
-    from angpt.trainer import pretrain
+    from angpt.trainer import pretrain  # noqa: PLC0415 (after parsing)
 
     sys.exit(pretrain(args))
 

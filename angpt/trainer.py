@@ -14,85 +14,25 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from megatron.core.distributed import DistributedDataParallelConfig
 
-from angpt import checkpointing, faults, save_lock
+from angpt import checkpointing, distributed, faults, save_lock
 from angpt.arguments import exit_signals
 from angpt.checkpointing import TrainState
+from angpt.config_from_args import data_arguments, model_config_from_args, padded_vocab_size, virtual_pipeline_stages
+from angpt.data.gpt_datasets import build_datasets, dataset_vocabulary, micro_batches
 from angpt.data.indexed import IndexedDatasetError
-from angpt.reporting import TrainingMonitor
+from angpt.monitoring import TrainingMonitor
+from angpt.optimizer import build_optimizer
+from angpt.step import build_model_chunks, eval_step, train_step
 
 logger = logging.getLogger("angpt.trainer")
 
 
 class SkippedStepsError(RuntimeError):
     """More than --max-skipped-steps consecutive steps had a NaN or Inf loss or gradient norm."""
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
-    """Megatron-LM's padding of the vocabulary, so the head splits evenly over tensor-parallel ranks."""
-    multiple = divisible_by * tensor_parallel
-    return -(-vocab_size // multiple) * multiple
-
-
-def model_config_from_args(args: argparse.Namespace):
-    from megatron.core.transformer.enums import AttnBackend
-
-    from angpt.models import model_config
-
-    pp = args.pipeline_model_parallel_size
-    overrides = dict(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=virtual_pipeline_stages(args),
-        sequence_parallel=args.sequence_parallel,
-        bf16=args.bf16,
-        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
-        pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32,
-        init_method_std=args.init_method_std,
-        post_norm=args.angpt_post_norm,
-        nu_p_reading=args.angpt_nu_p,
-        alpha_init=args.angpt_alpha_init,
-        constant_factors=args.angpt_constant_factors,
-        constant_factor_multiplier=args.angpt_constant_factor_multiplier,
-        nu_alpha_mode=args.angpt_nu_alpha,
-        nu_alpha_multiplier=args.angpt_nu_alpha_multiplier,
-        nu_alpha_grad=not args.angpt_no_nu_alpha_grad,
-        residual=args.angpt_residual,
-        share_embeddings_and_output_weights=args.tie_embeddings_and_output_weights,
-        rotary_base=args.rotary_base,
-        # Checkpoints saved before these flags existed record neither.
-        attention_dropout=getattr(args, "attention_dropout", 0.0),
-        hidden_dropout=getattr(args, "hidden_dropout", 0.0),
-    )
-    if args.model_family == "ngpt":  # nGPT fixes its own factors.
-        for key in ("constant_factors", "nu_alpha_mode"):
-            overrides.pop(key)
-    for key in ("ffn_hidden_size", "kv_channels", "num_query_groups"):
-        if getattr(args, key):
-            overrides[key] = getattr(args, key)
-    overrides["transformer_impl"] = getattr(args, "transformer_impl", "local")
-    overrides["attention_backend"] = AttnBackend[args.attention_backend]
-    if getattr(args, "fp8_format", None):
-        # FP8 GEMMs in the transformer layers (Transformer Engine); docs/fp8.md.
-        overrides.update(fp8=args.fp8_format, fp8_recipe=args.fp8_recipe, fp8_margin=args.fp8_margin,
-                         fp8_amax_history_len=args.fp8_amax_history_len,
-                         fp8_amax_compute_algo=args.fp8_amax_compute_algo)
-    if args.recompute_granularity:
-        overrides.update(recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
-                         recompute_num_layers=args.recompute_num_layers)
-    if not torch.cuda.is_available():
-        # The interleaved schedule's batched p2p gives wrong gradients on gloo at PP=2.
-        overrides.update(batch_p2p_comm=False, batch_p2p_sync=False)
-    return model_config(args.model_family, **overrides)
-
-
-def virtual_pipeline_stages(args) -> Optional[int]:
-    if not args.num_layers_per_virtual_pipeline_stage:
-        return None
-    return args.num_layers // args.pipeline_model_parallel_size // args.num_layers_per_virtual_pipeline_stage
 
 
 class ExitRequests:
@@ -134,14 +74,6 @@ class Trainer:
     """One pretraining job on this rank: built from the flags, run by `run()`."""
 
     def __init__(self, args: argparse.Namespace):
-        from megatron.core import parallel_state
-        from megatron.core.distributed import DistributedDataParallelConfig
-
-        from angpt import distributed
-        from angpt.data.gpt_datasets import build_datasets, dataset_vocabulary
-        from angpt.optimizer import build_optimizer
-        from angpt.training import build_model_chunks
-
         self.args = args
         self.faults = faults.from_environment()
         data_args = data_arguments(args)
@@ -162,14 +94,11 @@ class Trainer:
             overlap_param_gather=args.overlap_param_gather,
         )
         self.chunks = build_model_chunks(self.config, self.vocab_size, args.seq_length, ddp_config)
-        decay_iters = args.lr_decay_iters or args.train_iters
-        warmup_iters = args.lr_warmup_iters
-        if args.lr_warmup_fraction is not None:
-            warmup_iters = round(args.lr_warmup_fraction * decay_iters)
         self.optimizer, self.scheduler = build_optimizer(
             self.chunks, args.model_family, lr=args.lr, train_iters=args.train_iters, min_lr=args.min_lr,
-            weight_decay=args.weight_decay, lr_warmup_iters=warmup_iters, lr_warmup_init=args.lr_warmup_init,
-            lr_decay_style=args.lr_decay_style, lr_decay_iters=decay_iters,
+            weight_decay=args.weight_decay, lr_warmup_iters=args.lr_warmup_iters,
+            lr_warmup_fraction=args.lr_warmup_fraction, lr_warmup_init=args.lr_warmup_init,
+            lr_decay_style=args.lr_decay_style, lr_decay_iters=args.lr_decay_iters,
             lr_wsd_decay_iters=args.lr_wsd_decay_iters, lr_wsd_decay_style=args.lr_wsd_decay_style,
             clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
             adam_eps=args.adam_eps, use_distributed_optimizer=args.use_distributed_optimizer, bf16=args.bf16,
@@ -189,8 +118,6 @@ class Trainer:
         self.saved_iteration = self.state.iteration
         self.async_queue = None
         if args.async_save:
-            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
             self.async_queue = AsyncCallsQueue()
 
         evaluation_samples = args.eval_iters * args.global_batch_size
@@ -212,8 +139,6 @@ class Trainer:
 
     # -- data ---------------------------------------------------------------------------------------
     def _iterators(self, dataset, consumed_samples: int, poison: bool = False):
-        from angpt.data.gpt_datasets import micro_batches
-
         batches = micro_batches(dataset, consumed_samples, self.args.global_batch_size, self.args.micro_batch_size,
                                 self.dp_rank, self.dp_size, vocab_size=self.vocabulary.vocab_size)
         if poison:  # fault injection: a NaN loss (and NaN gradients) in this step
@@ -224,8 +149,6 @@ class Trainer:
 
     # -- steps --------------------------------------------------------------------------------------
     def train_one_step(self) -> dict:
-        from angpt.training import train_step
-
         args, state = self.args, self.state
         iteration = state.iteration + 1
         iterators, num_micro_batches = self._iterators(self.data.train, state.consumed_samples,
@@ -243,8 +166,6 @@ class Trainer:
     def evaluate(self, dataset, name: str) -> Optional[float]:
         """Mean loss over the first --eval-iters global batches of a split: the same samples at every
         evaluation, so that evaluations are comparable along the run."""
-        from angpt.training import eval_step
-
         if dataset is None or self.args.eval_iters == 0:
             return None
         if len(dataset) < self.args.eval_iters * self.args.global_batch_size:
@@ -326,16 +247,6 @@ class Trainer:
         self.monitor.close()
         if self.args.save and self.rank == 0:
             save_lock.release(self.args.save)
-
-
-def data_arguments(args):
-    from angpt.data.gpt_datasets import DataArguments
-
-    return DataArguments(
-        data_path=args.data_path, split=args.split, train_data_path=args.train_data_path,
-        valid_data_path=args.valid_data_path, test_data_path=args.test_data_path,
-        data_cache_path=args.data_cache_path, mock_data=args.mock_data, vocab_size=args.vocab_size,
-    )
 
 
 def pretrain(args: argparse.Namespace) -> int:

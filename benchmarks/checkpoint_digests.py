@@ -15,16 +15,12 @@ import argparse
 import hashlib
 import os
 import shutil
-import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-
-from angpt import checkpointing, digests  # noqa: E402
-from angpt.arguments import parse_args  # noqa: E402
-from angpt.trainer import Trainer  # noqa: E402
+from angpt import checkpointing, digests
+from angpt.arguments import parse_args
+from angpt.trainer import Trainer
 
 
 def options():

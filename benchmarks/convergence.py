@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""Reproduce the paper at small scale on CPU: convergence of anGPT, GPT+ and nGPT, the ablations of spec
-section 9 and the norm-health figures of spec section 10, on the Shakespeare corpus of the quickstart.
+"""Reproduce the paper at small scale on CPU: convergence of anGPT, GPT+ and nGPT, the ablations the paper
+measured and its norm-health figures (docs/model.md, Ablations and What the paper reports), on the Shakespeare
+corpus of the quickstart.
 
     python benchmarks/convergence.py --output-dir docs/results                 # full: about 30-40 min, 2 cores
     python benchmarks/convergence.py --output-dir /tmp/conv --quick            # tiny shape: a few minutes
@@ -11,12 +12,12 @@ What it does
 1. Learning-rate grid: each family (anGPT, GPT+ with its warm-up and weight decay, nGPT; each with its own
    optimizer recipe of `angpt.optimizer.RECIPES`) at each lr of its grid, seed 0, the same tokens.
 2. Seeds: the best lr of each family (lowest final validation loss on seed 0) with --seeds seeds in all.
-3. Ablations (spec section 9): anGPT at its best lr, seed 0, with one `--angpt-*` switch changed.
-4. Norm health (spec section 10): after training, each run's model reads the first --probe-batches
-   validation batches and then the same number of batches of one token repeated (the most frequent token of
-   those batches) under `angpt.monitoring.HealthProbe`; the per-layer mean residual-stream norms and their
-   ratio (repeated / text, mean over layers) are kept; alpha's trajectory comes from the health scalars of
-   the run's metrics.jsonl (every --log-interval steps).
+3. Ablations (docs/model.md, Ablations): anGPT at its best lr, seed 0, with one `--angpt-*` switch changed.
+4. Norm health (docs/model.md, What the paper reports): after training, each run's model reads the first
+   --probe-batches validation batches and then the same number of batches of one token repeated (the most
+   frequent token of those batches) under `angpt.health.HealthProbe`; the per-layer mean residual-stream
+   norms and their ratio (repeated / text, mean over layers) are kept; alpha's trajectory comes from the
+   health scalars of the run's metrics.jsonl (every --log-interval steps).
 
 Each run is a subprocess that does what `python -m angpt.pretrain ARGS --metrics-file ...` does (same flag
 parser, same `angpt.trainer.Trainer`) and then the probe above on the trained model, in the same process,
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import shutil
@@ -41,12 +43,13 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 FAMILIES = ("angpt", "gptplus", "ngpt")
 NAMES = {"angpt": "anGPT", "gptplus": "GPT+", "ngpt": "nGPT"}
 
-# Shapes and budgets. Head dim 64 as in the paper (spec section 11), f = 4d (the default).
+# Shapes and budgets. Head dim 64 as in the paper (docs/model.md, Model shapes), f = 4d (the default).
 MODES = {
     "full": dict(hidden_size=128, num_layers=4, num_attention_heads=2, seq_length=128, micro_batch_size=16,
                  global_batch_size=16, train_iters=160, eval_interval=10, eval_iters=3, log_interval=10,
@@ -58,7 +61,7 @@ MODES = {
                   lrs={"angpt": (3e-3, 1e-2, 3e-2), "gptplus": (1e-3, 3e-3, 1e-2), "ngpt": (3e-3, 1e-2, 3e-2)}),
 }
 
-# name: (flags, what the paper reports (spec section 9), label)
+# name: (flags, what the paper reports (docs/model.md, Ablations), label)
 ABLATIONS = {
     "constant_factors_off": (["--angpt-constant-factors", "one"], "+1.09%", "constant factors -> 1"),
     "all_factors_off": (["--angpt-constant-factors", "one", "--angpt-nu-alpha", "one"], "+3%",
@@ -82,23 +85,21 @@ PAPER = {
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The worker: one training run and its probe, in its own process
+# The worker: one training run and its probe, in its own process. torch and angpt are imported in these
+# functions, which only the runs' processes call: the coordinator starts without them.
 
 
 def worker(result_path: str, argv: list[str], probe_batches: int) -> None:
     """What `angpt.pretrain.main(argv)` does, then the norm probe on the trained model; writes result_path."""
-    import logging
+    import torch  # noqa: PLC0415 (runs only)
+    import torch.distributed as dist  # noqa: PLC0415 (runs only)
 
-    import torch
-    import torch.distributed as dist
-
-    from angpt.arguments import parse_args
+    from angpt.arguments import parse_args  # noqa: PLC0415 (runs only)
+    from angpt.trainer import Trainer  # noqa: PLC0415 (runs only)
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("angpt").setLevel(logging.INFO)
-    from angpt.trainer import Trainer
-
     start = time.perf_counter()
     trainer = Trainer(args)
     code = trainer.run()
@@ -118,12 +119,10 @@ def worker(result_path: str, argv: list[str], probe_batches: int) -> None:
 
 def probe_norms(trainer, num_batches: int) -> dict:
     """Per-layer mean residual-stream norms on validation text and on one token repeated."""
-    from collections import Counter
+    import torch  # noqa: PLC0415 (runs only)
 
-    import torch
-
-    from angpt.data.gpt_datasets import micro_batches
-    from angpt.monitoring import HealthProbe
+    from angpt.data.gpt_datasets import micro_batches  # noqa: PLC0415 (runs only)
+    from angpt.health import HealthProbe  # noqa: PLC0415 (runs only)
 
     args = trainer.args
     model = trainer.chunks[0]
@@ -153,14 +152,14 @@ def step_times(result_path: str, rounds: int, configs: dict) -> None:
     """Median training-step time of each configuration {name: pretrain argv}, built side by side in one
     process and stepped in turn (a, b, c, a, b, c, ...) on one fixed random batch, as
     benchmarks/step_time.py does, so that machine load hits all of them alike. Writes {name: ms}."""
-    import torch
+    import torch  # noqa: PLC0415 (runs only)
 
-    from angpt import distributed
-    from angpt.arguments import parse_args
-    from angpt.data.gpt_datasets import dataset_vocabulary
-    from angpt.optimizer import build_optimizer
-    from angpt.trainer import data_arguments, model_config_from_args, padded_vocab_size
-    from angpt.training import build_model_chunks, train_step
+    from angpt import distributed  # noqa: PLC0415 (runs only)
+    from angpt.arguments import parse_args  # noqa: PLC0415 (runs only)
+    from angpt.config_from_args import data_arguments, model_config_from_args, padded_vocab_size  # noqa: PLC0415 (runs only)
+    from angpt.data.gpt_datasets import dataset_vocabulary  # noqa: PLC0415 (runs only)
+    from angpt.optimizer import build_optimizer  # noqa: PLC0415 (runs only)
+    from angpt.step import build_model_chunks, train_step  # noqa: PLC0415 (runs only)
 
     distributed.initialize()
     built = {}
@@ -480,7 +479,8 @@ def markdown(report: dict) -> str:
         *([f"Not finished when this report was written (left out): {', '.join(report['not_finished'])}.", ""]
           if report.get("not_finished") else []),
         "## Convergence", "",
-        "| model | best lr (grid) | final val loss (mean ± std over seeds) | min-max | ms/step (median) | speed-up over GPT+ | paper |",
+        "| model | best lr (grid) | final val loss (mean ± std over seeds) | min-max | ms/step (median) "
+        "| speed-up over GPT+ | paper |",
         "|---|---|---|---|---|---|---|",
     ]
     for f in FAMILIES:
@@ -491,12 +491,14 @@ def markdown(report: dict) -> str:
             sp, paper = "1 (reference)", "1"
         else:
             su = report["speedup"][f]
-            sp = (f"{su['speedup']:.2f}x" if su["speedup"] else
-                  f"L* not reached; {fmt(su['speedup_at_own_final'], '.2f')}x at its own final loss") + \
-                 f" (per seed {fmt(su['per_seed_spread']['mean'], '.2f')} ± {fmt(su['per_seed_spread']['std'], '.2f')})"
+            reached = (f"{su['speedup']:.2f}x" if su["speedup"] else
+                       f"L* not reached; {fmt(su['speedup_at_own_final'], '.2f')}x at its own final loss")
+            spread = su["per_seed_spread"]
+            sp = f"{reached} (per seed {fmt(spread['mean'], '.2f')} ± {fmt(spread['std'], '.2f')})"
             paper = f"{PAPER['speedup'][f]:.2f}x"
-        lines.append(f"| {NAMES[f]} | {fam['best_lr']:g} ({grid}) | {fmt(v['mean'])} ± {fmt(v['std'])} (n={v['n']}) | "
-                     f"{fmt(v['min'])}-{fmt(v['max'])} | {fmt(fam['ms_per_step']['mean'], '.1f')} | {sp} | {paper} |")
+        lines.append(f"| {NAMES[f]} | {fam['best_lr']:g} ({grid}) | {fmt(v['mean'])} ± {fmt(v['std'])} "
+                     f"(n={v['n']}) | {fmt(v['min'])}-{fmt(v['max'])} | {fmt(fam['ms_per_step']['mean'], '.1f')} | "
+                     f"{sp} | {paper} |")
     su = report["speedup"]["angpt"]
     lines += ["", f"Speed-up: {report['speedup_method']}. L* = {su['target_loss']:.4f}, reached by GPT+ at step "
               f"{fmt(su['gptplus_steps'], '.1f')}, by anGPT at {fmt(su['steps'], '.1f')}, by nGPT at "
@@ -508,16 +510,17 @@ def markdown(report: dict) -> str:
                              f"{fmt(report['speedup'][f]['gptplus_steps_to_own_final'], '.1f')}"
                              for f in ("angpt", "ngpt") if not report["speedup"][f]["reached"]) + ")."), "",
               "![convergence](convergence.png)", "",
-              "## Ablations (spec section 9)", ""]
+              "## Ablations (docs/model.md, Ablations)", ""]
     ref = report["ablations"]["reference"]
+    seed_std = 100 * ref["seed_std_relative"] if ref["seed_std_relative"] is not None else None
+    rounds = (report["ablations"].get("step_times_interleaved") or {}).get("rounds", "n/a")
     lines += [f"anGPT at its best lr {ref['lr']:g}, seed 0 only (one seed per ablation to fit the time budget): "
               f"val loss {fmt(ref['final_val_loss'])}, {fmt(ref['ms_per_step'], '.1f')} ms/step. Seed-to-seed std of "
-              f"anGPT's final loss: {fmt(100 * ref['seed_std_relative'] if ref['seed_std_relative'] is not None else None, '.2f')}% "
-              "of the mean; changes smaller than that are noise. Step times are medians of runs that shared the "
-              "CPU with another run and other work: rough. The side-by-side column times every model in one process, "
-              "one step of each in turn on one random batch (as benchmarks/step_time.py does), median of "
-              f"{(report['ablations'].get('step_times_interleaved') or {}).get('rounds', 'n/a')} rounds after a warm-up "
-              "round: load hits all alike.", "",
+              f"anGPT's final loss: {fmt(seed_std, '.2f')}% of the mean; changes smaller than that are noise. Step "
+              "times are medians of runs that shared the CPU with another run and other work: rough. The "
+              "side-by-side column times every model in one process, one step of each in turn on one random batch "
+              f"(as benchmarks/step_time.py does), median of {rounds} rounds after a warm-up round: load hits all "
+              "alike.", "",
               "| ablation | flags | val loss | change vs anGPT | paper | step time vs anGPT (in the run) | "
               "(side by side) | collapsed |",
               "|---|---|---|---|---|---|---|---|"]
@@ -526,11 +529,13 @@ def markdown(report: dict) -> str:
         lines.append(f"| {row['label']} | `{' '.join(row['flags']) or '--model-family gptplus'}` | "
                      f"{fmt(row['final_val_loss'])} | {change}% | {row['paper']} | "
                      f"{fmt(row['step_time_relative'], '.3f')}x | "
-                     f"{fmt(row.get('step_time_relative_interleaved'), '.3f')}x | {'yes' if row['collapsed'] else 'no'} |")
-    lines += ["", "![ablations](ablations.png)", "", "## Norm health (spec section 10)", "",
+                     f"{fmt(row.get('step_time_relative_interleaved'), '.3f')}x | "
+                     f"{'yes' if row['collapsed'] else 'no'} |")
+    lines += ["", "![ablations](ablations.png)", "", "## Norm health (docs/model.md, What the paper reports)", "",
               "Mean residual-stream norm after each layer (validation text), per trained model (seed 0); the "
               "out-of-distribution test feeds the same number of sequences of one token repeated.", "",
-              "| model | residual norm per layer (text) | (one token repeated) | OOD ratio seed 0 | OOD ratio over seeds | paper |",
+              "| model | residual norm per layer (text) | (one token repeated) | OOD ratio seed 0 "
+              "| OOD ratio over seeds | paper |",
               "|---|---|---|---|---|---|"]
     for f in FAMILIES:
         h = report["norm_health"][f]
@@ -554,10 +559,10 @@ def markdown(report: dict) -> str:
 
 
 def plots(report: dict, seeds: dict, output_dir: str, prefix: str) -> list[str]:
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 (optional: matplotlib)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (optional, and after choosing the Agg back end)
 
     colors = {"angpt": "tab:blue", "gptplus": "tab:orange", "ngpt": "tab:green"}
     paths = []
@@ -576,7 +581,7 @@ def plots(report: dict, seeds: dict, output_dir: str, prefix: str) -> list[str]:
         steps = report["speedup"][f]["steps"]
         if steps:
             ax.plot([steps], [target], "x", color=colors[f], ms=9)
-    curves = [l for f in FAMILIES for _, l in report["families"][f]["mean_curve"]]
+    curves = [loss for f in FAMILIES for _, loss in report["families"][f]["mean_curve"]]
     low = min(curves)
     ax.set_ylim(low - 0.1, min(max(curves), low + 3))
     ax.set(xlabel="step", ylabel="validation loss", title="validation loss (thin: seeds, thick: mean)")
@@ -604,7 +609,7 @@ def plots(report: dict, seeds: dict, output_dir: str, prefix: str) -> list[str]:
             ax2.plot(*zip(*r["curve"]), lw=0.9, label=r["label"])
     ref = next(x for x in seeds["angpt"] if x["seed"] == 0)
     ax2.plot(*zip(*ref["curve"]), color="k", lw=2, label="anGPT")
-    finite = [l for r in rows for _, l in r["curve"] if l is not None and math.isfinite(l)]
+    finite = [loss for r in rows for _, loss in r["curve"] if loss is not None and math.isfinite(loss)]
     if finite:
         ax2.set_ylim(min(finite) - 0.1, min(max(finite), min(finite) + 3))
     ax2.set(xlabel="step", ylabel="validation loss")
@@ -641,7 +646,8 @@ def plots(report: dict, seeds: dict, output_dir: str, prefix: str) -> list[str]:
     axes[2].set(ylabel="mean norm: repeated token / text", title="out-of-distribution input")
     axes[2].legend(fontsize=7)
     fig.tight_layout()
-    paths.append(os.path.join(output_dir, "norm_health.png" if prefix == "convergence" else f"{prefix}_norm_health.png"))
+    paths.append(os.path.join(output_dir,
+                              "norm_health.png" if prefix == "convergence" else f"{prefix}_norm_health.png"))
     fig.savefig(paths[-1], dpi=90)
     plt.close(fig)
     return paths

@@ -11,7 +11,7 @@ batch. The fused kernels (nu-scaled SwiGLU, bounded-weight projection) are switc
 in the same model, so both see the same GPU state; FP8 rows (Transformer Engine, `--transformer-impl
 transformer_engine --fp8-format ... --fp8-recipe ...`) appear when Transformer Engine is importable.
 
-MFU counts model FLOPs analytically (`angpt.monitoring.model_flops_per_token`, Megatron-LM's count) against
+MFU counts model FLOPs analytically (`angpt.performance.model_flops_per_token`, Megatron-LM's count) against
 the GPU's dense BF16 peak (989 TFLOP/s on H100/H200 SXM), also for FP8 rows, as Megatron-LM reports it. The
 measured rate of an 8192^3 BF16 matmul on the same GPU is printed first as the practical ceiling.
 """
@@ -22,16 +22,24 @@ import functools
 import gc
 import itertools
 import json
-import os
 import statistics
 import sys
 import time
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallelConfig
+from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+from angpt import distributed, kernels
+from angpt.arguments import parse_args as parse_pretrain_args
+from angpt.config_from_args import model_config_from_args, padded_vocab_size
+from angpt.models.attention import clear_attention_backend_environment
+from angpt.optimizer import build_optimizer
+from angpt.performance import model_flops_per_token, peak_flops_per_device
+from angpt.step import build_model_chunks, train_step
 
-# The shapes of spec section 11 (head dim 64, f = 4d).
+# The paper's shapes (docs/model.md, Model shapes: head dim 64, f = 4d).
 SHAPES = {"0.5b": dict(num_layers=24, hidden_size=1024, num_attention_heads=16),
           "1b": dict(num_layers=36, hidden_size=1280, num_attention_heads=20)}
 GPT2_VOCAB = 50257
@@ -73,8 +81,9 @@ def matmul_tflops(size: int = 8192, repeats: int = 10) -> float:
 
 
 def pretrain_flags(args, shape: str, family: str, precision: str) -> list[str]:
-    flags = ["--model-family", family, "--mock-data", "--vocab-size", str(GPT2_VOCAB), "--bf16", "--use-distributed-optimizer",
-             "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
+    flags = ["--model-family", family, "--mock-data", "--vocab-size", str(GPT2_VOCAB), "--bf16",
+             "--use-distributed-optimizer", "--seq-length", str(args.seq_length),
+             "--micro-batch-size", str(args.micro_batch_size),
              "--global-batch-size", str(args.micro_batch_size), "--train-iters", "1000", "--lr", "1e-3",
              "--attention-backend", args.attention_backend]
     for key, value in SHAPES[shape].items():
@@ -87,14 +96,6 @@ def pretrain_flags(args, shape: str, family: str, precision: str) -> list[str]:
 
 def build(flags: list[str]):
     """Model chunks, optimizer and scheduler as the trainer builds them from these flags."""
-    from megatron.core.distributed import DistributedDataParallelConfig
-
-    from angpt.arguments import parse_args as parse_pretrain_args
-    from angpt.models.attention import clear_attention_backend_environment
-    from angpt.optimizer import build_optimizer
-    from angpt.trainer import model_config_from_args, padded_vocab_size
-    from angpt.training import build_model_chunks
-
     clear_attention_backend_environment()  # this script builds several models
     pretrain_args = parse_pretrain_args(flags, world_size=1)
     config = model_config_from_args(pretrain_args)
@@ -108,10 +109,6 @@ def build(flags: list[str]):
 
 
 def measure(args, shape: str, family: str, precision: str, peak_bf16: float) -> list[dict]:
-    from angpt import kernels
-    from angpt.monitoring import model_flops_per_token
-    from angpt.training import train_step
-
     torch.cuda.empty_cache()
     config, vocab_size, chunks, optimizer, scheduler = build(pretrain_flags(args, shape, family, precision))
     b, s = args.micro_batch_size, args.seq_length
@@ -156,8 +153,6 @@ def measure(args, shape: str, family: str, precision: str, peak_bf16: float) -> 
 def profile_steps(path: str, title: str, step) -> None:
     """Append the GPU kernels of 2 profiled steps, by total time, and the share of matmuls, attention and
     everything else (elementwise, norms, reductions, optimizer) to `path`."""
-    from torch.profiler import ProfilerActivity, profile
-
     with profile(activities=[ProfilerActivity.CUDA]) as profiler:
         for _ in range(2):
             step()
@@ -181,7 +176,7 @@ def profile_steps(path: str, title: str, step) -> None:
 
 def transformer_engine_missing() -> str:
     try:
-        import transformer_engine.pytorch  # noqa: F401
+        import transformer_engine.pytorch  # noqa: F401, PLC0415 (optional: Transformer Engine)
     except Exception as error:  # ImportError, or TE's own errors when its libraries do not load
         return f"Transformer Engine is not importable ({type(error).__name__}: {error})".splitlines()[0]
     return ""
@@ -191,17 +186,13 @@ def main():
     args = parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_throughput.py needs a CUDA device")
-    from megatron.core import parallel_state
-
-    from angpt import distributed, kernels
-    from angpt.monitoring import peak_flops_per_device
-
     distributed.initialize()
     name = torch.cuda.get_device_name()
     peak = peak_flops_per_device(torch.bfloat16)
     ceiling = matmul_tflops()
-    print(f"{name}: dense BF16 peak {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s (datasheet); measured "
-          f"8192^3 BF16 matmul {ceiling:.0f} TFLOP/s = MFU ceiling {ceiling * 1e12 / peak if peak else float('nan'):.3f}; "
+    peak_tflops = peak / 1e12 if peak else float("nan")
+    print(f"{name}: dense BF16 peak {peak_tflops:.0f} TFLOP/s (datasheet); measured "
+          f"8192^3 BF16 matmul {ceiling:.0f} TFLOP/s = MFU ceiling {ceiling / peak_tflops:.3f}; "
           f"fused kernels {'built with CUDA' if kernels.extension(torch.device('cuda')) else 'NOT available'}; "
           f"torch {torch.__version__}", flush=True)
     rows, skipped = [], []
@@ -237,8 +228,8 @@ def main():
                      f"{row['peak_memory_gib']:.1f} GiB |")
     summary = "\n".join(lines + [f"\nnot measured: {line}" for line in skipped])
     print(f"\n{name}, micro-batch {args.micro_batch_size} x {args.seq_length} tokens, attention "
-          f"{args.attention_backend}, median of {args.steps} steps; MFU against {peak / 1e12 if peak else float('nan'):.0f} TFLOP/s dense BF16, matmul ceiling "
-          f"{ceiling:.0f} TFLOP/s\n{summary}")
+          f"{args.attention_backend}, median of {args.steps} steps; MFU against {peak_tflops:.0f} TFLOP/s dense "
+          f"BF16, matmul ceiling {ceiling:.0f} TFLOP/s\n{summary}")
     meta = dict(device=name, torch=torch.__version__, peak_bf16_tflops=peak / 1e12 if peak else None,
                 matmul_bf16_tflops=ceiling, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
                 attention_backend=args.attention_backend, steps=args.steps)

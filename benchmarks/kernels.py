@@ -3,8 +3,9 @@
 
     python benchmarks/kernels.py [--tokens 2048 --repeats 7 --layers 2]
 
-- The nu-scaled SwiGLU at the MLP shapes of the 0.5B (d=1024, f=4096) and 1B (d=1280, f=5120) models of
-  the spec, for `--tokens` tokens: forward, backward (the gradients of [u; z], s_u and s_v), and both.
+- The nu-scaled SwiGLU at the MLP shapes of the 0.5B (d=1024, f=4096) and 1B (d=1280, f=5120) models
+  (docs/model.md, Model shapes), for `--tokens` tokens: forward, backward (the gradients of [u; z], s_u and
+  s_v), and both.
 - The post-step projection of every weight of the 1B model (anGPT's bound, rows): `--layers` of its 36
   layers and the same share of its embedding and head rows, scaled up to the whole model.
 
@@ -14,17 +15,14 @@ buffer far larger than the caches (read + write) measured in the same run.
 """
 
 import argparse
-import os
 import statistics
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
-
-from angpt import kernels  # noqa: E402
-from angpt.kernels import reference  # noqa: E402
+from angpt import kernels
+from angpt.kernels import reference
 
 MODELS = {"0.5B": dict(d=1024, f=4096, layers=24), "1B": dict(d=1280, f=5120, layers=36)}
 VOCAB = 50304  # GPT-NeoX's ~50k, padded to a multiple of 128

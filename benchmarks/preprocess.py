@@ -25,11 +25,9 @@ import time
 
 import psutil
 
+from angpt.data.tokenizers import build_tokenizer
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, ROOT)
-
-from angpt.data.tokenizers import build_tokenizer  # noqa: E402
-
 TOOLS = os.path.join(ROOT, "tools")
 DONE = re.compile(r"done in ([\d.]+) s")
 

@@ -5,21 +5,23 @@
 
 Families alternate step by step (GPT+, anGPT, nGPT, GPT+, ...) so that machine noise hits all of them
 alike; the median step of each is reported, with the time of the post-step weight projection alone.
-The paper reports anGPT at +2.75% and nGPT at +9.6% over GPT+ on 4x A100 (spec section 10); on a CPU
-the elementwise work weighs more against the matmuls, so expect larger ratios here.
+The paper reports anGPT at +2.75% and nGPT at +9.6% over GPT+ on 4x A100 (docs/model.md, What the paper
+reports); on a CPU the elementwise work weighs more against the matmuls, so expect larger ratios here.
 """
 
 import argparse
-import os
 import socket
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+from angpt import distributed
+from angpt.bounding import project_parameters_
+from angpt.models import WEIGHT_CONSTRAINTS, model_config
+from angpt.optimizer import build_optimizer
+from angpt.step import build_model_chunks, train_step
 
 FAMILIES = ("gptplus", "angpt", "ngpt")
 
@@ -34,12 +36,6 @@ def main():
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=10)
     args = parser.parse_args()
-
-    from angpt import distributed
-    from angpt.bounding import project_parameters_
-    from angpt.models import WEIGHT_CONSTRAINTS, model_config
-    from angpt.optimizer import build_optimizer
-    from angpt.training import build_model_chunks, train_step
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

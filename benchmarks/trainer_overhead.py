@@ -13,8 +13,8 @@
      `clip_grad_norm_` to the same 1.0, `step()` and the same `project_parameters_`.
    Both take one step on the same fixed in-memory batch per repeat, alternating which goes first
    (A B, B A, ...); the headline is the median of the per-repeat ratios (each pair ran under the same
-   load), next to the ratios of the medians and of the minima. Both losses after the first update are printed, to show that the
-   two do the same arithmetic and the ratio is the trainer's cost alone.
+   load), next to the ratios of the medians and of the minima. Both losses after the first update are
+   printed, to show that the two do the same arithmetic and the ratio is the trainer's cost alone.
 2. The three families at that shape through the trainer path, as ratios to GPT+ next to the paper's
    (anGPT +2.75%, nGPT +9.6% on 4x A100): `benchmarks/step_time.py`, run here with the same shape.
 
@@ -28,10 +28,18 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
+from angpt import distributed
+from angpt.bounding import project_parameters_
+from angpt.models import WEIGHT_CONSTRAINTS, build_model, model_config
+from angpt.optimizer import build_optimizer
+from angpt.step import build_model_chunks, train_step
+
+# The sibling benchmarks/step_time.py, also when this file is loaded by path rather than run as a script.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import step_time
 
 
 def parse_args():
@@ -67,9 +75,6 @@ class TrainerPath:
     """What `angpt.trainer.Trainer.train_one_step` runs, without data loading and logging."""
 
     def __init__(self, args, config):
-        from angpt.optimizer import build_optimizer
-        from angpt.training import build_model_chunks
-
         self.args = args
         self.chunks = build_model_chunks(config, args.vocab_size, args.seq_length)
         # No warm-up (GPT+'s recipe has one) and many iterations: the lr stays at --lr for the few steps
@@ -79,8 +84,6 @@ class TrainerPath:
                                                          lr_warmup_iters=0)
 
     def step(self, batches) -> float:
-        from angpt.training import train_step
-
         loss, _, _ = train_step(iter(batches), self.chunks, self.optimizer, self.scheduler, len(batches),
                                 self.args.micro_batch_size, self.args.seq_length)
         return loss
@@ -90,8 +93,6 @@ class BarePath:
     """The same model and update in plain PyTorch: forward, backward, clip, AdamW, projection."""
 
     def __init__(self, args, config, weights: dict, clip_grad: float, betas: tuple, eps: float):
-        from angpt.models import WEIGHT_CONSTRAINTS, build_model
-
         self.model = build_model(config, args.vocab_size, args.seq_length)
         self.model.load_state_dict(weights)
         self.constraint = WEIGHT_CONSTRAINTS[args.model_family]
@@ -100,8 +101,6 @@ class BarePath:
                                            weight_decay=0.0)
 
     def step(self, batches) -> float:
-        from angpt.bounding import project_parameters_
-
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for batch in batches:
@@ -118,8 +117,6 @@ class BarePath:
 
 
 def measure_overhead(args) -> None:
-    from angpt.models import model_config
-
     shape = dict(num_layers=args.num_layers, hidden_size=args.hidden_size,
                  num_attention_heads=args.num_attention_heads)
     trainer = TrainerPath(args, model_config(args.model_family, **shape))
@@ -167,11 +164,6 @@ def measure_overhead(args) -> None:
 
 def main():
     args = parse_args()
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from angpt import distributed
-
     distributed.initialize()  # a gloo (or NCCL) world of one process without torchrun
     try:
         measure_overhead(args)
@@ -181,8 +173,6 @@ def main():
     if args.skip_families:
         return
     # The families through the trainer path: step_time.py measures exactly that; run it at this shape.
-    import step_time
-
     print()
     argv = sys.argv
     sys.argv = [step_time.__file__, "--hidden-size", str(args.hidden_size), "--num-layers", str(args.num_layers),

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Pretrain on one node of 8 GPUs (NCCL): the 0.5B or 1B shape of the spec from examples/configs/.
+# Pretrain on one node of 8 GPUs (NCCL): the paper's 0.5B or 1B shape (docs/model.md, Model shapes) from
+# examples/configs/.
 #
 #   DATA_PATH=/data/slimpajama_text_document bash examples/pretrain_single_node.sh [more angpt.pretrain flags]
 #

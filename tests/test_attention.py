@@ -5,8 +5,7 @@ import torch
 from megatron.core.transformer.enums import AttnBackend
 
 from angpt.models import build_model, model_config
-from angpt.models.attention import (FusedDotProductAttention, clear_attention_backend_environment,
-                                    uses_fused_attention)
+from angpt.models.attention import FusedDotProductAttention, clear_attention_backend_environment, uses_fused_attention
 
 SHAPE = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
 VOCAB, SEQ = 128, 32
@@ -64,7 +63,7 @@ def test_fused_attention_equals_megatron_local(seeded, fresh_backend_variables, 
     assert not torch.allclose(run(fused, tokens)[1][name], grads_unfused[name], rtol=1e-3)
 
 
-# The softmax scale each family's attention must apply (spec sections 3 and 8): anGPT and nGPT normalize q
+# The softmax scale each family's attention must apply (docs/model.md, Attention): anGPT and nGPT normalize q
 # and k to unit length, so their logits are scaled up by sqrt(h); GPT+ scales by 1/sqrt(h) as a GPT does.
 HEAD_DIM = SHAPE["hidden_size"] // SHAPE["num_attention_heads"]
 SPEC_SOFTMAX_SCALE = {"angpt": HEAD_DIM**0.5, "ngpt": HEAD_DIM**0.5, "gptplus": HEAD_DIM**-0.5}

@@ -1,4 +1,4 @@
-"""Bounded weights (spec section 6) and nGPT's normalized weights, in one process.
+"""Bounded weights (docs/model.md, Bounding) and nGPT's normalized weights, in one process.
 
 The multi-process equality of tensor-parallel and distributed-optimizer bounding with single-process
 bounding is in test_parallel_equivalence.py."""
@@ -9,7 +9,7 @@ import torch
 from angpt.bounding import _Piece, _project, constrained_parameters, project_parameters_
 from angpt.models import build_model, model_config
 from angpt.optimizer import build_optimizer
-from angpt.training import build_model_chunks, train_step
+from angpt.step import build_model_chunks, train_step
 
 
 def weight(rows, cols, unit_norm_dim, seed=0):

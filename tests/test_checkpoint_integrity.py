@@ -26,6 +26,7 @@ from angpt import checkpointing, digests, save_lock
 from angpt.hf.export import ExportError, export
 from angpt.hf.importer import import_hf
 from angpt.trainer import Trainer
+
 from conftest import ROOT, in_process_trainer
 
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
@@ -117,8 +118,8 @@ def test_a_missing_latest_file_beside_checkpoints_is_refused_or_resolved_when_as
     """Before: a warning, and training from scratch over the checkpoints."""
     os.remove(copy / checkpointing.LATEST)
     with pytest.raises(checkpointing.CheckpointError,
-                       match=rf"has no {re.escape(checkpointing.LATEST)} but holds checkpoints of iterations 2, 4: give "
-                             "--load-fallback-to-intact"):
+                       match=rf"has no {re.escape(checkpointing.LATEST)} but holds checkpoints of iterations 2, 4: "
+                             "give --load-fallback-to-intact"):
         trainer("--load", str(copy), "--save", str(copy))
     with caplog.at_level(logging.WARNING):
         assert trainer("--load", str(copy), "--load-fallback-to-intact").state.iteration == 4
@@ -172,9 +173,9 @@ def test_a_stale_lock_is_taken_over_on_its_host_and_refused_from_another(copy, c
     assert run.run() == 0 and not (copy / save_lock.LOCK).exists()  # released at the end
 
     write_lock(copy, lock_of(psutil.Process(), host="another-host"))
-    with pytest.raises(save_lock.SaveLockError, match=rf"locked by a run on another host \(PID {os.getpid()} on "
-                                                      rf"another-host, .*remove {re.escape(str(copy / save_lock.LOCK))} "
-                                                      "and start again"):
+    with pytest.raises(save_lock.SaveLockError,
+                       match=rf"locked by a run on another host \(PID {os.getpid()} on another-host, "
+                             rf".*remove {re.escape(str(copy / save_lock.LOCK))} and start again"):
         trainer("--save", str(copy))
 
 
@@ -249,8 +250,8 @@ def test_two_runs_on_one_save_directory(tmp_path):
 
     def launch(*flags: str) -> subprocess.Popen:
         return subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "angpt.pretrain",
-             *MODEL, "--global-batch-size", "4", "--save", str(tmp_path), *flags],
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+             "-m", "angpt.pretrain", *MODEL, "--global-batch-size", "4", "--save", str(tmp_path), *flags],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
     first = launch("--train-iters", "1000", "--save-interval", "2", "--keep-last-n-checkpoints", "3", "--async-save")

@@ -1,4 +1,5 @@
-"""Concentration of norms at initialization (spec section 10), watched through the model's own modules."""
+"""Concentration of norms at initialization (docs/model.md, Normalization factors), watched through the
+model's own modules."""
 
 import statistics
 

@@ -7,6 +7,7 @@ import re
 import subprocess
 
 import pytest
+from torch.distributed.run import get_args_parser
 
 from angpt.arguments import build_parser, parse_args
 
@@ -24,8 +25,6 @@ def option_strings(parser) -> set[str]:
 
 
 def torchrun_flags() -> set[str]:
-    from torch.distributed.run import get_args_parser
-
     return option_strings(get_args_parser())
 
 
@@ -63,14 +62,14 @@ def test_the_examples_are_there():
 def test_config_parses_for_one_and_two_nodes(path, world_size, tmp_path):
     args = parse_args(["--config", path, "--mock-data", "--vocab-size", "50304", "--save", str(tmp_path)],
                       world_size=world_size)
-    # Spec section 11: head dim 64, f = 4d, context 2048, vocabulary padded to a multiple of 128.
+    # docs/model.md, Model shapes: head dim 64, f = 4d, context 2048, vocabulary padded to a multiple of 128.
     assert args.hidden_size == 64 * args.num_attention_heads
     assert args.ffn_hidden_size in (None, 4 * args.hidden_size)
     assert args.seq_length == 2048
     assert args.make_vocab_size_divisible_by == 128
     assert args.use_distributed_optimizer
     assert args.model_family == "angpt"
-    # The anGPT recipe comes from the family's defaults (spec section 7), not from the file.
+    # The anGPT recipe comes from the family's defaults (docs/model.md, Optimizer and schedule), not from the file.
     assert args.weight_decay is None and args.min_lr is None and args.lr_warmup_iters is None
 
 

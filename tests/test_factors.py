@@ -1,4 +1,4 @@
-"""Normalization factors (spec sections 2 and 4) and the tool that prints them."""
+"""Normalization factors (docs/model.md, Normalization factors) and the tool that prints them."""
 
 import json
 import math
@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from angpt.factors import NU_PLAIN_RESIDUAL, derive_factors, nu_acf_monte_carlo, nu_alpha
+
 from conftest import ROOT
 
-# Spec section 11: (d, layers, heads), head dim 64, f = 4d.
+# docs/model.md, Model shapes: (d, layers, heads), head dim 64, f = 4d.
 SHAPES = {"0.5B": (1024, 24, 16), "1B": (1280, 36, 20)}
 
 
@@ -25,7 +26,8 @@ def test_factor_values_of_the_paper_shapes(name):
     assert factors.nu_uz == pytest.approx(0.5)
     assert factors.nu_d == pytest.approx(2.0)
     assert factors.nu_acf == pytest.approx(3.72, rel=0.01)
-    assert derive_factors(d, 4 * d, heads, nu_p_reading="sqrt_h_over_d", nu_acf_samples=5_000).nu_p == pytest.approx(math.sqrt(64 / d))
+    sqrt_h_over_d = derive_factors(d, 4 * d, heads, nu_p_reading="sqrt_h_over_d", nu_acf_samples=5_000)
+    assert sqrt_h_over_d.nu_p == pytest.approx(math.sqrt(64 / d))
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +42,7 @@ def no_cached_nu_acf(tmp_path, monkeypatch):
 
 def test_nu_acf_matches_its_scalar_form():
     # 1/sqrt(E[SiLU(x)^2]) with x ~ N(0, 1/4), by quadrature: the large-f limit of the estimate. It is
-    # 3.7204 (the spec rounds it to 3.723); by Jensen's inequality the estimate at finite f lies above it.
+    # 3.7204 (docs/model.md, Normalization factors); by Jensen's inequality the estimate at finite f lies above it.
     x = torch.linspace(-3, 3, 200_001, dtype=torch.float64)
     density = torch.exp(-2 * x**2) / math.sqrt(2 * math.pi * 0.25)
     scalar = 1 / math.sqrt(torch.trapezoid(torch.nn.functional.silu(x) ** 2 * density, x).item())

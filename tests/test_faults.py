@@ -11,13 +11,14 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, in_process_trainer
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-from angpt import training
+from angpt import step
 from angpt.checkpointing import write_latest_iteration
 from angpt.data.indexed import IndexedDatasetError, write_metadata
 from angpt.metrics import read_metrics
+
+from conftest import ROOT, in_process_trainer
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
          "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "1e-2", "--log-interval", "1",
@@ -77,7 +78,7 @@ def resumed_run(tmp_path_factory, single_process):
     metrics file, the second checkpoint directory, the loss step 2 computed)."""
     root = tmp_path_factory.mktemp("resumed")
     metrics, first, second = root / "metrics.jsonl", root / "first", root / "second"
-    real_step = training.step_unless_not_finite
+    real_step = step.step_unless_not_finite
     losses = []
 
     def nan_grad_norm_at_step_2(optimizer, loss):
@@ -85,7 +86,7 @@ def resumed_run(tmp_path_factory, single_process):
         return (False, float("nan")) if len(losses) == 2 else real_step(optimizer, loss)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(training, "step_unless_not_finite", nan_grad_norm_at_step_2)
+        patch.setattr(step, "step_unless_not_finite", nan_grad_norm_at_step_2)
         assert train_in_process("--train-iters", "3", "--save", str(first), "--save-interval", "2",
                                 "--metrics-file", str(metrics)) == 0
     shutil.copytree(first / "iter_0000002", second / "iter_0000002")
@@ -97,10 +98,10 @@ def resumed_run(tmp_path_factory, single_process):
 
 def test_a_step_skipped_for_its_grad_norm_logs_the_loss_it_computed(resumed_run):
     metrics, _, loss = resumed_run
-    step = next(r for r in read_metrics(str(metrics)) if r["kind"] == "train" and r["iteration"] == 2)
+    record = next(r for r in read_metrics(str(metrics)) if r["kind"] == "train" and r["iteration"] == 2)
     # It used to log NaN (null): the window's loss left skipped steps out.
-    assert step["skipped"] == 1 and step["grad_norm"] is None
-    assert step["lm_loss"] == pytest.approx(loss)
+    assert record["skipped"] == 1 and record["grad_norm"] is None
+    assert record["lm_loss"] == pytest.approx(loss)
 
 
 def test_each_start_is_marked_and_readers_keep_the_resumed_runs_steps(resumed_run):

@@ -7,6 +7,17 @@ import math
 
 import pytest
 import torch
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.transformer.enums import AttnBackend
+
+from angpt import kernels
+from angpt.bounding import constrained_parameters
+from angpt.distributed import set_random_seed
+from angpt.factors import nu_alpha
+from angpt.models import build_model, layers, model_config
+from angpt.models.attention import clear_attention_backend_environment
+from angpt.optimizer import build_optimizer
+from angpt.step import build_model_chunks, train_step
 
 pytestmark = pytest.mark.gpu
 
@@ -21,14 +32,6 @@ def batch(seed=1):
 
 
 def train(family, steps, bf16=False, distributed_optimizer=False, lr=0.01, **overrides):
-    from megatron.core.distributed import DistributedDataParallelConfig
-
-    from angpt.distributed import set_random_seed
-    from angpt.models import model_config
-    from angpt.models.attention import clear_attention_backend_environment
-    from angpt.optimizer import build_optimizer
-    from angpt.training import build_model_chunks, train_step
-
     clear_attention_backend_environment()
     set_random_seed(1234)
     dtype = dict(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16) if bf16 else {}
@@ -44,10 +47,6 @@ def train(family, steps, bf16=False, distributed_optimizer=False, lr=0.01, **ove
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_elementwise_chains_equal_eager(dtype):
-    from angpt import kernels
-    from angpt.factors import nu_alpha
-    from angpt.models import layers
-
     generator = torch.Generator(device="cuda").manual_seed(0)
     h, x = (torch.randn(64, 2, 256, device="cuda", generator=generator).to(dtype).requires_grad_() for _ in range(2))
     alpha = (0.2 * torch.rand(256, device="cuda", generator=generator)).requires_grad_()
@@ -81,16 +80,12 @@ def test_compiled_elementwise_chains_equal_eager(dtype):
 
 
 def test_the_extension_has_cuda_kernels():
-    from angpt import kernels
-
     ext = kernels.extension(torch.device("cuda"))
     assert ext is not None and ext.with_cuda
 
 
 @pytest.mark.parametrize("family", ["angpt", "ngpt"])
 def test_training_with_the_cuda_kernels_equals_the_pytorch_path(family, single_process):
-    from angpt import kernels
-
     fused, _, _ = train(family, steps=6)
     with kernels.reference_only():
         reference, _, _ = train(family, steps=6)
@@ -102,12 +97,6 @@ def test_training_with_the_cuda_kernels_equals_the_pytorch_path(family, single_p
 
 @pytest.mark.parametrize("family", ["angpt", "gptplus", "ngpt"])
 def test_flash_attention_equals_unfused_attention_in_bf16(family, single_process):
-    from megatron.core.transformer.enums import AttnBackend
-
-    from angpt.distributed import set_random_seed
-    from angpt.models import build_model, model_config
-    from angpt.models.attention import clear_attention_backend_environment
-
     logits = {}
     for backend in (AttnBackend.unfused, AttnBackend.flash):
         clear_attention_backend_environment()
@@ -123,8 +112,6 @@ def test_flash_attention_equals_unfused_attention_in_bf16(family, single_process
 
 
 def test_bf16_distributed_optimizer_trains_and_keeps_weights_bounded(single_process):
-    from angpt.bounding import constrained_parameters
-
     losses, chunks, optimizer = train("angpt", steps=30, bf16=True, distributed_optimizer=True, lr=0.02)
     assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0] - 0.5, losses
     weights = constrained_parameters(chunks)

@@ -9,20 +9,37 @@ are compared within tolerances, and argmaxes and greedy choices only up to what 
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import random
 import re
+import runpy
+import shutil
 import subprocess
 import sys
+from pydoc_data.topics import topics
 
 import pytest
 import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
 from angpt.data.tokenizers import EOD_TOKEN, build_tokenizer
 from angpt.hf.export import LAYER, ExportError, export, read_checkpoint
 from angpt.hf.importer import import_hf
-from angpt.hf.verify import (FP32_LOGIT_TOLERANCE, decided, greedy_within_tolerance, load_exported,
-                             load_megatron_model, load_tokenizer, logit_tolerance, megatron_logits, near_argmax)
+from angpt.hf.verify import (
+    FP32_LOGIT_TOLERANCE,
+    decided,
+    greedy_within_tolerance,
+    load_exported,
+    load_megatron_model,
+    load_tokenizer,
+    logit_tolerance,
+    megatron_logits,
+    near_argmax,
+)
+
 from conftest import ROOT, TRAINED_ITERS, TRAINED_MODEL, TRAINED_RUNS, in_process_trainer
 
 pytestmark = pytest.mark.multiprocess
@@ -166,8 +183,6 @@ def test_the_export_carries_the_tokenizer_with_the_end_of_document_token_as_eos(
 
 
 def test_gptplus_is_exported_as_qwen3_without_remote_code(exported):
-    from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
-
     output = exported["gptplus", "float32"][1]
     assert not any(name.endswith(".py") for name in os.listdir(output))
     model = AutoModelForCausalLM.from_pretrained(output)
@@ -175,8 +190,6 @@ def test_gptplus_is_exported_as_qwen3_without_remote_code(exported):
 
 
 def test_large_weights_are_sharded_with_an_index(checkpoints, tmp_path, single_process):
-    from safetensors import safe_open
-
     export(checkpoints["ngpt"], str(tmp_path), max_shard_bytes=100_000)
     with open(tmp_path / "model.safetensors.index.json") as file:
         weight_map = json.load(file)["weight_map"]
@@ -190,8 +203,6 @@ def test_large_weights_are_sharded_with_an_index(checkpoints, tmp_path, single_p
 
 def convert_to_hf(*argv: str, monkeypatch) -> None:
     """tools/convert_to_hf.py as from the command line, in this process."""
-    import runpy
-
     monkeypatch.setattr(sys, "argv", ["convert_to_hf.py", *argv])
     runpy.run_path(os.path.join(ROOT, "tools", "convert_to_hf.py"), run_name="__main__")
 
@@ -294,8 +305,8 @@ def test_an_imported_checkpoint_is_fine_tuned_by_the_trainer_at_another_layout(e
     printed = run("tools/convert_from_hf.py", "--input", output, "--save", str(tmp_path))
     assert "--model-family ngpt --num-layers 2 --hidden-size 64 --seq-length 64" in printed
     trained = run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "angpt.pretrain",
-                  *MODEL, "--model-family", "ngpt", "--tensor-model-parallel-size", "2", "--mock-data", "--vocab-size", "256",
-                  "--train-iters", "1", "--load", str(tmp_path), "--finetune")
+                  *MODEL, "--model-family", "ngpt", "--tensor-model-parallel-size", "2", "--mock-data",
+                  "--vocab-size", "256", "--train-iters", "1", "--load", str(tmp_path), "--finetune")
     assert "for fine-tuning" in trained and "iteration        1/       1" in trained
 
 
@@ -312,8 +323,6 @@ def test_a_missing_iteration_is_refused_with_the_ones_there(checkpoints, tmp_pat
 
 
 def test_a_checkpoint_of_an_unknown_family_is_refused(checkpoints, tmp_path, single_process):
-    import shutil
-
     copy = tmp_path / "checkpoint"
     shutil.copytree(checkpoints["ngpt"], copy)
     common_file = copy / f"iter_{TRAINED_ITERS:07d}" / "common.pt"
@@ -327,10 +336,6 @@ def test_a_checkpoint_of_an_unknown_family_is_refused(checkpoints, tmp_path, sin
 
 def multiple_choice_items(count: int = 24) -> list[dict]:
     """Four words of Python's help texts, their next word and three other words of the texts."""
-    import random
-
-    from pydoc_data.topics import topics
-
     rng = random.Random(0)
     words = " ".join(topics[key] for key in sorted(topics)).split()
     items = []
@@ -357,8 +362,6 @@ def our_loglikelihoods(model, tokenizer, items: list[dict], vocab_size: int) -> 
 
 
 def test_lm_eval_runs_offline_on_the_export_and_scores_what_our_model_does(exported, models, tmp_path):
-    import glob
-
     items = multiple_choice_items()
     with open(tmp_path / "items.jsonl", "w") as file:
         file.writelines(json.dumps(item) + "\n" for item in items)

@@ -13,7 +13,12 @@ import pytest
 import torch
 
 from angpt import kernels
+from angpt.distributed import set_random_seed
 from angpt.kernels import Piece, reference
+from angpt.models import model_config
+from angpt.optimizer import build_optimizer
+from angpt.step import build_model_chunks, train_step
+
 from conftest import ROOT, run_workers
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -236,11 +241,6 @@ def test_two_phase_projection_over_ranks_equals_single_process():
 
 
 def train_losses(steps=4, family="angpt"):
-    from angpt.distributed import set_random_seed
-    from angpt.models import model_config
-    from angpt.optimizer import build_optimizer
-    from angpt.training import build_model_chunks, train_step
-
     set_random_seed(1234)
     config = model_config(family, num_layers=2, hidden_size=64, num_attention_heads=4)
     chunks = build_model_chunks(config, 128, 16)

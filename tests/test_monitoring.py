@@ -9,30 +9,26 @@ import sys
 
 import pytest
 import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from angpt.bounding import constrained_parameters
+from angpt.distributed import set_random_seed
+from angpt.health import HealthProbe
+from angpt.metrics import MetricsLogger, ProgressBar, format_log_line
+from angpt.models import model_config
+from angpt.performance import DeviceTelemetry, memory_stats, model_flops_per_token, peak_flops_per_device
+from angpt.step import build_model_chunks, forward_step
 
 from conftest import ROOT, run_workers
 
-from angpt.monitoring import (
-    DeviceTelemetry,
-    HealthProbe,
-    MetricsLogger,
-    ProgressBar,
-    format_log_line,
-    memory_stats,
-    model_flops_per_token,
-    peak_flops_per_device,
-)
-
 sys.path.insert(0, os.path.join(ROOT, "tests", "distributed"))
-from common import MICRO_BATCH, S, V, fixed_batches, small_config  # noqa: E402
-
+from common import MICRO_BATCH, S, V, fixed_batches, small_config
 
 # --- throughput -------------------------------------------------------------------------------------------
 
 
 def test_model_flops_per_token_matches_hand_count():
-    from angpt.models import model_config
-
     # d = 8, 2 heads of 4 sharing 1 key/value group, f = 32 per SwiGLU half, 2 layers, s = 16, V = 64.
     config = model_config("gptplus", num_layers=2, hidden_size=8, num_attention_heads=2, num_query_groups=1,
                           ffn_hidden_size=32)
@@ -111,8 +107,6 @@ def test_metrics_jsonl_is_valid_json_with_nan_and_appends_across_loggers(tmp_pat
 
 
 def test_tensorboard_has_the_scalars(tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     logger = MetricsLogger(None, str(tmp_path / "tb"), enabled=True)
     logger.log({"kind": "train", "iteration": 10, "lm_loss": 4.5, "lr": torch.tensor(3e-3),
                 "health/residual_norm/layer_01": 1.25, "note": "not a number"})
@@ -179,22 +173,19 @@ def test_progress_bar_on_a_terminal(monkeypatch, capsys):
 
 
 def build(family: str):
-    from angpt.training import build_model_chunks
-
     return build_model_chunks(small_config(family), V, S)
 
 
 def forward(chunks, probe=None):
     """Loss of the fixed micro-batches through megatron-core's schedule, inside probe.capture() if given."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from angpt.training import forward_step
-
     batches = fixed_batches()
-    run = lambda: get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(batches), model=chunks,
-        num_microbatches=len(batches), seq_length=S, micro_batch_size=MICRO_BATCH, forward_only=True,
-    )
+
+    def run():
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(batches), model=chunks,
+            num_microbatches=len(batches), seq_length=S, micro_batch_size=MICRO_BATCH, forward_only=True,
+        )
+
     if probe is None:
         return torch.stack([loss["lm loss"] for loss in run()])
     with probe.capture():
@@ -233,8 +224,6 @@ def hook_count(model) -> int:
 
 def build_angpt_with_varied_alphas():
     """A seeded anGPT model whose alphas differ from layer to layer and from their initial value."""
-    from angpt.distributed import set_random_seed
-
     set_random_seed(1234)
     chunks = build("angpt")
     with torch.no_grad():
@@ -287,8 +276,6 @@ def test_health_probe_costs_nothing_outside_capture(angpt_chunks):
 
 
 def test_rows_at_bound_drops_when_rows_shrink(angpt_chunks):
-    from angpt.bounding import constrained_parameters
-
     model = angpt_chunks[0].module
     probe = HealthProbe(angpt_chunks)
     assert probe.summary()["health/rows_at_bound"] == 1.0

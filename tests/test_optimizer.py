@@ -1,4 +1,5 @@
-"""Each family's optimizer (spec section 7) and the effective learning rates of the scales (section 5)."""
+"""Each family's optimizer and the effective learning rates of the scales (docs/model.md, Optimizer and
+schedule; Learnable scales)."""
 
 import pytest
 import torch
@@ -6,7 +7,7 @@ import torch
 from angpt.models import model_config
 from angpt.models.scales import LearnableScale
 from angpt.optimizer import build_optimizer
-from angpt.training import build_model_chunks, train_step
+from angpt.step import build_model_chunks, train_step
 
 V, S, MB = 128, 16, 2
 
@@ -22,7 +23,7 @@ def batch(seed=0):
                 position_ids=torch.arange(S).unsqueeze(0).expand(MB, -1))
 
 
-# The spec's table of learnable scales (section 5), for d = 64: (initial value s_init, effective lr factor
+# The table of docs/model.md, Learnable scales, at d = 64: (initial value s_init, effective lr factor
 # s_init / s_scale). Written out here, not read from the modules, so that a wrong s_init or s_scale fails.
 D = 64
 SPEC_SCALES = {

@@ -1,8 +1,9 @@
 """Parallel layouts against the single-process model with the same weights, for all three families, fp32.
 
 The layouts run as real processes under torchrun on gloo, all in one job
-(tests/distributed/equivalence_worker.py), and record logits, loss, every gradient, the parameters after three optimizer steps (with the family's
-bounding), and one bounding projection of weights pushed partly outside the unit ball."""
+(tests/distributed/equivalence_worker.py), and record logits, loss, every gradient, the parameters after
+three optimizer steps (with the family's bounding), and one bounding projection of weights pushed partly
+outside the unit ball."""
 
 import pytest
 import torch

@@ -16,7 +16,7 @@ from conftest import ROOT, in_process_trainer
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-import plot_metrics  # noqa: E402
+import plot_metrics
 
 ITERS, EVAL_INTERVAL, LAYERS = 4, 2, 2
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

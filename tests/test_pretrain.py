@@ -3,10 +3,13 @@
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
+
+from angpt.arguments import NUMERIC_RANGES, build_parser, parse_args
 
 from conftest import PYDOC_VOCAB_SIZE, ROOT, TRAINED_ITERS, TRAINED_RUNS
 
@@ -41,7 +44,8 @@ def test_training_lowers_the_loss(family, trained_runs):
     print(family, f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     assert len(losses) == TRAINED_ITERS
     if family == "angpt":
-        assert f"vocabulary {PYDOC_VOCAB_SIZE} (padded {PYDOC_VOCAB_SIZE})" in (trained_runs[family] / "output.txt").read_text()
+        output = (trained_runs[family] / "output.txt").read_text()
+        assert f"vocabulary {PYDOC_VOCAB_SIZE} (padded {PYDOC_VOCAB_SIZE})" in output
     # About uniform over the vocabulary at the start: every family's logits start small.
     assert losses[0] == pytest.approx(math.log(padded_vocab_size), abs=0.15)
     assert losses[-1] < losses[0] - 1.0
@@ -50,8 +54,10 @@ def test_training_lowers_the_loss(family, trained_runs):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        ([*MOCK, "--tensor-model-parallel-size", "3"], "world size 2 is not divisible by --tensor-model-parallel-size 3"),
-        ([*MOCK, "--tensor-model-parallel-size", "2", "--num-attention-heads", "3"], "--num-attention-heads 3 is not divisible"),
+        ([*MOCK, "--tensor-model-parallel-size", "3"],
+         "world size 2 is not divisible by --tensor-model-parallel-size 3"),
+        ([*MOCK, "--tensor-model-parallel-size", "2", "--num-attention-heads", "3"],
+         "--num-attention-heads 3 is not divisible"),
         ([*MOCK, "--pipeline-model-parallel-size", "2", "--num-layers", "3"], "--num-layers 3 is not divisible"),
         ([*MOCK, "--global-batch-size", "6"], "--global-batch-size 6 is not divisible by --micro-batch-size 4"),
         (["--data-path", "/nonexistent/corpus_text_document"],
@@ -85,8 +91,6 @@ def test_training_lowers_the_loss(family, trained_runs):
     ],
 )
 def test_impossible_settings_fail_before_starting(flags, message, monkeypatch, capsys):
-    from angpt.pretrain import parse_args
-
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit):
         parse_args([*FLAGS, *([] if "--train-samples" in flags else ["--train-iters", "10"]), *flags])
@@ -94,9 +98,66 @@ def test_impossible_settings_fail_before_starting(flags, message, monkeypatch, c
     assert last_line.startswith("angpt.pretrain: error: ") and message in last_line
 
 
-def test_every_numeric_flag_has_a_range():
-    from angpt.arguments import NUMERIC_RANGES, build_parser
+def test_a_wrong_flag_is_one_line_from_rank_0_only(monkeypatch, capsys):
+    for rank, expected in (("0", "angpt.pretrain: error: unrecognized arguments: --num-layerz 3 (see --help)\n"),
+                           ("1", "")):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as exit_:
+            parse_args([*MOCK, "--train-iters", "10", "--num-layerz", "3"])
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err == expected
 
+
+def test_help_shows_defaults_and_what_is_required_before_torch_is_imported():
+    """`--help` and flag errors come before any heavy import (torch, megatron-core): they are instant."""
+    probe = ("import contextlib, io, sys\n"
+             "from angpt.pretrain import main\n"
+             "out = io.StringIO()\n"
+             "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(out):\n"
+             "    main(['--help'])\n"
+             "print(out.getvalue())\n"
+             "print(sorted(name for name in ('torch', 'megatron', 'numpy') if name in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.rstrip().endswith("[]")  # none of them imported
+    help_text = " ".join(done.stdout.split())
+    for flag, shown in (("--num-layers NUM_LAYERS", "default: 4"), ("--model-family {angpt,gptplus,ngpt}",
+                        "default: angpt"), ("--lr LR", "default: 0.003"),
+                        ("--train-iters TRAIN_ITERS", "required, or --train-samples")):
+        assert f"{flag} {shown}" in help_text, flag
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--data-path", "{prefix}", "--train-data-path", "{prefix}"],
+         "--data-path and --train-data-path both name the training data: give one"),
+        (["--data-path", "{prefix}", "--mock-data", "--vocab-size", "256"],
+         "--data-path and --mock-data both name the training data: give one"),
+        (["--data-path", "{prefix}", "--valid-data-path", "{prefix}"],
+         "--valid-data-path and --test-data-path go with --train-data-path"),
+    ],
+)
+def test_data_flags_that_contradict_each_other_are_refused(flags, message, tmp_path, monkeypatch, capsys):
+    prefix = tmp_path / "corpus_text_document"
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"corpus_text_document{ext}").touch()
+    with pytest.raises(SystemExit):
+        parse_args([*FLAGS, "--train-iters", "10", *(flag.format(prefix=prefix) for flag in flags)])
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("suffix", [".bin", ".idx", ""])
+def test_a_data_path_given_as_one_of_its_files_means_its_prefix(suffix, tmp_path):
+    prefix = tmp_path / "corpus_text_document"
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"corpus_text_document{ext}").touch()
+    args = parse_args([*FLAGS, "--train-iters", "10", "--data-path", "0.5", f"{prefix}{suffix}", "0.5", str(prefix)],
+                      world_size=1)
+    assert args.data_path == ["0.5", str(prefix), "0.5", str(prefix)]
+
+
+def test_every_numeric_flag_has_a_range():
     numeric = {action.dest for action in build_parser()._actions if action.type in (int, float)}
     ranged = [flag for _, _, flags in NUMERIC_RANGES for flag in flags]
     assert sorted(ranged) == sorted(numeric)  # each numeric flag once, and nothing else
@@ -111,8 +172,6 @@ def preprocessed(pydoc_corpus):
 
 @pytest.mark.multiprocess
 def test_a_truncated_dataset_is_refused_when_training_opens_it(preprocessed, tmp_path):
-    import shutil
-
     broken = tmp_path / "broken_text_document"
     for ext in (".bin", ".idx", ".json"):
         shutil.copy(str(preprocessed) + ext, str(broken) + ext)
@@ -124,8 +183,6 @@ def test_a_truncated_dataset_is_refused_when_training_opens_it(preprocessed, tmp
 
 
 def test_a_yaml_config_sets_flags_and_the_command_line_overrides_it(tmp_path, monkeypatch):
-    from angpt.pretrain import parse_args
-
     monkeypatch.setenv("WORLD_SIZE", "2")
     config = tmp_path / "run.yaml"
     config.write_text("model-family: ngpt\nnum_layers: 6\ntensor-model-parallel-size: 2\nlr: 0.002\n"
@@ -148,8 +205,6 @@ def test_a_yaml_config_sets_flags_and_the_command_line_overrides_it(tmp_path, mo
     ],
 )
 def test_a_bad_config_file_is_refused_by_name(text, message, tmp_path, monkeypatch, capsys):
-    from angpt.pretrain import parse_args
-
     config = tmp_path / "bad.yaml"
     config.write_text(text)
     with pytest.raises(SystemExit):

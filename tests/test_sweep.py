@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+
 from conftest import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -128,7 +129,8 @@ def test_the_frontier_keeps_the_lower_envelope():
         (lambda t: t.replace("  log-interval: 1\n", "  lr: 0.1\n"), "base.lr: set by the sweep"),
         (lambda t: t.replace("  log-interval: 1\n", "  log-interval: often\n"),
          "base.log-interval: 'often' is not a valid int (--log-interval)"),
-        (lambda t: t.replace("  model-family: angpt\n", "  model-family: bert\n"), "base.model-family: 'bert' is not one of"),
+        (lambda t: t.replace("  model-family: angpt\n", "  model-family: bert\n"),
+         "base.model-family: 'bert' is not one of"),
         (lambda t: t.replace("lr: [1e-2, 3e-2]", "lr: [1e-2, fast]"), "grid.lr[1]: expected a float, got 'fast'"),
         (lambda t: t.replace("lr: [1e-2, 3e-2]", "lr: []"), "grid.lr is empty"),
         (lambda t: t.replace("tokens: [128]", "tokens: [lots]"), "grid.tokens[0]: 'lots' is not a number of tokens"),
@@ -136,9 +138,11 @@ def test_the_frontier_keeps_the_lower_envelope():
          "grid.global_batch_size 6 is not a multiple of base.micro-batch-size 4"),
         (lambda t: t.replace("global_batch_size: [4]", "global_batch_size: [4.5]"),
          "grid.global_batch_size[0]: expected a int"),
-        (lambda t: t.replace("{num_layers: 2, hidden_size: 32, num_attention_heads: 1}", "{num_layers: 2, hidden: 32}"),
+        (lambda t: t.replace("{num_layers: 2, hidden_size: 32, num_attention_heads: 1}",
+                             "{num_layers: 2, hidden: 32}"),
          "grid.shapes[0].hidden: unknown key"),
-        (lambda t: t.replace("{num_layers: 2, hidden_size: 32, num_attention_heads: 1}", "{num_layers: 2, num_attention_heads: 1}"),
+        (lambda t: t.replace("{num_layers: 2, hidden_size: 32, num_attention_heads: 1}",
+                             "{num_layers: 2, num_attention_heads: 1}"),
          "grid.shapes[0]: missing hidden_size"),
         (lambda t: t.split("grid:")[0] + "grid: {}\n", "grid: is empty"),
         (lambda t: t.split("grid:")[0], "no grid:"),
@@ -155,14 +159,17 @@ def test_bad_sweep_files_are_refused_naming_the_file_and_key(edit, message, tmp_
 
 
 def test_the_grid_becomes_runs_with_iterations_from_the_token_budget(tmp_path):
-    text = TINY.replace("tokens: [128]", "tokens: [1k, 2048]").replace("global_batch_size: [4]", "global_batch_size: [4, 8]")
+    text = TINY.replace("tokens: [128]", "tokens: [1k, 2048]")
+    text = text.replace("global_batch_size: [4]", "global_batch_size: [4, 8]")
     text = text.replace("  eval-iters: 1\n", "") + "eval_tokens: 128\n"
     loaded = sweep.load_sweep(write(tmp_path, text), output_dir=str(tmp_path / "out"))
     assert len(loaded.runs) == 1 * 2 * 2 * 2
     first = loaded.runs[0]
-    assert (first.lr, first.global_batch_size, first.train_iters, first.tokens, first.eval_iters) == (0.01, 4, 16, 1024, 2)
+    assert (first.lr, first.global_batch_size, first.train_iters, first.tokens,
+            first.eval_iters) == (0.01, 4, 16, 1024, 2)
     last = loaded.runs[-1]
-    assert (last.tokens_requested, last.lr, last.global_batch_size, last.train_iters, last.eval_iters) == (2048, 0.03, 8, 16, 1)
+    assert (last.tokens_requested, last.lr, last.global_batch_size, last.train_iters,
+            last.eval_iters) == (2048, 0.03, 8, 16, 1)
     command = loaded.command(last, sweep.launcher())
     flags = command[command.index("angpt.pretrain") + 1:]
     assert flags[flags.index("--train-iters") + 1] == "16" and flags[flags.index("--lr") + 1] == "0.03"

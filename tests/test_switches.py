@@ -1,4 +1,5 @@
-"""Each DEFAULT of the spec and each ablation of its section 9 is a switch that does what it says."""
+"""Each choice made where the paper is silent and each ablation it measured (docs/model.md, Families and
+switches) is a switch that does what it says."""
 
 import math
 

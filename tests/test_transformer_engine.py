@@ -14,23 +14,40 @@ with the CPU tests.
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
+from megatron.core import optimizer as megatron_optimizer
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.enums import ModelType
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+from angpt import bounding, distributed, transformer_engine_support
+from angpt.arguments import parse_args
+from angpt.bounding import _optimizer_pieces, constrained_parameters
+from angpt.config_from_args import model_config_from_args
+from angpt.distributed import set_random_seed
+from angpt.models import model_config, te_specs
+from angpt.models.attention import FusedDotProductAttention
+from angpt.models.gpt import build_model_with_impl
+from angpt.models.layers import FactorScaledColumn, FactorScaledRow, QKNormalization
+from angpt.models.specs import normalized_layer_spec
+from angpt.optimizer import build_optimizer
+from angpt.step import build_model_chunks, train_step
 
 from conftest import ROOT
-
-from angpt.models import model_config
-from angpt.models import te_specs
 
 SMALL = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
 ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--micro-batch-size", "4", "--global-batch-size", "4", "--mock-data", "--vocab-size", "256",
         "--train-iters", "10"]
 FP8 = ["--transformer-impl", "transformer_engine", "--bf16", "--use-distributed-optimizer", "--fp8-format", "hybrid"]
-HAVE_TE = te_specs.transformer_engine_error() is None
+HAVE_TE = transformer_engine_support.transformer_engine_error() is None
 
 
 # -- one clear error without Transformer Engine --------------------------------------------------------
@@ -39,8 +56,8 @@ HAVE_TE = te_specs.transformer_engine_error() is None
 @pytest.mark.parametrize("family", ["angpt", "gptplus", "ngpt"])
 def test_without_transformer_engine_building_the_te_spec_fails_with_one_clear_message(family, single_process):
     config = model_config(family, **SMALL)
-    with pytest.raises(te_specs.TransformerEngineUnavailable) as error:
-        te_specs.build_model_with_impl(config, 128, 16, transformer_impl="transformer_engine")
+    with pytest.raises(transformer_engine_support.TransformerEngineUnavailable) as error:
+        build_model_with_impl(config, 128, 16, transformer_impl="transformer_engine")
     message = str(error.value)
     assert "--transformer-impl transformer_engine" in message and "transformer-engine[pytorch]" in message
     assert "--transformer-impl local" in message
@@ -48,8 +65,6 @@ def test_without_transformer_engine_building_the_te_spec_fails_with_one_clear_me
 
 @pytest.mark.skipif(HAVE_TE, reason="Transformer Engine is installed")
 def test_without_transformer_engine_the_flag_is_refused_at_validation(capsys):
-    from angpt.arguments import parse_args
-
     with pytest.raises(SystemExit):
         parse_args([*ARGS, "--transformer-impl", "transformer_engine"], world_size=1)
     err = capsys.readouterr().err
@@ -58,8 +73,6 @@ def test_without_transformer_engine_the_flag_is_refused_at_validation(capsys):
 
 
 def test_local_stays_the_default():
-    from angpt.arguments import parse_args
-
     assert parse_args(ARGS, world_size=1).transformer_impl == "local"
     assert model_config("angpt", **SMALL).transformer_impl == "local"  # megatron-core's default is TE
 
@@ -96,20 +109,13 @@ class StandInRow(StandInLinear):
 def stand_in_te(monkeypatch):
     """Transformer Engine 'installed', its layers replaced by the stand-ins (the local core attention stands
     in for TEDotProductAttention)."""
-    from angpt.models.attention import FusedDotProductAttention
-
     modules = te_specs.compose_normalized_modules(StandInColumn, StandInRow, FusedDotProductAttention)
-    monkeypatch.setattr(te_specs, "transformer_engine_error", lambda: None)
+    monkeypatch.setattr(transformer_engine_support, "transformer_engine_error", lambda: None)
     monkeypatch.setattr(te_specs, "te_normalized_modules", lambda: modules)
     return modules
 
 
 def test_te_normalized_spec_puts_the_anGPT_mixins_on_te_modules():
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    from angpt.models.layers import FactorScaledColumn, FactorScaledRow, QKNormalization
-    from angpt.models.specs import normalized_layer_spec
-
     modules = te_specs.compose_normalized_modules(StandInColumn, StandInRow, DotProductAttention)
     spec = normalized_layer_spec(modules)
     attention, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
@@ -127,11 +133,9 @@ def test_te_normalized_spec_puts_the_anGPT_mixins_on_te_modules():
 def test_te_spec_on_stand_ins_builds_and_equals_the_local_spec(family, seeded, stand_in_te):
     """The TE spec's model (block spec dispatch, mixins on foreign bases, nGPT's dim-0 vectors of the
     row-parallel weights) gives the local model's logits on the same weights."""
-    from angpt.bounding import constrained_parameters
-
     config = model_config(family, **SMALL)
-    local = te_specs.build_model_with_impl(config, 128, 16, transformer_impl="local")
-    te = te_specs.build_model_with_impl(config, 128, 16, transformer_impl="transformer_engine")
+    local = build_model_with_impl(config, 128, 16, transformer_impl="local")
+    te = build_model_with_impl(config, 128, 16, transformer_impl="transformer_engine")
     layer = te.decoder.layers[0]
     assert isinstance(layer.self_attention.linear_qkv, StandInColumn)
     assert isinstance(layer.mlp.linear_fc2, StandInRow)
@@ -154,9 +158,6 @@ def test_te_spec_on_stand_ins_builds_and_equals_the_local_spec(family, seeded, s
 def test_trainer_path_tags_ngpt_te_row_weights_before_the_optimizer(seeded, stand_in_te):
     """build_model_chunks + build_optimizer (what the trainer runs): nGPT's TE row-parallel weights end up
     normalized along dim 0 before the optimizer takes its main copies."""
-    from angpt.optimizer import build_optimizer
-    from angpt.training import build_model_chunks
-
     config = model_config("ngpt", transformer_impl="transformer_engine", **SMALL)
     chunks = build_model_chunks(config, 128, 16)
     build_optimizer(chunks, "ngpt", lr=1e-3, train_iters=10)
@@ -195,10 +196,8 @@ def test_trainer_path_tags_ngpt_te_row_weights_before_the_optimizer(seeded, stan
     ],
 )
 def test_invalid_fp8_settings_are_refused_by_flag(flags, message, capsys, monkeypatch):
-    from angpt.arguments import parse_args
-
-    monkeypatch.setattr(te_specs, "transformer_engine_error", lambda: None)  # reach the FP8 checks
-    monkeypatch.setattr(te_specs, "fp8_recipe_problem", lambda recipe: None)
+    monkeypatch.setattr(transformer_engine_support, "transformer_engine_error", lambda: None)  # reach the FP8 checks
+    monkeypatch.setattr(transformer_engine_support, "fp8_recipe_problem", lambda recipe: None)
     with pytest.raises(SystemExit):
         parse_args([*ARGS, *flags], world_size=1)
     assert message in capsys.readouterr().err
@@ -207,12 +206,8 @@ def test_invalid_fp8_settings_are_refused_by_flag(flags, message, capsys, monkey
 @pytest.fixture
 def fake_te_runtime(monkeypatch):
     """Transformer Engine 2.8 'installed' with MXFP8, on a GPU of the compute capability the test sets."""
-    import types
-
-    from megatron.core import utils
-
-    monkeypatch.setattr(te_specs, "transformer_engine_error", lambda: None)
-    monkeypatch.setattr(utils, "is_te_min_version", lambda version, check_equality=True: True)
+    monkeypatch.setattr(transformer_engine_support, "transformer_engine_error", lambda: None)
+    monkeypatch.setattr("megatron.core.utils.is_te_min_version", lambda version, check_equality=True: True)
     recipe = types.ModuleType("transformer_engine.common.recipe")
     recipe.MXFP8BlockScaling = object
     common = types.ModuleType("transformer_engine.common")
@@ -240,8 +235,6 @@ def fake_te_runtime(monkeypatch):
     ],
 )
 def test_fp8_recipes_are_checked_against_the_gpu(recipe, capability, message, fake_te_runtime, capsys):
-    from angpt.arguments import parse_args
-
     fake_te_runtime(capability)
     with pytest.raises(SystemExit):
         parse_args([*ARGS, *FP8, "--fp8-recipe", recipe], world_size=1)
@@ -250,15 +243,12 @@ def test_fp8_recipes_are_checked_against_the_gpu(recipe, capability, message, fa
 
 def test_mxfp8_needs_a_transformer_engine_that_has_it(fake_te_runtime, monkeypatch):
     fake_te_runtime((10, 0))
-    assert te_specs.fp8_recipe_problem("mxfp8") is None
+    assert transformer_engine_support.fp8_recipe_problem("mxfp8") is None
     monkeypatch.delattr(sys.modules["transformer_engine.common.recipe"], "MXFP8BlockScaling")
-    assert "no MXFP8BlockScaling" in te_specs.fp8_recipe_problem("mxfp8")
+    assert "no MXFP8BlockScaling" in transformer_engine_support.fp8_recipe_problem("mxfp8")
 
 
 def test_valid_fp8_flags_reach_the_transformer_config(fake_te_runtime):
-    from angpt.arguments import parse_args
-    from angpt.trainer import model_config_from_args
-
     fake_te_runtime((9, 0))
     args = parse_args([*ARGS, *FP8, "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max"],
                       world_size=1)
@@ -278,16 +268,11 @@ def test_fp8_needs_the_te_implementation_in_the_config_too():
 # -- apex / Transformer Engine selection, logged once ----------------------------------------------
 
 def test_optimizer_and_norm_choice_logged_once(seeded, caplog, monkeypatch):
-    from megatron.core import optimizer as megatron_optimizer
-
-    from angpt import optimizer
-    from angpt.training import build_model_chunks
-
-    monkeypatch.setattr(optimizer, "_logged_backends", False)
+    monkeypatch.setattr("angpt.optimizer._logged_backends", False)
     chunks = build_model_chunks(model_config("gptplus", **SMALL), 128, 16)
     with caplog.at_level(logging.INFO, logger="angpt.optimizer"):
-        optimizer.build_optimizer(chunks, "gptplus", lr=1e-3, train_iters=10)
-        optimizer.build_optimizer(chunks, "gptplus", lr=1e-3, train_iters=10)
+        build_optimizer(chunks, "gptplus", lr=1e-3, train_iters=10)
+        build_optimizer(chunks, "gptplus", lr=1e-3, train_iters=10)
     lines = [r.getMessage() for r in caplog.records if r.name == "angpt.optimizer"]
     assert [line.split(":")[0] for line in lines] == ["optimizer", "norms"]
     adam = megatron_optimizer.Adam
@@ -304,14 +289,6 @@ def test_projection_runs_on_main_weights_before_the_cast_to_the_model(seeded, mo
     """bf16 with the distributed optimizer (the FP8 setting): the post-step projection of the fp32 main
     shards happens inside the optimizer step, before megatron-core copies (casts) them into the model's
     bf16 weights, from which Transformer Engine makes its FP8 copies in the next forward."""
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    from angpt import bounding
-    from angpt.bounding import constrained_parameters
-    from angpt.optimizer import build_optimizer
-    from angpt.training import build_model_chunks, train_step
-
     config = model_config("angpt", bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, **SMALL)
     chunks = build_model_chunks(config, 128, 16, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=True))
@@ -385,8 +362,6 @@ def _pip_install_arguments(command: str) -> list[str]:
 
 
 def test_the_gpu_image_runs_the_install_steps_of_make_setup():
-    import re
-
     runs = _dockerfile_runs(os.path.join(ROOT, "docker", "Dockerfile"))
     setup = _makefile_recipe("$(VENV)/.installed:")
     docker_pip = [_pip_install_arguments(c) for c in runs if "pip install" in c]
@@ -421,7 +396,8 @@ def test_the_gpu_image_runs_the_install_steps_of_make_setup():
     assert re.search(r"^ARG BASE_IMAGE=nvcr\.io/nvidia/pytorch:[0-9.]+-py3$", dockerfile, re.M)
     # Kernels for the architectures `make cuda-check` compiles.
     with open(os.path.join(ROOT, "Makefile")) as file:
-        make_archs = sorted(tuple(arch) for arch in re.search(r"^CUDA_ARCHS \?= (.+)$", file.read(), re.M).group(1).split())
+        make_archs = re.search(r"^CUDA_ARCHS \?= (.+)$", file.read(), re.M).group(1).split()
+    make_archs = sorted(tuple(arch) for arch in make_archs)
     arch_list = re.search(r'TORCH_CUDA_ARCH_LIST="([^"]+)"', dockerfile).group(1).split()
     assert sorted(tuple(a.split(".")) for a in arch_list) == make_archs
 
@@ -500,13 +476,11 @@ def test_bounding_holds_on_the_fp32_main_weights_under_fp8(fp8_and_bf16_runs):
 # -- the GPU worker (torchrun, one process) ----------------------------------------------------------
 
 def _cuda_model(config, impl, vocab, seq):
-    model = te_specs.build_model_with_impl(config, vocab, seq, transformer_impl=impl)
+    model = build_model_with_impl(config, vocab, seq, transformer_impl=impl)
     return model.cuda()
 
 
 def _worker_logits() -> dict:
-    from angpt.distributed import set_random_seed
-
     vocab, seq, out = 256, 64, {}
     tokens = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(0)).cuda()
     positions = torch.arange(seq, device="cuda").unsqueeze(0).expand(2, -1)
@@ -549,14 +523,6 @@ def _bigram_batch(step: int, vocab: int, seq: int, batch: int) -> dict:
 
 
 def _worker_train(fp8: bool) -> dict:
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.enums import ModelType
-
-    from angpt.bounding import _optimizer_pieces
-    from angpt.distributed import set_random_seed
-    from angpt.optimizer import build_optimizer
-    from angpt.training import train_step
-
     vocab, seq, batch = 256, 128, 8
     fp8_settings = dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=16, fp8_amax_compute_algo="max")
     config = model_config("angpt", num_layers=4, hidden_size=256, num_attention_heads=4, bf16=True,
@@ -585,8 +551,6 @@ def _worker_train(fp8: bool) -> dict:
             dtypes.add(str(weight.dtype))
             main_norms.append(weight.norm(dim=piece.param.unit_norm_dim).max().item())
             count += 1
-    from angpt.bounding import constrained_parameters
-
     model_norms = [p.data.float().norm(dim=p.unit_norm_dim).max().item() for p in constrained_parameters([model])]
     # Transformer Engine sets `module.fp8` in each forward to whether fp8_autocast was on.
     fp8_layers = sum(1 for m in model.modules() if getattr(m, "fp8", False) is True)
@@ -595,8 +559,6 @@ def _worker_train(fp8: bool) -> dict:
 
 
 def _worker(task: str) -> None:
-    from angpt import distributed
-
     distributed.initialize()
     if task == "logits":
         result = _worker_logits()

@@ -1,16 +1,13 @@
 #!/usr/bin/env python
-"""Print every anGPT normalization factor (spec section 2) for one model shape.
+"""Print every anGPT normalization factor (docs/model.md, Normalization factors) for one model shape.
 
     python tools/angpt_factors.py --hidden-size 1024 --ffn-hidden-size 4096 --num-attention-heads 16
 """
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
-
-from angpt.factors import NU_P_READINGS, derive_factors  # noqa: E402
+from angpt.choices import NU_P_READINGS
+from angpt.factors import derive_factors
 
 APPLIED_TO = {
     "nu_qkv": "outputs of W_q, W_k, W_v, per head (h x d): sqrt(d/h)",

@@ -10,13 +10,10 @@ tensor-parallel size given. Prints the model flags to train with.
 """
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
-
-from angpt.hf.export import ExportError  # noqa: E402
-from angpt.hf.importer import import_hf, model_flags  # noqa: E402
+from angpt.hf.export import ExportError
+from angpt.hf.importer import import_hf, model_flags
 
 
 def main():

@@ -16,12 +16,11 @@ the margin decides it) exit with 1.
 """
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+from angpt.hf.export import DTYPES, ExportError, export
+from angpt.hf.verify import verify
 
-from angpt.hf.export import DTYPES, ExportError, export  # noqa: E402
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -43,8 +42,6 @@ def main():
     print(f"wrote {args.output} ({checkpoint.family}) from {checkpoint.path}")
     if args.no_verify:
         return
-    from angpt.hf.verify import verify
-
     result = verify(checkpoint, args.output)
     print(f"check prompt: max |logit difference| {result.max_logit_difference:.3g}, cosine similarity "
           f"{result.cosine_similarity:.6f}, same argmax where the margin exceeds twice the tolerance "

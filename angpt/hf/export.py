@@ -11,14 +11,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from megatron.core import dist_checkpointing, parallel_state
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+from transformers import GenerationConfig, Qwen3Config
 
-from angpt import checkpointing
+from angpt import checkpointing, distributed
+from angpt.config_from_args import model_config_from_args
+from angpt.factors import NU_PLAIN_RESIDUAL
+from angpt.hf import configuration_angpt
+from angpt.models.scales import scale_init
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REMOTE_CODE = ("configuration_angpt.py", "modeling_angpt.py")
@@ -51,10 +60,6 @@ class Checkpoint:
 
 def ensure_process_group() -> None:
     """megatron-core's checkpoint loading needs a process group: a one-process gloo group will do."""
-    from megatron.core import parallel_state
-
-    from angpt import distributed
-
     if not parallel_state.model_parallel_is_initialized():
         distributed.initialize()
 
@@ -78,8 +83,6 @@ def checkpoint_path(load: str, iteration: Optional[int] = None) -> str:
 
 
 def read_checkpoint(load: str, iteration: Optional[int] = None) -> Checkpoint:
-    from megatron.core import dist_checkpointing
-
     path = checkpoint_path(load, iteration)
     ensure_process_group()
     try:
@@ -111,8 +114,6 @@ def single_process_args(args: dict) -> argparse.Namespace:
 
 
 def model_config(checkpoint: Checkpoint):
-    from angpt.trainer import model_config_from_args
-
     return model_config_from_args(single_process_args(checkpoint.args))
 
 
@@ -140,8 +141,6 @@ def vocabulary(checkpoint: Checkpoint) -> Vocabulary:
     if description.get("type") != "HuggingFaceTokenizer":
         raise ExportError(f"{checkpoint.path}: tokenizer type {description.get('type')!r} cannot be exported yet "
                           "(HuggingFaceTokenizer can)")
-    from tokenizers import Tokenizer
-
     path = os.path.join(checkpoint.path, "tokenizer", os.path.basename(description["model"]["path"]))
     tokenizer = Tokenizer.from_file(path)
     eos = description["eod_token"]
@@ -176,7 +175,7 @@ def folded_factors(config) -> dict[str, float]:
     """What each exported weight of anGPT / nGPT is multiplied by: the constant factor after it, unless an
     exact normalization cancels it (QK-norm after W_q and W_k; the post-norm after W_v, W_o and W_down,
     whose outputs reach it through linear maps only) or a learnable scale takes it (W_up, W_gate: see
-    `scale_multipliers`). With the post-norm (DEFAULT) no weight changes, so the import is exact."""
+    `scale_multipliers`). With the post-norm (the default) no weight changes, so the import is exact."""
     nu = constant_factors(config)
     cancelled = config.post_norm == "l2"
     return {
@@ -191,12 +190,9 @@ def folded_factors(config) -> dict[str, float]:
 
 
 def scale_multipliers(config) -> dict[str, float]:
-    """s = multiplier * s_hat for each learnable scale: s_init / s_scale (spec section 5), and for s_u and
-    s_v also the constants in front of them, nu_uz and the sqrt(d) gains of z (and of u in nGPT)."""
-    import math
-
-    from angpt.models.scales import scale_init
-
+    """s = multiplier * s_hat for each learnable scale: s_init / s_scale (docs/model.md, Learnable scales),
+    and for s_u and s_v also the constants in front of them, nu_uz and the sqrt(d) gains of z (and of u in
+    nGPT)."""
     multipliers = {}
     for name in ("alpha", "s_qk", "s_u", "s_v", "s_z"):
         s_init, s_scale = scale_init(config, name)
@@ -289,15 +285,10 @@ def hf_config(checkpoint: Checkpoint, config, vocab: Vocabulary, dtype: str):
         bos_token_id=vocab.eos_token_id, eos_token_id=vocab.eos_token_id, dtype=dtype,
     )
     if checkpoint.family == "gptplus":
-        from transformers import Qwen3Config
-
         return Qwen3Config(**common, rms_norm_eps=config.layernorm_epsilon, attention_bias=False, hidden_act="silu",
                            rope_parameters={"rope_type": "default", "rope_theta": float(config.rotary_base)},
                            architectures=["Qwen3ForCausalLM"])
-    from angpt.factors import NU_PLAIN_RESIDUAL
-    from angpt.hf.configuration_angpt import AnGPTConfig
-
-    hf = AnGPTConfig(
+    hf = configuration_angpt.AnGPTConfig(
         **common, rope_theta=float(config.rotary_base), model_family=config.model_family, post_norm=config.post_norm,
         residual=config.residual, nu_alpha_mode=config.nu_alpha_mode, nu_alpha_multiplier=config.nu_alpha_multiplier,
         nu_alpha_plain=NU_PLAIN_RESIDUAL, alpha_abs=config.alpha_abs, scale_multipliers=scale_multipliers(config),
@@ -310,8 +301,6 @@ def hf_config(checkpoint: Checkpoint, config, vocab: Vocabulary, dtype: str):
 
 def save_safetensors(state: dict[str, torch.Tensor], output: str, max_shard_bytes: int) -> None:
     """model.safetensors, or model-0000i-of-0000n.safetensors and their index above `max_shard_bytes`."""
-    from safetensors.torch import save_file
-
     shards, current, current_bytes = [], {}, 0
     for name, tensor in state.items():
         size = tensor.numel() * tensor.element_size()
@@ -361,8 +350,6 @@ def export(load: str, output: str, iteration: Optional[int] = None, dtype: str =
     """Write the Hugging Face directory of a checkpoint; returns the checkpoint read. An `output` that is
     not empty is refused unless `overwrite`, and is then replaced whole. The export is written to a
     sibling directory and moved into place when complete."""
-    from transformers import GenerationConfig
-
     if dtype not in DTYPES:
         raise ExportError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if os.path.exists(output) and not os.path.isdir(output):

@@ -13,17 +13,22 @@ import shutil
 from dataclasses import asdict
 
 import torch
+from megatron.core import dist_checkpointing
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
 
 from angpt import checkpointing
-from angpt.hf.export import ExportError, MODEL_FLAGS, ensure_process_group, join_qkv, single_process_args
+from angpt.arguments import build_parser
+from angpt.config_from_args import model_config_from_args, padded_vocab_size
+from angpt.data.tokenizers import describe_file
+from angpt.hf.export import MODEL_FLAGS, ExportError, ensure_process_group, join_qkv, single_process_args
+from angpt.models.gpt import build_model
 
 logger = logging.getLogger("angpt.hf")
 
 
 def read_hf(directory: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json, every tensor by name) of a Hugging Face model directory, sharded or not."""
-    from safetensors.torch import load_file
-
     config_path = os.path.join(directory, "config.json")
     if not os.path.isfile(config_path):
         raise ExportError(f"{directory} is not a Hugging Face model directory: it has no config.json")
@@ -44,8 +49,6 @@ def read_hf(directory: str) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def default_args() -> dict:
-    from angpt.arguments import build_parser
-
     return vars(build_parser().parse_args([]))
 
 
@@ -139,10 +142,6 @@ def tokenizer_description(directory: str, eos_token_id: int):
     path = os.path.join(directory, "tokenizer.json")
     if not os.path.isfile(path):
         return None
-    from tokenizers import Tokenizer
-
-    from angpt.data.tokenizers import describe_file
-
     return {"type": "HuggingFaceTokenizer", "model": describe_file(path),
             "eod_token": Tokenizer.from_file(path).id_to_token(eos_token_id)}
 
@@ -150,11 +149,6 @@ def tokenizer_description(directory: str, eos_token_id: int):
 def import_hf(directory: str, save: str, make_vocab_size_divisible_by: int = 128, tensor_parallel: int = 1) -> dict:
     """Write `directory` as the checkpoint `save`/iter_0000000; returns its training flags. The vocabulary
     is padded as the trainer pads it at `tensor_parallel` ranks, with zero rows."""
-    from megatron.core import dist_checkpointing
-
-    from angpt.models.gpt import build_model
-    from angpt.trainer import model_config_from_args, padded_vocab_size
-
     config, tensors = read_hf(directory)
     if config.get("model_type") == "angpt":
         if not config.get("angpt_args"):

@@ -1,11 +1,12 @@
 """anGPT and nGPT for Hugging Face `transformers`, as exported by angpt (tools/convert_to_hf.py).
 
 Self-contained (only `torch` and `transformers`): it is copied next to the weights of every exported model and
-loaded with `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`. It reads like spec section 3
-(angpt-spec.md) with the constant factors nu_qkv, nu_p, nu_uz, nu_acf, nu_d and the sqrt(d) gains folded in by
-the converter (config.json lists them): a factor in front of an exact normalization (QK-norm, the post-norm)
-cancels in it and is left out; nu_uz and the gains join the multipliers of s_u and s_v; with post_norm "none"
-the others multiply the rows of the weight they follow (`folded_factors`). No constant costs a multiply.
+loaded with `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`. It reads like the layer of
+angpt's docs/model.md (see its Export section) with the constant factors nu_qkv, nu_p, nu_uz, nu_acf, nu_d
+and the sqrt(d) gains folded in by the converter (config.json lists them): a factor in front of an exact
+normalization (QK-norm, the post-norm) cancels in it and is left out; nu_uz and the gains join the multipliers
+of s_u and s_v; with post_norm "none" the others multiply the rows of the weight they follow
+(`folded_factors`). No constant costs a multiply.
 
     q, k, v = W_q h, W_k h, W_v h                        per head
     q, k    = s_qk Norm(RoPE(q)), s_qk Norm(RoPE(k))
@@ -15,8 +16,8 @@ the others multiply the rows of the weight they follow (`folded_factors`). No co
     h       = nu(alpha_M) (h + alpha_M (h_M - h))
     logits  = s_z (W_head h)
 
-Learnable scales are kept as in training, s = multiplier * s_hat (spec section 5), so that the exported
-model computes what the trained one does, number for number, and converts back to it bit for bit.
+Learnable scales are kept as in training, s = multiplier * s_hat (docs/model.md, Learnable scales), so that
+the exported model computes what the trained one does, number for number, and converts back to it bit for bit.
 """
 
 import math
@@ -32,7 +33,7 @@ from .configuration_angpt import AnGPTConfig
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
-    """x / ||x||_2 over the last dim (the spec's Norm), as angpt computes it."""
+    """x / ||x||_2 over the last dim (Norm in angpt's docs/model.md), as angpt computes it."""
     squared = x.float().pow(2).sum(dim=-1, keepdim=True)
     return x * torch.rsqrt(squared.clamp_min(eps * eps)).to(x.dtype)
 
@@ -180,7 +181,7 @@ class AnGPTPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["DecoderLayer"]
 
     def _init_weights(self, module):
-        # Exported weights are always loaded; fresh ones get the spec's unit rows.
+        # Exported weights are always loaded; fresh ones get unit rows (angpt's docs/model.md, Initialization).
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight)
             with torch.no_grad():

@@ -9,8 +9,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from megatron.core import dist_checkpointing
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from angpt.hf.export import DTYPES, Checkpoint, ensure_process_group, model_config
+from angpt.models.gpt import build_model
 
 # Whatever the tokenizer, the check runs on the same ids (taken modulo the vocabulary).
 PROMPT_IDS = [17, 3, 101, 42, 7, 250, 64, 9, 128, 31, 77, 5]
@@ -50,10 +53,6 @@ def near_argmax(logits: torch.Tensor, chosen: torch.Tensor, tolerance: torch.Ten
 
 def load_megatron_model(checkpoint: Checkpoint):
     """angpt's model of the checkpoint at TP = PP = 1 in fp32, in eval mode."""
-    from megatron.core import dist_checkpointing
-
-    from angpt.models.gpt import build_model
-
     ensure_process_group()
     config = model_config(checkpoint)
     padded_vocab = checkpoint.tensors["embedding.word_embeddings.weight"].shape[0]
@@ -94,8 +93,6 @@ def greedy_within_tolerance(model, tokens: torch.Tensor, prompt_length: int, voc
 
 
 def load_exported(output: str, dtype: torch.dtype = torch.float32):
-    from transformers import AutoModelForCausalLM
-
     return AutoModelForCausalLM.from_pretrained(output, trust_remote_code=True, dtype=dtype).eval()
 
 
@@ -103,8 +100,6 @@ def load_tokenizer(output: str):
     """The exported tokenizer, or None (mock data have none). Its config.json names our remote code."""
     if not os.path.isfile(os.path.join(output, "tokenizer.json")):
         return None
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(output, trust_remote_code=True)
 
 

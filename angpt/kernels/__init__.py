@@ -1,6 +1,7 @@
 """The fused kernels of csrc/ behind one Python function each, whatever the back end.
 
-- `scaled_swiglu`: the nu-scaled SwiGLU of the MLP, forward and backward in one pass each.
+- `scaled_swiglu`: the nu-scaled SwiGLU of the MLP, forward and backward in one pass each; it applies
+  nu_uz and nu_acf for the MLP's NuScale modules (docs/model.md, Fused kernels).
 - `accumulate_sq_norms_`, `scale_`, `project_whole_`: the bounded-weight projection over many weights
   per call, in two phases (partial squared norms, reduced by the caller, then scaling) or in one pass.
 

@@ -1,7 +1,8 @@
 """Model configuration: megatron-core's TransformerConfig plus the anGPT family and its switches.
 
-Each DEFAULT of the spec (../shared/docs/angpt-spec.md) and each ablation of its section 9 is one field
-here; `model_config` fills in what each family fixes (GPT+, anGPT, nGPT) so the three share one config type.
+Each choice made where the paper is silent and each ablation the paper measured is one field here
+(docs/model.md, Families and switches); `model_config` fills in what each family fixes (GPT+, anGPT,
+nGPT) so the three share one config type.
 """
 
 from __future__ import annotations
@@ -13,24 +14,19 @@ from typing import Optional
 import torch
 from megatron.core.transformer import TransformerConfig
 
-from angpt.factors import NU_P_READINGS, NormalizationFactors, derive_factors
-
-MODEL_FAMILIES = ("angpt", "gptplus", "ngpt")
-FACTOR_MODES = ("analytic", "one", "exact")
-POST_NORMS = ("l2", "none")
-RESIDUALS = ("lerp", "plain")
-# megatron-core's layers ("local", the default and the CPU path) or Transformer Engine's (GPU, needed for FP8).
-TRANSFORMER_IMPLS = ("local", "transformer_engine")
+from angpt.choices import FACTOR_MODES, MODEL_FAMILIES, NU_P_READINGS, POST_NORMS, RESIDUALS, TRANSFORMER_IMPLS
+from angpt.factors import NormalizationFactors, derive_factors
 
 
 @dataclass
 class AnGPTConfig(TransformerConfig):
     model_family: str = "angpt"
-    # Spec section 3: normalize each sub-block output ("l2") or leave it to the factors ("none").
+    # docs/model.md, Post-norm: normalize each sub-block output ("l2") or leave it to the factors ("none").
     post_norm: str = "l2"
-    # Spec section 2: nu_p = 1 (DEFAULT) or sqrt(h/d).
+    # docs/model.md, Normalization factors: nu_p = 1 (our reading, the default) or sqrt(h/d).
     nu_p_reading: str = "one"
-    # Spec section 5: initial alpha of the LERP residual; None takes the family's (0.01 anGPT, 0.05 nGPT).
+    # docs/model.md, Learnable scales: initial alpha of the LERP residual; None takes the family's
+    # (0.01 anGPT, 0.05 nGPT).
     alpha_init: Optional[float] = None
     # nu_qkv, nu_p, nu_uz, nu_acf, nu_d: as derived ("analytic"), all 1 ("one"), or replaced by the
     # exact 1/||x|| ("exact"); the multiplier is the x0.5 / x2 ablation.
@@ -39,15 +35,15 @@ class AnGPTConfig(TransformerConfig):
     # nu(alpha) after each residual update, with the same three modes and its own multiplier.
     nu_alpha_mode: str = "analytic"
     nu_alpha_multiplier: float = 1.0
-    # Gradients flow through nu(alpha) (DEFAULT) or it is treated as a constant each step.
+    # Gradients flow through nu(alpha) (the default) or it is treated as a constant each step.
     nu_alpha_grad: bool = True
-    # The residual update: LERP with alpha (DEFAULT) or the plain sum h + x.
+    # The residual update: LERP with alpha (the default) or the plain sum h + x.
     residual: str = "lerp"
     # nGPT uses |alpha| in its LERP.
     alpha_abs: bool = False
-    # Spec section 3: RoPE with base 10000.
+    # docs/model.md, Attention: RoPE with base 10000.
     rotary_base: int = 10000
-    # Spec section 3: embedding and head are untied (DEFAULT).
+    # docs/model.md, Embedding and logits: embedding and head are untied (our reading, the default).
     share_embeddings_and_output_weights: bool = False
     nu_acf_samples: int = 100_000
     nu_acf_seed: int = 0
@@ -127,7 +123,7 @@ def model_config(model_family: str = "angpt", **overrides) -> AnGPTConfig:
         use_cpu_initialization=not torch.cuda.is_available(),
     )
     if model_family == "gptplus":
-        # Spec section 8: QK-norm (per-head RMSNorm before RoPE), softmax scale 1/sqrt(h), N(0, 0.02)
+        # docs/model.md, GPT+: QK-norm (per-head RMSNorm before RoPE), softmax scale 1/sqrt(h), N(0, 0.02)
         # init with output projections at 0.02/sqrt(2L) (megatron-core's defaults).
         settings.update(qk_layernorm=True)
     else:
@@ -140,7 +136,7 @@ def model_config(model_family: str = "angpt", **overrides) -> AnGPTConfig:
             output_layer_init_method=_normal_init(1.0),
         )
     if model_family == "ngpt":
-        # nGPT (spec section 8): no nu factors, exact normalization after each residual update, |alpha|.
+        # nGPT (docs/model.md, nGPT): no nu factors, exact normalization after each residual update, |alpha|.
         settings.update(constant_factors="one", nu_alpha_mode="exact", alpha_abs=True)
     settings.update(overrides)
     if model_family != "gptplus" and settings["hidden_dropout"]:

@@ -2,17 +2,38 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
 from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from angpt import megatron_cpu
 from angpt.bounding import project_parameters_
 from angpt.models.config import AnGPTConfig
 from angpt.models.layers import ScaledOutputLayer, is_row_parallel_linear
+from angpt.models.norms import RMSNorm
 from angpt.models.scales import LearnableScale
-from angpt.models.specs import block_spec
+from angpt.models.specs import gptplus_layer_spec, normalized_layer_spec
+from angpt.models.te_specs import layer_and_final_norm
+from angpt.transformer_engine_support import require_transformer_engine
 
-# What happens to each family's weight matrices after every optimizer step (spec sections 6 and 8).
+# What happens to each family's weight matrices after every optimizer step (docs/model.md, Bounding).
 WEIGHT_CONSTRAINTS = {"angpt": "bound", "ngpt": "normalize", "gptplus": None}
+
+
+def block_spec(config: AnGPTConfig, vp_stage: int | None = None) -> TransformerBlockSubmodules:
+    """The layers this pipeline stage builds, and the final norm (GPT+ only: anGPT has none), in the
+    config's `transformer_impl`."""
+    if config.transformer_impl == "transformer_engine":
+        layer, final_norm = layer_and_final_norm(config)
+    elif config.normalized:
+        layer, final_norm = normalized_layer_spec(), None
+    else:
+        layer, final_norm = gptplus_layer_spec(), RMSNorm
+    return TransformerBlockSubmodules(
+        layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=final_norm
+    )
 
 
 class NormalizedGPTModel(GPTModel):
@@ -32,7 +53,7 @@ class NormalizedGPTModel(GPTModel):
                     # dimension, which is dim 0 of the output projections W_p and W_d.
                     along_columns = config.model_family == "ngpt" and is_row_parallel_linear(module)
                     param.unit_norm_dim = 0 if along_columns else 1
-        # Rows drawn from N(0, 1), normalized to exactly 1 (spec section 6).
+        # Rows drawn from N(0, 1), normalized to exactly 1 (docs/model.md, Initialization).
         project_parameters_([self], "normalize")
 
 
@@ -60,3 +81,15 @@ def build_model(
     if config.normalized:
         return NormalizedGPTModel(config, vocab_size, **kwargs)
     return GPTModel(config, block_spec(config, vp_stage), vocab_size, **kwargs)
+
+
+def build_model_with_impl(config: AnGPTConfig, vocab_size: int, max_sequence_length: int,
+                          transformer_impl: Optional[str] = None, **kwargs):
+    """One pipeline stage of the config's family in `transformer_impl` ("local" or "transformer_engine";
+    None keeps the config's), as angpt.models.build_model builds it (kwargs: pre_process, post_process,
+    vp_stage, parallel_output). For benchmarks and comparisons of the two implementations."""
+    if transformer_impl is not None and transformer_impl != config.transformer_impl:
+        config = dataclasses.replace(config, transformer_impl=transformer_impl)
+    if config.transformer_impl == "transformer_engine":
+        require_transformer_engine()
+    return build_model(config, vocab_size, max_sequence_length, **kwargs)

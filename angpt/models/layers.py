@@ -1,7 +1,7 @@
-"""Building blocks shared by anGPT and nGPT (spec sections 3 and 8), as megatron-core modules.
+"""Building blocks shared by anGPT and nGPT (docs/model.md), as megatron-core modules.
 
 Every normalization factor is applied by a `NuScale` module named after it (so hooks can watch each
-intermediate), every learnable scale is a `LearnableScale`, and the layer reads like the spec:
+intermediate), every learnable scale is a `LearnableScale`, and the layer reads like docs/model.md:
 
     h_A = Norm(nu_p W_p Attention(nu_qkv W_qkv h))       h = nu(alpha_A) (h + alpha_A (h_A - h))
     h_M = Norm(nu_d W_d SwiGLU_s(nu_uz W_uz h))          h = nu(alpha_M) (h + alpha_M (h_M - h))
@@ -21,9 +21,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from angpt import kernels
+from angpt.factors import NU_PLAIN_RESIDUAL, nu_alpha
 from angpt.models.attention import FusedDotProductAttention
 from angpt.models.config import AnGPTConfig
-from angpt.factors import NU_PLAIN_RESIDUAL, nu_alpha
 from angpt.models.scales import LearnableScale
 
 
@@ -68,12 +68,14 @@ def normalized_lerp_update(h: torch.Tensor, x: torch.Tensor, alpha: torch.Tensor
 
 
 class NuScale(torch.nn.Module):
-    """Applies one constant factor nu_g of spec section 2, or in the "exact" ablation 1/||x||.
+    """Applies one constant factor nu_g, or in the "exact" ablation 1/||x|| (docs/model.md, Normalization factors).
 
     `group_size` and `tp_reduced` say what a vector is for the exact norm: one head (nu_qkv), one of the
     u / z halves of a TP shard of fc1 split over TP ranks (nu_uz), and so on. A constant factor that a
-    fused kernel applies (nu_uz and nu_acf, in the fused SwiGLU) is marked `fused`: the module then passes
-    its input through, so nu_uz's hooks see u and z unscaled and nu_acf's see the finished activation."""
+    fused kernel applies (nu_uz and nu_acf, in the fused SwiGLU) is marked `fused` by its parent
+    (`ScaledSwiGLUMLP`), which hands `value` to `kernels.scaled_swiglu`: the module then passes its input
+    through, so nu_uz's hooks see u and z unscaled and nu_acf's see the finished activation (docs/model.md,
+    Fused kernels)."""
 
     def __init__(self, config: AnGPTConfig, name: str, group_size: Optional[int] = None, tp_reduced=False):
         super().__init__()
@@ -87,6 +89,7 @@ class NuScale(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.exact:
             return l2_normalize(x, self.group_size, self.tp_group)
+        # fused: a pass-through, the parent's fused kernel applies self.value (docs/model.md, Fused kernels).
         return x if self.fused or self.value == 1.0 else x * self.value
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
@@ -98,7 +101,7 @@ class NuScale(torch.nn.Module):
 
 
 class PostNorm(torch.nn.Module):
-    """Norm(x) on a sub-block output (spec section 3), or nothing with post_norm="none"."""
+    """Norm(x) on a sub-block output (docs/model.md, Post-norm), or nothing with post_norm="none"."""
 
     def __init__(self, config: AnGPTConfig):
         super().__init__()
@@ -240,7 +243,9 @@ class ScaledSwiGLUMLP(MLP):
         self.u_gain = sqrt_d if config.model_family == "ngpt" else 1.0
         self.z_gain = sqrt_d
         self.nu_acf = NuScale(config, "nu_acf", tp_reduced=True)
-        # Constant nu_uz and nu_acf are applied inside the fused SwiGLU; the exact ablation's norms are not.
+        # The fused SwiGLU takes over two factors: its child linear_fc1's nu_uz and its own nu_acf become
+        # pass-throughs (NuScale.fused) and forward() hands their values to kernels.scaled_swiglu. The exact
+        # ablation's norms stay in the NuScale modules (docs/model.md, Fused kernels).
         self.linear_fc1.nu.fused = self.nu_acf.fused = not self.nu_acf.exact
 
     def forward(self, hidden_states, per_token_scale=None, **kwargs):

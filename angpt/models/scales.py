@@ -1,4 +1,4 @@
-"""Learnable scales with effective learning rates (spec section 5).
+"""Learnable scales with effective learning rates (docs/model.md, Learnable scales).
 
 A scale s is stored as a surrogate s_hat with s_hat(0) = s_scale and used as s = (s_init / s_scale) * s_hat,
 so Adam with one global lr moves s at lr * s_init / s_scale. Surrogates are fp32 and get no weight decay
@@ -19,7 +19,7 @@ from angpt.models.config import AnGPTConfig
 
 
 def scale_init(config: AnGPTConfig, name: str) -> tuple[float, float]:
-    """(s_init, s_scale) of each scale, as in the spec's table."""
+    """(s_init, s_scale) of each scale, as in the table of docs/model.md, Learnable scales."""
     inverse_sqrt_d = 1 / math.sqrt(config.hidden_size)
     if name == "alpha":
         default_alpha = 0.05 if config.model_family == "ngpt" else 0.01

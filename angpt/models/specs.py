@@ -14,11 +14,9 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
 from angpt.models.attention import FusedDotProductAttention
-from angpt.models.config import AnGPTConfig
 from angpt.models.layers import (
     FactorScaledColumnParallelLinear,
     FactorScaledRowParallelLinear,
@@ -77,19 +75,3 @@ def gptplus_layer_spec() -> ModuleSpec:
     spec.submodules.self_attention.submodules.k_layernorm = RMSNorm
     spec.submodules.self_attention.submodules.core_attention = FusedDotProductAttention
     return spec
-
-
-def block_spec(config: AnGPTConfig, vp_stage: int | None = None) -> TransformerBlockSubmodules:
-    """The layers this pipeline stage builds, and the final norm (GPT+ only: anGPT has none), in the
-    config's `transformer_impl`."""
-    if config.transformer_impl == "transformer_engine":
-        from angpt.models import te_specs
-
-        layer, final_norm = te_specs.layer_and_final_norm(config)
-    elif config.normalized:
-        layer, final_norm = normalized_layer_spec(), None
-    else:
-        layer, final_norm = gptplus_layer_spec(), RMSNorm
-    return TransformerBlockSubmodules(
-        layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage), layer_norm=final_norm
-    )

@@ -3,22 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import sys
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+from angpt.models import model_config
 
 V, S, MICRO_BATCH, GLOBAL_BATCH = 128, 16, 2, 4
 
 
 def small_config(family: str, **overrides):
-    from angpt.models import model_config
-
     settings = dict(
         num_layers=4,
         # Rows of 48 elements, so that the distributed optimizer's shard boundaries (aligned to powers

@@ -16,18 +16,18 @@ import os
 
 import torch
 import torch.distributed as dist
-
-from common import MICRO_BATCH, S, V, fixed_batches, gather_full, load_full, small_config, unwrap
-
-from angpt import distributed
-from angpt.bounding import project_parameters_
-from angpt.models import WEIGHT_CONSTRAINTS
-from angpt.optimizer import build_optimizer
-from angpt.training import build_model_chunks, forward_step, train_step
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+from angpt import distributed
+from angpt.bounding import _optimizer_pieces, project_parameters_
+from angpt.models import WEIGHT_CONSTRAINTS
+from angpt.optimizer import build_optimizer
+from angpt.step import build_model_chunks, forward_step, train_step
+
+from common import MICRO_BATCH, S, V, fixed_batches, gather_full, load_full, small_config, unwrap
 
 LR = 1e-2
 # Two processes: megatron-core's layout arguments, and whether the distributed optimizer shards Adam's state.
@@ -72,11 +72,12 @@ def perturbed_weights(init: dict[str, torch.Tensor], family: str) -> dict[str, t
 
 def describe_shards(optimizer) -> dict:
     """The inner optimizer's class, and how many weights this rank holds only part of a row of."""
-    from angpt.bounding import _optimizer_pieces
-
     inner = optimizer.chained_optimizers[0] if hasattr(optimizer, "chained_optimizers") else optimizer
     _, pieces, _ = _optimizer_pieces(inner)
-    cols = lambda piece: piece.param.shape[1]
+
+    def cols(piece):
+        return piece.param.shape[1]
+
     cut = sum((piece.offset % cols(piece) != 0) + ((piece.offset + piece.data.numel()) % cols(piece) != 0)
               for piece in pieces)
     counts = [None] * dist.get_world_size()
@@ -112,7 +113,10 @@ def run_family(family: str, args, layout: dict, world: int) -> dict | None:
     batches = fixed_batches()
     dp_rank = parallel_state.get_data_parallel_rank()
     mine = batches[dp_rank::dp]
-    iterators = lambda data: [iter(data) for _ in chunks] if len(chunks) > 1 else iter(data)
+
+    def iterators(data):
+        return [iter(data) for _ in chunks] if len(chunks) > 1 else iter(data)
+
     schedule = get_forward_backward_func()
     run = dict(model=chunks, seq_length=S, micro_batch_size=MICRO_BATCH)
 
@@ -129,10 +133,11 @@ def run_family(family: str, args, layout: dict, world: int) -> dict | None:
         chunk.zero_grad_buffer()
     losses = schedule(forward_step_func=forward_step, data_iterator=iterators(mine), num_microbatches=len(mine),
                       forward_only=False, **run)
-    local_loss = torch.stack([l["lm loss"] for l in losses]).mean() if is_last else None
+    local_loss = torch.stack([output["lm loss"] for output in losses]).mean() if is_last else None
     all_losses = [None] * world
-    dist.all_gather_object(all_losses, (parallel_state.get_data_parallel_rank(), local_loss.item() if is_last else None))
-    per_dp = {r: l for r, l in all_losses if l is not None}
+    dist.all_gather_object(all_losses, (parallel_state.get_data_parallel_rank(),
+                                        local_loss.item() if is_last else None))
+    per_dp = {rank: loss for rank, loss in all_losses if loss is not None}
     loss = sum(per_dp.values()) / len(per_dp)
     # The distributed optimizer reduce-scatters gradients: each rank holds only its shard reduced.
     grads = None if distributed_optimizer else gather_full(chunks, "grad")

@@ -14,11 +14,10 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
-import common  # noqa: F401  (puts the repository on sys.path)
 from angpt import distributed, kernels
 from angpt.bounding import _Piece, _project
-from megatron.core import parallel_state
 
 # name: (rows, cols, unit_norm_dim, tensor-parallel partition dim or None)
 WEIGHTS = {

@@ -10,14 +10,14 @@ import argparse
 
 import torch
 import torch.distributed as dist
-
-from common import MICRO_BATCH, S, V, fixed_batches, load_full, report, small_config
-
-from angpt import distributed
-from angpt.monitoring import HealthProbe
-from angpt.training import build_model_chunks, forward_step
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from angpt import distributed
+from angpt.health import HealthProbe
+from angpt.step import build_model_chunks, forward_step
+
+from common import MICRO_BATCH, S, V, fixed_batches, load_full, report, small_config
 
 LAYOUTS = {
     "tp2_sequence_parallel": dict(tensor_model_parallel_size=2, sequence_parallel=True),

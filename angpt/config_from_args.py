@@ -1,0 +1,89 @@
+"""The adapters from parsed flags (angpt.arguments) to the objects they configure: the model config,
+the padded vocabulary, the virtual pipeline, the data. Beside the arguments, as in Megatron-LM, so that the
+trainer, the Hugging Face export and import and the benchmarks build the same objects from the same flags.
+(angpt.arguments itself imports nothing heavy, so that `--help` is quick.)
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+import torch
+from megatron.core.transformer.enums import AttnBackend
+
+from angpt.data.gpt_datasets import DataArguments
+from angpt.models import AnGPTConfig, model_config
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
+    """Megatron-LM's padding of the vocabulary, so the head splits evenly over tensor-parallel ranks."""
+    multiple = divisible_by * tensor_parallel
+    return -(-vocab_size // multiple) * multiple
+
+
+def model_config_from_args(args: argparse.Namespace) -> AnGPTConfig:
+    """The model config the flags describe (Megatron-LM's `core_transformer_config_from_args`). Also reads
+    the flags a checkpoint recorded (angpt.hf), from before some flags existed."""
+    pp = args.pipeline_model_parallel_size
+    overrides = dict(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_stages(args),
+        sequence_parallel=args.sequence_parallel,
+        bf16=args.bf16,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        init_method_std=args.init_method_std,
+        post_norm=args.angpt_post_norm,
+        nu_p_reading=args.angpt_nu_p,
+        alpha_init=args.angpt_alpha_init,
+        constant_factors=args.angpt_constant_factors,
+        constant_factor_multiplier=args.angpt_constant_factor_multiplier,
+        nu_alpha_mode=args.angpt_nu_alpha,
+        nu_alpha_multiplier=args.angpt_nu_alpha_multiplier,
+        nu_alpha_grad=not args.angpt_no_nu_alpha_grad,
+        residual=args.angpt_residual,
+        share_embeddings_and_output_weights=args.tie_embeddings_and_output_weights,
+        rotary_base=args.rotary_base,
+        # Checkpoints saved before these flags existed record neither.
+        attention_dropout=getattr(args, "attention_dropout", 0.0),
+        hidden_dropout=getattr(args, "hidden_dropout", 0.0),
+    )
+    if args.model_family == "ngpt":  # nGPT fixes its own factors.
+        for key in ("constant_factors", "nu_alpha_mode"):
+            overrides.pop(key)
+    for key in ("ffn_hidden_size", "kv_channels", "num_query_groups"):
+        if getattr(args, key):
+            overrides[key] = getattr(args, key)
+    overrides["transformer_impl"] = getattr(args, "transformer_impl", "local")
+    overrides["attention_backend"] = AttnBackend[args.attention_backend]
+    if getattr(args, "fp8_format", None):
+        # FP8 GEMMs in the transformer layers (Transformer Engine); docs/fp8.md.
+        overrides.update(fp8=args.fp8_format, fp8_recipe=args.fp8_recipe, fp8_margin=args.fp8_margin,
+                         fp8_amax_history_len=args.fp8_amax_history_len,
+                         fp8_amax_compute_algo=args.fp8_amax_compute_algo)
+    if args.recompute_granularity:
+        overrides.update(recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+                         recompute_num_layers=args.recompute_num_layers)
+    if not torch.cuda.is_available():
+        # The interleaved schedule's batched p2p gives wrong gradients on gloo at PP=2.
+        overrides.update(batch_p2p_comm=False, batch_p2p_sync=False)
+    return model_config(args.model_family, **overrides)
+
+
+def virtual_pipeline_stages(args) -> Optional[int]:
+    if not args.num_layers_per_virtual_pipeline_stage:
+        return None
+    return args.num_layers // args.pipeline_model_parallel_size // args.num_layers_per_virtual_pipeline_stage
+
+
+def data_arguments(args: argparse.Namespace) -> DataArguments:
+    return DataArguments(
+        data_path=args.data_path, split=args.split, train_data_path=args.train_data_path,
+        valid_data_path=args.valid_data_path, test_data_path=args.test_data_path,
+        data_cache_path=args.data_cache_path, mock_data=args.mock_data, vocab_size=args.vocab_size,
+    )
