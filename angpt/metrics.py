@@ -1,5 +1,5 @@
 """What a run logs and writes: metrics.jsonl and TensorBoard scalars, the log line and the progress bar on the
-console; and reading metrics.jsonl back.
+console (angpt.metrics_reader reads metrics.jsonl back).
 
 The trainer assembles one record per logged iteration (and per evaluation):
 
@@ -8,11 +8,6 @@ The trainer assembles one record per logged iteration (and per evaluation):
               "tokens_per_s_per_device": 2521.0, "mfu": 0.412, "skipped": 0,
               **memory_stats(), **telemetry.read(), **probe.summary()}
     progress.write(format_log_line(record)); metrics.log(record)
-
-A run appends to metrics.jsonl; a resumed run first appends a {"kind": "start", "iteration": s, ...} record,
-then logs again every step after its checkpoint's iteration s. The first run's records past s describe
-steps that were trained again (or never saved), so the records of the run as it stands are the earlier
-ones up to s and everything from the start record on (current_records).
 """
 
 from __future__ import annotations
@@ -193,25 +188,3 @@ class ProgressBar:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-
-
-def current_records(records: list[dict]) -> list[dict]:
-    """The records of the run as it stands: each start record drops the earlier records past its iteration."""
-    kept: list[dict] = []
-    for record in records:
-        if record.get("kind") == "start":
-            kept = [r for r in kept if r.get("iteration", 0) <= record["iteration"]]
-        kept.append(record)
-    return kept
-
-
-def read_metrics(path: str) -> list[dict]:
-    """The current records of a metrics.jsonl (see current_records); a line cut by a kill is left out."""
-    records = []
-    with open(path) as file:
-        for line in file:
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                pass
-    return current_records(records)

@@ -34,7 +34,7 @@ class TrainingMonitor:
         self.progress = ProgressBar(args.train_iters, start_iteration, enabled=self.is_reporting_rank)
         self._reset_window()
         # Marks where the steps logged after it start: a resumed run logs again the steps its checkpoint
-        # did not hold, and readers (angpt.metrics.read_metrics) drop the first run's records of them.
+        # did not hold, and readers (angpt.metrics_reader.read_metrics) drop the first run's records of them.
         tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
         self.metrics.log({"kind": "start", "iteration": start_iteration, "train_iters": args.train_iters,
                           "resumed": start_iteration > 0, "checkpoint": loaded_from, "world_size": self.world_size,

@@ -45,6 +45,8 @@ import sys
 import time
 from collections import Counter
 
+from angpt.metrics_reader import read_metrics
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 FAMILIES = ("angpt", "gptplus", "ngpt")
 NAMES = {"angpt": "anGPT", "gptplus": "GPT+", "ngpt": "nGPT"}
@@ -237,21 +239,16 @@ class Run:
         self.started = time.time()
 
     def iteration(self) -> int:
-        last = 0
-        if os.path.isfile(self.metrics):
-            with open(self.metrics) as file:
-                for line in file:
-                    try:
-                        last = max(last, json.loads(line).get("iteration", 0))
-                    except ValueError:
-                        pass
-        return last
+        """The last iteration the run has logged (read while it writes: a cut last line is no news)."""
+        if not os.path.isfile(self.metrics):
+            return 0
+        return max((record.get("iteration", 0) for record in read_metrics(self.metrics, warn=False)), default=0)
 
     def load(self) -> dict:
         """Everything the report needs from this run's files."""
         with open(self.result) as file:
             result = json.load(file)
-        records = [json.loads(line) for line in open(self.metrics)]
+        records = read_metrics(self.metrics)
         evals = [(r["iteration"], r["lm_loss"]) for r in records if r["kind"] == "eval"
                  and r.get("split") == "validation"]
         train = [r for r in records if r["kind"] == "train"]

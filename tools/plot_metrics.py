@@ -8,7 +8,7 @@ logged them (residual-stream norms, post-norm input norms, alphas, weight rows a
 
 A run is a metrics.jsonl or the directory holding one; each run is one line per panel, labelled by its
 directory's name unless --labels. A resumed run logs again the steps after its checkpoint: the records
-of the run as it stands are plotted (angpt.metrics), one per iteration. Records of kinds other than
+of the run as it stands are plotted (angpt.metrics_reader), one per iteration. Records of kinds other than
 "train", "eval" and "start" are left out. Health signals of one run are drawn per layer (dark: first
 layer); of several runs, as each run's mean over the layers. Needs matplotlib (`pip install
 'angpt[bench]'`); draws without a display.
@@ -17,7 +17,6 @@ layer); of several runs, as each run's mean over the layers. Needs matplotlib (`
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
@@ -26,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from angpt.metrics import current_records
+from angpt.metrics_reader import MetricsError, current_records, read_records
 
 HEALTH = "health/"
 # A per-layer health signal ends in /layer_NN (angpt.health.HealthProbe); what comes before names its panel.
@@ -41,10 +40,6 @@ HEALTH_TITLES = {
 }
 
 
-class MetricsError(Exception):
-    """A run that cannot be plotted; the message names the file (and line)."""
-
-
 @dataclass
 class Run:
     """What is plotted of one run, in iteration order: per figure, an array over the train records (NaN
@@ -54,36 +49,6 @@ class Run:
     path: str
     train: dict[str, np.ndarray] = field(default_factory=dict)
     validation: dict[str, np.ndarray] = field(default_factory=dict)
-
-
-def read_records(path: str) -> list[tuple[int, dict]]:
-    """(line number, record) of every line of a metrics.jsonl. A last line cut short by a kill (no newline,
-    not JSON) is left out with a warning; any other line that is not a JSON object with a "kind" is an error."""
-    try:
-        with open(path, encoding="utf-8") as file:
-            lines = file.readlines()
-    except FileNotFoundError:
-        raise MetricsError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise MetricsError(f"{path}: cannot be read ({error})") from None
-    records = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError as error:
-            if number == len(lines) and not line.endswith("\n"):
-                print(f"warning: {path}:{number}: an unfinished last line (the run was killed while writing it?); "
-                      "left out", file=sys.stderr)
-                continue
-            raise MetricsError(f"{path}:{number}: not JSON ({error})") from None
-        if not isinstance(record, dict) or "kind" not in record:
-            raise MetricsError(f"{path}:{number}: not a metrics record (a JSON object with a \"kind\")")
-        records.append((number, record))
-    if not records:
-        raise MetricsError(f"{path}: empty, no records to plot")
-    return records
 
 
 def _field(path: str, number: int, record: dict, name: str, kind: type = float):
@@ -104,11 +69,14 @@ def default_labels(paths: list[str]) -> list[str]:
 
 def series(path: str, label: str) -> Run:
     """The curves of the run whose metrics.jsonl is `path`, as the run stands: after each "start" record
-    only the earlier records up to its iteration (angpt.metrics.current_records), and where an iteration
+    only the earlier records up to its iteration (angpt.metrics_reader.current_records), and where an iteration
     is still logged twice (files written before start records), its last record. Train records by
     iteration; validation records by iteration, placed at the tokens consumed by then."""
     kinds = ("train", "eval", "start")
-    known = [(number, record) for number, record in read_records(path) if record["kind"] in kinds]
+    records = read_records(path)
+    if not records:
+        raise MetricsError(f"{path}: empty, no records to plot")
+    known = [(number, record) for number, record in records if record["kind"] in kinds]
     for number, record in known:
         _field(path, number, record, "iteration", int)
     line = {id(record): number for number, record in known}

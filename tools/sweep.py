@@ -58,7 +58,7 @@ from typing import Optional
 
 import yaml
 
-from angpt import metrics
+from angpt import metrics_reader
 from angpt.arguments import build_parser
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
@@ -394,10 +394,7 @@ def write_json(path: str, data: dict) -> None:
 
 def read_metrics(path: str) -> list[dict]:
     """The run's current records (a resumed run's re-run steps replace the first run's); none before it ran."""
-    try:
-        return metrics.read_metrics(path)
-    except OSError:
-        return []
+    return metrics_reader.read_metrics(path) if os.path.isfile(path) else []
 
 
 def final_losses(records: list[dict], train_iters: int) -> dict:
