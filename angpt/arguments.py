@@ -271,22 +271,57 @@ def read_config(parser: argparse.ArgumentParser, path: str) -> dict:
         action = actions.get(dest)
         if action is None:
             parser.error(f"--config {path}: unknown key {key!r} (not a flag of angpt.pretrain)")
-        flag = action.option_strings[0]
-        if action.nargs == "+" and isinstance(value, (str, int, float)):
-            value = [str(value)]
-        if action.nargs == "+":
-            value = [str(v) for v in value]
-        elif action.choices is not None and value not in action.choices:
-            parser.error(f"--config {path}: {key}: {value!r} is not one of {list(action.choices)} ({flag})")
-        elif action.type is not None and value is not None:
-            try:
-                value = action.type(value)
-            except (TypeError, ValueError):
-                parser.error(f"--config {path}: {key}: {value!r} is not a valid {action.type.__name__} ({flag})")
-        elif isinstance(action, (argparse._StoreTrueAction, SWITCH)) and not isinstance(value, bool):
-            parser.error(f"--config {path}: {key}: expected true or false ({flag})")
-        defaults[dest] = value
+        try:
+            defaults[dest] = setting_value(action, value)
+        except ValueError as error:
+            parser.error(f"--config {path}: {key}: {error}")
     return defaults
+
+
+def setting_value(action: argparse.Action, value):
+    """A flag's value given in YAML (a --config file, a sweep's settings), checked and converted as the
+    command line would convert it; a ValueError names the flag."""
+    flag = action.option_strings[0]
+    if action.nargs == "+":
+        values = value if isinstance(value, list) else [value]
+        if not values or any(isinstance(v, (dict, list)) or v is None for v in values):
+            raise ValueError(f"expected a value or a list of values ({flag})")
+        return [str(v) for v in values]
+    if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
+        if not isinstance(value, bool):
+            raise ValueError(f"expected true or false ({flag})")
+        return value
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"{value!r} is not one of {list(action.choices)} ({flag})")
+    if isinstance(value, (dict, list, bool)) or value is None:
+        raise ValueError(f"expected a single {getattr(action.type, '__name__', 'value')} ({flag})")
+    if action.type is not None:
+        if action.type is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError(f"{value!r} is not a valid int ({flag})")
+        try:
+            return action.type(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{value!r} is not a valid {action.type.__name__} ({flag})") from None
+    return value
+
+
+def settings_to_argv(values: dict) -> list[str]:
+    """The command line of angpt.pretrain that sets `values` ({dest: value}, as setting_value returns them)."""
+    actions = {action.dest: action for action in build_parser()._actions}
+    argv = []
+    for dest, value in values.items():
+        action = actions[dest]
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(action, argparse._StoreTrueAction):
+            if value:
+                argv.append(flag)
+        elif isinstance(value, list):
+            argv += [flag, *value]
+        else:
+            argv += [flag, str(value)]
+    return argv
 
 
 def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_size: int) -> None:

@@ -33,6 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from angpt import distributed, kernels
 from angpt.arguments import parse_args as parse_pretrain_args
+from angpt.arguments import settings_to_argv
 from angpt.config_from_args import model_config_from_args, padded_vocab_size
 from angpt.models.attention import clear_attention_backend_environment
 from angpt.optimizer import build_optimizer
@@ -86,8 +87,7 @@ def pretrain_flags(args, shape: str, family: str, precision: str) -> list[str]:
              "--micro-batch-size", str(args.micro_batch_size),
              "--global-batch-size", str(args.micro_batch_size), "--train-iters", "1000", "--lr", "1e-3",
              "--attention-backend", args.attention_backend]
-    for key, value in SHAPES[shape].items():
-        flags += [f"--{key.replace('_', '-')}", str(value)]
+    flags += settings_to_argv(SHAPES[shape])
     if precision == "fp8":
         flags += ["--transformer-impl", "transformer_engine", "--fp8-format", args.fp8_format,
                   "--fp8-recipe", args.fp8_recipe]

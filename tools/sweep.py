@@ -59,7 +59,7 @@ from typing import Optional
 import yaml
 
 from angpt import metrics_reader
-from angpt.arguments import build_parser
+from angpt.arguments import build_parser, setting_value, settings_to_argv
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
@@ -123,11 +123,11 @@ class Sweep:
         return os.path.join(self.output_dir, "runs", run.run_id)
 
     def base_argv(self) -> list[str]:
-        return flags_to_argv(self.base)
+        return settings_to_argv(self.base)
 
     def command(self, run: Run, launcher: list[str]) -> list[str]:
         run_dir = self.run_dir(run)
-        argv = [*launcher, *flags_to_argv({k: v for k, v in self.base.items() if k != "micro_batch_size"})]
+        argv = [*launcher, *settings_to_argv({k: v for k, v in self.base.items() if k != "micro_batch_size"})]
         for key, value in run.shape.items():
             argv += [flag_name(key), str(value)]
         argv += ["--lr", format_number(run.lr), "--global-batch-size", str(run.global_batch_size),
@@ -209,46 +209,10 @@ def _pretrain_actions() -> dict:
 
 def check_flag_value(dest: str, value, action, where: str):
     """A base: or shape value checked and converted as angpt.pretrain's parser would; errors name the key."""
-    flag = action.option_strings[0]
-    if action.nargs == "+":
-        values = value if isinstance(value, list) else [value]
-        if not values or any(isinstance(v, (dict, list)) or v is None for v in values):
-            raise SweepError(f"{where}: expected a value or a list of values ({flag})")
-        return [str(v) for v in values]
-    if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
-        if not isinstance(value, bool):
-            raise SweepError(f"{where}: expected true or false ({flag})")
-        return value
-    if action.choices is not None and value not in action.choices:
-        raise SweepError(f"{where}: {value!r} is not one of {list(action.choices)} ({flag})")
-    if isinstance(value, (dict, list)) or isinstance(value, bool) or value is None:
-        raise SweepError(f"{where}: expected a single {getattr(action.type, '__name__', 'value')} ({flag})")
-    if action.type is not None:
-        if action.type is int and isinstance(value, float) and not value.is_integer():
-            raise SweepError(f"{where}: {value!r} is not a valid int ({flag})")
-        try:
-            return action.type(value)
-        except (TypeError, ValueError):
-            raise SweepError(f"{where}: {value!r} is not a valid {action.type.__name__} ({flag})") from None
-    return value
-
-
-def flags_to_argv(values: dict) -> list[str]:
-    actions = _pretrain_actions()
-    argv = []
-    for dest, value in values.items():
-        action = actions[dest]
-        flag = action.option_strings[0]
-        if isinstance(action, argparse.BooleanOptionalAction):
-            argv.append(flag if value else "--no-" + flag[2:])
-        elif isinstance(action, argparse._StoreTrueAction):
-            if value:
-                argv.append(flag)
-        elif isinstance(value, list):
-            argv += [flag, *value]
-        else:
-            argv += [flag, str(value)]
-    return argv
+    try:
+        return setting_value(action, value)
+    except ValueError as error:
+        raise SweepError(f"{where}: {error}") from None
 
 
 def load_sweep(path: str, output_dir: Optional[str] = None) -> Sweep:

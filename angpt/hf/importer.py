@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from angpt import checkpointing
-from angpt.arguments import build_parser
+from angpt.arguments import build_parser, settings_to_argv
 from angpt.config_from_args import model_config_from_args, padded_vocab_size
 from angpt.data.tokenizers import describe_file
 from angpt.hf.export import MODEL_FLAGS, ExportError, ensure_process_group, join_qkv, single_process_args
@@ -55,12 +55,8 @@ def default_args() -> dict:
 def model_flags(args: dict) -> str:
     """The command-line flags of the model in `args` that differ from the trainer's defaults."""
     defaults = default_args()
-    flags = []
-    for name in MODEL_FLAGS:
-        if args.get(name) != defaults.get(name):
-            flag = "--" + name.replace("_", "-")
-            flags.append(flag if args[name] is True else f"{flag} {args[name]}")
-    return " ".join(flags)
+    changed = {name: args[name] for name in MODEL_FLAGS if args.get(name) != defaults.get(name)}
+    return " ".join(settings_to_argv(changed))
 
 
 def qwen3_args(config: dict) -> dict:
