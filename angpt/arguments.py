@@ -64,9 +64,20 @@ class HelpFormatter(argparse.HelpFormatter):
     defaults that are None or False, and none for flags without a help text)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default in (None, False, argparse.SUPPRESS) or "%(default)" in action.help:
+        if not _shows_default(action) or "%(default)" in action.help:
             return action.help
         return f"{action.help} (default: %(default)s)"
+
+
+def _shows_default(action: argparse.Action) -> bool:
+    # By identity: a default of 0 or 0.0 is shown (it equals False).
+    return not any(action.default is hidden for hidden in (None, False, argparse.SUPPRESS))
+
+
+def flag_actions(parser: Optional[argparse.ArgumentParser] = None) -> dict[str, argparse.Action]:
+    """{dest: action} of angpt.pretrain's flags (of `parser`, default build_parser()), --help and --config aside."""
+    parser = parser or build_parser()
+    return {action.dest: action for action in parser._actions if action.dest not in ("help", "config")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -232,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     exits.add_argument("--max-skipped-steps", type=int, default=10,
                        help="stop when more than this many steps in a row have a NaN/Inf loss or grad norm")
     for action in parser._actions:
-        if action.help is None and action.default not in (None, False):
+        if action.help is None and _shows_default(action):
             action.help = "default: %(default)s"  # argparse shows no default where there is no help text
     return parser
 
@@ -264,7 +275,7 @@ def read_config(parser: argparse.ArgumentParser, path: str) -> dict:
         parser.error(f"--config {path}: not valid YAML: {error}")
     if not isinstance(values, dict):
         parser.error(f"--config {path}: expected a mapping of flag names to values")
-    actions = {action.dest: action for action in parser._actions if action.dest not in ("help", "config")}
+    actions = flag_actions(parser)
     defaults = {}
     for key, value in values.items():
         dest = str(key).lstrip("-").replace("-", "_")
@@ -307,7 +318,7 @@ def setting_value(action: argparse.Action, value):
 
 def settings_to_argv(values: dict) -> list[str]:
     """The command line of angpt.pretrain that sets `values` ({dest: value}, as setting_value returns them)."""
-    actions = {action.dest: action for action in build_parser()._actions}
+    actions = flag_actions()
     argv = []
     for dest, value in values.items():
         action = actions[dest]

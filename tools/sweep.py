@@ -59,7 +59,7 @@ from typing import Optional
 import yaml
 
 from angpt import metrics_reader
-from angpt.arguments import build_parser, setting_value, settings_to_argv
+from angpt.arguments import flag_actions, setting_value, settings_to_argv
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
@@ -202,11 +202,6 @@ def _non_empty_list(grid: dict, key: str, where: str) -> list:
     return values
 
 
-def _pretrain_actions() -> dict:
-    parser = build_parser()
-    return {action.dest: action for action in parser._actions if action.dest not in ("help",)}
-
-
 def check_flag_value(dest: str, value, action, where: str):
     """A base: or shape value checked and converted as angpt.pretrain's parser would; errors name the key."""
     try:
@@ -244,7 +239,7 @@ def load_sweep(path: str, output_dir: Optional[str] = None) -> Sweep:
     if eval_tokens is not None:
         eval_tokens = parse_tokens(eval_tokens, f"{path}: eval_tokens")
 
-    actions = _pretrain_actions()
+    actions = flag_actions()
     base_raw = data.get("base") or {}
     if not isinstance(base_raw, dict):
         raise SweepError(f"{path}: base: expected a mapping of angpt.pretrain flags to values")
