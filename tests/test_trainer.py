@@ -384,7 +384,7 @@ def test_repeated_nans_stop_the_run_with_the_last_good_state(tmp_path, single_pr
     assert weights and all(torch.equal(good[key], saved[key]) for key in weights)
 
 
-def test_two_nodes_train_like_one_node(uninterrupted, tmp_path):
+def test_two_nodes_train_like_one_node(uninterrupted, tmp_path, single_process):
     """Two nodes of one process each, rendezvousing over TCP, train exactly as one node of two processes."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -394,7 +394,9 @@ def test_two_nodes_train_like_one_node(uninterrupted, tmp_path):
             command(*LAYOUTS["tp2"], *ITERS, "--save", str(tmp_path), "--save-interval", "3", nproc=1,
                     torchrun=("--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
                               "--master-port", str(port))),
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment())
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            # The threads torchrun gives the reference's two processes (it sets 1 only for several per node).
+            env=environment(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
         for rank in (0, 1)
     ]
     outputs = [node.communicate(timeout=300)[0] for node in nodes]
