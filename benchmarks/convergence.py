@@ -22,7 +22,8 @@ What it does
 Each run is a subprocess that does what `python -m angpt.pretrain ARGS --metrics-file ...` does (same flag
 parser, same `angpt.trainer.Trainer`) and then the probe above on the trained model, in the same process,
 so no checkpoint is written. Runs go --jobs at a time (OMP_NUM_THREADS = cores / jobs each). A run whose
-result.json exists under --work-dir is not run again: an interrupted invocation resumes where it stopped.
+status.json under --work-dir says it finished with the same flags is not run again (angpt.sweep_runner, as for
+tools/sweep.py): an interrupted invocation resumes where it stopped.
 
 The validation loss is evaluated every --eval-interval steps on the same first --eval-iters global batches
 of the validation split (a fixed subset). Speed-up over GPT+: with L* = the final value of GPT+'s
@@ -46,6 +47,7 @@ import time
 from collections import Counter
 
 from angpt.metrics_reader import read_metrics
+from angpt.sweep_runner import Job, run_jobs
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 FAMILIES = ("angpt", "gptplus", "ngpt")
@@ -152,16 +154,16 @@ def probe_norms(trainer, num_batches: int) -> dict:
 
 def step_times(result_path: str, rounds: int, configs: dict) -> None:
     """Median training-step time of each configuration {name: pretrain argv}, built side by side in one
-    process and stepped in turn (a, b, c, a, b, c, ...) on one fixed random batch, as
-    benchmarks/step_time.py does, so that machine load hits all of them alike. Writes {name: ms}."""
+    process and stepped in turn by benchmarks/step_time.py's interleaved_step_times. Writes {name: ms}."""
     import torch  # noqa: PLC0415 (runs only)
+    from step_time import interleaved_step_times, random_batch  # noqa: PLC0415 (runs only; imports torch)
 
     from angpt import distributed  # noqa: PLC0415 (runs only)
     from angpt.arguments import parse_args  # noqa: PLC0415 (runs only)
     from angpt.config_from_args import data_arguments, model_config_from_args, padded_vocab_size  # noqa: PLC0415 (runs only)
     from angpt.data.gpt_datasets import dataset_vocabulary  # noqa: PLC0415 (runs only)
     from angpt.optimizer import build_optimizer  # noqa: PLC0415 (runs only)
-    from angpt.step import build_model_chunks, train_step  # noqa: PLC0415 (runs only)
+    from angpt.step import build_model_chunks  # noqa: PLC0415 (runs only)
 
     distributed.initialize()
     built = {}
@@ -171,19 +173,8 @@ def step_times(result_path: str, rounds: int, configs: dict) -> None:
         vocab_size = padded_vocab_size(dataset_vocabulary(data_arguments(args)).vocab_size,
                                        args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
         chunks = build_model_chunks(model_config_from_args(args), vocab_size, args.seq_length)
-        optimizer, scheduler = build_optimizer(chunks, args.model_family, lr=args.lr, train_iters=args.train_iters)
-        built[name] = (chunks, optimizer, scheduler, args)
-    b, s = args.micro_batch_size, args.seq_length
-    tokens = torch.randint(0, vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(0))
-    batch = dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(b, s),
-                 position_ids=torch.arange(s).unsqueeze(0).expand(b, -1))
-    times = {name: [] for name in built}
-    for round_ in range(rounds + 1):  # the first round warms up
-        for name, (chunks, optimizer, scheduler, args) in built.items():
-            start = time.perf_counter()
-            train_step(iter([batch]), chunks, optimizer, scheduler, 1, b, s)
-            if round_:
-                times[name].append(time.perf_counter() - start)
+        built[name] = (chunks, *build_optimizer(chunks, args.model_family, lr=args.lr, train_iters=args.train_iters))
+    times = interleaved_step_times(built, random_batch(args.micro_batch_size, args.seq_length, vocab_size), rounds)
     with open(result_path, "w") as file:
         json.dump({"ms": {n: 1000 * statistics.median(t) for n, t in times.items()}, "rounds": rounds,
                    "threads": torch.get_num_threads()}, file)
@@ -200,7 +191,6 @@ class Run:
         self.dir = os.path.join(options.work_dir, name)
         self.metrics = os.path.join(self.dir, "metrics.jsonl")
         self.result = os.path.join(self.dir, "result.json")
-        self.log = os.path.join(self.dir, "log.txt")
         s = settings
         corpus = options.corpus
         self.argv = [
@@ -213,36 +203,20 @@ class Run:
             "--eval-interval", str(s["eval_interval"]), "--eval-iters", str(s["eval_iters"]),
             "--log-interval", str(s["log_interval"]), "--metrics-file", self.metrics, *flags,
         ]
-        self.probe_batches = s["probe_batches"]
-        self.code = options.code
-        self.process = None
-        self.started = None
-
-    def done(self) -> bool:
-        return os.path.isfile(self.result)
-
-    def start(self, threads: int) -> None:
-        if os.path.isdir(self.dir):
-            shutil.rmtree(self.dir)  # an interrupted attempt: start it again from scratch
-        os.makedirs(self.dir)
+        path = [p for p in (options.code, ROOT, os.environ.get("PYTHONPATH")) if p]
+        self.job = Job(name=name, directory=self.dir, description=f"{family}, lr {lr:g}, seed {seed}",
+                       flags=[str(s["probe_batches"]), *self.argv],
+                       command=[sys.executable, os.path.abspath(__file__), "_worker", self.result,
+                                str(s["probe_batches"]), "--", *self.argv],
+                       env={"PYTHONPATH": os.pathsep.join(path)}, cwd=ROOT,
+                       # No checkpoints: an interrupted attempt starts again from scratch.
+                       start_over=("metrics.jsonl", "result.json", "cache"))
+        os.makedirs(self.dir, exist_ok=True)
         with open(os.path.join(self.dir, "command.txt"), "w") as file:
             file.write("python -m angpt.pretrain " + " ".join(self.argv) + "\n")
-        path = [p for p in (self.code, ROOT, os.environ.get("PYTHONPATH")) if p]
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-               "PYTHONWARNINGS": "ignore", "PYTHONPATH": os.pathsep.join(path)}
-        env.pop("RANK", None)
-        env.pop("WORLD_SIZE", None)
-        self.log_file = open(self.log, "w")
-        self.process = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "_worker", self.result, str(self.probe_batches), "--",
-             *self.argv], stdout=self.log_file, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        self.started = time.time()
 
-    def iteration(self) -> int:
-        """The last iteration the run has logged (read while it writes: a cut last line is no news)."""
-        if not os.path.isfile(self.metrics):
-            return 0
-        return max((record.get("iteration", 0) for record in read_metrics(self.metrics, warn=False)), default=0)
+    def done(self) -> bool:
+        return self.job.is_finished()
 
     def load(self) -> dict:
         """Everything the report needs from this run's files."""
@@ -283,38 +257,19 @@ def record_load(loads: list) -> None:
             file.write(f"{time.time():.0f} {loads[-1]:.2f}\n")
 
 
+def judge(job: Job, returncode: int) -> dict:
+    """Finished: a clean exit that wrote result.json (the worker writes it last)."""
+    return {"status": "finished" if returncode == 0 and os.path.isfile(os.path.join(job.directory, "result.json"))
+            else "failed"}
+
+
 def run_all(runs: list[Run], jobs: int, loads: list) -> None:
-    """Run what is not done yet, `jobs` at a time, printing progress."""
-    todo = [r for r in runs if not r.done()]
-    for r in runs:
-        if r.done():
-            print(f"  {r.name}: done before, skipped", flush=True)
-    threads = max(1, (os.cpu_count() or 1) // jobs)
-    running: list[Run] = []
-    last_report = time.time()
-    while todo or running:
-        while todo and len(running) < jobs:
-            r = todo.pop(0)
-            r.start(threads)
-            running.append(r)
-            print(f"  start {r.name} ({len(todo)} queued after it)", flush=True)
-        time.sleep(0.5)
-        for r in list(running):
-            code = r.process.poll()
-            if code is None:
-                continue
-            r.log_file.close()
-            running.remove(r)
-            record_load(loads)
-            if code != 0 or not r.done():
-                tail = open(r.log).read()[-3000:]
-                raise SystemExit(f"run {r.name} failed (exit {code}); its log {r.log} ends:\n{tail}")
-            print(f"  done  {r.name} in {time.time() - r.started:.0f} s", flush=True)
-        if running and time.time() - last_report > 30:
-            last_report = time.time()
-            record_load(loads)
-            status = ", ".join(f"{r.name} at step {r.iteration()}" for r in running)
-            print(f"  ... {status}; load average {os.getloadavg()[0]:.2f}", flush=True)
+    """Run what is not done yet, `jobs` at a time (cores / jobs threads each), printing progress; stops at
+    the first failure."""
+    counts = run_jobs([r.job for r in runs], parallel=jobs, threads=max(1, (os.cpu_count() or 1) // jobs),
+                      judge=judge, stop_on_failure=True, on_progress=lambda: record_load(loads))
+    if counts["failed"]:
+        raise SystemExit(f"run {counts['failed_runs'][0]} failed (its log is above)")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -833,7 +788,7 @@ def main(argv=None) -> None:
     # Wall clock of the runs: first start to last finish (over resumed invocations, gaps included).
     done = [r for r in [*[x for f in FAMILIES for x in grid_runs[f]], *pending] if r.done()]
     wall = (max(os.path.getmtime(r.result) for r in done)
-            - min(os.path.getmtime(os.path.join(r.dir, "command.txt")) for r in done))
+            - min(os.path.getmtime(r.result) - r.job.status()["seconds"] for r in done))
     if os.path.isfile(LOAD_FILE):
         loads = [float(line.split()[1]) for line in open(LOAD_FILE) if len(line.split()) == 2]
 

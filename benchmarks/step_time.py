@@ -26,6 +26,31 @@ from angpt.step import build_model_chunks, train_step
 FAMILIES = ("gptplus", "angpt", "ngpt")
 
 
+def random_batch(micro_batch_size: int, seq_length: int, vocab_size: int) -> dict:
+    """One fixed batch of random tokens (every model steps on the same one)."""
+    b, s = micro_batch_size, seq_length
+    tokens = torch.randint(0, vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(0))
+    return dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(b, s),
+                position_ids=torch.arange(s).unsqueeze(0).expand(b, -1))
+
+
+def interleaved_step_times(models: dict, batch: dict, rounds: int, after_step=None) -> dict:
+    """Seconds of each training step of each model {name: (chunks, optimizer, scheduler)}, stepped in turn
+    (a, b, c, a, b, c, ...) on `batch` so that machine noise hits all of them alike; the first round warms
+    up and is not counted. `after_step(name, chunks, counted)` runs after each step, outside the timing."""
+    b, s = batch["tokens"].shape
+    times = {name: [] for name in models}
+    for round_ in range(rounds + 1):
+        for name, (chunks, optimizer, scheduler) in models.items():
+            start = time.perf_counter()
+            train_step(iter([batch]), chunks, optimizer, scheduler, 1, b, s)
+            if round_:
+                times[name].append(time.perf_counter() - start)
+            if after_step:
+                after_step(name, chunks, counted=bool(round_))
+    return times
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden-size", type=int, default=256)
@@ -44,9 +69,6 @@ def main():
     distributed.initialize()
 
     b, s, v = args.micro_batch_size, args.seq_length, args.vocab_size
-    tokens = torch.randint(0, v, (b, s + 1), generator=torch.Generator().manual_seed(0))
-    batch = dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(b, s),
-                 position_ids=torch.arange(s).unsqueeze(0).expand(b, -1))
     runs = {}
     for family in FAMILIES:
         config = model_config(family, num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -55,20 +77,16 @@ def main():
         optimizer, scheduler = build_optimizer(chunks, family, lr=1e-3, train_iters=10 * args.rounds)
         runs[family] = (chunks, optimizer, scheduler)
 
-    steps = {family: [] for family in FAMILIES}
     projections = {family: [] for family in FAMILIES if WEIGHT_CONSTRAINTS[family]}
-    for round_ in range(args.rounds + 1):  # the first round warms up
-        for family, (chunks, optimizer, scheduler) in runs.items():
-            start = time.perf_counter()
-            train_step(iter([batch]), chunks, optimizer, scheduler, 1, b, s)
-            elapsed = time.perf_counter() - start
-            if family in projections:
-                start = time.perf_counter()
-                project_parameters_(chunks, WEIGHT_CONSTRAINTS[family])
-                projections[family].append(time.perf_counter() - start)
-            if round_:
-                steps[family].append(elapsed)
 
+    def project(family, chunks, counted):
+        if family in projections:
+            start = time.perf_counter()
+            project_parameters_(chunks, WEIGHT_CONSTRAINTS[family])
+            if counted:
+                projections[family].append(time.perf_counter() - start)
+
+    steps = interleaved_step_times(runs, random_batch(b, s, v), args.rounds, after_step=project)
     base = statistics.median(steps["gptplus"])
     print(f"d={args.hidden_size} layers={args.num_layers} seq={s} batch={b} vocab={v}, "
           f"{args.rounds} rounds, {torch.get_num_threads()} threads")

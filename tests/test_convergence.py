@@ -77,4 +77,4 @@ def test_convergence_quick_two_steps(pydoc_corpus, tmp_path):
     # A second invocation finds every run done and only rebuilds the report.
     again = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "start " not in again.stdout and again.stdout.count("done before, skipped") == 7
+    assert "finished in" not in again.stdout and again.stdout.count("already finished, skipped") == 7

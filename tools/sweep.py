@@ -35,7 +35,7 @@ Every grid point is one run in <output_dir>/runs/<run id>/: run.json (its settin
 (the run's output), metrics.jsonl and status.json (finished or failed, exit code, final validation loss),
 and the run's dataset indices in cache/ unless base: sets data-cache-path.
 Relative paths in the YAML file are relative to the directory the sweep is started from, as for
-`angpt.pretrain --config`. A run whose status.json says it finished with the same command is skipped, so
+`angpt.pretrain --config`. A run whose status.json says it finished with the same flags is skipped, so
 `run` (and resubmitting the Slurm array) resumes a sweep. Run indices follow the grid's order (shapes, then
 tokens, then lr, then batch) and are stable as long as the grid is not edited.
 """
@@ -49,17 +49,16 @@ import json
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import yaml
 
 from angpt import metrics_reader
 from angpt.arguments import flag_actions, setting_value, settings_to_argv
+from angpt.sweep_runner import STATUS_FILE, Job, interrupt_on_sigterm, read_json, run_jobs, write_json
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
@@ -335,22 +334,6 @@ def launcher(nproc_per_node: int = 1, nnodes: int = 1, node_rank: int = 0, maste
     return [*command, "-m", "angpt.pretrain"]
 
 
-def read_json(path: str) -> Optional[dict]:
-    try:
-        with open(path) as file:
-            return json.load(file)
-    except (OSError, ValueError):
-        return None
-
-
-def write_json(path: str, data: dict) -> None:
-    temporary = path + ".tmp"
-    with open(temporary, "w") as file:
-        json.dump(data, file, indent=1)
-        file.write("\n")
-    os.replace(temporary, path)
-
-
 def read_metrics(path: str) -> list[dict]:
     """The run's current records (a resumed run's re-run steps replace the first run's); none before it ran."""
     return metrics_reader.read_metrics(path) if os.path.isfile(path) else []
@@ -369,64 +352,43 @@ def final_losses(records: list[dict], train_iters: int) -> dict:
     )
 
 
-def is_finished(sweep: Sweep, run: Run, command: list[str]) -> bool:
-    status = read_json(os.path.join(sweep.run_dir(run), "status.json"))
-    return bool(status and status.get("status") == "finished" and _same_flags(status.get("command"), command))
-
-
-def _same_flags(old: Optional[list], new: list) -> bool:
-    """The same angpt.pretrain flags (the launcher and interpreter path may differ between machines)."""
-    if not old:
-        return False
-
-    def flags(command):
-        return command[command.index("angpt.pretrain") + 1:] if "angpt.pretrain" in command else command
-
-    return flags(old) == flags(new)
-
-
-def start_run(sweep: Sweep, run: Run, command: list[str], threads: Optional[int]) -> tuple:
-    run_dir = sweep.run_dir(run)
-    os.makedirs(run_dir, exist_ok=True)
-    if not sweep.checkpoints:  # a fresh start: the metrics file is appended to
-        for name in ("metrics.jsonl",):
-            if os.path.exists(os.path.join(run_dir, name)):
-                os.remove(os.path.join(run_dir, name))
-    write_json(os.path.join(run_dir, "run.json"), dict(sweep=sweep.name, config=sweep.path,
-                                                        model_family=sweep.model_family, **run.settings(),
-                                                        command=command))
-    write_json(os.path.join(run_dir, "status.json"), dict(status="running", command=command,
-                                                          started=time.time()))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.setdefault("PYTHONWARNINGS", "ignore")
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    log_path = os.path.join(run_dir, "log.txt")
-    log = open(log_path, "a")
-    log.write(f"$ {shlex.join(command)}\n")
-    log.flush()
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    return process, log, time.time()
-
-
-def finish_run(sweep: Sweep, run: Run, command: list[str], returncode: int, started: float) -> dict:
-    run_dir = sweep.run_dir(run)
-    losses = final_losses(read_metrics(os.path.join(run_dir, "metrics.jsonl")), run.train_iters)
-    finished = returncode == 0 and losses["train_iteration"] == run.train_iters
-    status = dict(status="finished" if finished else "failed", returncode=returncode, **losses,
-                  seconds=round(time.time() - started, 1), log=os.path.join(run_dir, "log.txt"), command=command)
-    if returncode == 0 and not finished:
-        status["reason"] = (f"exited cleanly at iteration {losses['train_iteration']} of {run.train_iters} "
-                            "(a graceful exit: run it again to resume with checkpoints: true)")
-    write_json(os.path.join(run_dir, "status.json"), status)
-    return status
-
-
 def describe(run: Run) -> str:
     shape = " ".join(f"{key}={value}" for key, value in run.shape.items())
     return (f"{shape} tokens={format_tokens(run.tokens)} ({run.train_iters} iters) lr={format_number(run.lr)} "
             f"batch={run.global_batch_size}")
+
+
+def job(sweep: Sweep, run: Run, launch: list[str]) -> Job:
+    """The run as a job of angpt.sweep_runner; the flags after the launcher identify it."""
+    command = sweep.command(run, launch)
+    run_dir = sweep.run_dir(run)
+    os.makedirs(run_dir, exist_ok=True)
+    write_json(os.path.join(run_dir, "run.json"), dict(sweep=sweep.name, config=sweep.path,
+                                                        model_family=sweep.model_family, **run.settings(),
+                                                        command=command))
+    return Job(name=f"[{run.index + 1}/{len(sweep.runs)}] {run.run_id}", directory=run_dir, command=command,
+               flags=command[len(launch):], description=describe(run),
+               env={"PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)},
+               # Without checkpoints a run starts from scratch, and its metrics file would be appended to.
+               start_over=() if sweep.checkpoints else ("metrics.jsonl",))
+
+
+def judge(sweep: Sweep) -> Callable:
+    """Finished: a clean exit at train_iters; records the final losses."""
+    train_iters = {sweep.run_dir(run): run.train_iters for run in sweep.runs}
+
+    def judged(job: Job, returncode: int) -> dict:
+        iters = train_iters[job.directory]
+        losses = final_losses(read_metrics(os.path.join(job.directory, "metrics.jsonl")), iters)
+        finished = returncode == 0 and losses["train_iteration"] == iters
+        status = dict(status="finished" if finished else "failed", **losses,
+                      summary=f"validation loss {_loss(losses['valid_loss'])} (train {_loss(losses['train_loss'])})")
+        if returncode == 0 and not finished:
+            status["reason"] = (f"exited cleanly at iteration {losses['train_iteration']} of {iters} "
+                                "(a graceful exit: run it again to resume with checkpoints: true)")
+        return status
+
+    return judged
 
 
 def run_sweep(sweep: Sweep, jobs: int = 1, threads: Optional[int] = None, stop_on_failure: bool = False,
@@ -435,78 +397,15 @@ def run_sweep(sweep: Sweep, jobs: int = 1, threads: Optional[int] = None, stop_o
     """Run the sweep's runs here, `jobs` at a time; returns counts of finished, skipped and failed runs.
     `launch` replaces the command before the flags (default: `launcher(nproc_per_node)`)."""
     runs = [sweep.runs[i] for i in indices] if indices is not None else sweep.runs
-    total = len(sweep.runs)
     launch = launch or launcher(nproc_per_node)
     out = out or sys.stdout
-    counts = dict(finished=0, skipped=0, failed=0)
-    failures = []
-    pending = []
-    for run in runs:
-        command = sweep.command(run, launch)
-        if not force and is_finished(sweep, run, command):
-            status = read_json(os.path.join(sweep.run_dir(run), "status.json"))
-            print(f"[{run.index + 1}/{total}] {run.run_id}: already finished (validation loss "
-                  f"{_loss(status.get('valid_loss'))}), skipped", file=out, flush=True)
-            counts["skipped"] += 1
-        else:
-            pending.append((run, command))
-    active = []  # (run, command, process, log, started)
-    stop = False
-    sweep_start = time.time()
-    try:
-        while pending or active:
-            while pending and len(active) < max(1, jobs) and not stop:
-                run, command = pending.pop(0)
-                print(f"[{run.index + 1}/{total}] {run.run_id}: {describe(run)} ...", file=out, flush=True)
-                active.append((run, command, *start_run(sweep, run, command, threads)))
-            if stop and not active:
-                break
-            time.sleep(0.2)
-            for entry in list(active):
-                run, command, process, log, started = entry
-                if process.poll() is None:
-                    continue
-                active.remove(entry)
-                log.close()
-                status = finish_run(sweep, run, command, process.returncode, started)
-                if status["status"] == "finished":
-                    counts["finished"] += 1
-                    print(f"[{run.index + 1}/{total}] {run.run_id}: finished in {status['seconds']:.0f} s, "
-                          f"validation loss {_loss(status['valid_loss'])} (train {_loss(status['train_loss'])})",
-                          file=out, flush=True)
-                else:
-                    counts["failed"] += 1
-                    failures.append(run.run_id)
-                    print(f"[{run.index + 1}/{total}] {run.run_id}: FAILED (exit code {process.returncode}"
-                          f"{', ' + status['reason'] if 'reason' in status else ''}); log: {status['log']}",
-                          file=out, flush=True)
-                    if stop_on_failure:
-                        stop = True
-    except KeyboardInterrupt:
-        for run, command, process, log, started in active:
-            process.send_signal(signal.SIGTERM)
-        for run, command, process, log, started in active:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-            log.close()
-            finish_run(sweep, run, command, process.returncode if process.returncode is not None else -15, started)
-        raise
-    counts["not_started"] = len(pending) if stop else 0
-    counts["seconds"] = round(time.time() - sweep_start, 1)
-    counts["failed_runs"] = failures
+    counts = run_jobs([job(sweep, run, launch) for run in runs], parallel=jobs, threads=threads,
+                      judge=judge(sweep), stop_on_failure=stop_on_failure, force=force, out=out)
     print(f"sweep {sweep.name}: {counts['finished']} finished, {counts['skipped']} skipped (done before), "
           f"{counts['failed']} failed" + (f", {counts['not_started']} not started (--stop-on-failure)"
                                           if counts["not_started"] else "")
           + f" in {counts['seconds']:.0f} s; outputs in {sweep.output_dir}", file=out, flush=True)
     return counts
-
-
-def _interrupt(signum, frame):
-    """SIGTERM (kill, Slurm's scancel or time limit) stops a sweep as Ctrl-C does: its runs are stopped and
-    recorded as failed, to be rerun by the next `run`."""
-    raise KeyboardInterrupt
 
 
 def _loss(value) -> str:
@@ -591,7 +490,7 @@ def collect(sweep: Sweep) -> dict:
         if key not in parameters:
             parameters[key] = non_embedding_parameters(sweep.model_family, run.shape)
         run_dir = sweep.run_dir(run)
-        status = read_json(os.path.join(run_dir, "status.json")) or {}
+        status = read_json(os.path.join(run_dir, STATUS_FILE)) or {}
         losses = final_losses(read_metrics(os.path.join(run_dir, "metrics.jsonl")), run.train_iters)
         n = parameters[key]
         records.append(dict(
@@ -691,7 +590,7 @@ def main(argv=None) -> int:
 def _command(args, sweep: Sweep) -> int:
 
     if args.command in ("run", "run-one"):
-        signal.signal(signal.SIGTERM, _interrupt)
+        interrupt_on_sigterm()
     if args.command == "run":
         counts = run_sweep(sweep, jobs=args.jobs, threads=args.threads, stop_on_failure=args.stop_on_failure,
                            indices=args.only, force=args.force, nproc_per_node=args.nproc_per_node)
@@ -707,24 +606,8 @@ def _command(args, sweep: Sweep) -> int:
         if args.node_rank > 0:  # another node of a multi-node run: train, leave the records to node 0
             env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore"}
             return subprocess.call(command, env=env)
-        if not args.force and is_finished(sweep, run, command):
-            print(f"[{run.index + 1}/{len(sweep.runs)}] {run.run_id}: already finished, skipped")
-            return 0
-        print(f"[{run.index + 1}/{len(sweep.runs)}] {run.run_id}: {describe(run)} ...", flush=True)
-        process, log, started = start_run(sweep, run, command, args.threads)
-        try:
-            process.wait()
-        except KeyboardInterrupt:
-            process.send_signal(signal.SIGTERM)
-            process.wait()
-            log.close()
-            finish_run(sweep, run, command, process.returncode, started)
-            raise
-        log.close()
-        status = finish_run(sweep, run, command, process.returncode, started)
-        print(f"[{run.index + 1}/{len(sweep.runs)}] {run.run_id}: {status['status']}, validation loss "
-              f"{_loss(status['valid_loss'])}; log: {status['log']}")
-        return 0 if status["status"] == "finished" else 1
+        counts = run_jobs([job(sweep, run, launch)], threads=args.threads, judge=judge(sweep), force=args.force)
+        return 1 if counts["failed"] else 0
     if args.command == "slurm":
         script = slurm_script(sweep, args.partition, args.time, args.nodes, args.gpus_per_node, args.cpus_per_task,
                               args.account, args.max_parallel, args.python, tuple(args.sbatch_option))
@@ -755,7 +638,7 @@ def _command(args, sweep: Sweep) -> int:
         return 0
     if args.command == "list":
         for run in sweep.runs:
-            status = read_json(os.path.join(sweep.run_dir(run), "status.json")) or {}
+            status = read_json(os.path.join(sweep.run_dir(run), STATUS_FILE)) or {}
             print(f"{run.index:4d} {run.run_id:40s} {describe(run)}  [{status.get('status', 'not run')}]")
         return 0
     return 2
