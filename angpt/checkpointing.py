@@ -27,12 +27,7 @@ import os
 import random
 import re
 import shutil
-import signal
-import sys
-import types
 from dataclasses import asdict, dataclass
-from multiprocessing import get_context, resource_tracker
-from multiprocessing.managers import SyncManager
 from typing import Callable, Optional
 
 import numpy as np
@@ -42,20 +37,18 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory, is_main_replica
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
-from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
-from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
 from torch.distributed.checkpoint.api import CheckpointException
 
 from angpt import digests
-from angpt.arguments import EXIT_SIGNALS
+from angpt.megatron_compat import patches
 
 logger = logging.getLogger("angpt.checkpointing")
 
 LATEST = "latest_checkpointed_iteration.txt"
 INCOMPLETE = ".incomplete"
 # The distributed optimizer's state gathered per parameter: loadable at any layout (megatron-core 0.16's
-# per-parameter "fully_sharded_model_space" format no longer validates).
+# per-parameter "fully_sharded_model_space" format no longer validates; angpt/megatron_compat lists it).
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 _ITERATION_DIR = re.compile(r"^iter_(\d{7,})$")
 FALLBACK_FLAG = "load-fallback-to-intact"
@@ -203,40 +196,6 @@ def _delete_old(root: str, keep_last: Optional[int]) -> None:
         logger.info("deleted %s (--keep-last-n-checkpoints %d)", checkpoint_dir(root, iteration), keep_last)
 
 
-def _results_queue_that_outlives_exit_signals():
-    """megatron-core 0.16's `filesystem_async._get_write_results_queue`, with its Manager process deaf
-    to the exit signals. Every save, sync or async, sends the written files' metadata back through a
-    queue served by a spawned multiprocessing Manager, started at the first save and kept for the
-    process's life, in the training process's process group. torchrun forwards SIGTERM and SIGINT to
-    that group (os.killpg), as `kill -TERM -<pgid>` does, and Slurm signals every process of a job: the
-    Manager died of it, and the save the signal asked for failed (BrokenPipeError or
-    ConnectionRefusedError, an `.incomplete` directory left, the steps since the last save lost).
-    The Manager starts with the exit signals blocked (a child inherits its parent's signal mask, and
-    the Manager never unblocks them), so they stay pending there: the training process decides, and
-    shuts it down at exit; SIGKILL to the group still ends it. Starting multiprocessing's resource
-    tracker unblocks SIGINT and SIGTERM, so it is started before they are blocked.
-    A spawned process imports its parent's main module first (here `angpt.pretrain`: torch and
-    megatron-core, 5 s of CPU and 400 MB per rank), which a queue's server does not need: it is spawned
-    while `__main__` is a blank module."""
-    if filesystem_async._results_queue is None:
-        manager = SyncManager(ctx=get_context("spawn"))
-        resource_tracker.ensure_running()
-        unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {getattr(signal, name) for name in EXIT_SIGNALS})
-        main = sys.modules["__main__"]
-        sys.modules["__main__"] = types.ModuleType("__main__")
-        try:
-            manager.start()
-        finally:
-            sys.modules["__main__"] = main
-            signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)  # what arrived meanwhile is handled now
-        filesystem_async._results_queue = manager.Queue()  # the queue's proxy keeps the manager alive
-    return filesystem_async._results_queue
-
-
-def _make_saves_outlive_exit_signals() -> None:
-    filesystem_async._get_write_results_queue = _results_queue_that_outlives_exit_signals
-
-
 def commit_checkpoint(root: str, iteration: int, tokenizer: Optional[dict] = None,
                       keep_last: Optional[int] = None) -> None:
     """Collectively turn the written `iter_XXXXXXX.incomplete` into the latest checkpoint: the tokenizer
@@ -339,7 +298,6 @@ def save_checkpoint(
     the files are written and before the commit (tests pause there to kill a save midway). A save that
     cannot fit in the free space is refused before it writes anything, and one that fills the disk is
     removed; both raise a CheckpointError that says so."""
-    _make_saves_outlive_exit_signals()
     iteration = state.iteration  # the state moves on while an async save is being written
     staging = checkpoint_dir(root, iteration) + INCOMPLETE
     model = _model_state(chunks)
@@ -394,50 +352,6 @@ def save_checkpoint(
     # The background writer's errors surface when the queue finalizes the request, on every rank.
     async_queue.schedule_async_request(
         request._replace(finalize_fns=[_refusing_a_full_disk(finalize, root, iteration, needed)]))
-
-
-def prepare_optimizer_for_loading(optimizer) -> None:
-    """megatron-core's distributed optimizer over torch's Adam (no apex or Transformer Engine) can only
-    build its sharded state dict for loading once Adam's state exists: create it with dummy values,
-    which the load then overwrites."""
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if isinstance(inner, DistributedOptimizer) and not inner.optimizer.state:
-            inner._init_optimizer_states_with_dummy_values()
-    if not HAVE_APEX_OR_TE:
-        _load_only_checkpointed_states()
-
-
-def _load_only_checkpointed_states() -> None:
-    """With torch's Adam, the distributed optimizer's "fully_reshardable" load copies every key of
-    Adam's per-parameter state from the checkpoint, but the checkpoint stores `step` once, in the
-    parameter groups (KeyError: 'step'). Copy the keys the checkpoint has; `_unshare_adam_steps` then
-    fixes the steps."""
-    original = DistributedOptimizer._set_main_param_and_optimizer_states
-    if getattr(original, "copies_only_checkpointed_states", False):
-        return
-
-    @torch.no_grad()
-    def set_states(self, model_param, tensors):
-        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-            return original(self, model_param, tensors)
-        group_index, group_order = self.model_param_group_index_map[model_param]
-        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
-        for key, target in {"param": main_param, **self.optimizer.state[main_param]}.items():
-            if key in tensors:
-                target.copy_(tensors[key])
-
-    set_states.copies_only_checkpointed_states = True
-    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
-
-
-def _unshare_adam_steps(optimizer) -> None:
-    """The distributed optimizer restores torch Adam's per-parameter `step` as one tensor shared by
-    every parameter, which Adam then increments once per parameter per step (bias correction would
-    restart in earnest): give each parameter its own copy."""
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for state in inner.optimizer.state.values():
-            if isinstance(state.get("step"), torch.Tensor):
-                state["step"] = state["step"].clone()
 
 
 def _iteration_of(path: str) -> int:
@@ -548,7 +462,7 @@ def load_checkpoint(
     model = _model_state(chunks)
     request = dict(model)
     if load_optimizer:
-        prepare_optimizer_for_loading(optimizer)
+        patches.prepare_optimizer_for_loading(optimizer)
         request["optimizer"] = optimizer.sharded_state_dict(model, is_loading=True, metadata=dict(OPTIMIZER_SHARDING))
     if load_rng:
         request["rng_state"] = _rng_sharded_object(None)
@@ -561,7 +475,7 @@ def load_checkpoint(
             chunk.module.load_state_dict(loaded[f"model{i}"], strict=True)
     if load_optimizer:
         optimizer.load_state_dict(loaded["optimizer"])
-        _unshare_adam_steps(optimizer)
+        patches.unshare_adam_steps(optimizer)
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     else:
         # Mixed-precision optimizers keep fp32 copies of the weights: refresh them from the model.

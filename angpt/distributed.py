@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from angpt import megatron_cpu
+from angpt.megatron_compat import patches
 
 
 def initialize(
@@ -24,7 +24,7 @@ def initialize(
     timeout_minutes: float = 10,
 ) -> None:
     """Join the torchrun job (if not already joined), build megatron-core's groups and seed every RNG."""
-    megatron_cpu.enable()
+    patches.install()  # megatron-core workarounds (the CPU adapter among them), before anything is built
     if not dist.is_initialized():
         _default_to_one_process()
         if torch.cuda.is_available():

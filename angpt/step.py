@@ -94,7 +94,7 @@ def train_step(
 def step_unless_not_finite(optimizer, loss: float) -> tuple[bool, float | None]:
     """megatron-core's optimizer step (clip to the total grad norm, then update), skipped when the loss
     or the grad norm is NaN or Inf; every rank sees the same global loss and norm, so all skip together.
-    Returns (whether the update was applied, grad norm)."""
+    Returns (whether the update was applied, grad norm). A megatron-core workaround (angpt/megatron_compat)."""
     if optimizer.prepare_grads():  # an fp16 loss scaler found an overflow (and lowered its scale)
         return False, None
     grad_norm = optimizer.get_grad_norm()

@@ -11,8 +11,8 @@ PROBE = """
 import torch
 {pretend}
 original = torch.cuda.current_device
-from angpt import megatron_cpu
-active = megatron_cpu.enable()
+from angpt.megatron_compat import cpu
+active = cpu.enable()
 print(active, torch.cuda.current_device is original)
 if active:
     print(torch.cuda.current_device(), torch.empty(2, device="cuda").device, torch.zeros(1).type())

@@ -8,7 +8,6 @@ from typing import Optional
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-from angpt import megatron_cpu
 from angpt.bounding import project_parameters_
 from angpt.models.config import AnGPTConfig
 from angpt.models.layers import ScaledOutputLayer, is_row_parallel_linear
@@ -67,7 +66,6 @@ def build_model(
     parallel_output: bool = True,
 ) -> GPTModel:
     """One pipeline stage (or virtual stage) of the configured family."""
-    megatron_cpu.enable()
     kwargs = dict(
         max_sequence_length=max_sequence_length,
         pre_process=pre_process,

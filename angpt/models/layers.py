@@ -9,7 +9,6 @@ intermediate), every learnable scale is a `LearnableScale`, and the layer reads 
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Optional
 
@@ -257,17 +256,6 @@ class ScaledSwiGLUMLP(MLP):
         return self.linear_fc2(a)
 
 
-class _OwnMLPFilter(logging.Filter):
-    """TransformerLayer warns "Unknown MLP type" for every MLP class but its own; ScaledSwiGLUMLP is an
-    MLP and takes the same tensor-parallel group by default."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Unknown MLP type" not in record.getMessage()
-
-
-logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_OwnMLPFilter())
-
-
 class NormalizedTransformerLayer(TransformerLayer):
     """The anGPT / nGPT layer: no pre-norms, a post-norm on each sub-block output, normalized residuals."""
 
@@ -303,7 +291,8 @@ class ScaledOutputLayer(tensor_parallel.ColumnParallelLinear):
 
     @classmethod
     def attach(cls, layer: tensor_parallel.ColumnParallelLinear, config: AnGPTConfig, vocab_size: int):
-        # GPTModel builds its output layer inline, so it is converted in place rather than rebuilt.
+        # GPTModel builds its output layer inline, so it is converted in place rather than rebuilt (a
+        # megatron-core workaround: angpt/megatron_compat).
         layer.__class__ = cls
         layer.logit_scale = LearnableScale(config, "s_z", vocab_size, partitioned=True)
 

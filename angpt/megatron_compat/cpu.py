@@ -1,10 +1,11 @@
-"""Run megatron-core (0.16.x) on a machine without CUDA, with the gloo backend.
+"""Run megatron-core (written for 0.16.1) on a machine without CUDA, with the gloo backend.
 
 megatron-core assumes a CUDA device in a few dozen places. `enable()` patches those places once per
 process, and only when `torch.cuda.is_available()` is false, so GPU runs are untouched. Every patch
-says what breaks without it; ../shared/docs/megatron-on-cpu.md lists how each was found.
+says what breaks without it.
 
-Call it before building models (angpt's model builders and `angpt.distributed.initialize` do).
+`angpt.megatron_compat.patches.install()` calls it (through `angpt.distributed.initialize`, which every
+entry point calls before it builds a model).
 """
 
 from __future__ import annotations

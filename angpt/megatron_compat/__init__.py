@@ -1,0 +1,50 @@
+"""Every place where angpt works around megatron-core, written for megatron-core 0.16.1 (`WRITTEN_FOR`).
+
+Another megatron-core version may have fixed what a workaround fixes, or moved what it patches:
+`patches.install()` logs a warning when the installed version differs, and `make test` is the check.
+
+Each workaround, where it is, and what breaks without it under megatron-core 0.16.1:
+- CUDA device calls sent to the CPU (`cpu.py`): on a machine without CUDA, building a model, the optimizer
+  or a schedule raises "Torch not compiled with CUDA enabled", and model-parallel RNG is never seeded.
+- Known warnings ignored (`quiet_known_warnings` below): six `UserWarning`s at every start and first save,
+  `FutureWarning`s at every load, in every process.
+- "Unknown MLP type" log filtered (`patches.py`): `TransformerLayer` logs it once per layer for any MLP
+  class but its own (our `ScaledSwiGLUMLP`).
+- The save's results queue deaf to exit signals (`patches.py`): SIGTERM or SIGINT to torchrun's process
+  group kills the queue's Manager, and the save the signal asked for fails.
+- The distributed optimizer loading torch's Adam (`patches.py`): without apex or Transformer Engine there
+  is no sharded state dict to load into, then `KeyError: 'step'`, then Adam's bias correction restarts.
+- The optimizer step composed from its parts (`angpt/step.py`, `step_unless_not_finite`): `optimizer.step()`
+  skips only on an fp16 overflow, so a NaN or Inf loss in bf16 or fp32 would update the weights.
+- The output layer converted in place (`angpt/models/layers.py`, `ScaledOutputLayer.attach`): `GPTModel`
+  builds its output layer inline, with no spec to give it the logit scale s_Z.
+- The optimizer state saved per parameter (`angpt/checkpointing.py`, `OPTIMIZER_SHARDING`): the default
+  per-parameter "fully_sharded_model_space" format no longer validates on load.
+
+This module imports neither torch nor megatron-core: entry points call `quiet_known_warnings` before they
+import them, so that `--help` stays instant and import-time warnings are caught.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+WRITTEN_FOR = "0.16.1"
+
+# (category, the start of the message), as megatron-core 0.16.1 and torch 2.11-2.13 word them. Each is for
+# something this project already decided or cannot change: CPU and GPU runs without Transformer Engine or
+# apex fall back to torch on purpose (angpt.optimizer logs which back end runs), and the deprecations are
+# inside megatron-core's own checkpointing. Anything else still shows.
+KNOWN_WARNINGS = (
+    (UserWarning, "Transformer Engine and Apex are not installed"),
+    (UserWarning, "Apex is not installed"),
+    (UserWarning, "full scope is deprecated"),  # TransformerConfig's cuda_graph_scope default
+    (FutureWarning, "`load_state_dict` is deprecated"),  # dist_checkpointing's torch strategy
+    (FutureWarning, "Please use DTensor instead and we are deprecating ShardedTensor"),
+)
+
+
+def quiet_known_warnings() -> None:
+    """Ignore KNOWN_WARNINGS in this process; called by each entry point before it imports megatron-core."""
+    for category, message in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)

@@ -1,0 +1,123 @@
+"""The patches of megatron-core (0.16.1) objects that angpt applies in every process, by `install()`, which
+`angpt.distributed.initialize` calls before anything is built. The table of `angpt.megatron_compat` says what
+breaks without each."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import types
+from multiprocessing import get_context, resource_tracker
+from multiprocessing.managers import SyncManager
+
+import megatron.core
+import torch
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
+
+from angpt.arguments import EXIT_SIGNALS
+from angpt.megatron_compat import WRITTEN_FOR, cpu
+
+logger = logging.getLogger("angpt.megatron_compat")
+_installed = False
+
+
+def install() -> None:
+    """Apply every patch once per process (the CPU adapter only without CUDA)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    check_version(megatron.core.__version__)
+    cpu.enable()
+    logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_OwnMLPFilter())
+    filesystem_async._get_write_results_queue = _results_queue_that_outlives_exit_signals
+    if not HAVE_APEX_OR_TE:
+        _load_only_checkpointed_states()
+
+
+def check_version(installed: str) -> bool:
+    """Whether `installed` is the megatron-core the workarounds were written for; a warning says so if not."""
+    if installed == WRITTEN_FOR:
+        return True
+    logger.warning("angpt's megatron-core workarounds (angpt/megatron_compat) were written for megatron-core %s, "
+                   "and %s is installed: check them with `make test`", WRITTEN_FOR, installed)
+    return False
+
+
+class _OwnMLPFilter(logging.Filter):
+    """TransformerLayer warns "Unknown MLP type" for every MLP class but its own; ScaledSwiGLUMLP is an
+    MLP and takes the same tensor-parallel group by default."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Unknown MLP type" not in record.getMessage()
+
+
+def _results_queue_that_outlives_exit_signals():
+    """megatron-core 0.16's `filesystem_async._get_write_results_queue`, with its Manager process deaf
+    to the exit signals. Every save, sync or async, sends the written files' metadata back through a
+    queue served by a spawned multiprocessing Manager, started at the first save and kept for the
+    process's life, in the training process's process group. torchrun forwards SIGTERM and SIGINT to
+    that group (os.killpg), as `kill -TERM -<pgid>` does, and Slurm signals every process of a job: the
+    Manager died of it, and the save the signal asked for failed (BrokenPipeError or
+    ConnectionRefusedError, an `.incomplete` directory left, the steps since the last save lost).
+    The Manager starts with the exit signals blocked (a child inherits its parent's signal mask, and
+    the Manager never unblocks them), so they stay pending there: the training process decides, and
+    shuts it down at exit; SIGKILL to the group still ends it. Starting multiprocessing's resource
+    tracker unblocks SIGINT and SIGTERM, so it is started before they are blocked.
+    A spawned process imports its parent's main module first (here `angpt.pretrain`: torch and
+    megatron-core, 5 s of CPU and 400 MB per rank), which a queue's server does not need: it is spawned
+    while `__main__` is a blank module."""
+    if filesystem_async._results_queue is None:
+        manager = SyncManager(ctx=get_context("spawn"))
+        resource_tracker.ensure_running()
+        unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {getattr(signal, name) for name in EXIT_SIGNALS})
+        main = sys.modules["__main__"]
+        sys.modules["__main__"] = types.ModuleType("__main__")
+        try:
+            manager.start()
+        finally:
+            sys.modules["__main__"] = main
+            signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)  # what arrived meanwhile is handled now
+        filesystem_async._results_queue = manager.Queue()  # the queue's proxy keeps the manager alive
+    return filesystem_async._results_queue
+
+
+def prepare_optimizer_for_loading(optimizer) -> None:
+    """megatron-core's distributed optimizer over torch's Adam (no apex or Transformer Engine) can only
+    build its sharded state dict for loading once Adam's state exists: create it with dummy values,
+    which the load then overwrites."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(inner, DistributedOptimizer) and not inner.optimizer.state:
+            inner._init_optimizer_states_with_dummy_values()
+
+
+def _load_only_checkpointed_states() -> None:
+    """With torch's Adam, the distributed optimizer's "fully_reshardable" load copies every key of
+    Adam's per-parameter state from the checkpoint, but the checkpoint stores `step` once, in the
+    parameter groups (KeyError: 'step'). Copy the keys the checkpoint has; `unshare_adam_steps` then
+    fixes the steps."""
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    @torch.no_grad()
+    def set_states(self, model_param, tensors):
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        for key, target in {"param": main_param, **self.optimizer.state[main_param]}.items():
+            if key in tensors:
+                target.copy_(tensors[key])
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
+def unshare_adam_steps(optimizer) -> None:
+    """The distributed optimizer restores torch Adam's per-parameter `step` as one tensor shared by
+    every parameter, which Adam then increments once per parameter per step (bias correction would
+    restart in earnest): give each parameter its own copy."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in inner.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
