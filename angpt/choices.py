@@ -12,3 +12,5 @@ POST_NORMS = ("l2", "none")
 RESIDUALS = ("lerp", "plain")
 # megatron-core's layers ("local", the default and the CPU path) or Transformer Engine's (GPU, needed for FP8).
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
+# The weights' dtype of a Hugging Face export (tools/convert_to_hf.py).
+EXPORT_DTYPES = ("float32", "bfloat16")

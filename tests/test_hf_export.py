@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import random
 import re
@@ -22,11 +23,12 @@ from pydoc_data.topics import topics
 
 import pytest
 import torch
+from huggingface_hub import ModelCard
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
 from angpt.data.tokenizers import EOD_TOKEN, build_tokenizer
-from angpt.hf.export import LAYER, ExportError, export, read_checkpoint
+from angpt.hf.export import LAYER, Checkpoint, ExportError, export, read_checkpoint, recorded_losses
 from angpt.hf.importer import import_hf
 from angpt.hf.verify import (
     FP32_LOGIT_TOLERANCE,
@@ -40,7 +42,7 @@ from angpt.hf.verify import (
     near_argmax,
 )
 
-from conftest import ROOT, TRAINED_ITERS, TRAINED_MODEL, TRAINED_RUNS, in_process_trainer
+from conftest import PYDOC_VOCAB_SIZE, ROOT, TRAINED_ITERS, TRAINED_MODEL, TRAINED_RUNS, in_process_trainer
 
 pytestmark = pytest.mark.multiprocess
 
@@ -187,6 +189,60 @@ def test_gptplus_is_exported_as_qwen3_without_remote_code(exported):
     assert not any(name.endswith(".py") for name in os.listdir(output))
     model = AutoModelForCausalLM.from_pretrained(output)
     assert type(model) is Qwen3ForCausalLM and model.config.vocab_size == 200
+
+
+def trained_flag(name: str) -> int:
+    """A flag of conftest's trained model."""
+    return int(TRAINED_MODEL[TRAINED_MODEL.index(name) + 1])
+
+
+@pytest.mark.parametrize("family", RUNS)
+def test_the_model_card_states_what_the_run_recorded_and_loads_as_it_says(family, exported, checkpoints, capsys):
+    output = exported[family, "float32"][1]
+    card = ModelCard.load(os.path.join(output, "README.md"))
+    assert card.data.library_name == "transformers" and family in card.data.tags
+    with open(os.path.join(checkpoints[family], "metrics.jsonl")) as file:
+        final = [record for record in map(json.loads, file) if record["kind"] == "train"][-1]
+    assert final["iteration"] == TRAINED_ITERS
+    batch, length = trained_flag("--global-batch-size"), trained_flag("--seq-length")
+    with safe_open(os.path.join(output, "model.safetensors"), "pt") as file:
+        parameters = sum(math.prod(file.get_slice(key).get_shape()) for key in file.keys())
+    assert f"- parameters: {parameters:,} as exported" in card.text
+    assert f"- context length: {length} tokens" in card.text
+    assert f"- {TRAINED_ITERS} iterations of {batch} sequences of {length} tokens; tokens seen: " \
+           f"{TRAINED_ITERS * batch * length:,}" in card.text
+    assert f"- final training loss: {final['lm_loss']:.4f} (lm loss at iteration {TRAINED_ITERS}," in card.text
+    assert "- final validation loss: not recorded" in card.text  # --eval-iters 0
+    if family == "angpt":
+        assert f"; {PYDOC_VOCAB_SIZE} tokens, `{EOD_TOKEN}` (id 0) ends documents" in card.text
+    else:
+        assert "- tokenizer: none: trained on synthetic token ids (--mock-data)" in card.text
+    # Its snippet runs as it stands: greedy text from the prompt, or ids without a tokenizer.
+    exec(re.search(r"```python\n(.*?)```", card.text, re.DOTALL).group(1), {})
+    printed = capsys.readouterr().out
+    assert printed.startswith("The quick brown fox" if family == "angpt" else "[1, 2, 3, ")
+
+
+def test_the_model_card_takes_the_losses_of_the_run_as_it_stands_up_to_the_checkpoint(tmp_path):
+    """A run resumed from iteration 2 logged iterations 3 and 4 again: the card of iteration 3 gives the
+    second run's loss at 3, and the validation loss at 2 (the first run's at 4 is past the checkpoint)."""
+    records = [{"kind": "start", "iteration": 0}, {"kind": "train", "iteration": 2, "lm_loss": 5.0},
+               {"kind": "eval", "iteration": 2, "split": "validation", "lm_loss": 5.5},
+               {"kind": "train", "iteration": 3, "lm_loss": 4.0}, {"kind": "eval", "iteration": 4, "split": "test",
+                                                                   "lm_loss": 9.0},
+               {"kind": "start", "iteration": 2}, {"kind": "train", "iteration": 3, "lm_loss": 3.25},
+               {"kind": "train", "iteration": 4, "lm_loss": None},
+               {"kind": "eval", "iteration": 4, "split": "validation", "lm_loss": 3.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    checkpoint = Checkpoint(str(tmp_path / "iter_0000003"), {}, {})
+    assert recorded_losses(checkpoint, 3) == (
+        "3.2500 (lm loss at iteration 3, mean over the steps since the previous log line)",
+        "5.5000 (lm loss at iteration 2, mean over the evaluation's batches)")
+    assert recorded_losses(checkpoint, 4)[0] == "not finite at iteration 4"
+    assert recorded_losses(Checkpoint(str(tmp_path / "iter_0000001"), {}, {}), 1)[1] == \
+        f"not recorded ({tmp_path / 'metrics.jsonl'} has no validation loss up to iteration 1)"
+    os.remove(tmp_path / "metrics.jsonl")
+    assert recorded_losses(checkpoint, 3)[0] == f"not available ({tmp_path / 'metrics.jsonl'}: no such file)"
 
 
 def test_large_weights_are_sharded_with_an_index(checkpoints, tmp_path, single_process):

@@ -23,6 +23,8 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as RustTokenizer
 
 EOD_TOKEN = "<|endoftext|>"
+# GPT-2's pre-tokenizer regex, which TikTokenizer splits text with (angpt.hf.export gives it to the export).
+GPT2_SPLIT_PATTERN = r50k_pat_str
 TOKENIZER_TYPES = ("HuggingFaceTokenizer", "TikTokenizer", "GPT2BPETokenizer")
 
 
@@ -86,7 +88,7 @@ class TikTokenizer:
         ranks = load_tiktoken_bpe(path)
         self.eod = max(ranks.values()) + 1
         self.encoding = tiktoken.Encoding(
-            name=os.path.basename(path), pat_str=r50k_pat_str, mergeable_ranks=ranks,
+            name=os.path.basename(path), pat_str=GPT2_SPLIT_PATTERN, mergeable_ranks=ranks,
             special_tokens={EOD_TOKEN: self.eod},
         )
         self.vocab_size = self.encoding.n_vocab

@@ -4,7 +4,9 @@ anGPT and nGPT become the remote-code model of `modeling_angpt.py` (copied into 
 constant normalization factors folded into the scale multipliers and weights; GPT+ becomes transformers'
 own `Qwen3ForCausalLM` (the same block: pre-RMSNorm, per-head QK RMSNorm before RoPE, SwiGLU, final
 RMSNorm). The checkpoint is read in one CPU process whatever layout saved it: distributed checkpoints
-store tensors by global name.
+store tensors by global name. The tokenizer the checkpoint records becomes a Hugging Face fast tokenizer
+(tokenizer.json: copied, or converted from GPT-2's vocab.json + merges.txt or a tiktoken ranks file), and
+README.md is a model card of what was trained and how to load it.
 """
 
 from __future__ import annotations
@@ -22,17 +24,21 @@ from megatron.core import dist_checkpointing, parallel_state
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 from transformers import GenerationConfig, Qwen3Config
+from transformers.convert_slow_tokenizer import TikTokenConverter
 
 from angpt import checkpointing, distributed
+from angpt.choices import EXPORT_DTYPES
 from angpt.config_from_args import model_config_from_args
+from angpt.data.tokenizers import EOD_TOKEN, GPT2_SPLIT_PATTERN, TikTokenizer, load_gpt2_vocab_merges
 from angpt.factors import NU_PLAIN_RESIDUAL
 from angpt.hf import configuration_angpt
+from angpt.metrics_reader import MetricsError, read_metrics
 from angpt.models.scales import scale_init
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REMOTE_CODE = ("configuration_angpt.py", "modeling_angpt.py")
 AUTO_MAP = {"AutoConfig": "configuration_angpt.AnGPTConfig", "AutoModelForCausalLM": "modeling_angpt.AnGPTForCausalLM"}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = dict(zip(EXPORT_DTYPES, (torch.float32, torch.bfloat16)))
 LAYER = "decoder.layers."
 # The training flags that shape an anGPT / nGPT model, recorded in its config.json (`angpt_args`) so that
 # tools/convert_from_hf.py rebuilds the same model and unfolds the same factors.
@@ -52,6 +58,7 @@ class Checkpoint:
     path: str  # the iter_XXXXXXX directory
     args: dict  # the training flags it was saved with
     tensors: dict  # the model's tensors by global name, layers stacked: [num_layers, ...]
+    train_state: Optional[dict] = None  # checkpointing.TrainState as saved: iteration, consumed_samples
 
     @property
     def family(self) -> str:
@@ -102,7 +109,7 @@ def read_checkpoint(load: str, iteration: Optional[int] = None) -> Checkpoint:
     loaded = dist_checkpointing.load_plain_tensors(path)
     tensors = {key: value for key, value in loaded.items()
                if isinstance(value, torch.Tensor) and not key.startswith("optimizer")}
-    return Checkpoint(path, args, tensors)
+    return Checkpoint(path, args, tensors, common.get("train_state"))
 
 
 def single_process_args(args: dict) -> argparse.Namespace:
@@ -131,6 +138,30 @@ class Vocabulary:
     eos_token_id: int
     tokenizer_file: Optional[str]  # tokenizer.json copied with the checkpoint, when there is one
     eos_token: Optional[str]
+    # Converted from the checkpoint's GPT-2 BPE or tiktoken files, to be written as tokenizer.json.
+    converted: Optional[Tokenizer] = None
+
+
+def tokenizer_copy(checkpoint: Checkpoint, description: dict, name: str) -> str:
+    """The copy in the checkpoint of the tokenizer file `name` of the description."""
+    path = os.path.join(checkpoint.path, "tokenizer", os.path.basename(description[name]["path"]))
+    if not os.path.isfile(path):
+        raise ExportError(f"{path} is missing: {checkpoint.path}/tokenizer/angpt_tokenizer.json names it as its "
+                          f"{name}")
+    return path
+
+
+def tiktoken_tokenizer(path: str, tokenizer_type: str) -> Tokenizer:
+    """The byte-level BPE of a tiktoken ranks file (transformers' conversion: vocabulary = ranks, and a
+    merge for each way of splitting a token into two tokens, in rank order), split as our TikTokenizer splits
+    (GPT-2's pattern), with its end-of-document token as a special token."""
+    ours = TikTokenizer(path, tokenizer_type)
+    converted = TikTokenConverter(vocab_file=path, pattern=GPT2_SPLIT_PATTERN,
+                                  extra_special_tokens=[EOD_TOKEN]).converted()
+    if converted.token_to_id(EOD_TOKEN) != ours.eod:  # the added token takes the next free id, or its own rank
+        raise ExportError(f"{path}: {EOD_TOKEN} would be id {converted.token_to_id(EOD_TOKEN)} in the export, "
+                          f"not {ours.eod} as in training (ranks with gaps, or a ranks file that holds it)")
+    return converted
 
 
 def vocabulary(checkpoint: Checkpoint) -> Vocabulary:
@@ -138,14 +169,24 @@ def vocabulary(checkpoint: Checkpoint) -> Vocabulary:
     if description is None:  # --mock-data: ids 0..vocab_size-1, the last one ending documents
         size = checkpoint.args["vocab_size"]
         return Vocabulary(size, size - 1, None, None)
-    if description.get("type") != "HuggingFaceTokenizer":
-        raise ExportError(f"{checkpoint.path}: tokenizer type {description.get('type')!r} cannot be exported yet "
-                          "(HuggingFaceTokenizer can)")
-    path = os.path.join(checkpoint.path, "tokenizer", os.path.basename(description["model"]["path"]))
-    tokenizer = Tokenizer.from_file(path)
-    eos = description["eod_token"]
+    kind = description.get("type")
+    if kind == "HuggingFaceTokenizer":
+        path = tokenizer_copy(checkpoint, description, "model")
+        tokenizer, converted = Tokenizer.from_file(path), None
+        eos = description["eod_token"]
+    elif kind in ("TikTokenizer", "GPT2BPETokenizer"):  # GPT2BPETokenizer: vocab.json + merges.txt, or ranks
+        path, eos = None, EOD_TOKEN
+        if "model" in description:
+            tokenizer = converted = tiktoken_tokenizer(tokenizer_copy(checkpoint, description, "model"), kind)
+        else:
+            tokenizer = converted = load_gpt2_vocab_merges(tokenizer_copy(checkpoint, description, "vocab_file"),
+                                                           tokenizer_copy(checkpoint, description, "merge_file")
+                                                           ).tokenizer
+    else:
+        raise ExportError(f"{checkpoint.path}/tokenizer/angpt_tokenizer.json: tokenizer type {kind!r} cannot be "
+                          "exported (HuggingFaceTokenizer, TikTokenizer and GPT2BPETokenizer can)")
     size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
-    return Vocabulary(size, tokenizer.token_to_id(eos), path, eos)
+    return Vocabulary(size, tokenizer.token_to_id(eos), path, eos, converted)
 
 
 def split_qkv(qkv: torch.Tensor, num_heads: int, num_groups: int, head_dim: int):
@@ -324,13 +365,136 @@ def save_safetensors(state: dict[str, torch.Tensor], output: str, max_shard_byte
 
 
 def save_tokenizer(vocab: Vocabulary, output: str, max_length: int) -> None:
-    if vocab.tokenizer_file is None:
+    if vocab.tokenizer_file is not None:
+        shutil.copy(vocab.tokenizer_file, os.path.join(output, "tokenizer.json"))
+    elif vocab.converted is not None:
+        vocab.converted.save(os.path.join(output, "tokenizer.json"))
+    else:
         return
-    shutil.copy(vocab.tokenizer_file, os.path.join(output, "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": vocab.eos_token, "bos_token": vocab.eos_token,
               "pad_token": vocab.eos_token, "model_max_length": max_length, "clean_up_tokenization_spaces": False}
     with open(os.path.join(output, "tokenizer_config.json"), "w") as file:
         json.dump(config, file, indent=2)
+
+
+FAMILY_NAMES = {
+    "angpt": "anGPT (the Approximately Normalized GPT; Franke et al., NeurIPS 2025, arXiv 2505.22014)",
+    "ngpt": "nGPT (the normalized Transformer; Loshchilov et al., ICLR 2025)",
+    "gptplus": "GPT+ (a pre-norm GPT with RMSNorm, RoPE, SwiGLU and QK-norm: the block of Qwen3)",
+}
+
+
+def metrics_path(checkpoint: Checkpoint) -> str:
+    """The run's metrics.jsonl: --metrics-file, or beside its checkpoints (angpt.monitoring's default)."""
+    return checkpoint.args.get("metrics_file") or os.path.join(os.path.dirname(checkpoint.path), "metrics.jsonl")
+
+
+def recorded_losses(checkpoint: Checkpoint, iteration: int) -> tuple[str, str]:
+    """The last training and validation loss the run logged up to `iteration`, as the model card states them,
+    or why there is none (no invented figure)."""
+    path = metrics_path(checkpoint)
+    try:
+        records = read_metrics(path, warn=False)
+    except MetricsError as error:
+        return (f"not available ({error})",) * 2
+    lines = []
+    for kind, split, averaged in (("train", None, "the steps since the previous log line"),
+                                  ("eval", "validation", "the evaluation's batches")):
+        found = [record for record in records if record["kind"] == kind and record["iteration"] <= iteration
+                 and (split is None or record.get("split") == split)]
+        if not found:
+            lines.append(f"not recorded ({path} has no {split or kind} loss up to iteration {iteration})")
+        elif found[-1].get("lm_loss") is None:  # metrics.jsonl writes a NaN or infinite loss as null
+            lines.append(f"not finite at iteration {found[-1]['iteration']}")
+        else:
+            lines.append(f"{found[-1]['lm_loss']:.4f} (lm loss at iteration {found[-1]['iteration']}, mean over "
+                         f"{averaged})")
+    return lines[0], lines[1]
+
+
+def tokenizer_summary(checkpoint: Checkpoint, vocab: Vocabulary) -> str:
+    description = tokenizer_description(checkpoint)
+    if description is None:
+        return (f"none: trained on synthetic token ids (--mock-data), so the export has no tokenizer; ids 0 to "
+                f"{vocab.size - 1}, of which {vocab.eos_token_id} ends documents")
+    files = ", ".join(os.path.basename(entry["path"]) for entry in description.values()
+                      if isinstance(entry, dict) and "path" in entry)
+    source = {"HuggingFaceTokenizer": f"the Hugging Face tokenizer it was trained with ({files}), copied",
+              "TikTokenizer": f"tiktoken BPE ranks ({files}) with GPT-2's split pattern, converted",
+              }.get(description["type"], f"GPT-2's byte-level BPE ({files}), converted")
+    return (f"{source} to `tokenizer.json`; {vocab.size} tokens, `{vocab.eos_token}` (id {vocab.eos_token_id}) "
+            "ends documents and is the eos token")
+
+
+def load_snippet(checkpoint: Checkpoint, vocab: Vocabulary, output: str) -> str:
+    remote = "" if checkpoint.family == "gptplus" else ", trust_remote_code=True"
+    path = f'path = "{output}"  # this directory, or its Hub repository id once uploaded'
+    if vocab.converted is None and vocab.tokenizer_file is None:
+        return "\n".join([
+            "import torch", "from transformers import AutoModelForCausalLM", "", path,
+            f"model = AutoModelForCausalLM.from_pretrained(path{remote})",
+            f"ids = torch.tensor([[1, 2, 3]])  # no tokenizer: token ids below {vocab.size}",
+            "output = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)",
+            "print(output[0].tolist())"])
+    return "\n".join([
+        "from transformers import AutoModelForCausalLM, AutoTokenizer", "", path,
+        f"tokenizer = AutoTokenizer.from_pretrained(path{remote})",
+        f"model = AutoModelForCausalLM.from_pretrained(path{remote})",
+        'inputs = tokenizer("The quick brown fox", return_tensors="pt")',
+        "output = model.generate(**inputs, max_new_tokens=40, do_sample=False)",
+        "print(tokenizer.decode(output[0]))"])
+
+
+def model_card(checkpoint: Checkpoint, config, vocab: Vocabulary, parameters: int, dtype: str, output: str) -> str:
+    """README.md of the export: what the model is, how it was trained (as the checkpoint and the run's
+    metrics.jsonl record it) and how to load it, under Hugging Face's front matter."""
+    args, family = checkpoint.args, checkpoint.family
+    state = checkpoint.train_state or {}
+    iteration = state.get("iteration")
+    tags = dict.fromkeys(["angpt", family, "text-generation", "megatron-core",
+                          "qwen3" if family == "gptplus" else "custom_code"])
+    if iteration is None:
+        trained = "- iterations and tokens: not recorded in the checkpoint"
+        train_loss = validation_loss = "not available (the checkpoint records no iteration)"
+    else:
+        samples = state.get("consumed_samples")
+        tokens = "not recorded" if samples is None else f"{samples * args['seq_length']:,}"
+        trained = (f"- {iteration} iterations of {args['global_batch_size']} sequences of {args['seq_length']} "
+                   f"tokens; tokens seen: {tokens}")
+        train_loss, validation_loss = recorded_losses(checkpoint, iteration)
+    if args.get("mock_data"):
+        data = "synthetic token sequences (--mock-data): the weights have learned nothing about text"
+    else:
+        data = " ".join(str(item) for item in args.get("data_path") or args.get("train_data_path") or []) \
+            or "not recorded"
+    if args.get("finetune"):
+        data += f"; fine-tuned from {args.get('load')}, the figures below count the fine-tuning only"
+    architecture = "transformers' `Qwen3ForCausalLM`" if family == "gptplus" else \
+        "`AnGPTForCausalLM`, remote code in `modeling_angpt.py` (load with `trust_remote_code=True`)"
+    return "\n".join([
+        "---", "library_name: transformers", "pipeline_tag: text-generation", "tags:", *(f"- {t}" for t in tags),
+        "---", "", f"# {os.path.basename(output)}", "",
+        f"A language model of the family {FAMILY_NAMES[family]}, trained with angpt (Megatron-style pretraining on "
+        f"megatron-core), exported by `tools/convert_to_hf.py` from `{checkpoint.path}`.", "",
+        "## Model", "",
+        f"- architecture: {architecture}",
+        f"- parameters: {parameters:,} as exported ({dtype} safetensors; the input embedding and the output head "
+        "stored apart)",
+        f"- layers {config.num_layers}, hidden size {config.hidden_size}, attention heads "
+        f"{config.num_attention_heads} ({query_groups(args)} key-value groups, head size {head_dim(args)}), "
+        f"feed-forward size {config.ffn_hidden_size}, RoPE base {config.rotary_base}",
+        f"- context length: {args['seq_length']} tokens",
+        f"- tokenizer: {tokenizer_summary(checkpoint, vocab)}", "",
+        "## Training", "",
+        f"- data: {data}", trained,
+        f"- learning rate {args.get('lr')}, {args.get('lr_decay_style')} decay; "
+        f"{'bf16' if args.get('bf16') else 'fp32'} training",
+        f"- final training loss: {train_loss}",
+        f"- final validation loss: {validation_loss}", "",
+        "## How to load", "", "```python", load_snippet(checkpoint, vocab, output), "```", "",
+        "## License", "",
+        "Not set by the export: the terms of the weights depend on the training data. Add a `license:` entry to the "
+        "front matter above before publishing.", ""])
 
 
 def _replace_directory(staging: str, output: str) -> None:
@@ -377,6 +541,9 @@ def export(load: str, output: str, iteration: Optional[int] = None, dtype: str =
                 shutil.copy(os.path.join(HERE, name), os.path.join(staging, name))
         save_safetensors(state, staging, max_shard_bytes)
         save_tokenizer(vocab, staging, checkpoint.args["seq_length"])
+        parameters = sum(tensor.numel() for tensor in state.values())
+        with open(os.path.join(staging, "README.md"), "w", encoding="utf-8") as file:
+            file.write(model_card(checkpoint, config, vocab, parameters, dtype, output))
         GenerationConfig(bos_token_id=vocab.eos_token_id, eos_token_id=vocab.eos_token_id,
                          pad_token_id=vocab.eos_token_id).save_pretrained(staging)
         _replace_directory(staging, output)
