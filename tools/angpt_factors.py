@@ -7,7 +7,6 @@
 import argparse
 
 from angpt.choices import NU_P_READINGS
-from angpt.factors import derive_factors
 
 APPLIED_TO = {
     "nu_qkv": "outputs of W_q, W_k, W_v, per head (h x d): sqrt(d/h)",
@@ -24,12 +23,13 @@ def main():
     parser.add_argument("--ffn-hidden-size", type=int, help="width of each of u and z (default 4 x hidden)")
     parser.add_argument("--num-attention-heads", type=int, required=True)
     parser.add_argument("--kv-channels", type=int, help="head dim (default hidden / heads)")
-    parser.add_argument("--nu-p-reading", choices=NU_P_READINGS, default="one")
-    parser.add_argument("--nu-acf-samples", type=int, default=100_000)
-    parser.add_argument("--nu-acf-seed", type=int, default=0)
+    parser.add_argument("--nu-p-reading", choices=NU_P_READINGS, default="one", help="default: %(default)s")
+    parser.add_argument("--nu-acf-samples", type=int, default=100_000, help="default: %(default)s")
+    parser.add_argument("--nu-acf-seed", type=int, default=0, help="default: %(default)s")
     args = parser.parse_args()
     if args.hidden_size % args.num_attention_heads and not args.kv_channels:
         parser.error("--hidden-size is not divisible by --num-attention-heads: give --kv-channels")
+    from angpt.factors import derive_factors  # noqa: PLC0415 (after parsing: --help without torch)
     ffn = args.ffn_hidden_size or 4 * args.hidden_size
     factors = derive_factors(args.hidden_size, ffn, args.num_attention_heads, args.kv_channels,
                              args.nu_p_reading, args.nu_acf_samples, args.nu_acf_seed)
