@@ -7,6 +7,7 @@ Impossible combinations are refused here, before any process-group work, by a me
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import signal
@@ -40,7 +41,7 @@ NUMERIC_RANGES = (
         "keep_last_n_checkpoints", "eval_interval", "log_interval", "exit_interval")),
     ("cannot be negative", lambda value: value >= 0, (
         "angpt_alpha_init", "min_lr", "lr_warmup_iters", "lr_warmup_init", "weight_decay", "clip_grad", "seed",
-        "fp8_margin", "eval_iters", "max_skipped_steps")),
+        "fp8_margin", "eval_iters", "max_skipped_steps", "dry_run")),
     ("must be positive", lambda value: value > 0, (
         "init_method_std", "angpt_constant_factor_multiplier", "angpt_nu_alpha_multiplier",
         "distributed_timeout_minutes", "lr", "adam_eps", "exit_duration_in_mins")),
@@ -90,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", help="YAML file of flag names (dashes or underscores) to values; "
                         "flags on the command line override it")
+    parser.add_argument("--dry-run", nargs="?", type=int, const=0, metavar="WORLD_SIZE",
+                        help="check the configuration for WORLD_SIZE processes (default: $WORLD_SIZE, else 1) and "
+                        "its data, print the parallel layout, batch arithmetic and parameter count, and exit "
+                        "without training")
 
     model = parser.add_argument_group("model")
     model.add_argument("--model-family", choices=MODEL_FAMILIES, default="angpt")
@@ -233,6 +238,15 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--tensorboard-dir", help="TensorBoard scalars (default: <save>/tensorboard)")
     logs.add_argument("--metrics-file", help="JSON lines of every logged figure (default: <save or "
                       "tensorboard dir>/metrics.jsonl)")
+    # Megatron-LM's W&B flags (megatron/training/global_vars.py: _set_wandb_writer), with its defaults.
+    logs.add_argument("--wandb-project", help="also log the TensorBoard scalars (same names and steps) and "
+                      "these settings to this Weights & Biases project, from rank 0; needs `pip install wandb`; "
+                      "WANDB_MODE=offline keeps the run on disk for `wandb sync` (default: no W&B)")
+    logs.add_argument("--wandb-exp-name", help="the W&B run's name (default: one W&B makes up)")
+    logs.add_argument("--wandb-entity", help="the W&B team or user that holds the project (default: W&B's "
+                      "default entity of the logged-in user)")
+    logs.add_argument("--wandb-save-dir", help="where W&B writes its local files, in a wandb/ folder inside it "
+                      "(default: <save>/wandb)")
 
     exits = parser.add_argument_group("exiting")
     exits.add_argument("--exit-signal-handler", action="store_true",
@@ -254,7 +268,10 @@ def parse_args(argv: Optional[list[str]] = None, world_size: Optional[int] = Non
     if known.config:
         parser.set_defaults(**read_config(parser, known.config))
     args = parser.parse_args(argv)
-    validate(parser, args, int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size)
+    if world_size is None:  # --dry-run 0 (--dry-run alone) is this job's world size
+        world_size = max(args.dry_run or 0, 0) or int(os.environ.get("WORLD_SIZE", 1))
+    validate(parser, args, world_size)
+    args.world_size = world_size
     return args
 
 
@@ -376,6 +393,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
     _validate_precision(parser, args)
     _validate_checkpoints(parser, args)
     _validate_data(parser, args)
+    _validate_wandb(parser, args)
 
 
 def _validate_ranges(parser, args) -> None:
@@ -462,6 +480,19 @@ def _validate_checkpoints(parser, args) -> None:
     for flag in ("finetune", "load_fallback_to_intact"):
         if getattr(args, flag) and not args.load:
             parser.error(f"--{flag.replace('_', '-')} needs --load")
+
+
+def _validate_wandb(parser, args) -> None:
+    if not args.wandb_project:
+        for flag in ("wandb_exp_name", "wandb_entity", "wandb_save_dir"):
+            if getattr(args, flag):
+                parser.error(f"--{flag.replace('_', '-')} needs --wandb-project (W&B is off without it)")
+        return
+    if not (args.wandb_save_dir or args.save):
+        parser.error("--wandb-project needs --wandb-save-dir or --save (W&B's files go to <save>/wandb)")
+    # Found, not imported: importing wandb takes a second, and only rank 0 uses it.
+    if importlib.util.find_spec("wandb") is None:
+        parser.error("--wandb-project needs the wandb package: pip install wandb")
 
 
 def _validate_data(parser, args) -> None:

@@ -1,5 +1,5 @@
-"""What a run logs and writes: metrics.jsonl and TensorBoard scalars, the log line and the progress bar on the
-console (angpt.metrics_reader reads metrics.jsonl back).
+"""What a run logs and writes: metrics.jsonl, TensorBoard scalars and optionally a Weights & Biases run, the log
+line and the progress bar on the console (angpt.metrics_reader reads metrics.jsonl back).
 
 The trainer assembles one record per logged iteration (and per evaluation):
 
@@ -23,7 +23,7 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 # ---------------------------------------------------------------------------------------------------------
-# Output: metrics.jsonl and TensorBoard, the log line, the progress bar
+# Output: metrics.jsonl, TensorBoard and W&B, the log line, the progress bar
 
 # Fields of a record that are not figures to plot.
 _NOT_SCALARS = ("kind", "iteration", "time")
@@ -43,15 +43,20 @@ def _json_value(value):
 class MetricsLogger:
     """One JSON object per line in `path_jsonl` (appended, so resumed runs continue the file; flushed per
     line, so a crash loses nothing written before it) and each numeric figure as the TensorBoard scalar
-    "{kind}/{name}" at step = iteration. Records hold "kind" ("train" or "eval"), "iteration" and
-    figures, or "kind": "start" and where a run starts (JSON only; `angpt.metrics` reads the file back);
+    "train/{name}" (an evaluation's: "{split}/{name}") at step = iteration. Records hold "kind" ("train" or
+    "eval"), "iteration" and figures, or "kind": "start" and where a run starts (JSON only;
+    `angpt.metrics_reader` reads the file back);
     the JSON line adds "time" (Unix seconds). Non-finite figures (a NaN loss) are written as null, which
     keeps every line valid JSON (pandas reads null back as NaN); TensorBoard gets the NaN itself.
+    With `wandb_init` (wandb.init's keyword arguments: project, name, entity, dir, config), the same scalars
+    go to a W&B run under the same names at step = iteration, and close() finishes the run.
     Disabled (`enabled=False`, e.g. on ranks other than 0), it does nothing."""
 
-    def __init__(self, path_jsonl: Optional[str], tensorboard_dir: Optional[str], enabled: bool = True):
+    def __init__(self, path_jsonl: Optional[str], tensorboard_dir: Optional[str], enabled: bool = True,
+                 wandb_init: Optional[dict] = None):
         self._file = None
         self._writer = None
+        self._wandb_run = None
         if not enabled:
             return
         if path_jsonl:
@@ -59,6 +64,14 @@ class MetricsLogger:
             self._file = open(path_jsonl, "a", encoding="utf-8")
         if tensorboard_dir:
             self._writer = SummaryWriter(tensorboard_dir)
+        if wandb_init is not None:
+            import wandb  # noqa: PLC0415 (optional dependency)
+
+            os.makedirs(wandb_init["dir"], exist_ok=True)
+            # Silent and without console capture: W&B's banners stay out of the log, and our log lines out of
+            # W&B. A run of its own (create_new), never a run another logger of this process left open.
+            settings = wandb.Settings(silent=True, console="off", reinit="create_new")
+            self._wandb_run = wandb.init(**wandb_init, settings=settings)
 
     def log(self, record: dict) -> None:
         if self._file is not None:
@@ -66,12 +79,21 @@ class MetricsLogger:
             line.setdefault("time", round(time.time(), 3))
             self._file.write(json.dumps(line, allow_nan=False) + "\n")
             self._file.flush()
-        if self._writer is not None and record["kind"] != "start":
-            for name, value in record.items():
-                value = _number(value)
-                if name not in _NOT_SCALARS and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._writer.add_scalar(f"{record['kind']}/{name}", value, record["iteration"])
+        if record["kind"] == "start" or (self._writer is None and self._wandb_run is None):
+            return
+        # An evaluation's scalars are named by its split: validation and test both evaluate at the last step.
+        group = record.get("split") or record["kind"]
+        scalars = {}
+        for name, value in record.items():
+            value = _number(value)
+            if name not in _NOT_SCALARS and isinstance(value, (int, float)) and not isinstance(value, bool):
+                scalars[f"{group}/{name}"] = value
+        if self._writer is not None:
+            for tag, value in scalars.items():
+                self._writer.add_scalar(tag, value, record["iteration"])
             self._writer.flush()
+        if self._wandb_run is not None:
+            self._wandb_run.log(scalars, step=record["iteration"])
 
     def close(self) -> None:
         if self._file is not None:
@@ -80,6 +102,9 @@ class MetricsLogger:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
 
 
 # (record field, label, format) of the log line, in order; fields a record lacks (or holds as None) are

@@ -24,7 +24,14 @@ class TrainingMonitor:
         output_dir = args.save or args.tensorboard_dir
         metrics_file = args.metrics_file or (os.path.join(output_dir, "metrics.jsonl") if output_dir else None)
         tensorboard_dir = args.tensorboard_dir or (os.path.join(args.save, "tensorboard") if args.save else None)
-        self.metrics = MetricsLogger(metrics_file, tensorboard_dir, enabled=self.is_reporting_rank)
+        wandb_init = None
+        if args.wandb_project:
+            # As Megatron-LM: every launch is a run of its own, its settings as the run's config; a resumed
+            # job's curves continue where its checkpoint left off, the steps being iterations.
+            wandb_init = dict(project=args.wandb_project, name=args.wandb_exp_name, entity=args.wandb_entity,
+                              dir=args.wandb_save_dir or os.path.join(args.save, "wandb"), config=vars(args))
+        self.metrics = MetricsLogger(metrics_file, tensorboard_dir, enabled=self.is_reporting_rank,
+                                     wandb_init=wandb_init)
         self.health = HealthProbe(chunks)
         self.telemetry = DeviceTelemetry()
         self.flops_per_token = model_flops_per_token(config, args.seq_length, vocab_size)

@@ -111,16 +111,18 @@ def test_tensorboard_has_the_scalars(tmp_path):
     logger.log({"kind": "train", "iteration": 10, "lm_loss": 4.5, "lr": torch.tensor(3e-3),
                 "health/residual_norm/layer_01": 1.25, "note": "not a number"})
     logger.log({"kind": "train", "iteration": 20, "lm_loss": 4.0, "lr": 2e-3})
-    logger.log({"kind": "eval", "iteration": 20, "lm_loss": 4.25})
+    logger.log({"kind": "eval", "iteration": 20, "split": "validation", "lm_loss": 4.25})
+    logger.log({"kind": "eval", "iteration": 20, "split": "test", "lm_loss": 4.375})  # the same step
     logger.close()
 
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     assert set(events.Tags()["scalars"]) == {
-        "train/lm_loss", "train/lr", "train/health/residual_norm/layer_01", "eval/lm_loss"
+        "train/lm_loss", "train/lr", "train/health/residual_norm/layer_01", "validation/lm_loss", "test/lm_loss"
     }
     assert [(e.step, e.value) for e in events.Scalars("train/lm_loss")] == [(10, 4.5), (20, 4.0)]
-    assert [(e.step, e.value) for e in events.Scalars("eval/lm_loss")] == [(20, 4.25)]
+    assert [(e.step, e.value) for e in events.Scalars("validation/lm_loss")] == [(20, 4.25)]
+    assert [(e.step, e.value) for e in events.Scalars("test/lm_loss")] == [(20, 4.375)]
     assert events.Scalars("train/lr")[0].value == pytest.approx(3e-3)
 
 
