@@ -27,9 +27,22 @@ def main(argv=None) -> None:
     console_outlives_its_reader()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("angpt").setLevel(logging.INFO)
+    if args.dry_run is not None:
+        sys.exit(dry_run(args))
     from angpt.trainer import pretrain  # noqa: PLC0415 (after parsing)
 
     sys.exit(pretrain(args))
+
+
+def dry_run(args) -> int:
+    from angpt.dry_run import describe  # noqa: PLC0415 (after parsing)
+
+    try:
+        print(describe(args, args.world_size))
+    except (ValueError, OSError) as error:  # the data's checks (angpt.data), as the trainer reports them
+        print(f"angpt.pretrain: {error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from angpt.arguments import NUMERIC_RANGES, build_parser, parse_args
 
@@ -211,3 +212,60 @@ def test_a_bad_config_file_is_refused_by_name(text, message, tmp_path, monkeypat
         parse_args(["--config", str(config), *MOCK, "--train-iters", "10"])
     error = capsys.readouterr().err
     assert f"--config {config}" in error and message in error
+
+
+def test_dry_run_checks_the_world_size(monkeypatch, capsys):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    flags = [*FLAGS, *MOCK, "--train-iters", "10", "--global-batch-size", "12", "--micro-batch-size", "2"]
+    assert parse_args([*flags, "--dry-run", "6"]).world_size == 6
+    assert parse_args([*flags, "--dry-run"]).world_size == 1
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert parse_args([*flags, "--dry-run"]).world_size == 3
+    for bad, message in (("4", "--global-batch-size 12 is not divisible by --micro-batch-size 2 x data-parallel "
+                                "size 4"), ("-2", "--dry-run -2 cannot be negative")):
+        with pytest.raises(SystemExit):
+            parse_args([*flags, "--dry-run", bad])
+        assert message in capsys.readouterr().err
+
+
+def dry_run(*flags, world_size=None):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("WORLD_SIZE", None)
+    dry = ["--dry-run", *([str(world_size)] if world_size else [])]
+    return subprocess.run([sys.executable, "-m", "angpt.pretrain", *flags, *dry], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_dry_run_of_the_1b_config_on_32_processes_resolves_its_layout_and_counts_its_parameters(tmp_path):
+    done = dry_run("--config", "examples/configs/angpt_1b.yaml", "--model-family", "gptplus", "--mock-data",
+                   "--vocab-size", "50277", "--save", str(tmp_path / "run"), "--pipeline-model-parallel-size", "4",
+                   "--num-layers-per-virtual-pipeline-stage", "3", world_size=32)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    # GPT+ from its definition: d 1280, f 5120, 36 layers, heads of 64, the vocabulary padded to a multiple of
+    # 128 x TP 2; per layer q/k/v/output and SwiGLU's three matrices (split over TP), two RMSNorm gains and
+    # the QK-norm gains (replicated); a final RMSNorm; untied embedding and head (split over TP).
+    d, f, layers, head_dim, vocab = 1280, 5120, 36, 64, -(-50277 // 256) * 256
+    split, replicated = 4 * d * d + 3 * f * d, 2 * d + 2 * head_dim
+    total = 2 * vocab * d + layers * (split + replicated) + d
+    assert f"({total:,})" in out
+    assert "tensor parallel 2 x pipeline parallel 4 x data parallel 4 = 32 processes" in out
+    assert "36 layers: 9 per pipeline stage, 3 per virtual stage" in out
+    assert "micro-batch 2 x 128 micro-batches x data parallel 4" in out
+    assert f"{1024 * 2048:,} tokens per step" in out and "pipeline bubble (p - 1) / (m x v) = 0.8%" in out
+    first = vocab * d / 2 + 9 * (split / 2 + replicated)
+    assert f"stage 0 {first / 1e6:.2f}M" in out and f"stage 3 {(first + d) / 1e6:.2f}M" in out
+    assert out.rstrip().endswith("nothing was started (--dry-run)") and not done.stderr.strip()
+    assert not (tmp_path / "run").exists()
+
+
+def test_dry_run_reads_the_data_and_refuses_missing_data(preprocessed, tmp_path):
+    done = dry_run(*FLAGS, "--train-iters", "10", "--data-path", str(preprocessed))
+    assert done.returncode == 0, done.stderr
+    dataset = IndexedDataset(str(preprocessed))  # megatron-core's own reader (its arrays live as long as it)
+    tokens = int(dataset.sequence_lengths.sum())
+    assert f"{preprocessed}: {tokens:,} tokens" in done.stdout
+    assert f"vocabulary {PYDOC_VOCAB_SIZE} (tokenizer HuggingFaceTokenizer)" in done.stdout
+    missing = dry_run(*FLAGS, "--train-iters", "10", "--data-path", str(tmp_path / "nothing"))
+    assert missing.returncode == 2 and f"{tmp_path / 'nothing'}" in missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1

@@ -1,0 +1,135 @@
+"""`python -m angpt.pretrain ... --dry-run [WORLD_SIZE]`: the configuration checked for a world size and
+resolved, without starting training: the parallel layout, the batch arithmetic, the data, and the
+parameters counted on a model built on the meta device (no memory, no initialization) in this one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections import defaultdict
+
+import torch
+from megatron.core import tensor_parallel
+
+from angpt import distributed, kernels
+from angpt.config_from_args import data_arguments, model_config_from_args, padded_vocab_size, virtual_pipeline_stages
+from angpt.data.gpt_datasets import dataset_vocabulary
+from angpt.data.indexed import check_indexed_dataset
+from angpt.models.gpt import build_model
+
+_TENSOR_PARALLEL_MODULES = (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear,
+                            tensor_parallel.VocabParallelEmbedding)
+
+
+def parameters_by_stage(model: torch.nn.Module, num_layers: int, pipeline_stages: int) -> dict:
+    """{stage: (tensor-parallel parameters, replicated parameters)} of a whole model built without
+    parallelism: the embedding on the first stage, the layers split evenly, the final norm and head on the
+    last. Tensor-parallel: the weights of megatron-core's parallel linear layers and embedding, and the
+    vectors split with them (our scales mark themselves `tensor_model_parallel`)."""
+    split_params = set()
+    for module in model.modules():
+        if isinstance(module, _TENSOR_PARALLEL_MODULES):
+            split_params.update(id(p) for p in module.parameters(recurse=False))
+    counts = defaultdict(lambda: [0, 0])
+    per_stage = num_layers // pipeline_stages
+    for name, param in model.named_parameters():
+        parts = name.split(".")
+        if parts[:2] == ["decoder", "layers"]:
+            stage = int(parts[2]) // per_stage
+        elif parts[0] == "embedding":
+            stage = 0
+        else:  # the final norm, the output layer and its logit scale
+            stage = pipeline_stages - 1
+        split = id(param) in split_params or getattr(param, "tensor_model_parallel", False)
+        counts[stage][0 if split else 1] += param.numel()
+    return {stage: tuple(counts[stage]) for stage in range(pipeline_stages)}
+
+
+def bytes_per_parameter(bf16: bool, distributed_optimizer: bool, data_parallel: int) -> float:
+    """Weights, gradients and Adam's state per parameter, as Megatron-LM's theoretical memory report
+    counts them: bf16 weights, fp32 gradients, fp32 main weights and two moments (12 bytes) sharded over
+    the data-parallel ranks by the distributed optimizer; fp32 training has no main copy."""
+    if bf16:
+        return 6 + 12 / data_parallel if distributed_optimizer else 18
+    return 8 + 8 / data_parallel if distributed_optimizer else 16
+
+
+def _count(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def describe(args: argparse.Namespace, world_size: int) -> str:
+    """The report; `args` were validated for `world_size` by angpt.arguments.parse_args."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    vp = virtual_pipeline_stages(args)
+    dp = world_size // (tp * pp)
+    micro_batches = args.global_batch_size // (args.micro_batch_size * dp)
+    iterations = args.train_iters or args.train_samples // args.global_batch_size
+    tokens_per_step = args.global_batch_size * args.seq_length
+    vocabulary = dataset_vocabulary(data_arguments(args))  # the trainer's checks of the data, and its vocabulary
+    vocab_size = padded_vocab_size(vocabulary.vocab_size, args.make_vocab_size_divisible_by, tp)
+
+    distributed.initialize()  # one process: the model is built whole, on the meta device
+    config = dataclasses.replace(model_config_from_args(args), tensor_model_parallel_size=1,
+                                 pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
+                                 sequence_parallel=False, use_cpu_initialization=True, perform_initialization=False)
+    with torch.device("meta"), kernels.reference_only():  # no fused kernel for tensors without data
+        model = build_model(config, vocab_size, args.seq_length)
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.embedding.word_embeddings.weight.numel()
+    head = 0 if config.share_embeddings_and_output_weights else model.output_layer.weight.numel()
+    stages = parameters_by_stage(model, args.num_layers, pp)
+    per_rank = {stage: split / tp + replicated for stage, (split, replicated) in stages.items()}
+    largest = max(per_rank, key=per_rank.get)
+    model_bytes = per_rank[largest] * bytes_per_parameter(args.bf16, args.use_distributed_optimizer, dp)
+
+    lines = [
+        f"dry run of --model-family {args.model_family} on {world_size} processes: the configuration is valid",
+        "",
+        "layout",
+        f"  tensor parallel {tp} x pipeline parallel {pp} x data parallel {dp} = {world_size} processes"
+        + (f"; {vp} virtual stages per pipeline rank" if vp else "")
+        + ("; sequence parallel" if args.sequence_parallel else ""),
+        f"  {args.num_layers} layers: {args.num_layers // pp} per pipeline stage"
+        + (f", {args.num_layers // pp // vp} per virtual stage" if vp else ""),
+        "",
+        "batch",
+        f"  global batch {args.global_batch_size} sequences = micro-batch {args.micro_batch_size} x {micro_batches} "
+        f"micro-batches x data parallel {dp}",
+        f"  {tokens_per_step:,} tokens per step (sequence length {args.seq_length}); {iterations:,} steps = "
+        f"{iterations * tokens_per_step / 1e9:.3g}B tokens",
+    ]
+    if pp > 1:
+        bubble = (pp - 1) / (micro_batches * (vp or 1))
+        lines.append(f"  pipeline bubble (p - 1) / (m x v) = {bubble:.1%} of a step")
+    if args.eval_iters and args.eval_interval:
+        lines.append(f"  evaluation every {args.eval_interval} steps on {args.eval_iters * args.global_batch_size:,} "
+                     "sequences")
+    lines += ["", "data"]
+    if args.mock_data:
+        lines.append(f"  mock data, vocabulary {vocabulary.vocab_size}, padded to {vocab_size}")
+    else:
+        tokenizer = vocabulary.unique_identifiers.get("tokenizer") or {}
+        lines.append(f"  vocabulary {vocabulary.vocab_size} (tokenizer {tokenizer.get('type', 'unknown')}), "
+                     f"padded to {vocab_size} (a multiple of {args.make_vocab_size_divisible_by} x TP {tp})")
+        for prefix in data_arguments(args).prefixes():
+            tokens = check_indexed_dataset(prefix).get("tokens")
+            lines.append(f"  {prefix}: {tokens:,} tokens" if tokens is not None else f"  {prefix}")
+    lines += [
+        "",
+        "parameters",
+        f"  {_count(total)} ({total:,}): embedding {_count(embedding)}"
+        + (f", output layer {_count(head)}" if head else " (tied to the output layer)")
+        + f", the rest {_count(total - embedding - head)}",
+        "  per process, by pipeline stage: " + ", ".join(f"stage {s} {_count(n)}" for s, n in per_rank.items()),
+        f"  weights, gradients and optimizer state: about {model_bytes / 2**30:.1f} GiB on a process of stage "
+        f"{largest} (Megatron-LM's count of {bytes_per_parameter(args.bf16, args.use_distributed_optimizer, dp):.3g} "
+        "bytes per parameter; activations not included)",
+        "",
+        "nothing was started (--dry-run)",
+    ]
+    return "\n".join(lines)
