@@ -389,6 +389,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
         parser.error(f"--max-position-embeddings {args.max_position_embeddings} is below --seq-length "
                      f"{args.seq_length}")
     _validate_dropout(parser, args)
+    _validate_switches(parser, args)
     _validate_schedule(parser, args)
     _validate_precision(parser, args)
     _validate_checkpoints(parser, args)
@@ -406,6 +407,26 @@ def _validate_ranges(parser, args) -> None:
                 parser.error(f"--{flag.replace('_', '-')} {value} must be a finite number")
             if not holds(value):
                 parser.error(f"--{flag.replace('_', '-')} {value} {requirement}")
+
+
+# The anGPT switches each other family reads (docs/model.md, Families and switches); the rest would be
+# ignored there, so they are refused: GPT+ has none of the normalized blocks, and nGPT normalizes exactly
+# (no constant factors, no nu(alpha)) but has the post-norm, alpha and the residual update.
+FAMILY_SWITCHES = {
+    "gptplus": (),
+    "ngpt": ("angpt_post_norm", "angpt_alpha_init", "angpt_residual"),
+}
+
+
+def _validate_switches(parser, args) -> None:
+    if args.model_family not in FAMILY_SWITCHES:
+        return
+    for action in parser._actions:
+        dest = action.dest
+        if dest.startswith("angpt_") and dest not in FAMILY_SWITCHES[args.model_family] \
+                and getattr(args, dest) != action.default:
+            parser.error(f"{action.option_strings[0]} does not apply to --model-family {args.model_family} "
+                         "(docs/model.md, Families and switches)")
 
 
 def _validate_dropout(parser, args) -> None:

@@ -11,6 +11,7 @@ import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from angpt.arguments import NUMERIC_RANGES, build_parser, parse_args
+from angpt.config_from_args import model_config_from_args
 
 from conftest import PYDOC_VOCAB_SIZE, ROOT, TRAINED_ITERS, TRAINED_RUNS
 
@@ -269,3 +270,22 @@ def test_dry_run_reads_the_data_and_refuses_missing_data(preprocessed, tmp_path)
     missing = dry_run(*FLAGS, "--train-iters", "10", "--data-path", str(tmp_path / "nothing"))
     assert missing.returncode == 2 and f"{tmp_path / 'nothing'}" in missing.stderr
     assert len(missing.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("family, flags", [
+    ("gptplus", ["--angpt-post-norm", "none"]), ("gptplus", ["--angpt-alpha-init", "0.02"]),
+    ("ngpt", ["--angpt-constant-factors", "exact"]), ("ngpt", ["--angpt-constant-factor-multiplier", "2"]),
+    ("ngpt", ["--angpt-nu-alpha-multiplier", "0.5"]), ("ngpt", ["--angpt-no-nu-alpha-grad"]),
+])
+def test_a_switch_the_family_ignores_is_refused(family, flags, capsys):
+    with pytest.raises(SystemExit):
+        parse_args([*FLAGS, *MOCK, "--train-iters", "10", "--model-family", family, *flags])
+    assert f"{flags[0]} does not apply to --model-family {family}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, field, value", [("--angpt-post-norm", "post_norm", "none"),
+                                               ("--angpt-alpha-init", "alpha_init", 0.02),
+                                               ("--angpt-residual", "residual", "plain")])
+def test_the_switches_ngpt_reads_reach_its_config(flag, field, value):
+    args = parse_args([*FLAGS, *MOCK, "--train-iters", "10", "--model-family", "ngpt", flag, str(value)])
+    assert getattr(model_config_from_args(args), field) == value
