@@ -184,6 +184,14 @@ def build_parser() -> argparse.ArgumentParser:
                            default="auto", help="core attention: auto = FlashAttention on GPUs (torch's kernels with "
                            "the local implementation, TE's with Transformer Engine) and megatron's unfused "
                            "attention on CPU; flash forces the fused kernels, unfused/local megatron's path")
+    precision.add_argument("--cross-entropy-loss-fusion", action=SWITCH, default=None,
+                           help="megatron-core's fused cross-entropy (compiled kernels over the logits). Default: on "
+                           "with --bf16 on a GPU, where it gives the unfused loss and gradients; off on CPU, where "
+                           "compiling it costs 4-30 s per process for little gain. Needs --bf16: it rounds the "
+                           "logits' gradient to bf16, which the bf16 logits are anyway")
+    precision.add_argument("--cross-entropy-fusion-impl", choices=("native", "te"), default="native",
+                           help="the fused cross-entropy's implementation: megatron-core's own (torch.compile) or "
+                           "Transformer Engine's")
     precision.add_argument("--fp8-format", choices=FP8_FORMATS, help="FP8 GEMMs in the transformer layers "
                            "(Transformer Engine): e4m3 everywhere, or hybrid (e5m2 for gradients); docs/fp8.md")
     precision.add_argument("--fp8-recipe", choices=FP8_RECIPES, help="scaling recipe (default delayed); mxfp8 "
@@ -451,7 +459,15 @@ def _validate_schedule(parser, args) -> None:
 
 
 def _validate_precision(parser, args) -> None:
-    """--transformer-impl and the FP8 flags (Megatron-LM's names); fills in the FP8 defaults."""
+    """--transformer-impl, the fused cross-entropy and the FP8 flags (Megatron-LM's names); fills in the FP8
+    defaults."""
+    if args.cross_entropy_loss_fusion and not args.bf16:
+        parser.error("--cross-entropy-loss-fusion needs --bf16 (the fused cross-entropy rounds the logits' gradient "
+                     "to bf16; in fp32 the unfused one is exact)")
+    if args.cross_entropy_fusion_impl == "te" and transformer_engine_support.transformer_engine_error() is not None:
+        parser.error(f"--cross-entropy-fusion-impl te needs NVIDIA Transformer Engine, which is not importable here "
+                     f"({transformer_engine_support.transformer_engine_error()}); use --cross-entropy-fusion-impl "
+                     "native (the default)")
     fp8 = args.fp8_format is not None
     if not fp8:
         for flag in ("fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_param_gather"):

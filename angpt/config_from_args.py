@@ -60,6 +60,11 @@ def model_config_from_args(args: argparse.Namespace) -> AnGPTConfig:
         if getattr(args, key):
             overrides[key] = getattr(args, key)
     overrides["transformer_impl"] = getattr(args, "transformer_impl", "local")
+    fused_cross_entropy = getattr(args, "cross_entropy_loss_fusion", None)
+    if fused_cross_entropy is None:  # where it is exact and pays for its compilation (angpt.arguments)
+        fused_cross_entropy = args.bf16 and torch.cuda.is_available()
+    overrides.update(cross_entropy_loss_fusion=fused_cross_entropy,
+                     cross_entropy_fusion_impl=getattr(args, "cross_entropy_fusion_impl", "native"))
     overrides["attention_backend"] = AttnBackend[args.attention_backend]
     if getattr(args, "fp8_format", None):
         # FP8 GEMMs in the transformer layers (Transformer Engine); docs/fp8.md.

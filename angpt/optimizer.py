@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 from megatron.core import optimizer as megatron_optimizer
 from megatron.core.fusions.fused_layer_norm import HAVE_FUSED_LAYER_NORM
@@ -72,6 +73,30 @@ def log_backends(config) -> None:
     logger.info("norms: %s", norm_backend(config))
 
 
+def use_fused_adam(optimizer) -> None:
+    """Switch megatron-core's fallback to torch's Adam(W) (no Transformer Engine or apex, whose FusedAdam it
+    would use) from torch's foreach implementation to its fused one: one kernel per step and dtype instead of
+    a dozen foreach kernels over every tensor, and no host read of the step counters. megatron-core builds
+    torch's optimizer without a `fused` argument, so it is set on the param groups, and again after every
+    load of a state dict, which restores the saved groups' settings (a checkpoint of a foreach run, or of one
+    before this switch). Fused needs the step counters on the parameters' device, foreach keeps them on the
+    CPU: moved on load. Off by default on CPU: torch's fused CPU kernel differs from foreach in the last bit
+    of a few elements per step (both in fp32), and CPU runs keep their results."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(inner.optimizer, torch.optim.Adam):
+            _fuse(inner.optimizer)
+            inner.optimizer.register_load_state_dict_post_hook(_fuse)
+
+
+def _fuse(adam: torch.optim.Adam) -> None:
+    for group in adam.param_groups:
+        group.update(fused=True, foreach=False)
+        for param in group["params"]:
+            state = adam.state.get(param, {})
+            if "step" in state:
+                state["step"] = state["step"].to(device=param.device, dtype=torch.float32)
+
+
 def build_optimizer(
     model_chunks,
     model_family: str,
@@ -92,12 +117,14 @@ def build_optimizer(
     adam_eps: float = 1e-8,
     use_distributed_optimizer: bool = False,
     bf16: bool = False,
+    fused_adam: Optional[bool] = None,
 ):
     """megatron-core's Adam(W) with the family's defaults (each overridable), the family's post-step
     weight projection attached, and its lr schedule (megatron-core's: constant, linear, cosine or WSD,
     over `lr_decay_iters`, default `train_iters`). Returns (optimizer, scheduler).
 
-    Weight decay reaches 2-D weights only: megatron-core exempts 1-D parameters (norms and scales)."""
+    Weight decay reaches 2-D weights only: megatron-core exempts 1-D parameters (norms and scales).
+    `fused_adam`: see `use_fused_adam`; default on with CUDA."""
     recipe = RECIPES[model_family]
     min_lr = recipe.min_lr_ratio * lr if min_lr is None else min_lr
     weight_decay = recipe.weight_decay if weight_decay is None else weight_decay
@@ -122,6 +149,8 @@ def build_optimizer(
     model_config = get_model_config(model_chunks[0])
     log_backends(model_config)
     optimizer = get_megatron_optimizer(config, model_chunks)
+    if torch.cuda.is_available() if fused_adam is None else fused_adam:
+        use_fused_adam(optimizer)
     constraint = WEIGHT_CONSTRAINTS[model_family]
     if constraint is not None:
         attach_weight_constraint(optimizer, constraint)

@@ -1,13 +1,21 @@
 """Each family's optimizer and the effective learning rates of the scales (docs/model.md, Optimizer and
 schedule; Learnable scales)."""
 
+import importlib
+
 import pytest
 import torch
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.optimizer import clip_grads
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+from megatron.core.utils import local_multi_tensor_l2_norm
 
+from angpt import distributed
+from angpt.megatron_compat import patches
 from angpt.models import model_config
 from angpt.models.scales import LearnableScale
 from angpt.optimizer import build_optimizer
-from angpt.step import build_model_chunks, train_step
+from angpt.step import build_model_chunks, step_unless_not_finite, train_step
 
 V, S, MB = 128, 16, 2
 
@@ -82,3 +90,139 @@ def test_schedules(family, first_lr, last_lr, seeded):
     assert optimizer.param_groups[0]["lr"] == pytest.approx(last_lr, abs=1e-12)
     weight_decays = {group["weight_decay"] for group in optimizer.param_groups}
     assert weight_decays == ({0.0, 0.1} if family == "gptplus" else {0.0})
+
+
+def _two_identical_runs(family, use_distributed_optimizer, **first):
+    """Two copies of one tiny model, each with its optimizer: the first with `first`'s options, the second
+    with torch's fused Adam."""
+    runs = []
+    for options in (first, dict(fused_adam=True)):
+        distributed.set_random_seed(1234)
+        chunks = build_model_chunks(model_config(family, num_layers=2, hidden_size=64, num_attention_heads=4), V, S,
+                                    DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                                  use_distributed_optimizer=use_distributed_optimizer))
+        runs.append((chunks, *build_optimizer(chunks, family, lr=1e-2, train_iters=10,
+                                              use_distributed_optimizer=use_distributed_optimizer, **options)))
+    return runs
+
+
+def _torch_adams(optimizer):
+    return [inner.optimizer for inner in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+@pytest.mark.parametrize("family, use_distributed_optimizer", [("angpt", False), ("gptplus", True)])
+def test_fused_adam_steps_as_foreach_adam(family, use_distributed_optimizer, seeded, monkeypatch):
+    """Three steps of torch's fused AdamW (one kernel) and of its foreach AdamW (CPU default), on the same
+    gradients: the same parameters and Adam states up to fp32 rounding. Gradients are drawn, the same for both,
+    so that the comparison is of the optimizers' arithmetic, not of the model's sensitivity to last bits."""
+    fused_calls = []
+    adam_module = importlib.import_module("torch.optim.adam")  # torch.optim's namespace hides the module
+    real_fused = adam_module._fused_adam
+    monkeypatch.setattr(adam_module, "_fused_adam", lambda *a, **k: fused_calls.append(1) or real_fused(*a, **k))
+    runs = _two_identical_runs(family, use_distributed_optimizer, fused_adam=False)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        grads = [torch.randn(p.shape, generator=generator) for p in runs[0][0][0].parameters()]
+        for chunks, optimizer, scheduler in runs:
+            for param, grad in zip(chunks[0].parameters(), grads):
+                param.main_grad.copy_(grad)
+            assert step_unless_not_finite(optimizer, 0.0)[0]
+            scheduler.step(increment=1)
+    assert fused_calls, "the fused kernel never ran"
+    foreach, fused = (_torch_adams(optimizer) for _, optimizer, _ in runs)
+    assert all(group["fused"] for adam in fused for group in adam.param_groups)
+    assert not any(group["fused"] for adam in foreach for group in adam.param_groups)
+    # Each step's update (at most lr in size) is rounded differently by a few fp32 ulps; three steps.
+    for param_a, param_b in zip(runs[0][0][0].parameters(), runs[1][0][0].parameters()):
+        torch.testing.assert_close(param_b, param_a, rtol=3 * 4 * 2**-24, atol=3 * 4 * 1e-2 * 2**-24)
+    for adam_a, adam_b in zip(foreach, fused):
+        for group_a, group_b in zip(adam_a.param_groups, adam_b.param_groups):
+            for param_a, param_b in zip(group_a["params"], group_b["params"]):
+                state_a, state_b = adam_a.state[param_a], adam_b.state[param_b]
+                assert state_b["step"].item() == state_a["step"].item() == 3
+                for key in ("exp_avg", "exp_avg_sq"):
+                    torch.testing.assert_close(state_b[key], state_a[key], rtol=3 * 4 * 2**-24, atol=0)
+
+
+def test_fused_adam_survives_loading_a_foreach_state(seeded):
+    """A state dict saved by a foreach run restores the saved groups' settings: fused again after the load."""
+    (chunks, foreach, _), (_, fused, _) = _two_identical_runs("angpt", False, fused_adam=False)
+    for param in chunks[0].parameters():
+        param.main_grad.fill_(1.0)
+    step_unless_not_finite(foreach, 0.0)
+    fused.load_state_dict(foreach.state_dict())
+    for adam in _torch_adams(fused):
+        assert adam.state
+        for group in adam.param_groups:
+            assert group["fused"] and not group["foreach"]
+            for param in group["params"]:
+                assert adam.state[param]["step"].device == param.device
+                assert adam.state[param]["step"].item() == 1
+
+
+def _drawn_main_grads(chunks, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    grads = {}
+    for name, param in chunks[0].named_parameters():
+        grads[name] = torch.randn(param.shape, generator=generator)
+        param.main_grad.copy_(grads[name])
+    return grads
+
+
+@pytest.mark.parametrize("family", ["angpt", "gptplus"])
+def test_foreach_grad_norm_and_clipping_equal_megatrons(family, seeded, monkeypatch):
+    """The grad norm of megatron's optimizer through the foreach fallback (angpt.megatron_compat.patches) equals
+    megatron's own fallback and the norm of all gradients as one vector; clipping scales every gradient by
+    max_norm / (norm + 1e-6), megatron's coefficient."""
+    assert clip_grads.l2_norm_impl is patches.foreach_l2_norm  # installed by angpt.distributed.initialize
+    chunks = tiny_chunks(family)
+    optimizer, _ = build_optimizer(chunks, family, lr=1e-3, train_iters=10, clip_grad=1.0)
+    grads = _drawn_main_grads(chunks)
+    assert not optimizer.prepare_grads()
+    norm = optimizer.get_grad_norm()
+    expected = torch.linalg.vector_norm(torch.cat([g.double().flatten() for g in grads.values()])).item()
+    # fp32 sums of squares in a different order: relative error ~ log2(numel) * 2**-24.
+    assert norm == pytest.approx(expected, rel=1e-5)
+    with monkeypatch.context() as original:
+        original.setattr(clip_grads, "l2_norm_impl", local_multi_tensor_l2_norm)
+        assert norm == pytest.approx(optimizer.get_grad_norm(), rel=1e-5)
+    assert norm > 10  # so that clipping scales
+    clip_grad_by_total_norm_fp32(optimizer.get_parameters(), 1.0, norm)
+    for name, param in chunks[0].named_parameters():
+        torch.testing.assert_close(param.grad, grads[name] * (1.0 / (norm + 1e-6)), rtol=2**-23, atol=0, msg=name)
+
+
+def _host_reads(function) -> int:
+    """How many times `function()` reads a tensor's value back to the host (.item(), float(), torch.tensor of
+    tensors...): each is a device sync on a GPU. The profiler sees the reads below torch's dispatcher too."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        function()
+    return sum(event.name == "aten::_local_scalar_dense" for event in profile.events())
+
+
+@pytest.mark.parametrize("use_distributed_optimizer", [False, True])
+def test_the_grad_norm_and_clipping_read_the_device_once(use_distributed_optimizer, seeded, monkeypatch):
+    """With the foreach grad norm, the step up to the update (gradients prepared, their norm, clipping) reads
+    one value back (the norm) whatever the number of parameters, where megatron's fallback reads one per
+    parameter. The update itself is torch's: fused Adam keeps its step counters on the device (on the CPU its
+    kernel reads each one, in host memory)."""
+    (chunks, optimizer, _), (other_chunks, other, _) = _two_identical_runs("gptplus", use_distributed_optimizer,
+                                                                           fused_adam=False)
+    parameters = len(list(chunks[0].parameters()))
+    for megatron_optimizer, model_chunks in ((optimizer, chunks), (other, other_chunks)):
+        for inner in getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer]):
+            monkeypatch.setattr(inner, "step_with_ready_grads", lambda: True)
+        _drawn_main_grads(model_chunks)
+    assert _host_reads(lambda: step_unless_not_finite(optimizer, 0.0)) == 1
+    monkeypatch.setattr(clip_grads, "l2_norm_impl", local_multi_tensor_l2_norm)
+    assert _host_reads(lambda: step_unless_not_finite(other, 0.0)) > parameters
+
+
+def test_foreach_scale_writes_source_times_scale_into_target():
+    """megatron's multi_tensor_scale contract, dst = src * scale, for separate lists as for clipping's one list."""
+    sources, targets = [torch.ones(3), torch.full((2, 2), 2.0)], [torch.zeros(3), torch.zeros(2, 2)]
+    patches.foreach_scale(0, None, [sources, targets], 0.5)
+    for source, target in zip(sources, targets):
+        torch.testing.assert_close(target, source * 0.5)
+    patches.foreach_scale(0, None, [sources, sources], 0.5)
+    torch.testing.assert_close(sources[1], torch.full((2, 2), 1.0))

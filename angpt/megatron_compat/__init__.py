@@ -14,6 +14,8 @@ Each workaround, where it is, and what breaks without it under megatron-core 0.1
   group kills the queue's Manager, and the save the signal asked for fails.
 - The distributed optimizer loading torch's Adam (`patches.py`): without apex or Transformer Engine there
   is no sharded state dict to load into, then `KeyError: 'step'`, then Adam's bias correction restarts.
+- The grad norm and clipping in foreach ops (`patches.py`, `foreach_l2_norm`): without apex or Transformer
+  Engine, megatron's fallback syncs the host once per parameter for the grad norm of every step.
 - The optimizer step composed from its parts (`angpt/step.py`, `step_unless_not_finite`): `optimizer.step()`
   skips only on an fp16 overflow, so a NaN or Inf loss in bf16 or fp32 would update the weights.
 - The output layer converted in place (`angpt/models/layers.py`, `ScaledOutputLayer.attach`): `GPTModel`
