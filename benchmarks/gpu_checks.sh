@@ -1,48 +1,165 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one run that fits a few minutes of one GPU: build the fused kernels with
-# their CUDA code for this GPU, run the `gpu` tests, then the throughput benchmark. Logs and results go to
-# OUTPUT_DIR (default gpu-results/).
+# Everything that needs a GPU, in one run of under 8 minutes on one H200 (issue 13): build the fused kernels
+# with their CUDA code for this GPU, run the `gpu` tests, then the throughput benchmark: 0.5B, GPT+ and anGPT,
+# micro-batch 4, 8 and 16 and a global batch of 128 x 2048 tokens, before and after the speed-ups that
+# `angpt.pretrain --help` offers as flags, in one process; then 1B at the best micro-batch size of 0.5B; with
+# a 2-step profile of each (GPU busy fraction, kernels per step, the top kernels). Logs, JSON and Markdown go
+# to OUTPUT_DIR (default $OUT, which the device tool returns, else gpu-results/); a summary ends the output.
 #
-#   bash benchmarks/gpu_checks.sh [OUTPUT_DIR]
+#   bash benchmarks/gpu_checks.sh [--no-gpu] [OUTPUT_DIR]
 #
-# On a machine without a package registry, put the wheels it lacks (megatron-core, for one) in .whl/ first;
-# they are installed into /tmp/site. Each stage runs even when an earlier one failed; the exit status is
-# the first failure's.
+# --no-gpu runs the same stages on a CPU (no CUDA build; the `gpu` tests skip; a tiny model stands in for
+# 0.5B and 1B), to check this script. Missing prerequisites stop it at once (exit 2). Each stage has a time
+# limit, cut further so that all of them end within BUDGET_S (default 450) seconds; a stage that fails does
+# not stop the next; the exit status is the first failure's. Set BEFORE_FLAGS / AFTER_FLAGS to choose the
+# compared `angpt.pretrain` flags yourself. On a machine without a package registry, put the wheels it lacks
+# (megatron-core, for one) in .whl/ first; they are installed into /tmp/site.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:-gpu-results}
+gpu=1
+if [ "${1:-}" = "--no-gpu" ]; then gpu=0; shift; fi
+out=${1:-${OUT:-gpu-results}}
 mkdir -p "$out"
+PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+deadline=$((SECONDS + ${BUDGET_S:-450}))
 status=0
-stage() {  # stage NAME SECONDS COMMAND...: run it for at most SECONDS, log to $out/NAME.log, remember the first failure
+summary=()
+die() { echo "gpu_checks.sh: $*" >&2; exit 2; }
+stage() {  # stage NAME SECONDS COMMAND...: run it for at most SECONDS (less if the budget is short), log to $out/NAME.log
     local name=$1 limit=$2; shift 2
-    echo "== $name: $*"
+    local left=$((deadline - SECONDS - 15))  # 15 s: timeout's grace period before it kills
+    if [ $left -lt 30 ]; then
+        echo "== $name: skipped, the time budget is spent"
+        summary+=("$name: SKIPPED (time budget spent)")
+        [ $status -ne 0 ] || status=124
+        return
+    fi
+    [ "$limit" -le $left ] || limit=$left
+    echo "== $name ($limit s at most): $*"
     local start=$SECONDS
-    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    timeout -k 10 "$limit" "$@" > "$out/$name.log" 2>&1
     local rc=$?
     echo "== $name: exit $rc after $((SECONDS - start)) s"
-    tail -n 40 "$out/$name.log"
+    tail -n 25 "$out/$name.log"
+    local verdict="ok"
+    [ $rc -eq 0 ] || verdict="FAILED (exit $rc$([ $rc -eq 124 ] && echo ', time limit'))"
+    summary+=("$name: $verdict, $((SECONDS - start)) s, log $out/$name.log")
     [ $rc -eq 0 ] || [ $status -ne 0 ] || status=$rc
 }
 
+# Prerequisites: all checked before anything runs.
+command -v timeout > /dev/null || die "needs coreutils' timeout"
+command -v "$PY" > /dev/null || die "no $PY (set PYTHON=)"
 if compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || die "installing .whl/*.whl failed"
     export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-nvidia-smi > "$out/machine.log" 2>&1
-python3 -c "import torch, megatron.core; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" \
-    | tee -a "$out/machine.log"
-# The extension for this GPU only (the Docker image builds sm_80 and sm_90).
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")}
-export MAX_JOBS=${MAX_JOBS:-$(nproc)}
-stage build 300 python3 setup.py build_ext --inplace
+"$PY" -c "import torch, megatron.core, pytest" 2> "$out/prerequisites.log" \
+    || die "torch, megatron-core and pytest must be importable by $PY: $(tail -n 1 "$out/prerequisites.log")"
+if [ $gpu -eq 1 ]; then
+    "$PY" -c "import torch; assert torch.cuda.is_available()" 2> /dev/null \
+        || die "no CUDA device visible to torch (--no-gpu runs the CPU parts)"
+    cuda_home=$("$PY" -c "from torch.utils.cpp_extension import CUDA_HOME; print(CUDA_HOME or '')")
+    [ -n "$cuda_home" ] && [ -x "$cuda_home/bin/nvcc" ] || die "no CUDA toolkit (nvcc) for building the kernels"
+    command -v ninja > /dev/null || "$PY" -c "import ninja" 2> /dev/null \
+        || echo "gpu_checks.sh: no ninja: the extension builds one file at a time"
+    nvidia-smi > "$out/machine.log" 2>&1
+    "$cuda_home/bin/nvcc" --version >> "$out/machine.log" 2>&1
+fi
+"$PY" -c "import sys, torch, megatron.core; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda',
+torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU', 'megatron-core',
+megatron.core.__version__)" | tee -a "$out/machine.log"
+"$PY" -m angpt.pretrain --help > "$out/pretrain-help.txt" 2>&1 || die "angpt.pretrain --help failed: see $out/pretrain-help.txt"
+
+# Before/after: the flags of angpt.pretrain that switch the speed-ups of issue 13 on (after) or off (before),
+# where this tree has them (both sides of an option that is on by default, such as torch's fused AdamW on
+# CUDA, are tried). Features without a flag (megatron's grad norm through torch._foreach_norm) are in both.
+has_flag() { grep -qE -- "(^|[[:space:][])$1([]=[:space:],]|$)" "$out/pretrain-help.txt"; }
+detected_before="" detected_after=""
+for flag in --cross-entropy-loss-fusion --fused-adam --use-fused-adam; do
+    if has_flag "$flag"; then detected_after+=" $flag"; fi
+    if has_flag "--no-${flag#--}"; then detected_before+=" --no-${flag#--}"; fi
+done
+before=${BEFORE_FLAGS-$detected_before} after=${AFTER_FLAGS-$detected_after}
+variants=(--variant "before=${before# }" --variant "after=${after# }")
+if [ -z "${before// }" ] && [ -z "${after// }" ]; then variants=(--variant "default="); fi
+other_features=$(grep -oE -- "--[a-z0-9-]*(fus|foreach|graph|compile)[a-z0-9-]*" "$out/pretrain-help.txt" | sort -u | tr '\n' ' ')
+
+if [ $gpu -eq 1 ]; then
+    # The extension for this GPU only (the Docker image builds sm_80 and sm_90).
+    export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$("$PY" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")}
+    export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+    stage build 150 bash -c "'$PY' setup.py build_ext --inplace && '$PY' -c \"import torch; from angpt import kernels; \
+assert kernels.extension(torch.device('cuda')) is not None, 'the extension has no CUDA kernels'; print('CUDA kernels load')\""
+    model=(--seq-length 2048 --warmup 2 --steps 6 --global-batch-size 128 --global-steps 1)
+    small=0.5b large=1b sizes=(4 8 16)
+else
+    model=(--device cpu --seq-length 32 --vocab-size 256 --warmup 1 --steps 2 --global-batch-size 16 --global-steps 1)
+    small=tiny large=tiny sizes=(2 4 8)
+fi
 gpu_tests=$(grep -l "pytest.mark.gpu" tests/test_*.py)
-stage tests 180 python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors -o addopts="-ra" $gpu_tests
-stage throughput 300 python3 benchmarks/gpu_throughput.py --json "$out/throughput.json"
-# What FlashAttention gives over megatron's unfused attention, and where the GPU time of a step goes.
-stage attention-unfused 120 python3 benchmarks/gpu_throughput.py --shapes 0.5b --families gptplus angpt --precisions bf16 \
-    --attention-backend unfused
-stage profile 150 python3 benchmarks/gpu_throughput.py --shapes 0.5b --families gptplus angpt ngpt --precisions bf16 \
-    --warmup 2 --steps 3 --profile "$out/profile.txt"
+# shellcheck disable=SC2086  # one argument per file
+stage tests 100 "$PY" -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors -o addopts="-ra" \
+    --durations=15 $gpu_tests
+largest=${sizes[-1]}
+stage throughput-0.5b 180 "$PY" benchmarks/gpu_throughput.py --shapes $small --families gptplus angpt \
+    --precisions bf16 --kernels on "${model[@]}" --micro-batch-size "${sizes[@]}" --global-micro-batch-size "$largest" \
+    "${variants[@]}" --profile-steps 2 --profile "$out/profile.txt" \
+    --output "$out/throughput-0.5b.json" --markdown "$out/throughput-0.5b.md"
+# 1B with the last variant at the micro-batch size where 0.5B's anGPT ran fastest, and half of it in case
+# 1B runs out of memory there.
+last_variant=${variants[-1]%%=*}
+best=$("$PY" - "$out/throughput-0.5b.json" "$last_variant" 2> /dev/null <<'EOF'
+import json, sys
+rows = [r for r in json.load(open(sys.argv[1]))["rows"]
+        if r["family"] == "angpt" and r["num_microbatches"] == 1 and r["variant"] == sys.argv[2]]
+print(max(rows, key=lambda r: r["tokens_per_s_per_gpu"])["micro_batch_size"] if rows else "")
+EOF
+)
+best=${best:-${sizes[1]}}
+large_sizes=("$best")
+[ "$best" -lt 8 ] || large_sizes=($((best / 2)) "$best")
+stage throughput-1b 120 "$PY" benchmarks/gpu_throughput.py --shapes $large --families gptplus angpt \
+    --precisions bf16 --kernels on "${model[@]}" --micro-batch-size "${large_sizes[@]}" --global-micro-batch-size "$best" \
+    "${variants[-2]}" "${variants[-1]}" --profile-steps 2 --profile "$out/profile-1b.txt" \
+    --output "$out/throughput-1b.json" --markdown "$out/throughput-1b.md"
+
+echo
+echo "==================== summary ($SECONDS s) ===================="
+grep -h "" "$out/machine.log" 2> /dev/null | tail -n 1
+echo "compared: ${variants[*]}"
+echo "speed-related flags in angpt.pretrain --help: ${other_features:-none}"
+printf '%s\n' "${summary[@]}"
+[ -f "$out/tests.log" ] && echo "gpu tests: $(grep -E "passed|failed|error|skipped|no tests ran" "$out/tests.log" | tail -n 1)"
+for name in 0.5b 1b; do
+    if [ -f "$out/throughput-$name.md" ]; then
+        echo; echo "throughput $name ($(grep -m1 "fused kernels" "$out/throughput-$name.log" | sed 's/.*fused kernels/fused kernels/'))"
+        cat "$out/throughput-$name.md"
+    fi
+done
+# Per shape, family and micro-batch setting: ms per step (and before -> after), anGPT over GPT+, MFU.
+for name in 0.5b 1b; do
+    [ -f "$out/throughput-$name.json" ] || continue
+    echo
+    "$PY" - "$out/throughput-$name.json" <<'EOF'
+import json, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+keys = ("family", "micro_batch_size", "global_batch_size", "kernels")
+def fmt(value, spec):
+    return "-" if value is None else format(value, spec)
+for r in rows:
+    if r["variant"] == "before":
+        continue
+    before = [b for b in rows if b["variant"] == "before" and all(b[k] == r[k] for k in keys)]
+    change = f" (before {before[0]['ms_per_step']:.1f}: x{before[0]['ms_per_step'] / r['ms_per_step']:.2f})" if before else ""
+    print(f"{r['shape']} {r['family']:8} {r['variant']} micro-batch {r['micro_batch_size']:>2} global "
+          f"{r['global_batch_size']:>3}: {r['ms_per_step']:8.1f} ms{change}, vs GPT+ {fmt(r['vs_gptplus'], '.3f')}, "
+          f"MFU {fmt(r['mfu'], '.3f')}, GPU busy {fmt(r.get('device_busy_fraction'), '.2f')}, "
+          f"kernels/step {fmt(r.get('device_ops_per_step'), '.0f')}")
+EOF
+done
+[ -f "$out/profile.txt" ] && { echo; grep "^==" "$out/profile.txt"; }
 exit $status

@@ -101,9 +101,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_backward(const at::Tensor&
       uz.device(),
       [&] { cpu::swiglu_backward(grad, uz, s_u, s_v, input_factor, output_factor, grad_uz, grad_s_u, grad_s_v); },
       [&](auto to_cuda, void* stream) {
-        cuda::swiglu_backward(to_cuda(uz.scalar_type()), grad.data_ptr(), uz.data_ptr(), s_u.data_ptr(),
-                              s_v.data_ptr(), input_factor, output_factor, grad_uz.data_ptr(), grad_s_u.data_ptr(),
-                              grad_s_v.data_ptr(), f ? grad.numel() / f : 0, f, stream);
+        const auto dtype = to_cuda(uz.scalar_type());
+        const int64_t tokens = f ? grad.numel() / f : 0;
+        // From torch's caching allocator on the current stream (the kernels' `stream`).
+        const int64_t workspace_bytes = cuda::swiglu_backward_workspace_bytes(dtype, tokens, f);
+        at::Tensor workspace = at::empty({workspace_bytes}, uz.options().dtype(at::kByte));
+        cuda::swiglu_backward(dtype, grad.data_ptr(), uz.data_ptr(), s_u.data_ptr(), s_v.data_ptr(), input_factor,
+                              output_factor, grad_uz.data_ptr(), grad_s_u.data_ptr(), grad_s_v.data_ptr(), tokens, f,
+                              workspace.data_ptr(), workspace_bytes, stream);
       });
   return {grad_uz, grad_s_u, grad_s_v};
 }

@@ -117,6 +117,18 @@ __global__ void sum_partials_kernel(const acc* __restrict__ partial, int64_t row
   }
 }
 
+// The backward's grid for packs `width` elements wide: column blocks, and block rows, enough to fill the GPU,
+// each summing many tokens (0 without tokens); the partial sums have max(rows, 1) rows.
+struct BackwardGrid {
+  int64_t columns, rows;
+};
+
+BackwardGrid backward_grid(int64_t tokens, int64_t f, int width) {
+  const int64_t columns = (f / width + kColumnThreads - 1) / kColumnThreads;
+  const int64_t wanted_rows = std::max<int64_t>(1, 8L * multiprocessors() / columns);
+  return {columns, std::min<int64_t>({wanted_rows, (tokens + kRowThreads - 1) / kRowThreads, 65535L})};
+}
+
 // Elements per 16-byte pack when every row start is 16-byte aligned, else 1.
 template <typename T>
 int pack_width(int64_t f, std::initializer_list<const void*> pointers) {
@@ -154,9 +166,21 @@ void swiglu_forward(DType dtype, const void* uz, const void* s_u, const void* s_
   });
 }
 
+int64_t swiglu_backward_workspace_bytes(DType dtype, int64_t tokens, int64_t f) {
+  if (f == 0) return 0;
+  int64_t bytes = 0;
+  dispatch(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    // The widest packs have the fewest column blocks, so the most block rows.
+    const BackwardGrid grid = backward_grid(tokens, f, 16 / sizeof(T));
+    bytes = std::max<int64_t>(grid.rows, 1) * 2 * f * static_cast<int64_t>(sizeof(acc_t<T>));
+  });
+  return bytes;
+}
+
 void swiglu_backward(DType dtype, const void* grad_out, const void* uz, const void* s_u, const void* s_v,
                      double input_factor, double output_factor, void* grad_uz, void* grad_s_u, void* grad_s_v,
-                     int64_t tokens, int64_t f, void* stream) {
+                     int64_t tokens, int64_t f, void* workspace, int64_t workspace_bytes, void* stream) {
   if (f == 0) return;
   const auto cuda_stream = static_cast<cudaStream_t>(stream);
   dispatch(dtype, [&](auto tag) {
@@ -164,17 +188,14 @@ void swiglu_backward(DType dtype, const void* grad_out, const void* uz, const vo
     using acc = acc_t<T>;
     const auto launch = [&](auto kernel, int width) {
       const dim3 threads(kColumnThreads, kRowThreads);
-      const int64_t column_blocks = (f / width + kColumnThreads - 1) / kColumnThreads;
-      // Enough block rows to fill the GPU, each summing many tokens.
-      const int64_t wanted_rows = std::max<int64_t>(1, 8L * multiprocessors() / column_blocks);
-      const int64_t row_blocks =
-          std::min<int64_t>({wanted_rows, (tokens + kRowThreads - 1) / kRowThreads, 65535L});
-      const int64_t partial_rows = std::max<int64_t>(row_blocks, 1);
-      acc* partial = nullptr;
-      check(cudaMallocAsync(reinterpret_cast<void**>(&partial), partial_rows * 2 * f * sizeof(acc), cuda_stream),
-            "cudaMallocAsync");
+      const BackwardGrid grid = backward_grid(tokens, f, width);
+      const int64_t partial_rows = std::max<int64_t>(grid.rows, 1);
+      if (workspace_bytes < partial_rows * 2 * f * static_cast<int64_t>(sizeof(acc))) {
+        throw std::runtime_error("angpt CUDA kernels: swiglu backward: workspace too small");
+      }
+      acc* partial = static_cast<acc*>(workspace);
       if (tokens > 0) {
-        kernel<<<dim3(column_blocks, row_blocks), threads, 0, cuda_stream>>>(
+        kernel<<<dim3(grid.columns, grid.rows), threads, 0, cuda_stream>>>(
             static_cast<const T*>(grad_out), static_cast<const T*>(uz), static_cast<const acc*>(s_u),
             static_cast<const acc*>(s_v), static_cast<acc>(input_factor), static_cast<acc>(output_factor),
             static_cast<T*>(grad_uz), partial, tokens, f);
@@ -186,7 +207,6 @@ void swiglu_backward(DType dtype, const void* grad_out, const void* uz, const vo
                                                                      static_cast<acc>(input_factor),
                                                                      static_cast<acc*>(grad_s_u),
                                                                      static_cast<acc*>(grad_s_v));
-      check(cudaFreeAsync(partial, cuda_stream), "cudaFreeAsync");
     };
     constexpr int wide = 16 / sizeof(T);
     if (pack_width<T>(f, {grad_out, uz, grad_uz}) == wide) {
