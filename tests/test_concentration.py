@@ -30,22 +30,28 @@ def measure(family: str, **overrides) -> dict[str, list[float]]:
         if config.normalized:
             attention, mlp = layer.self_attention, layer.mlp
 
-            def qkv(out):
-                per_head = out[0].reshape(SEQ, BATCH, -1, 3, HEAD_DIM)  # [q, k, v] of each head group
+            def unscaled(nu):
+                # A factor that the post-norm cancels, or that the fused SwiGLU applies, is applied after
+                # the hooked output.
+                return nu.value if nu.fused or nu.cancelled else 1.0
+
+            def qkv(out, nu=attention.linear_qkv.nu):
+                per_head = (out[0] * unscaled(nu)).reshape(SEQ, BATCH, -1, 3, HEAD_DIM)  # [q, k, v] per group
                 for i, name in enumerate("qkv"):
                     record(name, mean_norm(per_head[..., i, :], HEAD_DIM))
 
             def uz(out, nu=mlp.linear_fc1.nu):
-                # With constant factors nu_uz is applied inside the fused SwiGLU, after this output.
-                u, z = (out[0] * (nu.value if nu.fused else 1.0)).chunk(2, dim=-1)
+                u, z = (out[0] * unscaled(nu)).chunk(2, dim=-1)
                 record("u", mean_norm(u, u.shape[-1]))
                 record("z", mean_norm(z, z.shape[-1]))
 
             watch(attention.linear_qkv, qkv)
             watch(mlp.linear_fc1, uz)
             watch(mlp.nu_acf, lambda out: record("swiglu", mean_norm(out, out.shape[-1])))
-            watch(mlp.linear_fc2, lambda out: record("W_d out", mean_norm(out[0], D)))
-            watch(attention.linear_proj, lambda out: record("W_p out", mean_norm(out[0], D)))
+            watch(mlp.linear_fc2,
+                  lambda out, nu=mlp.linear_fc2.nu: record("W_d out", mean_norm(out[0] * unscaled(nu), D)))
+            watch(attention.linear_proj,
+                  lambda out, nu=attention.linear_proj.nu: record("W_p out", mean_norm(out[0] * unscaled(nu), D)))
         watch(layer, lambda out: record("residual", mean_norm(out[0], D)))
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -161,3 +161,46 @@ def test_invalid_switch_values_are_refused():
         model_config("gpt5", **SHAPE)
     with pytest.raises(TypeError, match="unknown model config fields"):
         config(alpha_start=0.1)
+
+
+def nu_scales(model):
+    layer = model.decoder.layers[0]
+    return {name: getattr(getattr(layer, block), child).nu for name, block, child in (
+        ("nu_qkv", "self_attention", "linear_qkv"), ("nu_p", "self_attention", "linear_proj"),
+        ("nu_uz", "mlp", "linear_fc1"), ("nu_d", "mlp", "linear_fc2"))}
+
+
+def loss_and_grads(model):
+    tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0))
+    loss = model(tokens[:, :-1], torch.arange(16).unsqueeze(0).expand(2, -1), None, labels=tokens[:, 1:]).mean()
+    return [loss, *torch.autograd.grad(loss, list(model.parameters()))]
+
+
+@pytest.mark.parametrize("post_norm", ["l2", "none"])
+def test_factors_are_skipped_exactly_where_a_normalization_cancels_them(post_norm, seeded):
+    # A multiplier that makes every factor a non-power of two (nu_p included: sqrt(h/d)).
+    model = build_model(config(post_norm=post_norm, nu_p_reading="sqrt_h_over_d", constant_factor_multiplier=1.3),
+                        128, 16)
+    scales = nu_scales(model)
+    expected = {"nu_qkv", "nu_p", "nu_d"} if post_norm == "l2" else set()
+    assert {name for name, nu in scales.items() if nu.cancelled} == expected
+    assert not model.decoder.layers[0].mlp.nu_acf.cancelled
+    x = torch.randn(4, 64)
+    for nu in scales.values():
+        applied = x if nu.cancelled or nu.fused else x * nu.value
+        assert torch.equal(nu(x), applied)
+    as_built = loss_and_grads(model)
+    for layer in model.decoder.layers:  # skip (l2) or apply (none) the three factors, the other way round
+        for nu in (layer.self_attention.linear_qkv.nu, layer.self_attention.linear_proj.nu, layer.mlp.linear_fc2.nu):
+            nu.cancelled = post_norm == "none"
+    switched = loss_and_grads(model)
+    if post_norm == "l2":
+        for a, b in zip(as_built, switched):  # fp32 roundings through two layers
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    else:  # the factors carry load: skipping them changes the loss (by 4e-4 here), far past fp32 rounding
+        assert abs(as_built[0].item() - switched[0].item()) > 1e-4
+
+
+@pytest.mark.parametrize("overrides", [dict(constant_factors="exact"), dict(constant_factor_multiplier=-1.0)])
+def test_no_factor_is_skipped_where_it_does_not_cancel(overrides, seeded):
+    assert not any(nu.cancelled for nu in nu_scales(build_model(config(**overrides), 128, 16)).values())

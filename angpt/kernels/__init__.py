@@ -92,11 +92,15 @@ def reference_only():
         _forced_off = previous
 
 
-def fused_on_gpu(function: Callable) -> Callable:
+def fused_on_gpu(function: Optional[Callable] = None, *, eager: Optional[Callable] = None) -> Callable:
     """`function` (tensors first) compiled by torch.compile when its first argument is a CUDA tensor and the
-    kernels are on; the plain function otherwise. A compilation failure is logged once and the plain
-    function runs from then on."""
+    kernels are on; `eager` (the same function in fewer eager ops, say with a hand-written backward; by
+    default `function`) otherwise. A compilation failure is logged once and `eager` runs from then on.
+    A decorator, `@fused_on_gpu` or `@fused_on_gpu(eager=...)`."""
+    if function is None:
+        return functools.partial(fused_on_gpu, eager=eager)
     compiled = torch.compile(function, dynamic=False)
+    eager = eager or function
     failed = []  # the error, once compiling failed
 
     @functools.wraps(function)
@@ -107,7 +111,7 @@ def fused_on_gpu(function: Callable) -> Callable:
             except Exception as error:  # noqa: BLE001 - Triton or Inductor missing or failing on this machine
                 failed.append(error)
                 log.warning("torch.compile of %s failed (%s); running it eagerly", function.__name__, error)
-        return function(x, *args)
+        return eager(x, *args)
 
     run.compile_failures = failed
     return run

@@ -42,13 +42,44 @@ def l2_normalize(
     return (x * torch.rsqrt(squared.clamp_min(eps * eps)).to(x.dtype)).reshape(shape)
 
 
-@kernels.fused_on_gpu
+class _ScaledL2Normalize(torch.autograd.Function):
+    """scale * Norm(x) over the last dim (Norm(x) for scale None), the forward pass as `l2_normalize`'s, the
+    backward written out in fewer eager ops: with y = Norm(x) and r = 1 / max(||x||, eps),
+    d/dx = r (g - y <g, y>), where the projection term vanishes while the clamp holds (as in autograd's
+    clamp_min). Reductions are in fp32 (at least)."""
+
+    @staticmethod
+    def forward(ctx, x, scale, eps=1e-12):
+        squared = x.float().pow(2).sum(dim=-1, keepdim=True)
+        r = torch.rsqrt(squared.clamp_min(eps * eps)).to(x.dtype)
+        y = x * r
+        ctx.eps = eps
+        ctx.save_for_backward(y, r, squared, scale)
+        return y if scale is None else scale * y
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, r, squared, scale = ctx.saved_tensors
+        acc = torch.promote_types(grad.dtype, torch.float32)
+        grad_scale = None
+        if scale is not None:
+            if ctx.needs_input_grad[1]:
+                lead = grad.dim() - scale.dim()
+                dims = [*range(lead), *(lead + i for i, n in enumerate(scale.shape) if n == 1)]
+                grad_scale = torch.sum(grad * y, dims, keepdim=True, dtype=acc).view(scale.shape).to(scale.dtype)
+            grad = grad * scale
+        projection = torch.sum(grad * y, dim=-1, keepdim=True, dtype=acc)
+        projection = torch.where(squared >= ctx.eps * ctx.eps, projection, 0).to(grad.dtype)
+        return torch.addcmul(grad, y, projection, value=-1) * r, grad_scale, None
+
+
+@kernels.fused_on_gpu(eager=_ScaledL2Normalize.apply)
 def scaled_l2_normalize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """scale * x / ||x||_2 over the last dim (QK normalization), one fused kernel on GPUs."""
     return scale * l2_normalize(x)
 
 
-@kernels.fused_on_gpu
+@kernels.fused_on_gpu(eager=lambda x: _ScaledL2Normalize.apply(x, None))
 def fused_l2_normalize(x: torch.Tensor) -> torch.Tensor:
     """x / ||x||_2 over the last dim, one fused kernel on GPUs."""
     return l2_normalize(x)
@@ -60,7 +91,54 @@ def lerp_update(h: torch.Tensor, x: torch.Tensor, alpha: torch.Tensor, nu: torch
     return (h + alpha.to(h.dtype) * (x - h)) * nu.to(h.dtype)
 
 
-@kernels.fused_on_gpu
+class _NuLerpUpdate(torch.autograd.Function):
+    """`nu_lerp_update` in fewer eager ops: with q = (1 - alpha)^2 + alpha^2 and out = nu (h + alpha (x - h)),
+    d out / d alpha = nu (x - h) + out (1 - 2 alpha) / q, the second term dropped without gradients through
+    nu(alpha). The reductions over tokens are in fp32 (at least)."""
+
+    @staticmethod
+    def forward(ctx, h, x, s_hat, ratio, multiplier, nu_grad):
+        alpha = ratio * s_hat
+        q = (1 - alpha) ** 2 + alpha**2
+        nu = torch.rsqrt(q)
+        if multiplier != 1.0:
+            nu = multiplier * nu
+        diff = x - h
+        out = torch.addcmul(h, diff, alpha.to(h.dtype)) * nu.to(h.dtype)
+        ctx.ratio, ctx.nu_grad = ratio, nu_grad
+        if nu_grad:
+            ctx.save_for_backward(diff, alpha, nu, out, (1 - 2 * alpha) / q)
+        else:
+            ctx.save_for_backward(diff, alpha, nu)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        diff, alpha, nu, *nu_terms = ctx.saved_tensors
+        tokens = tuple(range(grad.dim() - 1))
+        grad_lerp = grad * nu.to(grad.dtype)
+        grad_x = grad_lerp * alpha.to(grad.dtype)
+        acc = torch.promote_types(grad.dtype, alpha.dtype)  # fp32 under bf16, fp64 for gradcheck
+        grad_alpha = torch.sum(grad_lerp * diff, tokens, dtype=acc)
+        if ctx.nu_grad:
+            out, slope = nu_terms
+            grad_alpha = torch.addcmul(grad_alpha, torch.sum(grad * out, tokens, dtype=acc), slope)
+        return grad_lerp - grad_x, grad_x, ctx.ratio * grad_alpha, None, None, None
+
+
+@kernels.fused_on_gpu(eager=_NuLerpUpdate.apply)
+def nu_lerp_update(h: torch.Tensor, x: torch.Tensor, s_hat: torch.Tensor, ratio: float, multiplier: float,
+                   nu_grad: bool) -> torch.Tensor:
+    """multiplier nu(alpha) (h + alpha (x - h)) with alpha = ratio s_hat, the LERP residual of anGPT from
+    alpha's surrogate, as docs/model.md writes it: one fused kernel on GPUs, alpha and nu(alpha) included."""
+    alpha = ratio * s_hat
+    nu = multiplier * nu_alpha(alpha)
+    if not nu_grad:
+        nu = nu.detach()
+    return (h + alpha.to(h.dtype) * (x - h)) * nu.to(h.dtype)
+
+
+@kernels.fused_on_gpu(eager=lambda h, x, alpha: _ScaledL2Normalize.apply(h + alpha.to(h.dtype) * (x - h), None))
 def normalized_lerp_update(h: torch.Tensor, x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     """Norm(h + alpha (x - h)), nGPT's residual update, one fused kernel on GPUs."""
     return l2_normalize(h + alpha.to(h.dtype) * (x - h))
@@ -74,7 +152,16 @@ class NuScale(torch.nn.Module):
     fused kernel applies (nu_uz and nu_acf, in the fused SwiGLU) is marked `fused` by its parent
     (`ScaledSwiGLUMLP`), which hands `value` to `kernels.scaled_swiglu`: the module then passes its input
     through, so nu_uz's hooks see u and z unscaled and nu_acf's see the finished activation (docs/model.md,
-    Fused kernels)."""
+    Fused kernels).
+
+    With the post-norm, nu_qkv, nu_p and nu_d are `cancelled`: a positive constant reaching an exact
+    normalization through linear maps only changes neither the forward pass nor the gradients (QK-norm
+    after q and k; the post-norm after v, W_p and W_d; docs/model.md, "Which factors matter with the
+    post-norm"), so the module passes its input through rather than launch a multiply forward and backward.
+    Its hooks then see the output unscaled. Without the post-norm v carries nu_qkv, so it is applied."""
+
+    # The factors an exact normalization follows through linear maps only when post_norm="l2".
+    CANCELLED_BY_POST_NORM = ("nu_qkv", "nu_p", "nu_d")
 
     def __init__(self, config: AnGPTConfig, name: str, group_size: Optional[int] = None, tp_reduced=False):
         super().__init__()
@@ -84,19 +171,25 @@ class NuScale(torch.nn.Module):
         self.group_size = group_size
         self.tp_group = parallel_state.get_tensor_model_parallel_group() if tp_reduced else None
         self.fused = False
+        # Only for a positive value: Norm(-x) = -Norm(x).
+        self.cancelled = (not self.exact and self.value > 0 and config.post_norm == "l2"
+                          and name in self.CANCELLED_BY_POST_NORM)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.exact:
             return l2_normalize(x, self.group_size, self.tp_group)
         # fused: a pass-through, the parent's fused kernel applies self.value (docs/model.md, Fused kernels).
-        return x if self.fused or self.value == 1.0 else x * self.value
+        return x if self.fused or self.cancelled or self.value == 1.0 else x * self.value
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """Nothing to checkpoint (megatron-core's MLP asks every child for its sharded state)."""
         return {}
 
     def extra_repr(self) -> str:
-        return f"{self.name}=exact" if self.exact else f"{self.name}={self.value:.6g}{' (fused)' if self.fused else ''}"
+        if self.exact:
+            return f"{self.name}=exact"
+        note = " (fused)" if self.fused else " (cancelled by the post-norm)" if self.cancelled else ""
+        return f"{self.name}={self.value:.6g}{note}"
 
 
 class PostNorm(torch.nn.Module):
@@ -133,6 +226,9 @@ class NormalizedResidual(MegatronModule):
                 return out
             nu = torch.tensor(NU_PLAIN_RESIDUAL, dtype=torch.float32)
             return out * (config.nu_alpha_multiplier * nu).to(out.dtype)
+        if config.nu_alpha_mode == "analytic" and not config.alpha_abs:  # anGPT: alpha and nu(alpha) inside
+            return nu_lerp_update(h, x, self.alpha.surrogate(), self.alpha.multiplier,
+                                  config.nu_alpha_multiplier, config.nu_alpha_grad)
         alpha = self.alpha()
         if config.alpha_abs:
             alpha = alpha.abs()
@@ -249,8 +345,8 @@ class ScaledSwiGLUMLP(MLP):
 
     def forward(self, hidden_states, per_token_scale=None, **kwargs):
         uz, _ = self.linear_fc1(hidden_states)
-        s_u = self.u_gain * self.s_u()
-        s_v = self.z_gain * self.s_v()
+        s_u = self.s_u(self.u_gain)
+        s_v = self.s_v(self.z_gain)
         factors = (self.linear_fc1.nu.value, self.nu_acf.value) if self.nu_acf.fused else (1.0, 1.0)
         a = self.nu_acf(kernels.scaled_swiglu(uz, s_u, s_v, *factors))
         return self.linear_fc2(a)

@@ -51,6 +51,7 @@ class LearnableScale(MegatronModule):
     ):
         super().__init__(config=config)
         self.s_init, self.s_scale = scale_init(config, name)
+        self.multiplier = self.s_init / self.s_scale
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         tp_size = self.tp_group.size()
         local_size = size // tp_size if partitioned else size
@@ -72,11 +73,18 @@ class LearnableScale(MegatronModule):
             self.s_hat.data = self.s_hat.data.float()
         return self
 
-    def forward(self) -> torch.Tensor:
-        s_hat = self.s_hat
+    def surrogate(self) -> torch.Tensor:
+        """s_hat, for a caller that applies `multiplier` itself (through the tensor-parallel copy whose
+        backward all-reduces the gradient, with `reduce_grad_over_tp`)."""
         if self.reduce_grad_over_tp:
-            s_hat = tensor_parallel.copy_to_tensor_model_parallel_region(s_hat, group=self.tp_group)
-        return (self.s_init / self.s_scale) * s_hat
+            return tensor_parallel.copy_to_tensor_model_parallel_region(self.s_hat, group=self.tp_group)
+        return self.s_hat
+
+    def forward(self, gain: float = 1.0) -> torch.Tensor:
+        """gain * s = (gain * s_init / s_scale) * s_hat: one multiply, none where that constant is 1."""
+        factor = gain * self.multiplier
+        s_hat = self.surrogate()
+        return s_hat if factor == 1.0 else factor * s_hat
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         metadata = ensure_metadata_has_dp_cp_group(metadata)
