@@ -70,6 +70,11 @@ setup(
         "tokenizers>=0.20",
         "tiktoken>=0.7",
         "tqdm",
+        # tools/preprocess_data.py: --split-sentences (Punkt, as Megatron-LM; pure Python, works offline without
+        # trained parameters; its sentence-end pattern is linear since 3.6.6, CVE-2021-43854; tested with 3.10)
+        # and Parquet input, read in batches of rows (pyarrow 16: string_view columns).
+        "nltk>=3.9",
+        "pyarrow>=16",
         # megatron-core's distributed checkpointing hangs without it, and does not declare it; the --save lock
         # checks its holder's process with it.
         "psutil",
@@ -88,9 +93,12 @@ setup(
         # pytest-xdist runs the test files on parallel workers. Its --dist loadgroup (tests sharing a fixture on
         # one worker) sets Item._nodeid, which pytest 9.2 no longer reads: every test is scheduled on its own
         # and each worker builds the shared fixtures again (pytest-xdist 3.8). ruff (`make lint`,
-        # tests/test_lint.py) within one minor version: its rules change between minor versions.
-        "test": ["pytest>=8,<9.2", "pytest-xdist>=3.5", "lm_eval>=0.4", "accelerate", "angpt[bench]",
+        # tests/test_lint.py) within one minor version: its rules change between minor versions. wandb: the
+        # test of the W&B sink (tests/test_wandb.py, offline).
+        "test": ["pytest>=8,<9.2", "pytest-xdist>=3.5", "lm_eval>=0.4", "accelerate", "angpt[bench,wandb]",
                  "ruff>=0.17.6,<0.18"],
+        # --wandb-project: the training metrics in a Weights & Biases run too.
+        "wandb": ["wandb"],
         # Plots and fits of benchmarks/convergence.py and tools/fit_scaling_law.py.
         "bench": ["matplotlib", "scipy"],
         # GPU only; apex is built from source inside NVIDIA's containers and is never required.

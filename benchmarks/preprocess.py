@@ -5,9 +5,10 @@
 
 On the example corpus (tools/fetch_example_corpus.py, cut into documents of about --document-bytes) and for
 a 32k byte-level BPE (tools/train_tokenizer.py) and tiktoken with GPT-2's ranks (tools/fetch_gpt2_bpe.py),
-it prints documents/s, MB/s and tokens/s of the tool with 1 and 2 workers, its peak memory (PSS summed over
-the tool's processes), and the ceiling: the same tokenizer batch-encoding the same documents in one process,
-with no I/O. "tool" rates exclude the tool's start-up (importing torch and megatron-core, a fixed few
+it prints documents/s, MB/s and tokens/s of the tool with 1 and 2 workers (and with 1, on the same documents
+as a Parquet file, and with --split-sentences), its peak memory (PSS summed over the tool's processes), and
+the ceiling: the same tokenizer batch-encoding the same documents in one process, with no I/O. "tool" rates
+exclude the tool's start-up (importing torch and megatron-core, a fixed few
 seconds), which "wall" includes. Runs on --copies concatenated copies of the corpus show the steady state,
 where the fixed costs of a run (worker pool, tokenizer loading) are amortized as on a real corpus, and that
 peak memory stays flat as the input grows. Each figure is the best of --repeats runs (this machine is noisy).
@@ -24,6 +25,8 @@ import tempfile
 import time
 
 import psutil
+import pyarrow
+import pyarrow.parquet
 
 from angpt.data.tokenizers import build_tokenizer
 
@@ -41,6 +44,14 @@ def write_documents(target: str, texts: list, copies: int = 1) -> str:
         for _ in range(copies):
             for text in texts:
                 file.write(json.dumps({"text": text}) + "\n")
+    return target
+
+
+def write_parquet(target: str, texts: list, copies: int = 1) -> str:
+    """The documents of write_documents as the rows of a Parquet file, in row groups of 10,000 rows."""
+    with pyarrow.parquet.ParquetWriter(target, pyarrow.schema([("text", pyarrow.string())])) as writer:
+        for _ in range(copies):
+            writer.write_table(pyarrow.table({"text": texts}), row_group_size=10_000)
     return target
 
 
@@ -125,6 +136,8 @@ def main() -> None:
     texts, tokenizers = prepare(args.work_dir, args.document_bytes)
     documents_path = write_documents(os.path.join(args.work_dir, "documents.jsonl"), texts)
     copies_path = write_documents(os.path.join(args.work_dir, f"documents_x{args.copies}.jsonl"), texts, args.copies)
+    parquet_paths = {copies: write_parquet(os.path.join(args.work_dir, f"documents_x{copies}.parquet"), texts, copies)
+                     for copies in (1, args.copies)}
     megabytes = sum(len(text.encode()) for text in texts) / 1e6  # of document text, as the ceiling sees it
     print(f"corpus: {len(texts):,} documents, {megabytes:.2f} MB of text; {os.cpu_count()} cores; "
           f"rates per copy of the corpus, each the best of {args.repeats} runs")
@@ -142,6 +155,13 @@ def main() -> None:
                 rows.append((f"tool, {workers} worker(s), x{copies}", tool, max(run[2] for run in runs)))
                 if copies == 1:
                     rows.append((f"  wall, {workers} worker(s), x{copies}", wall, None))
+            # The same documents from Parquet, and split into sentences (as many documents; the tokens differ
+            # a little, as each sentence is encoded on its own): their cost beside the 1-worker run.
+            for label, input_path, extra in (("parquet", parquet_paths[copies], []),
+                                             ("sentences", path, ["--split-sentences"])):
+                runs = [run_preprocess(input_path, flags + extra, 1, os.path.join(args.work_dir, "out"))
+                        for _ in range(args.repeats)]
+                rows.append((f"{label}, 1 worker, x{copies}", min(run[1] for run in runs), max(run[2] for run in runs)))
             for label, elapsed, peak in rows:
                 memory = f"{peak / 2**20:7.0f} MB" if peak else ""
                 per_copy = elapsed / copies

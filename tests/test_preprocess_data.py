@@ -1,5 +1,5 @@
 """tools/preprocess_data.py and angpt.data.indexed: bytes on disk, equivalence across workers and partitions,
-bad input, and the checks the trainer runs before reading a dataset."""
+sentence splitting, Parquet input, bad input, and the checks the trainer runs before reading a dataset."""
 
 import base64
 import gzip
@@ -12,8 +12,11 @@ import subprocess
 import sys
 
 import numpy
+import pyarrow
+import pyarrow.parquet
 import pytest
-from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
+from nltk.tokenize.punkt import PunktLanguageVars, PunktSentenceTokenizer
 
 from angpt.data.gpt_datasets import DataArguments, dataset_vocabulary
 from angpt.data.indexed import IndexedDatasetError, check_indexed_dataset, read_metadata
@@ -340,3 +343,226 @@ def test_metadata_is_checked_against_the_tokenizer_it_names(dataset, tmp_path):
         file.write("YWI= 257\n")  # a token more: the checkpoints would carry a tokenizer the data never saw
     with pytest.raises(IndexedDatasetError, match=rf"^{dataset}\.json: its tokenizer file {copy} has changed"):
         dataset_vocabulary(data)
+
+
+class CustomLanguageVars(PunktLanguageVars):
+    """Megatron-LM's tools/preprocess_data.py for --keep-newlines, verbatim: Punkt's pattern with the whitespace
+    after a sentence's end matched into the sentence."""
+
+    _period_context_fmt = r"""
+        \S*                          # some word material
+        %(SentEndChars)s             # a potential sentence ending
+        \s*                       #  <-- THIS is what I changed
+        (?=(?P<after_tok>
+            %(NonWord)s              # either other punctuation
+            |
+            (?P<next_tok>\S+)     #  <-- Normally you would have \s+ here
+        ))"""
+
+
+# Sentences ending in a period, "!" or "?", whitespace and newlines between them (no closing quote or bracket
+# after a sentence's end: there Megatron-LM's pattern drops the whitespace that follows), an empty text, one
+# of whitespace only (no sentence: an empty document, as Megatron-LM writes it), and one without a final period.
+SENTENCE_TEXTS = [
+    "The first document opens here. It has a second sentence!\n\nA new paragraph asks a question? Yes.\n",
+    "",
+    "   \n",
+    "One sentence without a final period",
+    "  Leading spaces stay.   Then more text.\nLast line here.\n\n",
+    "Ünïcødé text ✓ works too. Done?",
+]
+
+
+def megatron_sentence_dataset(prefix, texts, tokenizer, keep_newlines: bool) -> tuple:
+    """What Megatron-LM's --split-sentences --append-eod writes, by its steps: Punkt's sentences of each text
+    (with its CustomLanguageVars for --keep-newlines), each encoded, those of no tokens dropped, the EOD
+    appended to the last, and add_document(ids, sentence_lens). Returns the sentences of each text."""
+    punkt = PunktSentenceTokenizer(lang_vars=CustomLanguageVars()) if keep_newlines else PunktSentenceTokenizer()
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=DType.optimal_dtype(tokenizer.vocab_size))
+    split = []
+    for text in texts:
+        sentences = punkt.tokenize(text)
+        ids = [sentence_ids for sentence_ids in tokenizer.encode_batch(sentences) if sentence_ids] if sentences else []
+        if ids:
+            ids[-1] = ids[-1] + [tokenizer.eod]
+        builder.add_document([token for sentence_ids in ids for token in sentence_ids], [len(part) for part in ids])
+        split.append(sentences)
+    builder.finalize(f"{prefix}.idx")
+    return split
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("keep_newlines, flags", [(False, ["--workers", "1"]),
+                                                  (True, ["--workers", "2", "--partitions", "2"])],
+                         ids=["sentences", "keep newlines, partitions"])
+def test_split_sentences_writes_what_megatron_lm_writes(tmp_path, hf_tokenizer, keep_newlines, flags):
+    tool = load_tool()
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", hf_tokenizer)
+    split = megatron_sentence_dataset(tmp_path / "megatron", SENTENCE_TEXTS, tokenizer, keep_newlines)
+    if keep_newlines:  # the corpus exercises it: the whitespace after a sentence, newlines included, stays
+        assert split[0][1] == "It has a second sentence!\n\n" and split[4][0] == "  Leading spaces stay.   "
+        assert all("".join(sentences) == text.rstrip() for sentences, text in zip(split, SENTENCE_TEXTS))
+    else:
+        assert split[0][1] == "It has a second sentence!" and split[4][0] == "  Leading spaces stay."
+    assert [len(sentences) for sentences in split] == [4, 0, 0, 1, 3, 2]
+
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"text": text} for text in SENTENCE_TEXTS])
+    metadata = tool.preprocess(tool.parse_args([
+        "--input", corpus, "--output-prefix", str(tmp_path / "out"), "--tokenizer-type", "HuggingFaceTokenizer",
+        "--tokenizer-model", hf_tokenizer, "--append-eod", "--split-sentences",
+        *(["--keep-newlines"] if keep_newlines else []), *flags]))["text"]
+    prefix = str(tmp_path / "out_text_sentence")  # Megatron-LM's name with --split-sentences
+    assert not os.path.exists(tmp_path / "out_text_document.bin")
+    for suffix in (".bin", ".idx"):
+        assert open(prefix + suffix, "rb").read() == (tmp_path / f"megatron{suffix}").read_bytes(), suffix
+
+    dataset = IndexedDataset(prefix)  # a sequence per sentence, a document index per document
+    assert dataset.document_indices.tolist() == [0, *numpy.cumsum([len(sentences) for sentences in split])]
+    sequences = [dataset[index].tolist() for index in range(len(dataset))]
+    assert [tokenizer.decode([token for token in ids if token != tokenizer.eod]) for ids in sequences] \
+        == [sentence for sentences in split for sentence in sentences]
+    last_sentences = dataset.document_indices[1:][numpy.diff(dataset.document_indices) > 0] - 1
+    assert [index for index, ids in enumerate(sequences) if ids[-1] == tokenizer.eod] == last_sentences.tolist()
+    assert (metadata["documents"], metadata["sequences"], metadata["empty_documents"]) == (6, 10, 2)
+    assert metadata["split_sentences"] is True and metadata["sentence_splitter"]["keep_newlines"] is keep_newlines
+    assert check_indexed_dataset(prefix) == {"documents": 6, "sequences": 10, "tokens": metadata["tokens"],
+                                             "dtype": "uint16"}
+
+
+@pytest.mark.slow
+def test_sentence_splitter_cuts_pieces_as_megatron_lm_and_has_no_time_limit(monkeypatch):
+    tool = load_tool()
+    splitter = tool.SentenceSplitter(keep_newlines=False)
+    # nltk 3.10 would stop a long text's split at 5 s of wall-clock time: the tool compiles Punkt's pattern with
+    # the standard library instead.
+    assert isinstance(splitter.punkt._lang_vars.period_context_re(), re.Pattern)
+    text = "A first sentence here. A second one that runs on. Third."
+    monkeypatch.setattr(tool, "SENTENCE_SPLIT_CHARS", 20)
+    punkt = PunktSentenceTokenizer()  # Megatron-LM's loop: Punkt on every max_len characters
+    assert splitter(text) == [sentence for start in range(0, len(text), 20)
+                              for sentence in punkt.tokenize(text[start:start + 20])]
+
+
+def parquet_rows(index: int) -> dict:
+    return {"text": ["", "ünïcødé ✓", "a literal <|endoftext|> too", f"row {index} of the table"][index % 4]
+            + " word" * (index % 13), "title": f"title {index}"}
+
+
+@pytest.mark.slow
+def test_parquet_input_writes_the_bytes_of_the_same_jsonl(tmp_path, hf_tokenizer, capsys):
+    tool = load_tool()
+    rows = [parquet_rows(index) for index in range(700)]  # batches of PARQUET_BATCH_ROWS and a part of one
+    (tmp_path / "json").mkdir()
+    (tmp_path / "parquet").mkdir()
+    write_jsonl(tmp_path / "json" / "part-0.jsonl", rows[:300])
+    write_jsonl(tmp_path / "json" / "part-1.jsonl", rows[300:])
+    # Row groups that do not fall on batches, and both string types (pandas writes large_string).
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows[:300]), tmp_path / "parquet" / "part-0.parquet",
+                                row_group_size=97)
+    large = pyarrow.schema([("title", pyarrow.large_string()), ("text", pyarrow.large_string())])
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows[300:], schema=large),
+                                tmp_path / "parquet" / "part-1.parquet")
+    common = ["--json-keys", "text", "title", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+              hf_tokenizer, "--append-eod", "--log-interval", "100"]
+    outputs = {}
+    for name, pattern, flags in [("json", "json/*.jsonl", []), ("parquet", "parquet/*.parquet", []),
+                                 ("partitions", "parquet/*.parquet", ["--workers", "2", "--partitions", "2"])]:
+        capsys.readouterr()
+        metadata = tool.preprocess(tool.parse_args(["--input", str(tmp_path / pattern), "--output-prefix",
+                                                    str(tmp_path / name), *common, *flags]))
+        assert metadata["text"]["documents"] == metadata["title"]["documents"] == len(rows)
+        outputs[name] = [(tmp_path / f"{name}_{key}_document{suffix}").read_bytes()
+                         for key in ("text", "title") for suffix in (".bin", ".idx")]
+        if name == "parquet":  # progress as for JSON lines
+            assert re.search(r"^Processed 700 documents \(", capsys.readouterr().err, re.MULTILINE)
+    assert outputs["json"] == outputs["parquet"] == outputs["partitions"]
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", hf_tokenizer)
+    assert read_documents(tmp_path / "parquet_title_document") == [
+        ids + [tokenizer.eod] for ids in tokenizer.encode_batch([row["title"] for row in rows])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("columns, keys, message", [
+    ({"body": ["a"]}, ["text"], r"no column 'text' \(--json-keys\); its columns are 'body'$"),
+    ({"text": ["a"], "title": ["b"]}, ["title", "summary"], r"no column 'summary' .*'text', 'title'$"),
+    ({"text": [1, 2]}, ["text"], r"column 'text' \(--json-keys\) holds int64, not strings$"),
+], ids=["missing column", "one key of two missing", "not strings"])
+def test_parquet_column_errors_name_the_file_and_column(tmp_path, byte_tokenizer, columns, keys, message):
+    tool = load_tool()
+    good = write_jsonl(tmp_path / "first.jsonl", [{key: "fine" for key in keys}])
+    path = tmp_path / "table.parquet"
+    pyarrow.parquet.write_table(pyarrow.table(columns), path)
+    args = tool.parse_args(["--input", good, str(path), "--output-prefix", str(tmp_path / "out" / "data"),
+                            "--json-keys", *keys, "--tokenizer-type", "TikTokenizer", "--tokenizer-model",
+                            byte_tokenizer])
+    with pytest.raises(tool.InputError, match=rf"^{path}: {message}"):
+        tool.preprocess(args)
+    assert not os.path.exists(tmp_path / "out")  # stopped before it wrote anything
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet")
+    args.input = [str(tmp_path / "broken.parquet")]
+    with pytest.raises(tool.InputError, match=rf"^{tmp_path / 'broken.parquet'}: not a readable Parquet file"):
+        tool.preprocess(args)
+
+
+@pytest.mark.slow
+def test_parquet_null_is_a_missing_key(tmp_path, byte_tokenizer):
+    tool = load_tool()
+    path = tmp_path / "table.parquet"
+    pyarrow.parquet.write_table(pyarrow.table({"text": ["good one", None, "good three"]}), path)
+    common = ["--output-prefix", str(tmp_path / "out" / "data"), "--tokenizer-type", "TikTokenizer",
+              "--tokenizer-model", byte_tokenizer]
+    with pytest.raises(tool.InputError, match=rf"^{path}, row 1: missing key: 'text' is null \(--skip-bad-lines"):
+        tool.preprocess(tool.parse_args(["--input", str(path), *common]))
+    assert os.listdir(tmp_path / "out") == []
+    # With --skip-bad-lines, what the JSON lines write when the second lacks the key.
+    parquet = tool.preprocess(tool.parse_args(["--input", str(path), *common, "--skip-bad-lines"]))["text"]
+    outputs = [(tmp_path / "out" / f"data_text_document{suffix}").read_bytes() for suffix in (".bin", ".idx")]
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"text": "good one"}, {}, {"text": "good three"}])
+    json_lines = tool.preprocess(tool.parse_args(["--input", corpus, *common, "--skip-bad-lines"]))["text"]
+    assert outputs == [(tmp_path / "out" / f"data_text_document{suffix}").read_bytes() for suffix in (".bin", ".idx")]
+    assert parquet["skipped_lines"] == json_lines["skipped_lines"] == {"missing key": 1}
+    assert parquet["documents"] == json_lines["documents"] == 2
+
+
+# The tool, then its peak resident memory (KB) and the peak of Arrow's memory pool (bytes), in one process.
+MEASURED_RUN = ("import resource, runpy, sys; import pyarrow; sys.argv = sys.argv[1:]; "
+                "runpy.run_path(sys.argv[0], run_name='__main__'); "
+                "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, pyarrow.default_memory_pool().max_memory())")
+
+
+@pytest.mark.slow
+def test_parquet_memory_does_not_grow_with_the_file(tmp_path, byte_tokenizer):
+    rng = numpy.random.default_rng(0)
+    words = ["".join(rng.choice(list("abcdefghij"), size)) for size in rng.integers(2, 9, 2000)]
+    row_bytes, rows = 2000, 1500
+    peaks = {}
+    for copies in (1, 4):
+        path = tmp_path / f"x{copies}.parquet"
+        with pyarrow.parquet.ParquetWriter(path, pyarrow.schema([("text", pyarrow.string())])) as writer:
+            for _ in range(copies * rows // 250):  # row groups of 250 rows
+                texts = [" ".join(rng.choice(words, row_bytes // 6))[:row_bytes] for _ in range(250)]
+                writer.write_table(pyarrow.table({"text": texts}))
+        done = subprocess.run([sys.executable, "-c", MEASURED_RUN, TOOL, "--input", path, "--output-prefix",
+                               tmp_path / f"x{copies}", "--tokenizer-type", "TikTokenizer", "--tokenizer-model",
+                               byte_tokenizer], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        resident_kb, arrow_bytes = map(int, done.stdout.split())
+        peaks[copies] = resident_kb * 1024, arrow_bytes
+    print(f"peak memory of {rows} and {4 * rows} rows of {row_bytes} bytes: resident {peaks[1][0] >> 20} and "
+          f"{peaks[4][0] >> 20} MB, Arrow's pool {peaks[1][1] >> 20} and {peaks[4][1] >> 20} MB")
+    added = 3 * rows * row_bytes  # the text the larger file adds: 9 MB
+    # Arrow holds a batch and its row group at a time: the same peak (pyarrow's pre_buffer, which keeps the row
+    # groups read, grew it from 3 to 9 MB here). The process grows by less than the text added, which reading
+    # the file whole would add twice over (as Arrow's, then as Python's strings); measured: 3 MB of noise.
+    assert peaks[4][1] <= 1.25 * peaks[1][1] + (1 << 20)
+    assert peaks[4][0] - peaks[1][0] < added
+
+
+def test_help_imports_neither_torch_nor_megatron_and_warns_nothing():
+    done = subprocess.run([sys.executable, "-X", "importtime", TOOL, "--help"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and "--split-sentences" in done.stdout
+    modules = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
+    assert "numpy" in modules  # the import times are read
+    assert not [module for module in modules if module.split(".")[0] in ("torch", "megatron", "pyarrow", "nltk")]
+    assert [line for line in done.stderr.splitlines() if not line.startswith("import time:")] == []

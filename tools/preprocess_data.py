@@ -4,10 +4,19 @@
     python tools/preprocess_data.py --input 'corpus/*.jsonl.gz' --output-prefix data/corpus \\
         --tokenizer-type HuggingFaceTokenizer --tokenizer-model tokenizer.json --append-eod --workers 2
 
-Input: JSON lines (`.jsonl`, `.jsonl.gz`; one document per line, its text under each --json-keys key) and
-`.txt` files (one document per file); --input takes several paths and glob patterns. For each key it writes
-{output-prefix}_{key}_document.bin/.idx, byte-identical to Megatron-LM's output with the same tokenizer, and
-{output-prefix}_{key}_document.json, which records the tokenizer, its EOD id and the counts.
+Input: JSON lines (`.jsonl`, `.jsonl.gz`; one document per line, its text under each --json-keys key),
+`.txt` files (one document per file) and Parquet files (`.parquet`; one document per row, its text in each
+--json-keys column, read in batches of rows so that memory stays flat however large the file); --input takes
+several paths and glob patterns. For each key it writes {output-prefix}_{key}_document.bin/.idx,
+byte-identical to Megatron-LM's output with the same tokenizer, and {output-prefix}_{key}_document.json,
+which records the tokenizer, its EOD id and the counts.
+
+--split-sentences writes each sentence of a document as its own sequence, the document's sentences under one
+document index, as Megatron-LM's --split-sentences does (and names the outputs {output-prefix}_{key}_sentence
+as it does); --append-eod then ends the document's last sentence only. The sentences are Punkt's (nltk's
+PunktSentenceTokenizer, as Megatron-LM's), but without trained parameters, which Megatron-LM downloads: it
+splits after every abbreviation ("Mr.", "e.g."). The whitespace between sentences is dropped, unless
+--keep-newlines, which keeps it at the end of the sentence before it, newlines included.
 
 As Megatron-LM's tool, it writes a document of no tokens (an empty text) as a zero-length document (no EOD
 even with --append-eod), and encodes special-token text in a document as that token: a literal
@@ -23,14 +32,15 @@ final names only when the run succeeds.
 """
 
 import argparse
+import importlib.metadata
 import multiprocessing
 import os
+import re
 import shutil
 import signal
 import sys
 import tempfile
 import time
-import warnings
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from itertools import chain, islice
@@ -50,12 +60,7 @@ from angpt.data.corpus import (
     parse_record,
 )
 from angpt.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
-
-with warnings.catch_warnings():  # megatron-core warns at import about GPU libraries this tool does not use
-    warnings.simplefilter("ignore")
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: E402
-
-    from angpt.data.indexed import write_metadata  # noqa: E402
+from angpt.megatron_compat import quiet_known_warnings
 
 # A batch is ~0.3 s of one core's tokenization: large enough that the tokenizer's threads share it evenly
 # and inter-process traffic is amortized (128 KB batches cost HF tokenizers 20% here), small enough to keep
@@ -64,11 +69,144 @@ BATCH_BYTES = 1 << 20
 BATCH_DOCUMENTS = 1024
 BATCHES_IN_FLIGHT_PER_WORKER = 4  # bounds memory: reading waits for writing
 SKIPPED_LINES_SHOWN = 10
+# Rows of a Parquet file decoded at a time: few enough that a batch of long documents stays small beside the
+# batches in flight, enough to amortize Arrow's per-batch work.
+PARQUET_BATCH_ROWS = 256
+# Megatron-LM splits a document's text into sentences a million characters at a time (a sentence never spans
+# two such pieces); so does this tool, to write the same sentences.
+SENTENCE_SPLIT_CHARS = 1_000_000
+
+
+class BadRow(BadLine):
+    """A Parquet row that holds no document; line is the row's index in its file, counted from 0 as Arrow
+    counts rows."""
+
+    def __str__(self) -> str:
+        return f"{self.path}, row {self.line}: {self.reason}: {self.detail}"
+
+
+@dataclass(frozen=True)
+class ParquetRow:
+    """One document of a Parquet file: its text in each --json-keys column, in their order (None: null)."""
+
+    path: str
+    row: int
+    texts: tuple
+    size: int  # UTF-8 bytes of the texts, for the throughput shown
+
+
+def is_parquet(path: str) -> bool:
+    return path.endswith(".parquet")
+
+
+def open_parquet(path: str, keys: list):
+    """The file, once its --json-keys columns are checked to be columns of strings."""
+    import pyarrow  # noqa: PLC0415 (only for Parquet inputs)
+    import pyarrow.parquet  # noqa: PLC0415 (as pyarrow)
+
+    try:
+        # pre_buffer (pyarrow's default) keeps the row groups read: Arrow's peak memory grew 4 MB per row group
+        # of 1,000 rows, 61 MB for a 49 MB file, against 17 MB flat without it.
+        parquet = pyarrow.parquet.ParquetFile(path, pre_buffer=False)
+    except (pyarrow.ArrowException, OSError) as error:
+        raise InputError(f"{path}: not a readable Parquet file: {error}") from error
+    schema = parquet.schema_arrow
+    text_types = (pyarrow.string(), pyarrow.large_string(), pyarrow.string_view())
+    for key in keys:
+        if key not in schema.names:
+            raise InputError(f"{path}: no column {key!r} (--json-keys); its columns are "
+                             f"{', '.join(map(repr, schema.names))}")
+        column_type = schema.field(key).type
+        if column_type not in text_types and not (pyarrow.types.is_dictionary(column_type)
+                                                  and column_type.value_type in text_types):
+            raise InputError(f"{path}: column {key!r} (--json-keys) holds {column_type}, not strings")
+    return parquet
+
+
+def iter_parquet_rows(path: str, keys: list):
+    """The rows of a Parquet file in order, PARQUET_BATCH_ROWS decoded at a time."""
+    import pyarrow  # noqa: PLC0415 (only for Parquet inputs)
+    import pyarrow.compute  # noqa: PLC0415 (as pyarrow)
+
+    parquet, first = open_parquet(path, keys), 0
+    try:
+        for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=keys):
+            columns = [batch.column(key) for key in keys]
+            sizes = sum(pyarrow.compute.binary_length(column).fill_null(0).to_numpy() for column in columns)
+            for index, (texts, size) in enumerate(zip(zip(*(column.to_pylist() for column in columns)), sizes)):
+                yield ParquetRow(path, first + index, texts, int(size))
+            first += batch.num_rows
+    except pyarrow.ArrowException as error:
+        raise InputError(f"{path}: {error}") from error
+
+
+def parse_row(row: ParquetRow, keys: list) -> "dict[str, str] | BadRow":
+    """The text in each column; a null is the row's missing key, as a JSON line lacking the key is."""
+    for key, text in zip(keys, row.texts):
+        if text is None:
+            return BadRow(row.path, row.row, "missing key", f"{key!r} is null")
+    return dict(zip(keys, row.texts))
+
+
+def iter_inputs(paths: list, keys: list):
+    """The documents of every input in order: JSON lines and `.txt` files as Records, Parquet rows as
+    ParquetRows."""
+    for path in paths:
+        yield from iter_parquet_rows(path, keys) if is_parquet(path) else iter_records([path])
+
+
+def count_inputs(paths: list, keys: list) -> int:
+    """The documents of every input (and bad lines): a Parquet file's footer counts its rows."""
+    return sum(open_parquet(path, keys).metadata.num_rows if is_parquet(path) else sum(1 for _ in iter_records([path]))
+               for path in paths)
+
+
+def record_bytes(record) -> int:
+    return record.size if isinstance(record, ParquetRow) else len(record.raw)
+
+
+class SentenceSplitter:
+    """A document's text as Megatron-LM's --split-sentences cuts it: nltk's Punkt on every million characters.
+    Punkt is pure Python (no download without trained parameters, unlike Megatron-LM's english.pickle, and no
+    platform binary) and splits 2.5-5 MB/s per core here, the tokenizers' own order (a 32k BPE encodes ~1.5 MB/s,
+    tiktoken 2-8); pysbd splits 0.3 MB/s, and blingfire, at most 2x faster through its Python wrapper, ships a
+    99 MB x86-only library that fails on an empty text."""
+
+    def __init__(self, keep_newlines: bool):
+        from nltk.tokenize.punkt import PunktLanguageVars, PunktSentenceTokenizer  # noqa: PLC0415 (1.7 s to import: only with --split-sentences)
+
+        language_vars = PunktLanguageVars()
+        # nltk (3.10) runs this pattern under a 5 s wall-clock limit for a whole text, which a million characters
+        # of short sentences exceed (Punkt takes ~25 us per candidate): a busy machine would fail a run at
+        # random. The pattern is linear (nltk dropped the word before the period from it for that), so it is
+        # compiled without the limit, by the standard library, which also matches it faster.
+        language_vars._re_period_context = re.compile(language_vars.period_context_re().pattern,
+                                                      re.UNICODE | re.VERBOSE)
+        self.punkt = PunktSentenceTokenizer(lang_vars=language_vars)
+        self.keep_newlines = keep_newlines
+        self.description = {"name": "nltk.tokenize.punkt.PunktSentenceTokenizer, no trained parameters",
+                            "nltk": importlib.metadata.version("nltk"), "keep_newlines": keep_newlines}
+
+    def __call__(self, text: str) -> list:
+        sentences = []
+        for offset in range(0, len(text), SENTENCE_SPLIT_CHARS):
+            piece = text[offset:offset + SENTENCE_SPLIT_CHARS]
+            spans = list(self.punkt.span_tokenize(piece))
+            if self.keep_newlines and spans:
+                # Each sentence runs to the next one's start, so the whitespace after it stays with it: what
+                # Megatron-LM's CustomLanguageVars does to Punkt's pattern (\s* after the period), whose leading
+                # \S* makes it quadratic in a word's length (0.55 s for a word of 10,000 characters; nltk 3.10
+                # stops it at 40,000). The last sentence ends where Punkt ends it, before trailing whitespace.
+                ends = [start for start, _ in spans[1:]] + [spans[-1][1]]
+                spans = [(start, end) for (start, _), end in zip(spans, ends)]
+            sentences.extend(piece[start:end] for start, end in spans)
+        return sentences
 
 
 @dataclass
 class Stats:
     documents: Counter = field(default_factory=Counter)  # per key, the empty ones included
+    sequences: Counter = field(default_factory=Counter)  # per key: the documents' sentences, or the documents
     tokens: Counter = field(default_factory=Counter)  # per key
     empty: Counter = field(default_factory=Counter)  # per key: documents of no tokens, written as Megatron-LM does
     bad_lines: Counter = field(default_factory=Counter)  # per reason, skipped with --skip-bad-lines
@@ -76,7 +214,7 @@ class Stats:
     bytes: int = 0
 
     def add(self, other: "Stats") -> None:
-        for name in ("documents", "tokens", "empty", "bad_lines"):
+        for name in ("documents", "sequences", "tokens", "empty", "bad_lines"):
             getattr(self, name).update(getattr(other, name))
         for key, largest in other.max_token_id.items():
             self.max_token_id[key] = max(largest, self.max_token_id.get(key, largest))
@@ -86,7 +224,7 @@ class Stats:
 @dataclass
 class EncodedBatch:
     tokens: dict  # key -> all the batch's tokens, concatenated
-    lengths: dict  # key -> tokens per good record, in order (0: empty document)
+    lengths: dict  # key -> per good record, in order: the tokens of each of its sequences ([]: empty document)
     bad_lines: list
     bytes: int
 
@@ -98,6 +236,7 @@ class PartitionJob:
     stop: Optional[int]
     output_prefixes: dict  # key -> prefix of this partition's .bin/.idx
     tokenizer: object  # built once by the parent; forked workers inherit it
+    splitter: Optional[SentenceSplitter]  # with --split-sentences; inherited as the tokenizer is
     keys: list
     append_eod: bool
     dtype: type
@@ -111,45 +250,52 @@ class PartitionJob:
 _worker = {}
 
 
-def init_worker(tokenizer, keys: list, append_eod: bool, dtype: type, threads: int) -> None:
+def init_worker(tokenizer, splitter, keys: list, append_eod: bool, dtype: type, threads: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and ends the pool
     # The parent's SIGTERM handler would run only in this process's main thread, but the signal may be
     # delivered to one of the tokenizer's threads while the main thread waits on the task queue, which
     # then never wakes: Pool.terminate() hung. Die at once instead.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     tokenizer.set_threads(threads)
-    _worker.update(tokenizer=tokenizer, keys=keys,
+    _worker.update(tokenizer=tokenizer, splitter=splitter, keys=keys,
                    append_eod=append_eod, dtype=dtype)
 
 
 def encode_batch(records: list) -> EncodedBatch:
-    tokenizer, keys = _worker["tokenizer"], _worker["keys"]
-    texts = {key: [] for key in keys}
+    tokenizer, splitter, keys = _worker["tokenizer"], _worker["splitter"], _worker["keys"]
+    texts = {key: [] for key in keys}  # every sequence's text: a document's sentences, or the document
+    counts = {key: [] for key in keys}  # sequences per document
     bad_lines = []
     for record in records:
-        parsed = parse_record(record, keys)
+        parsed = parse_row(record, keys) if isinstance(record, ParquetRow) else parse_record(record, keys)
         if isinstance(parsed, BadLine):
             bad_lines.append(parsed)
             continue
         for key in keys:
-            texts[key].append(parsed[key])
+            sequences = splitter(parsed[key]) if splitter else [parsed[key]]
+            texts[key].extend(sequences)
+            counts[key].append(len(sequences))
     tokens, lengths = {}, {}
     for key in keys:
-        encoded = tokenizer.encode_batch(texts[key]) if texts[key] else []
-        if _worker["append_eod"]:
-            for ids in encoded:
-                if ids:  # as Megatron-LM: an empty document stays empty
-                    ids.append(tokenizer.eod)
-        lengths[key] = [len(ids) for ids in encoded]
-        tokens[key] = numpy.fromiter(chain.from_iterable(encoded), dtype=_worker["dtype"], count=sum(lengths[key]))
-    return EncodedBatch(tokens, lengths, bad_lines, sum(len(record.raw) for record in records))
+        encoded = iter(tokenizer.encode_batch(texts[key]) if texts[key] else [])
+        lengths[key], kept = [], []
+        for count in counts[key]:
+            # As Megatron-LM: a sentence of no tokens is dropped, so a document of none has no sequence, and the
+            # EOD ends the last sentence of a document that has tokens.
+            document = [ids for ids in islice(encoded, count) if ids]
+            if document and _worker["append_eod"]:
+                document[-1].append(tokenizer.eod)
+            lengths[key].append([len(ids) for ids in document])
+            kept.extend(document)
+        tokens[key] = numpy.fromiter(chain.from_iterable(kept), dtype=_worker["dtype"], count=sum(map(len, kept)))
+    return EncodedBatch(tokens, lengths, bad_lines, sum(map(record_bytes, records)))
 
 
 def batches(records, max_bytes: int = BATCH_BYTES, max_documents: int = BATCH_DOCUMENTS):
     batch, size = [], 0
     for record in records:
         batch.append(record)
-        size += len(record.raw)
+        size += record_bytes(record)
         if size >= max_bytes or len(batch) >= max_documents:
             yield batch
             batch, size = [], 0
@@ -167,12 +313,15 @@ def write_batch(builders: dict, batch: EncodedBatch, stats: Stats, skip_bad_line
             stats.bad_lines[bad_line.reason] += 1
     for key, builder in builders.items():
         tokens, offset = batch.tokens[key], 0
-        for length in batch.lengths[key]:
-            # As Megatron-LM writes a document of no tokens: a document index and no sequence (lengths []).
-            builder.add_document(tokens[offset:offset + length], [length] if length else [])
-            offset += length
-        stats.empty[key] += batch.lengths[key].count(0)
+        for lengths in batch.lengths[key]:
+            # Its sequences, then a document index; as Megatron-LM writes a document of no tokens: a document
+            # index and no sequence (lengths []).
+            size = sum(lengths)
+            builder.add_document(tokens[offset:offset + size], lengths)
+            offset += size
+        stats.empty[key] += batch.lengths[key].count([])
         stats.documents[key] += len(batch.lengths[key])
+        stats.sequences[key] += sum(map(len, batch.lengths[key]))
         stats.tokens[key] += len(tokens)
         if len(tokens):
             stats.max_token_id[key] = max(int(tokens.max()), stats.max_token_id.get(key, 0))
@@ -181,9 +330,11 @@ def write_batch(builders: dict, batch: EncodedBatch, stats: Stats, skip_bad_line
 
 def tokenize_partition(job: PartitionJob) -> Stats:
     """Tokenize records [start, stop) into the job's .bin/.idx files, in order."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder  # noqa: PLC0415 (after parsing)
+
     context = multiprocessing.get_context("fork")
     pool = context.Pool(job.workers, initializer=init_worker, initargs=(
-        job.tokenizer, job.keys, job.append_eod, job.dtype, job.threads_per_worker))
+        job.tokenizer, job.splitter, job.keys, job.append_eod, job.dtype, job.threads_per_worker))
     builders = {key: IndexedDatasetBuilder(prefix + ".bin", dtype=job.dtype)
                 for key, prefix in job.output_prefixes.items()}
     stats, started, logged = Stats(), time.monotonic(), 0
@@ -206,7 +357,7 @@ def tokenize_partition(job: PartitionJob) -> Stats:
 
     with pool:
         pending = deque()
-        for records in batches(islice(iter_records(job.paths), job.start, job.stop)):
+        for records in batches(islice(iter_inputs(job.paths, job.keys), job.start, job.stop)):
             pending.append(pool.apply_async(encode_batch, (records,)))
             if len(pending) >= BATCHES_IN_FLIGHT_PER_WORKER * job.workers:
                 write(pending.popleft().get())
@@ -262,6 +413,8 @@ def run_partitions(jobs: list) -> list:
 
 def merge_partitions(parts: list, prefix: str, dtype: type) -> None:
     """Concatenate partial datasets in order, as Megatron-LM merges its partitions."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder  # noqa: PLC0415 (after parsing)
+
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
     for part in parts:
         builder.add_index(part)
@@ -272,18 +425,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     group = parser.add_argument_group("input data")
     group.add_argument("--input", nargs="+", required=True,
-                       help="input files or glob patterns: .jsonl, .jsonl.gz, .txt (one document per file)")
-    group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract from each JSON line")
+                       help="input files or glob patterns: .jsonl, .jsonl.gz, .txt (one document per file), "
+                            ".parquet (one document per row)")
+    group.add_argument("--json-keys", nargs="+", default=["text"],
+                       help="keys to extract from each JSON line; the columns of string to read from Parquet")
     group.add_argument("--skip-bad-lines", action="store_true",
                        help="skip lines that are not UTF-8/JSON, lack a string under a key or hold a lone surrogate "
-                            "(\"\\ud800\"), instead of stopping; they are counted in the .json")
+                            "(\"\\ud800\"), and Parquet rows holding a null, instead of stopping; they are counted "
+                            "in the .json")
+    group.add_argument("--split-sentences", action="store_true",
+                       help="write each sentence of a document as its own sequence (Punkt without trained "
+                            "parameters), to {output-prefix}_{key}_sentence.bin/.idx")
+    group.add_argument("--keep-newlines", action="store_true",
+                       help="with --split-sentences: keep the whitespace between sentences, newlines included, at "
+                            "the end of the sentence before it (as Megatron-LM, ignored without --split-sentences)")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     group.add_argument("--tokenizer-model", help="tokenizer.json (or its directory), or a .tiktoken ranks file")
     group.add_argument("--vocab-file", help="GPT-2 vocab.json (GPT2BPETokenizer)")
     group.add_argument("--merge-file", help="GPT-2 merges.txt (GPT2BPETokenizer)")
     group.add_argument("--append-eod", action="store_true",
-                       help="append the end-of-document token to each document (not to an empty one, as Megatron-LM)")
+                       help="append the end-of-document token to each document (not to an empty one, as Megatron-LM; "
+                            "with --split-sentences, to its last sentence)")
     group.add_argument("--special-tokens-as-text", action="store_true",
                        help="encode special-token text in a document (a literal <|endoftext|>) as ordinary text. "
                             "By default it is that special token, as Megatron-LM encodes it, so a document "
@@ -309,14 +472,23 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def preprocess(args: argparse.Namespace) -> dict:
     """Write the dataset of every key; returns each key's metadata."""
+    from megatron.core.datasets.indexed_dataset import DType  # noqa: PLC0415 (after parsing)
+
+    from angpt.data.indexed import write_metadata  # noqa: PLC0415 (imports megatron-core: after parsing)
+
     started = time.monotonic()
     paths = expand_inputs(args.input)
     if len(args.json_keys) > 1 and any(is_text_file(path) for path in paths):
         raise InputError("a .txt input is one document of one text: give a single --json-keys key")
+    for path in paths:  # a missing column stops the run before it starts, not when the file's turn comes
+        if is_parquet(path):
+            open_parquet(path, args.json_keys)
     tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file,
                                 special_tokens_as_text=args.special_tokens_as_text)
+    splitter = SentenceSplitter(args.keep_newlines) if args.split_sentences else None
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
-    final_prefixes = {key: f"{args.output_prefix}_{key}_document" for key in args.json_keys}
+    level = "sentence" if args.split_sentences else "document"  # as Megatron-LM names its outputs
+    final_prefixes = {key: f"{args.output_prefix}_{key}_{level}" for key in args.json_keys}
     output_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     os.makedirs(output_dir, exist_ok=True)
     # Everything is written under a temporary directory beside the outputs and renamed at the end, so a
@@ -333,7 +505,7 @@ def preprocess(args: argparse.Namespace) -> dict:
             return PartitionJob(
                 paths=paths, start=start, stop=stop,
                 output_prefixes={key: os.path.join(scratch, part_name + key) for key in args.json_keys},
-                tokenizer=tokenizer, keys=args.json_keys, append_eod=args.append_eod, dtype=dtype,
+                tokenizer=tokenizer, splitter=splitter, keys=args.json_keys, append_eod=args.append_eod, dtype=dtype,
                 workers=workers_per_partition, threads_per_worker=threads_per_worker,
                 skip_bad_lines=args.skip_bad_lines, log_interval=args.log_interval, position=index)
 
@@ -341,7 +513,7 @@ def preprocess(args: argparse.Namespace) -> dict:
         if args.partitions == 1:
             stats.add(tokenize_partition(job(0, 0, None, part_name="")))
         else:
-            records = sum(1 for _ in iter_records(paths))
+            records = count_inputs(paths, args.json_keys)
             bounds = [records * index // args.partitions for index in range(args.partitions + 1)]
             jobs = [job(index, bounds[index], bounds[index + 1], f"part{index}_") for index in range(args.partitions)]
             for partition_stats in run_partitions(jobs):
@@ -361,7 +533,11 @@ def preprocess(args: argparse.Namespace) -> dict:
                 "max_token_id": stats.max_token_id.get(key),
                 "dtype": dtype.__name__, "json_key": key, "empty_documents": stats.empty[key],
                 "skipped_lines": dict(stats.bad_lines), "input": [os.path.abspath(path) for path in paths],
+                # sequences: the .idx's, one per sentence with --split-sentences (sentences of no tokens dropped).
+                "split_sentences": args.split_sentences, "sequences": stats.sequences[key],
             }
+            if splitter:
+                metadata[key]["sentence_splitter"] = splitter.description
             write_metadata(scratch_prefix + ".json", metadata[key])
         for key, prefix in final_prefixes.items():
             for suffix in (".bin", ".idx", ".json"):  # the .json last: it marks a complete dataset
@@ -369,7 +545,8 @@ def preprocess(args: argparse.Namespace) -> dict:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     for key, prefix in final_prefixes.items():
-        print(f"{prefix}.bin/.idx/.json: {stats.documents[key]:,} documents, {stats.tokens[key]:,} tokens "
+        sentences = f" in {stats.sequences[key]:,} sentences" if args.split_sentences else ""
+        print(f"{prefix}.bin/.idx/.json: {stats.documents[key]:,} documents{sentences}, {stats.tokens[key]:,} tokens "
               f"({dtype.__name__}, vocab {tokenizer.vocab_size}, eod {tokenizer.eod}), "
               f"{stats.empty[key]:,} of the documents empty", file=sys.stderr)
     seconds = time.monotonic() - started
@@ -384,7 +561,8 @@ def preprocess(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    args = parse_args()
+    args = parse_args()  # before megatron-core (and torch) are imported: --help and flag errors are instant
+    quiet_known_warnings()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # unwind, so the scratch files go too
     try:
         preprocess(args)
