@@ -104,6 +104,9 @@ gpu_tests=$(grep -l "pytest.mark.gpu" tests/test_*.py)
 # shellcheck disable=SC2086  # one argument per file
 stage tests 100 "$PY" -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors -o addopts="-ra" \
     --durations=15 $gpu_tests
+# Forward and backward with every host sync an error (torch.cuda.set_sync_debug_mode): graph-safe code.
+stage graph-safety 90 "$PY" -m pytest -q -p no:cacheprovider -o addopts="-ra" tests/test_graph_safety.py \
+    -k "never_sync or fails_the_check"
 largest=${sizes[-1]}
 stage throughput-0.5b 180 "$PY" benchmarks/gpu_throughput.py --shapes $small --families gptplus angpt \
     --precisions bf16 --kernels on "${model[@]}" --micro-batch-size "${sizes[@]}" --global-micro-batch-size "$largest" \

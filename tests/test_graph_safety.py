@@ -325,8 +325,9 @@ def test_forward_and_backward_never_sync(case, seeded):
     (chunk,) = build(case)
     warm_up([chunk])
     chunk.zero_grad_buffer()
+    data = batch()  # copied to the device before the checked region: the copy is not the model's
     with no_host_syncs():
-        loss = forward_backward(chunk, batch())
+        loss = forward_backward(chunk, data)
     assert torch.isfinite(loss)
     grads = [p.main_grad for p in chunk.parameters() if p.requires_grad]
     assert grads and all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
@@ -341,9 +342,10 @@ def test_megatron_schedule_forward_backward_never_syncs(family, overlap, seeded)
     warm_up(chunks)
     for chunk in chunks:
         chunk.zero_grad_buffer()
+    data = iter([batch(0), batch(1)])  # on the device before the checked region
     with no_host_syncs():
         losses = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter([batch(0), batch(1)]), model=chunks,
+            forward_step_func=forward_step, data_iterator=data, model=chunks,
             num_microbatches=2, seq_length=SEQ, micro_batch_size=BATCH, forward_only=False,
         )
     assert len(losses) == 2 and all(torch.isfinite(entry["lm loss"]) for entry in losses)
@@ -364,6 +366,7 @@ def test_a_sync_in_the_model_fails_the_check(inject, seeded):
     names the line."""
     (chunk,) = build("angpt")
     inject(chunk)
+    data = batch()
     with pytest.raises(HostSync, match=r"(?s)reads a tensor's value.*test_graph_safety\.py"):
         with no_host_syncs():
-            forward_backward(chunk, batch())
+            forward_backward(chunk, data)

@@ -15,5 +15,7 @@ class RMSNorm(torch.nn.RMSNorm):
     the tensor-parallel group."""
 
     def __init__(self, config: AnGPTConfig, hidden_size: int, eps: float = 1e-5, **kwargs):
-        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        # On the GPU from the start, as megatron-core's own layers are (DDP moves only what its buffers hold).
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype, device=device)
         self.weight.sequence_parallel = config.sequence_parallel

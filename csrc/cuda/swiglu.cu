@@ -124,7 +124,8 @@ struct BackwardGrid {
 };
 
 BackwardGrid backward_grid(int64_t tokens, int64_t f, int width) {
-  const int64_t columns = (f / width + kColumnThreads - 1) / kColumnThreads;
+  // At least one column block: the workspace is sized for the widest packs, which may exceed f.
+  const int64_t columns = std::max<int64_t>(1, (f / width + kColumnThreads - 1) / kColumnThreads);
   const int64_t wanted_rows = std::max<int64_t>(1, 8L * multiprocessors() / columns);
   return {columns, std::min<int64_t>({wanted_rows, (tokens + kRowThreads - 1) / kRowThreads, 65535L})};
 }
