@@ -3,7 +3,9 @@
 Rank 0 takes `<save>/angpt_save.lock` before anything is written there and removes it when the run ends.
 The file names its holder: host, PID, the process's start time (a PID alone may have been reused) and the
 command. A second run on the directory is refused, naming the holder. A lock whose holder is gone (same
-host, and no process with that PID and start time) is taken over with a warning; a lock from another host
+host, and no process with that PID and start time) is taken over with a warning; so is one left by an
+earlier attempt of the same Slurm job (the same SLURM_JOB_ID and a lower SLURM_RESTART_COUNT: Slurm requeues a
+job only once it has stopped, and its rank 0 may start on another node). Any other lock from another host
 cannot be checked from here and is refused, saying how to remove it. A process holds a lock once: taking
 it again (another trainer in the same process, as tests build them) is a no-op.
 """
@@ -36,7 +38,14 @@ class SaveLockError(CheckpointError):
 
 def this_process() -> dict:
     return {"host": socket.gethostname(), "pid": os.getpid(), "started": psutil.Process().create_time(),
-            "command": " ".join(sys.argv)}
+            "command": " ".join(sys.argv), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", 0))}
+
+
+def _earlier_attempt_of_this_slurm_job(holder: dict, me: dict) -> bool:
+    return me["slurm_job_id"] is not None and holder.get("slurm_job_id") == me["slurm_job_id"] \
+        and isinstance(holder.get("slurm_restart_count"), int) \
+        and holder["slurm_restart_count"] < me["slurm_restart_count"]
 
 
 def describe(holder: dict) -> str:
@@ -109,14 +118,18 @@ def acquire(directory: str) -> None:
             continue
         if _same_process(holder, me):
             return
-        if holder["host"] != me["host"]:
+        if _earlier_attempt_of_this_slurm_job(holder, me):
+            logger.warning("taking over %s from an earlier attempt of Slurm job %s, requeued (%s)", path,
+                           me["slurm_job_id"], describe(holder))
+        elif holder["host"] != me["host"]:
             raise SaveLockError(
                 f"{directory} is locked by a run on another host ({describe(holder)}), which cannot be checked "
                 f"from here: if that run has ended, remove {path} and start again")
-        if _is_running(holder):
+        elif _is_running(holder):
             raise SaveLockError(f"{directory} is being written by another run ({describe(holder)}): wait for it "
                                 "to end or give this run another --save")
-        logger.warning("taking over %s from a run that is no longer running (%s)", path, describe(holder))
+        else:
+            logger.warning("taking over %s from a run that is no longer running (%s)", path, describe(holder))
         _replace(path, me)
         # Of two runs replacing one stale lock at the same moment, the one overwritten finds out here.
         winner = _read(path)

@@ -179,6 +179,25 @@ def test_a_stale_lock_is_taken_over_on_its_host_and_refused_from_another(copy, c
         trainer("--save", str(copy))
 
 
+def test_a_lock_left_by_an_earlier_attempt_of_the_same_slurm_job_is_taken_over_from_another_host(
+        copy, caplog, monkeypatch):
+    """A requeued Slurm job (the same SLURM_JOB_ID, its SLURM_RESTART_COUNT one higher) whose rank 0 now runs on
+    another node: the earlier attempt has stopped, since Slurm requeues only a stopped job."""
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    for job, attempt in (("4242", 1), ("4243", 0)):  # this very attempt elsewhere, or another job: refused
+        write_lock(copy, {**lock_of(psutil.Process(), host="another-host"), "slurm_job_id": job,
+                          "slurm_restart_count": attempt})
+        with pytest.raises(save_lock.SaveLockError, match="locked by a run on another host"):
+            trainer("--save", str(copy))
+    write_lock(copy, {**lock_of(psutil.Process(), host="another-host"), "slurm_job_id": "4242",
+                      "slurm_restart_count": 0})
+    with caplog.at_level(logging.WARNING):
+        run = trainer("--save", str(copy), "--load", str(copy), "--train-iters", "5")
+    assert f"taking over {copy / save_lock.LOCK} from an earlier attempt of Slurm job 4242, requeued" in caplog.text
+    assert run.run() == 0 and not (copy / save_lock.LOCK).exists()
+
+
 @pytest.fixture
 def small_filesystem(tmp_path):
     """A 1 MiB tmpfs: room for one checkpoint of the tiny model (660 kB), not two. Mounting needs root."""
