@@ -122,10 +122,10 @@ def start(job: Job, threads: Optional[int] = None) -> _Attempt:
     return _Attempt(job, process, log, time.time())
 
 
-def finish(attempt: _Attempt, judge: Judge, returncode: Optional[int] = None) -> dict:
+def finish(attempt: _Attempt, judge: Judge) -> dict:
     attempt.log.close()
     job = attempt.job
-    returncode = attempt.process.returncode if returncode is None else returncode
+    returncode = attempt.process.returncode
     status = dict(judge(job, returncode), returncode=returncode, seconds=round(time.time() - attempt.started, 1),
                   log=job.log_path, command=job.command, flags=job.flags)
     write_json(job.status_path, status)
