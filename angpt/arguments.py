@@ -41,7 +41,7 @@ NUMERIC_RANGES = (
         "keep_last_n_checkpoints", "eval_interval", "log_interval", "exit_interval")),
     ("cannot be negative", lambda value: value >= 0, (
         "angpt_alpha_init", "min_lr", "lr_warmup_iters", "lr_warmup_init", "weight_decay", "clip_grad", "seed",
-        "fp8_margin", "eval_iters", "max_skipped_steps", "dry_run")),
+        "fp8_margin", "eval_iters", "max_skipped_steps", "dry_run", "cuda_graph_warmup_steps")),
     ("must be positive", lambda value: value > 0, (
         "init_method_std", "angpt_constant_factor_multiplier", "angpt_nu_alpha_multiplier",
         "distributed_timeout_minutes", "lr", "adam_eps", "exit_duration_in_mins")),
@@ -203,6 +203,21 @@ def build_parser() -> argparse.ArgumentParser:
                            help="delayed scaling: amax of the window (max) or the latest (most_recent, default)")
     precision.add_argument("--fp8-param-gather", action="store_true", help="accepted for Megatron-LM scripts "
                            "and refused: FP8 parameters are not supported (docs/fp8.md)")
+
+    speed = parser.add_argument_group("fusions and CUDA graphs (GPU)")
+    speed.add_argument("--rope-fusion", dest="apply_rope_fusion", action=SWITCH, default=None,
+                       help="RoPE as one kernel forward and one backward (Transformer Engine's where installed, "
+                       "else a torch.compile'd one; cos and sin inside it). Default: on with a GPU, off on CPU "
+                       "(compiling costs seconds per process there)")
+    speed.add_argument("--bias-swiglu-fusion", action=SWITCH, default=None,
+                       help="GPT+'s SwiGLU as megatron-core's compiled kernels (anGPT and nGPT always use their "
+                       "own nu-scaled SwiGLU kernel). Default: on with a GPU, off on CPU")
+    speed.add_argument("--cuda-graph-impl", choices=("none", "local"), default="none",
+                       help="local: capture each transformer layer's forward and backward as CUDA graphs "
+                       "(megatron-core's own implementation; no Transformer Engine needed) after the first step, "
+                       "and replay them: for launch-bound steps (small micro-batches). Needs a GPU")
+    speed.add_argument("--cuda-graph-warmup-steps", type=int, default=3,
+                       help="eager runs of each layer inside the capture, before it is recorded")
 
     data = parser.add_argument_group("data")
     data.add_argument("--data-path", nargs="+", help="PREFIX, or W1 PREFIX1 W2 PREFIX2 ... to blend")
@@ -461,6 +476,9 @@ def _validate_schedule(parser, args) -> None:
 def _validate_precision(parser, args) -> None:
     """--transformer-impl, the fused cross-entropy and the FP8 flags (Megatron-LM's names); fills in the FP8
     defaults."""
+    if args.cuda_graph_impl == "local" and args.recompute_granularity == "full":
+        parser.error("--cuda-graph-impl local cannot capture layers that --recompute-granularity full recomputes "
+                     "(megatron-core supports that only for whole-iteration graphs); drop one of them")
     if args.cross_entropy_loss_fusion and not args.bf16:
         parser.error("--cross-entropy-loss-fusion needs --bf16 (the fused cross-entropy rounds the logits' gradient "
                      "to bf16; in fp32 the unfused one is exact)")

@@ -128,7 +128,10 @@ def _rng_state() -> dict:
         "random": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+        # Generators where CUDA graphs are on (angpt.distributed.set_random_seed): saved as their states, so
+        # that a checkpoint resumes with CUDA graphs on or off.
+        "tracker": {name: rng.get_state() if isinstance(rng, torch.Generator) else rng
+                    for name, rng in tensor_parallel.get_cuda_rng_tracker().get_states().items()},
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -141,7 +144,12 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    if getattr(tracker, "use_cudagraphable_rng", False):  # its generators stay: captured graphs hold them
+        for name, rng in tracker.get_states().items():
+            rng.set_state(state["tracker"][name])
+    else:
+        tracker.set_states(state["tracker"])
 
 
 def _rng_sharded_object(states: Optional[list]) -> ShardedObject:

@@ -66,6 +66,7 @@ def model_config_from_args(args: argparse.Namespace) -> AnGPTConfig:
     overrides.update(cross_entropy_loss_fusion=fused_cross_entropy,
                      cross_entropy_fusion_impl=getattr(args, "cross_entropy_fusion_impl", "native"))
     overrides["attention_backend"] = AttnBackend[args.attention_backend]
+    overrides.update(speed_overrides(args))
     if getattr(args, "fp8_format", None):
         # FP8 GEMMs in the transformer layers (Transformer Engine); docs/fp8.md.
         overrides.update(fp8=args.fp8_format, fp8_recipe=args.fp8_recipe, fp8_margin=args.fp8_margin,
@@ -78,6 +79,24 @@ def model_config_from_args(args: argparse.Namespace) -> AnGPTConfig:
         # The interleaved schedule's batched p2p gives wrong gradients on gloo at PP=2.
         overrides.update(batch_p2p_comm=False, batch_p2p_sync=False)
     return model_config(args.model_family, **overrides)
+
+
+def speed_overrides(args: argparse.Namespace) -> dict:
+    """The fusions (on by default with a GPU, where each pays for its compilation) and CUDA graphs. Read with
+    getattr: checkpoints saved before these flags existed record none of them."""
+    on_gpu = torch.cuda.is_available()
+    rope_fusion = getattr(args, "apply_rope_fusion", None)
+    swiglu_fusion = getattr(args, "bias_swiglu_fusion", None)
+    cuda_graph_impl = getattr(args, "cuda_graph_impl", "none")
+    if cuda_graph_impl != "none" and not on_gpu:
+        raise ValueError(f"--cuda-graph-impl {cuda_graph_impl} needs a CUDA device; there is none here")
+    return dict(
+        apply_rope_fusion=on_gpu if rope_fusion is None else rope_fusion,
+        # megatron-core's SwiGLU fusion, used by GPT+'s MLP (the normalized families' MLP has its own kernel).
+        bias_activation_fusion=on_gpu if swiglu_fusion is None else swiglu_fusion,
+        cuda_graph_impl=cuda_graph_impl,
+        cuda_graph_warmup_steps=getattr(args, "cuda_graph_warmup_steps", 3),
+    )
 
 
 def virtual_pipeline_stages(args) -> Optional[int]:

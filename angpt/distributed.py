@@ -22,8 +22,10 @@ def initialize(
     virtual_pipeline_model_parallel_size: Optional[int] = None,
     seed: int = 1234,
     timeout_minutes: float = 10,
+    cuda_graphs: bool = False,
 ) -> None:
-    """Join the torchrun job (if not already joined), build megatron-core's groups and seed every RNG."""
+    """Join the torchrun job (if not already joined), build megatron-core's groups and seed every RNG
+    (`set_random_seed`)."""
     patches.install()  # megatron-core workarounds (the CPU adapter among them), before anything is built
     if not dist.is_initialized():
         _default_to_one_process()
@@ -37,7 +39,7 @@ def initialize(
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
     )
-    set_random_seed(seed)
+    set_random_seed(seed, cuda_graphs)
 
 
 def _default_to_one_process() -> None:
@@ -50,11 +52,14 @@ def _default_to_one_process() -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
-def set_random_seed(seed: int) -> None:
+def set_random_seed(seed: int, cuda_graphs: bool = False) -> None:
     """Megatron-LM's seeding: a different seed per pipeline stage (so stages do not initialize their
-    layers alike) and megatron-core's tensor-parallel RNG states."""
+    layers alike) and megatron-core's tensor-parallel RNG states, kept in generators that CUDA graphs can
+    capture where `cuda_graphs` (megatron-core's local CUDA graphs refuse any other)."""
     seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    current = getattr(tensor_parallel.random._CUDA_RNG_STATE_TRACKER, "use_cudagraphable_rng", False)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=cuda_graphs,
+                                                    force_reset_rng=current != cuda_graphs)

@@ -80,7 +80,8 @@ class Trainer:
         self.vocabulary = dataset_vocabulary(data_args)
         self.tokenizer = self.vocabulary.unique_identifiers.get("tokenizer")
         distributed.initialize(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                               virtual_pipeline_stages(args), args.seed, args.distributed_timeout_minutes)
+                               virtual_pipeline_stages(args), args.seed, args.distributed_timeout_minutes,
+                               cuda_graphs=args.cuda_graph_impl == "local")
         self.rank = dist.get_rank()
         if args.save:  # one run writes into a --save directory: locked before anything is written there
             save_lock.take(args.save)

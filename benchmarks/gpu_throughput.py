@@ -46,6 +46,7 @@ import traceback
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
@@ -160,6 +161,8 @@ def build(flags: list[str]):
     clear_attention_backend_environment()  # this script builds several models
     pretrain_args = parse_pretrain_args(flags, world_size=1)
     config = model_config_from_args(pretrain_args)
+    # Each model from the same seed; RNG states that CUDA graphs can capture where the flags ask for them.
+    distributed.set_random_seed(pretrain_args.seed, cuda_graphs=config.cuda_graph_impl == "local")
     vocab_size = padded_vocab_size(pretrain_args.vocab_size, pretrain_args.make_vocab_size_divisible_by, 1)
     chunks = build_model_chunks(config, vocab_size, pretrain_args.seq_length, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=pretrain_args.use_distributed_optimizer,
@@ -169,6 +172,18 @@ def build(flags: list[str]):
                 if name not in ("model_chunks", "model_family") and hasattr(pretrain_args, name)}
     optimizer, scheduler = build_optimizer(chunks, pretrain_args.model_family, **settings)
     return config, vocab_size, chunks, optimizer, scheduler
+
+
+def forget_cuda_graphs(config, chunks) -> None:
+    """megatron-core's local CUDA graphs are captured for one micro-batch shape, and its graph record is global
+    to the process: drop the graphs, and the runners holding them, before another shape or another model."""
+    if config.cuda_graph_impl != "local":
+        return
+    delete_cuda_graphs()
+    for chunk in chunks:
+        for module in chunk.modules():
+            if hasattr(module, "cudagraph_manager"):
+                module.cudagraph_manager.cudagraph_runners = []
 
 
 def random_batch(micro_batch_size: int, seq_length: int, vocab_size: int, device: torch.device) -> dict:
@@ -286,6 +301,7 @@ def measure(args, shape: str, family: str, precision: str, variant: str, peak_fl
                   f"(slowest/fastest step {row['step_spread']:.2f})", flush=True)
 
     for micro_batch_size in args.micro_batch_size:
+        forget_cuda_graphs(config, chunks)
         data = itertools.repeat(random_batch(micro_batch_size, s, args.vocab_size, device))
         step = functools.partial(train_step, data, chunks, optimizer, scheduler, 1, micro_batch_size, s)
         try:
@@ -311,6 +327,7 @@ def measure(args, shape: str, family: str, precision: str, variant: str, peak_fl
             skipped.append(f"{title} micro-batch {micro_batch_size} and larger: out of memory ({error})"
                            .splitlines()[0])
             break
+    forget_cuda_graphs(config, chunks)
     del chunks, optimizer, scheduler, step
     gc.collect()
     return rows
@@ -357,7 +374,10 @@ def main(argv=None):
         distributed.initialize()
     # A variant's flags are checked before anything is measured, so that a typo fails in seconds.
     for variant, extra in args.variants.items():
-        parse_pretrain_args(pretrain_flags(args, args.shapes[0], args.families[0], "bf16", extra), world_size=1)
+        flags = parse_pretrain_args(pretrain_flags(args, args.shapes[0], args.families[0], "bf16", extra), world_size=1)
+        if flags.cuda_graph_impl != "none" and len(args.kernels) > 1:
+            sys.exit(f"gpu_throughput.py: --variant {variant}: CUDA graphs replay the kernels they captured, so "
+                     "--kernels cannot alternate in it; give one --kernels setting")
     on_cuda = args.device.type == "cuda"
     name = torch.cuda.get_device_name() if on_cuda else "CPU"
     peak = peak_flops_per_device(torch.bfloat16) if on_cuda else None

@@ -1,11 +1,18 @@
 """The fused core attention (torch's scaled_dot_product_attention) computes megatron-core's local attention."""
 
+from unittest import mock
+
 import pytest
 import torch
 from megatron.core.transformer.enums import AttnBackend
 
-from angpt.models import build_model, model_config
-from angpt.models.attention import FusedDotProductAttention, clear_attention_backend_environment, uses_fused_attention
+from angpt.models import attention, build_model, model_config
+from angpt.models.attention import (
+    FusedDotProductAttention,
+    clear_attention_backend_environment,
+    fused_rotary_pos_emb,
+    uses_fused_attention,
+)
 
 SHAPE = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
 VOCAB, SEQ = 128, 32
@@ -92,3 +99,59 @@ def test_core_attention_applies_the_spec_softmax_scale(seeded, fresh_backend_var
         out = attention(query, key, value, None)
     expected = handwritten_attention(query, key, value, SPEC_SOFTMAX_SCALE[family])
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+
+def spec_rope(t, theta):
+    """RoPE as the spec states it, computed independently: the pairs (x_i, x_{i + h/2}) of each head as the
+    complex numbers x_i + i x_{i + h/2}, rotated by the angles theta_i of their position."""
+    half = t.shape[-1] // 2
+    rotated = torch.complex(t[..., :half], t[..., half:]) * torch.polar(torch.ones_like(theta), theta)
+    return torch.cat((rotated.real, rotated.imag), dim=-1)
+
+
+def rope_value_and_grad(rope, t, theta):
+    t = t.detach().requires_grad_()
+    out = rope(t, theta)
+    weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+    return out.detach(), torch.autograd.grad((out * weights).sum(), t)[0]
+
+
+@pytest.mark.slow
+def test_compiled_rope_equals_the_spec_forward_and_backward():
+    """The kernel that `--rope-fusion` runs on GPUs without Transformer Engine, compiled here for the CPU (the
+    same graph, lowered to C++ instead of Triton): values and gradients equal RoPE as the spec writes it, as
+    do those of the eager function it stands in for."""
+    generator = torch.Generator().manual_seed(3)
+    t = torch.randn(SEQ, 2, 4, HEAD_DIM, generator=generator, dtype=torch.float64)
+    theta = torch.rand(SEQ, 1, 1, HEAD_DIM // 2, generator=generator, dtype=torch.float64) * 6.0
+    expected, expected_grad = rope_value_and_grad(spec_rope, t, theta)
+
+    def megatron_angles(rope):  # megatron-core passes theta twice along the head dimension, in fp32
+        return lambda t, theta: rope(t, torch.cat((theta, theta), dim=-1).float(), False)
+
+    for name, rope in (("compiled", attention._rotary.compiled), ("eager", fused_rotary_pos_emb)):
+        out, grad = rope_value_and_grad(megatron_angles(rope), t.float(), theta)
+        assert not attention._rotary.compile_failures
+        # fp32 angles, cos and sin: a few units of fp32 round-off on values of order one.
+        torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-6, msg=name)
+        torch.testing.assert_close(grad.double(), expected_grad, rtol=0, atol=2e-6, msg=name)
+
+
+def test_rope_fusion_runs_without_transformer_engine(seeded, fresh_backend_variables):
+    """`apply_rope_fusion` builds without Transformer Engine (megatron-core refuses it otherwise), and its RoPE
+    is ours: the model computes what it computes with megatron-core's unfused RoPE (on the CPU the same
+    eager function runs, so bit for bit)."""
+    calls = []
+    fused = build_model(model_config("gptplus", **SHAPE, apply_rope_fusion=True), VOCAB, SEQ)
+    unfused = build_model(model_config("gptplus", **SHAPE), VOCAB, SEQ)
+    unfused.load_state_dict(fused.state_dict())
+    tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    with mock.patch.object(attention, "_rotary", wraps=attention._rotary) as rotary:
+        loss_fused, grads_fused = run(fused, tokens)
+        calls = rotary.call_count
+    loss_unfused, grads_unfused = run(unfused, tokens)
+    assert calls == 2 * SHAPE["num_layers"]  # q and k of each layer
+    assert torch.equal(loss_fused, loss_unfused)
+    for name, grad in grads_unfused.items():
+        assert torch.equal(grads_fused[name], grad), name

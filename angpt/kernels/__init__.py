@@ -114,6 +114,7 @@ def fused_on_gpu(function: Optional[Callable] = None, *, eager: Optional[Callabl
         return eager(x, *args)
 
     run.compile_failures = failed
+    run.compiled = compiled  # for comparisons against `eager` on any device
     return run
 
 

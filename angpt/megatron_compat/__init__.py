@@ -16,6 +16,9 @@ Each workaround, where it is, and what breaks without it under megatron-core 0.1
   is no sharded state dict to load into, then `KeyError: 'step'`, then Adam's bias correction restarts.
 - The grad norm and clipping in foreach ops (`patches.py`, `foreach_l2_norm`): without apex or Transformer
   Engine, megatron's fallback syncs the host once per parameter for the grad norm of every step.
+- A fused RoPE without Transformer Engine (`patches.py`, `angpt.models.attention.fused_rotary_pos_emb`):
+  `apply_rope_fusion` (`--rope-fusion`) is refused ("apply_rope_fusion is not available"), and RoPE runs
+  as five eager kernels forward and more backward for each of q and k, cos and sin recomputed every call.
 - The optimizer step composed from its parts (`angpt/step.py`, `step_unless_not_finite`): `optimizer.step()`
   skips only on an fp16 overflow, so a NaN or Inf loss in bf16 or fp32 would update the weights.
 - The output layer converted in place (`angpt/models/layers.py`, `ScaledOutputLayer.attach`): `GPTModel`

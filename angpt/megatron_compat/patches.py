@@ -14,12 +14,14 @@ from multiprocessing.managers import SyncManager
 import megatron.core
 import torch
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.optimizer import clip_grads
 from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
 from megatron.core.utils import local_multi_tensor_l2_norm
 
 from angpt.arguments import EXIT_SIGNALS
 from angpt.megatron_compat import WRITTEN_FOR, cpu
+from angpt.models.attention import fused_rotary_pos_emb
 
 logger = logging.getLogger("angpt.megatron_compat")
 _installed = False
@@ -40,6 +42,8 @@ def install() -> None:
     if clip_grads.l2_norm_impl is local_multi_tensor_l2_norm:
         clip_grads.l2_norm_impl = foreach_l2_norm
         clip_grads.multi_tensor_scale_impl = foreach_scale
+    if rope_utils.fused_apply_rotary_pos_emb is None:  # Transformer Engine's, where it is installed
+        rope_utils.fused_apply_rotary_pos_emb = fused_rotary_pos_emb
 
 
 def check_version(installed: str) -> bool:

@@ -16,8 +16,11 @@ import os
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
+from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
+
+from angpt.kernels import fused_on_gpu
 
 
 def clear_attention_backend_environment() -> None:
@@ -67,3 +70,18 @@ class FusedDotProductAttention(DotProductAttention):
             )
         sequence, batch = context.shape[2], context.shape[0]
         return context.permute(2, 0, 1, 3).reshape(sequence, batch, -1)
+
+
+@fused_on_gpu
+def _rotary(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    # megatron-core's own RoPE (cos and sin of the angles, the rotated half, the pass-through part), which
+    # torch.compile turns into one kernel forward and one backward: the angles' cos and sin are computed
+    # in registers, never written out, and rotate_half's negation and concatenation are index arithmetic.
+    return rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
+
+
+def fused_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """RoPE of t [s, b, heads, head_dim] by the angles freqs [s, 1, 1, rotary_dim]: what megatron-core's
+    `apply_rope_fusion` calls where Transformer Engine's fused RoPE is missing (megatron_compat.patches),
+    compiled on CUDA tensors, megatron-core's eager function elsewhere."""
+    return _rotary(t, freqs, interleaved)
