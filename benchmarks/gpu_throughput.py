@@ -46,7 +46,6 @@ import traceback
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
-from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
@@ -54,6 +53,7 @@ from angpt import distributed, kernels
 from angpt.arguments import parse_args as parse_pretrain_args
 from angpt.arguments import settings_to_argv
 from angpt.config_from_args import model_config_from_args, padded_vocab_size
+from angpt.megatron_compat import patches
 from angpt.models.attention import clear_attention_backend_environment
 from angpt.optimizer import build_optimizer
 from angpt.performance import model_flops_per_token, peak_flops_per_device
@@ -174,18 +174,6 @@ def build(flags: list[str]):
     return config, vocab_size, chunks, optimizer, scheduler
 
 
-def forget_cuda_graphs(config, chunks) -> None:
-    """megatron-core's local CUDA graphs are captured for one micro-batch shape, and its graph record is global
-    to the process: drop the graphs, and the runners holding them, before another shape or another model."""
-    if config.cuda_graph_impl != "local":
-        return
-    delete_cuda_graphs()
-    for chunk in chunks:
-        for module in chunk.modules():
-            if hasattr(module, "cudagraph_manager"):
-                module.cudagraph_manager.cudagraph_runners = []
-
-
 def random_batch(micro_batch_size: int, seq_length: int, vocab_size: int, device: torch.device) -> dict:
     b, s = micro_batch_size, seq_length
     tokens = torch.randint(0, vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(0)).to(device)
@@ -301,7 +289,8 @@ def measure(args, shape: str, family: str, precision: str, variant: str, peak_fl
                   f"(slowest/fastest step {row['step_spread']:.2f})", flush=True)
 
     for micro_batch_size in args.micro_batch_size:
-        forget_cuda_graphs(config, chunks)
+        if config.cuda_graph_impl == "local":  # graphs are captured for one micro-batch shape
+            patches.delete_cuda_graphs(chunks)
         data = itertools.repeat(random_batch(micro_batch_size, s, args.vocab_size, device))
         step = functools.partial(train_step, data, chunks, optimizer, scheduler, 1, micro_batch_size, s)
         try:
@@ -327,7 +316,8 @@ def measure(args, shape: str, family: str, precision: str, variant: str, peak_fl
             skipped.append(f"{title} micro-batch {micro_batch_size} and larger: out of memory ({error})"
                            .splitlines()[0])
             break
-    forget_cuda_graphs(config, chunks)
+    if config.cuda_graph_impl == "local":
+        patches.delete_cuda_graphs(chunks)
     del chunks, optimizer, scheduler, step
     gc.collect()
     return rows

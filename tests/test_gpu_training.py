@@ -8,14 +8,14 @@ import math
 import pytest
 import torch
 from megatron.core.distributed import DistributedDataParallelConfig
-from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
 from megatron.core.transformer.enums import AttnBackend
 
 from angpt import kernels
 from angpt.bounding import constrained_parameters
 from angpt.distributed import set_random_seed
 from angpt.factors import nu_alpha
-from angpt.models import attention, build_model, layers, model_config
+from angpt.megatron_compat import patches
+from angpt.models import attention, build_model, layers, model_config, norms
 from angpt.models.attention import clear_attention_backend_environment
 from angpt.optimizer import build_optimizer
 from angpt.step import build_model_chunks, train_step
@@ -32,7 +32,9 @@ def batch(seed=1):
                 position_ids=torch.arange(SEQ, device="cuda").unsqueeze(0).expand(BATCH, -1))
 
 
-def train(family, steps, bf16=False, distributed_optimizer=False, lr=0.01, microbatches=1, **overrides):
+def train(family, steps, bf16=False, distributed_optimizer=False, lr=0.01, microbatches=1, after_step=None,
+          **overrides):
+    """Losses of `steps` training steps on one batch; `after_step(chunks)` runs after each."""
     clear_attention_backend_environment()
     set_random_seed(1234, cuda_graphs=overrides.get("cuda_graph_impl") == "local")
     dtype = dict(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16) if bf16 else {}
@@ -42,7 +44,11 @@ def train(family, steps, bf16=False, distributed_optimizer=False, lr=0.01, micro
     optimizer, scheduler = build_optimizer(chunks, family, lr=lr, train_iters=steps,
                                            use_distributed_optimizer=distributed_optimizer, bf16=bf16)
     data = itertools.repeat(batch())
-    losses = [train_step(data, chunks, optimizer, scheduler, microbatches, BATCH, SEQ)[0] for _ in range(steps)]
+    losses = []
+    for _ in range(steps):
+        losses.append(train_step(data, chunks, optimizer, scheduler, microbatches, BATCH, SEQ)[0])
+        if after_step:
+            after_step(chunks)
     return losses, chunks, optimizer
 
 
@@ -56,6 +62,7 @@ def test_compiled_elementwise_chains_equal_eager(dtype):
         layers.fused_l2_normalize: lambda: layers.fused_l2_normalize(h),
         layers.lerp_update: lambda: layers.lerp_update(h, x, alpha, nu_alpha(alpha)),
         layers.normalized_lerp_update: lambda: layers.normalized_lerp_update(h, x, alpha),
+        norms.rms_norm: lambda: norms.rms_norm(h, (1 + alpha).to(dtype), 1e-5),  # GPT+'s, weight 1 + alpha
     }
 
     def assert_close(a, b, name):
@@ -156,32 +163,44 @@ def test_compiled_rope_equals_eager_on_cuda(dtype):
     torch.testing.assert_close(fused_grad, eager_grad, **tolerance)
 
 
-@pytest.fixture
-def cuda_graphs_forgotten():
-    yield
-    delete_cuda_graphs()
+def main_grads(store):
+    """An `after_step` that keeps the step's gradients (left in the grad buffers until the next step)."""
+    return lambda chunks: store.append({name: p.main_grad.clone() for name, p in chunks[0].named_parameters()})
 
 
 @pytest.mark.parametrize("family", ["gptplus", "angpt", "ngpt"])
-def test_cuda_graphs_train_as_eager(family, single_process, cuda_graphs_forgotten):
-    """--cuda-graph-impl local: megatron-core captures each layer's forward and backward after the first step
-    and replays them from then on. Over 6 steps of 2 micro-batches each (graphs reused across micro-batches),
-    fp32, the losses are eager's to round-off: the graphs read the weights the optimizer and the projection
-    update in place, and the learnable scales; nothing is captured stale."""
-    eager, _, _ = train(family, steps=6, microbatches=2)
-    graphed, chunks, _ = train(family, steps=6, microbatches=2, cuda_graph_impl="local")
-    runners = [runner for module in chunks[0].modules() if hasattr(module, "cudagraph_manager")
-               for runner in module.cudagraph_manager.cudagraph_runners]
-    assert len(runners) == SHAPE["num_layers"], runners
-    assert all(runner.fwd_graph is not None and runner.bwd_graph is not None for runner in runners)
-    assert all(math.isfinite(loss) for loss in graphed) and graphed[-1] < graphed[0]
-    for a, b in zip(graphed, eager):
-        assert abs(a - b) <= 1e-5 * abs(b), (graphed, eager)
+def test_cuda_graphs_compute_eager_steps(family, single_process):
+    """--cuda-graph-impl local: megatron-core runs the first step eagerly, captures each layer's forward and
+    backward at its end, and replays them from the second step on, here for 2 micro-batches a step (graphs
+    reused across micro-batches). fp32, from the same initial weights: the second step (the first replayed)
+    has eager's loss (the graphs read the weights the optimizer and projection updated in place, and the
+    learnable scales) and eager's gradients for every parameter, to fp32 round-off (cuBLAS may pick other
+    kernels under capture). Later losses may drift further: Adam turns round-off in gradients near zero into
+    whole steps of lr (up to 1.7% by the sixth step, measured on an H200), so they are only checked to fall."""
+    eager_grads, graphed_grads, chunks = [], [], None
+    eager, _, _ = train(family, steps=6, microbatches=2, after_step=main_grads(eager_grads))
+    try:
+        graphed, chunks, _ = train(family, steps=6, microbatches=2, cuda_graph_impl="local",
+                                   after_step=main_grads(graphed_grads))
+        runners = [runner for module in chunks[0].modules() if hasattr(module, "cudagraph_manager")
+                   for runner in module.cudagraph_manager.cudagraph_runners]
+        assert len(runners) == SHAPE["num_layers"], runners
+        assert all(runner.fwd_graph is not None and runner.bwd_graph is not None for runner in runners)
+    finally:
+        patches.delete_cuda_graphs(chunks or [])
+    for step in (0, 1):
+        assert abs(graphed[step] - eager[step]) <= 1e-6 * abs(eager[step]), (step, graphed, eager)
+        for name, grad in eager_grads[step].items():
+            scale = grad.abs().max().item()
+            torch.testing.assert_close(graphed_grads[step][name], grad, rtol=1e-4, atol=1e-5 * scale,
+                                       msg=lambda message: f"step {step + 1}, {name}: {message}")
+    assert all(math.isfinite(loss) for loss in graphed) and graphed[-1] < graphed[0] - 0.5, graphed
 
 
-def test_cuda_graphs_in_bf16_with_the_distributed_optimizer(single_process, cuda_graphs_forgotten):
+def test_cuda_graphs_in_bf16_with_the_distributed_optimizer(single_process):
     eager, _, _ = train("angpt", steps=8, bf16=True, distributed_optimizer=True)
-    graphed, _, _ = train("angpt", steps=8, bf16=True, distributed_optimizer=True, cuda_graph_impl="local")
-    # The same kernels in the same order: bf16 rounding cannot differ, only the reductions' order (atomics).
-    for a, b in zip(graphed, eager):
-        assert abs(a - b) <= 1e-2 * abs(b), (graphed, eager)
+    graphed, chunks, _ = train("angpt", steps=8, bf16=True, distributed_optimizer=True, cuda_graph_impl="local")
+    patches.delete_cuda_graphs(chunks)
+    # As in fp32 (above): the first two steps to round-off, then a trajectory that drifts within bf16's noise.
+    for step, (a, b) in enumerate(zip(graphed, eager)):
+        assert abs(a - b) <= (1e-3 if step < 2 else 2e-2) * abs(b), (graphed, eager)

@@ -19,6 +19,8 @@ Each workaround, where it is, and what breaks without it under megatron-core 0.1
 - A fused RoPE without Transformer Engine (`patches.py`, `angpt.models.attention.fused_rotary_pos_emb`):
   `apply_rope_fusion` (`--rope-fusion`) is refused ("apply_rope_fusion is not available"), and RoPE runs
   as five eager kernels forward and more backward for each of q and k, cos and sin recomputed every call.
+- CUDA graphs freed (`patches.py`, `delete_cuda_graphs`): megatron-core's own keeps every graph's input and
+  output buffers alive, so a second micro-batch shape or model in the same process runs out of memory.
 - The optimizer step composed from its parts (`angpt/step.py`, `step_unless_not_finite`): `optimizer.step()`
   skips only on an fp16 overflow, so a NaN or Inf loss in bf16 or fp32 would update the weights.
 - The output layer converted in place (`angpt/models/layers.py`, `ScaledOutputLayer.attach`): `GPTModel`

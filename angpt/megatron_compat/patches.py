@@ -17,6 +17,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.optimizer import clip_grads
 from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
+from megatron.core.transformer import cuda_graphs
 from megatron.core.utils import local_multi_tensor_l2_norm
 
 from angpt.arguments import EXIT_SIGNALS
@@ -149,3 +150,21 @@ def unshare_adam_steps(optimizer) -> None:
         for state in inner.optimizer.state.values():
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].clone()
+
+
+def delete_cuda_graphs(model_chunks) -> None:
+    """Free megatron-core's local CUDA graphs of these model chunks, for another micro-batch shape (the graphs
+    are captured for one) or another model in the same process. megatron-core's `delete_cuda_graphs` keeps
+    each layer's runners, whose graph inputs and outputs match any later call of the same shape, and the
+    buffer pool's strong references to every input and output buffer: a process that builds several graphed
+    models ran out of memory on their graphs' leftovers (the benchmark, on an H200)."""
+    cuda_graphs.delete_cuda_graphs()
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            if hasattr(module, "cudagraph_manager"):
+                module.cudagraph_manager.cudagraph_runners = []
+    pool = cuda_graphs._CudagraphGlobalRecord.tensor_reuse_pool
+    pool.tensor_strong_refs.clear()
+    pool.tensor_strong_refs_dataptrs.clear()
+    pool.pool.clear()
+    torch.cuda.empty_cache()
