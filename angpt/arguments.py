@@ -216,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="local: capture each transformer layer's forward and backward as CUDA graphs "
                        "(megatron-core's own implementation; no Transformer Engine needed) after the first step, "
                        "and replay them: for launch-bound steps (small micro-batches). Needs a GPU. NOT VERIFIED: "
-                       "its gradients differed from eager ones on an H200 (docs/gpu.md); for speed measurements")
+                       "its gradients were wrong on an H200, the fix has not run on a GPU since (docs/gpu.md); for "
+                       "speed measurements")
     speed.add_argument("--cuda-graph-warmup-steps", type=int, default=3,
                        help="eager runs of each layer inside the capture, before it is recorded")
 

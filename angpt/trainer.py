@@ -87,9 +87,9 @@ class Trainer:
             save_lock.take(args.save)
         self.config = model_config_from_args(args)
         if self.config.cuda_graph_impl == "local" and self.rank == 0:
-            logger.warning("--cuda-graph-impl local is not verified: on an H200 the first step replayed from CUDA "
-                           "graphs had eager's loss but not its gradients (docs/gpu.md, CUDA graphs); use it to "
-                           "measure speed, not to train")
+            logger.warning("--cuda-graph-impl local is not verified yet: on an H200 the steps replayed from CUDA "
+                           "graphs had wrong gradients, and the fix (angpt.megatron_compat.patches) has not run on "
+                           "a GPU since (docs/gpu.md, CUDA graphs); use it to measure speed, not to train")
         self.vocab_size = padded_vocab_size(self.vocabulary.vocab_size, args.make_vocab_size_divisible_by,
                                             args.tensor_model_parallel_size)
         ddp_config = DistributedDataParallelConfig(

@@ -663,6 +663,8 @@ def parse_args(argv=None):
     parser.add_argument("--train-iters", type=int, help="override the mode's steps per run")
     parser.add_argument("--seeds", type=int, default=3, help="seeds at each family's best lr (seed 0 included)")
     parser.add_argument("--max-lrs", type=int, help="use only this many lrs of each grid (the middle ones)")
+    parser.add_argument("--lrs", action="append", metavar="FAMILY=LR[,LR...]",
+                        help="this family's lr grid instead of the mode's (repeatable), e.g. gptplus=0.003,0.001")
     parser.add_argument("--ablations", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--ablation-list", help="comma-separated subset of: " + ", ".join(ABLATIONS))
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (each gets cores / jobs threads)")
@@ -700,6 +702,14 @@ def main(argv=None) -> None:
             lrs = settings["lrs"][f]
             first = max(0, (len(lrs) - options.max_lrs) // 2)
             settings["lrs"][f] = lrs[first:first + options.max_lrs]
+    for item in options.lrs or []:
+        family, _, values = item.partition("=")
+        try:
+            settings["lrs"][family] = tuple(float(value) for value in values.split(","))
+        except ValueError:
+            raise SystemExit(f"--lrs {item}: expected FAMILY=LR[,LR...]") from None
+        if family not in FAMILIES or not all(lr > 0 for lr in settings["lrs"][family]):
+            raise SystemExit(f"--lrs {item}: FAMILY is one of {', '.join(FAMILIES)}, each LR positive")
     ablation_names = list(ABLATIONS) if options.ablations else []
     if options.ablation_list:
         ablation_names = [a for a in options.ablation_list.split(",") if a]

@@ -10,8 +10,10 @@ import warnings
 
 import megatron.core
 import pytest
+import torch
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
+from megatron.core.transformer import cuda_graphs
 
 from angpt.megatron_compat import KNOWN_WARNINGS, WRITTEN_FOR, patches, quiet_known_warnings
 
@@ -61,3 +63,32 @@ def test_the_package_itself_imports_neither_torch_nor_megatron():
 @pytest.mark.parametrize("pinned", ["setup.py", "requirements/cpu.txt"])
 def test_the_pins_name_the_version_the_workarounds_were_written_for(pinned):
     assert f"megatron-core=={WRITTEN_FOR}" in open(f"{ROOT}/{pinned}").read()
+
+
+def test_a_graph_input_buffer_kept_for_backward_stays_out_of_the_reuse_pool(single_process):
+    """megatron-core's local CUDA graphs return the first layer's forward input buffer to the reuse pool, from
+    which a later backward graph took it as a gradient buffer (wrong gradients, found on an H200). With the
+    patch, such a buffer (marked `can_skip_replay_copy = False`) stays out while gradients are on; gradient
+    buffers (unmarked) and buffers of forward-only graphs still go back."""
+    pool = cuda_graphs._CudagraphGlobalRecord.tensor_reuse_pool
+    assert cuda_graphs.TensorReusePool.insert is patches._insert_unless_saved_for_backward
+
+    def buffer(marked):
+        tensor = pool.get(cuda_graphs.ArgMetadata(torch.zeros(2, 3)))
+        if marked:
+            tensor.can_skip_replay_copy = False
+        return tensor
+
+    try:
+        forward_input, gradient, forward_only_input = buffer(True), buffer(False), buffer(True)
+        pool.insert(forward_input)
+        pool.insert(gradient)
+        with torch.no_grad():
+            pool.insert(forward_only_input)
+        pooled = {id(tensor) for tensor in pool.pool}
+        assert id(forward_input) not in pooled
+        assert id(gradient) in pooled and id(forward_only_input) in pooled
+    finally:
+        pool.pool.clear()
+        pool.tensor_strong_refs.clear()
+        pool.tensor_strong_refs_dataptrs.clear()

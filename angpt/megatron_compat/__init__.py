@@ -19,6 +19,9 @@ Each workaround, where it is, and what breaks without it under megatron-core 0.1
 - A fused RoPE without Transformer Engine (`patches.py`, `angpt.models.attention.fused_rotary_pos_emb`):
   `apply_rope_fusion` (`--rope-fusion`) is refused ("apply_rope_fusion is not available"), and RoPE runs
   as five eager kernels forward and more backward for each of q and k, cos and sin recomputed every call.
+- A graph's input buffer kept for its backward (`patches.py`, `_insert_unless_saved_for_backward`): with
+  `--cuda-graph-impl local`, the last layer's replayed backward overwrites the first layer's saved input, so
+  the first layer's gradients (and, after a pre-norm, the embedding's) are wrong from the second step on.
 - CUDA graphs freed (`patches.py`, `delete_cuda_graphs`): megatron-core's own keeps every graph's input and
   output buffers alive, so a second micro-batch shape or model in the same process runs out of memory.
 - The optimizer step composed from its parts (`angpt/step.py`, `step_unless_not_finite`): `optimizer.step()`

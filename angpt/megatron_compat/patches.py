@@ -45,6 +45,7 @@ def install() -> None:
         clip_grads.multi_tensor_scale_impl = foreach_scale
     if rope_utils.fused_apply_rotary_pos_emb is None:  # Transformer Engine's, where it is installed
         rope_utils.fused_apply_rotary_pos_emb = fused_rotary_pos_emb
+    cuda_graphs.TensorReusePool.insert = _insert_unless_saved_for_backward
 
 
 def check_version(installed: str) -> bool:
@@ -150,6 +151,24 @@ def unshare_adam_steps(optimizer) -> None:
         for state in inner.optimizer.state.values():
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].clone()
+
+
+_pool_insert = cuda_graphs.TensorReusePool.insert
+
+
+def _insert_unless_saved_for_backward(pool, tensor: torch.Tensor) -> None:
+    """megatron-core 0.16.1's TensorReusePool.insert, except for a forward graph's own input buffer (the first
+    layer's: later layers read the previous graph's output buffer) captured with gradients on. megatron-core
+    returns that buffer to the pool once the forward graph is captured, and the backward graphs captured after
+    it take it as a gradient buffer: replaying the last layer's backward then overwrote the first layer's
+    input before the first layer's backward read it (for its weight gradients, and for its norm's input
+    gradient). On an H200 the first replayed step had eager's loss but wrong gradients in every family:
+    layer 0's W_qkv gradient for anGPT (no pre-norm: its input gradient stayed right), the embedding's for
+    GPT+ (its RMSNorm's backward reads the input). Such a buffer is marked `can_skip_replay_copy = False`
+    (it is copied into at each replay); gradient buffers are not marked."""
+    if getattr(tensor, "can_skip_replay_copy", None) is False and torch.is_grad_enabled():
+        return
+    _pool_insert(pool, tensor)
 
 
 def delete_cuda_graphs(model_chunks) -> None:
