@@ -60,6 +60,6 @@ def set_random_seed(seed: int, cuda_graphs: bool = False) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    current = getattr(tensor_parallel.random._CUDA_RNG_STATE_TRACKER, "use_cudagraphable_rng", False)
+    current = getattr(tensor_parallel.get_cuda_rng_tracker(), "use_cudagraphable_rng", False)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=cuda_graphs,
                                                     force_reset_rng=current != cuda_graphs)

@@ -289,8 +289,7 @@ def measure(args, shape: str, family: str, precision: str, variant: str, peak_fl
                   f"(slowest/fastest step {row['step_spread']:.2f})", flush=True)
 
     for micro_batch_size in args.micro_batch_size:
-        if config.cuda_graph_impl == "local":  # graphs are captured for one micro-batch shape
-            patches.delete_cuda_graphs(chunks)
+        patches.delete_cuda_graphs(chunks)  # CUDA graphs are captured for one micro-batch shape
         data = itertools.repeat(random_batch(micro_batch_size, s, args.vocab_size, device))
         step = functools.partial(train_step, data, chunks, optimizer, scheduler, 1, micro_batch_size, s)
         try:
@@ -316,8 +315,7 @@ def measure(args, shape: str, family: str, precision: str, variant: str, peak_fl
             skipped.append(f"{title} micro-batch {micro_batch_size} and larger: out of memory ({error})"
                            .splitlines()[0])
             break
-    if config.cuda_graph_impl == "local":
-        patches.delete_cuda_graphs(chunks)
+    patches.delete_cuda_graphs(chunks)
     del chunks, optimizer, scheduler, step
     gc.collect()
     return rows

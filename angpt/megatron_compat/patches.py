@@ -176,12 +176,15 @@ def delete_cuda_graphs(model_chunks) -> None:
     are captured for one) or another model in the same process. megatron-core's `delete_cuda_graphs` keeps
     each layer's runners, whose graph inputs and outputs match any later call of the same shape, and the
     buffer pool's strong references to every input and output buffer: a process that builds several graphed
-    models ran out of memory on their graphs' leftovers (the benchmark, on an H200)."""
+    models ran out of memory on their graphs' leftovers (the benchmark, on an H200). Nothing to do for
+    chunks built without CUDA graphs."""
+    managers = [module.cudagraph_manager for chunk in model_chunks for module in chunk.modules()
+                if hasattr(module, "cudagraph_manager")]
+    if not managers:
+        return
     cuda_graphs.delete_cuda_graphs()
-    for chunk in model_chunks:
-        for module in chunk.modules():
-            if hasattr(module, "cudagraph_manager"):
-                module.cudagraph_manager.cudagraph_runners = []
+    for manager in managers:
+        manager.cudagraph_runners = []
     pool = cuda_graphs._CudagraphGlobalRecord.tensor_reuse_pool
     pool.tensor_strong_refs.clear()
     pool.tensor_strong_refs_dataptrs.clear()
