@@ -1,5 +1,6 @@
 """anGPT's norm-health signals (docs/model.md, What the paper reports): per-layer residual-stream norms,
-alpha, the fraction of weight rows at the bound, measured by HealthProbe during logged steps.
+alpha, the fraction of weight rows at the bound, measured by HealthProbe during logged steps; and, under FP8
+with delayed scaling, the absolute maximum behind each FP8 GEMM operand's scale (docs/fp8.md).
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ from angpt.models.layers import NormalizedResidual, PostNorm
 # A row counts as "at the bound" when its norm is within this of 1 (docs/model.md, Bounding: rows are projected to
 # norm <= 1, so rows the optimizer pushes outward sit at exactly 1 up to round-off).
 BOUND_TOLERANCE = 1e-3
+
+# Transformer Engine's delayed-scaling state (module.fp8_meta["scaling_fwd" / "scaling_bwd"].scale) has, per
+# GEMM, 3 forward tensors (input, weight, output) and 2 backward ones (grad_output, grad_input); the operands
+# reported are these. E4M3 is used forward, and backward too except in the hybrid format, which uses E5M2.
+FP8_OPERANDS = {"scaling_fwd": (3, {0: "input", 1: "weight"}), "scaling_bwd": (2, {0: "grad_output"})}
+FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 
 
 
@@ -55,6 +62,11 @@ class HealthProbe:
             if WEIGHT_CONSTRAINTS[config.model_family] == "bound"
             else []
         )
+        self._fp8_max = {
+            "scaling_fwd": FP8_MAX["e4m3"],
+            "scaling_bwd": FP8_MAX["e5m2" if config.fp8 == "hybrid" else "e4m3"],
+        }
+        self._fp8_margin = config.fp8_margin or 0
         self._norm_sums: dict[str, torch.Tensor] = {}
         self._token_counts: dict[str, int] = {}
 
@@ -124,12 +136,36 @@ class HealthProbe:
         norms = torch.cat(counted).sqrt()
         return int((norms >= 1 - BOUND_TOLERANCE).sum().item()), norms.numel()
 
+    @torch.no_grad()
+    def _fp8_amaxes(self) -> dict[str, float]:
+        """Per layer, TE module and operand: the absolute maximum its current FP8 scale was set from,
+        fp8_max / (scale * 2^margin) (delayed scaling; other recipes keep no such state and report nothing).
+        Read from the scales rather than the amax histories, which TE rolls and zeroes after each update."""
+        figures = {}
+        for layer_name, layer in self._layers:
+            for module_name, module in layer.named_modules():
+                meta = getattr(module, "fp8_meta", None)
+                if not isinstance(meta, dict):
+                    continue
+                for key, (per_gemm, operands) in FP8_OPERANDS.items():
+                    scale = getattr(meta.get(key), "scale", None)
+                    if scale is None:
+                        continue
+                    gemms = scale.numel() // per_gemm
+                    amax = self._fp8_max[key] / (scale.float() * 2.0**self._fp8_margin)
+                    for column, value in enumerate(amax.tolist()):
+                        gemm, operand = divmod(column, per_gemm)
+                        if operand in operands:
+                            suffix = f"/gemm_{gemm + 1}" if gemms > 1 else ""
+                            figures[f"fp8_amax_{operands[operand]}/{layer_name}/{module_name}{suffix}"] = value
+        return figures
+
     def summary(self) -> dict[str, float]:
         """{"health/...": value} over the whole model, on every rank (collective over the default group),
         then forgets what was captured. Norms are means over all tokens captured by any rank since the
         previous summary, so with data parallelism they cover every data-parallel rank's micro-batches."""
         sums = {name: total.item() for name, total in self._norm_sums.items()}
-        local = (sums, dict(self._token_counts), self._alpha_means(), self._rows_at_bound())
+        local = (sums, dict(self._token_counts), self._alpha_means(), self._rows_at_bound(), self._fp8_amaxes())
         self._norm_sums.clear()
         self._token_counts.clear()
         everyone = [None] * dist.get_world_size()
@@ -137,11 +173,13 @@ class HealthProbe:
 
         norm_sums, token_counts, figures = {}, {}, {}
         at_bound = rows = 0
-        for rank_sums, rank_counts, rank_alphas, (rank_at_bound, rank_rows) in everyone:
+        for rank_sums, rank_counts, rank_alphas, (rank_at_bound, rank_rows), rank_fp8 in everyone:
             for name, total in rank_sums.items():
                 norm_sums[name] = norm_sums.get(name, 0.0) + total
                 token_counts[name] = token_counts.get(name, 0) + rank_counts[name]
             figures.update(rank_alphas)  # alpha is replicated over TP and DP ranks
+            for name, amax in rank_fp8.items():  # TE reduces amaxes over TP; pipeline stages hold other layers
+                figures[name] = max(amax, figures.get(name, 0.0))
             at_bound += rank_at_bound
             rows += rank_rows
         figures.update({name: norm_sums[name] / token_counts[name] for name in norm_sums})

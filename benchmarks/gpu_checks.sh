@@ -7,7 +7,13 @@
 # fraction, kernels per step, the top kernels). FAMILIES="gptplus angpt" limits the families. Logs, JSON and Markdown go
 # to OUTPUT_DIR (default $OUT, which the device tool returns, else gpu-results/); a summary ends the output.
 #
-#   bash benchmarks/gpu_checks.sh [--no-gpu] [OUTPUT_DIR]
+#   bash benchmarks/gpu_checks.sh [--no-gpu] [--te] [OUTPUT_DIR]
+#
+# --te checks Transformer Engine and FP8 instead (issue 14): it installs Transformer Engine from a bundle in .whl/
+# (tools/te_bundle.py; the compiled transformer_engine_torch wheel is kept in OUTPUT_DIR/te-wheel, and a copy
+# of it put beside the bundle is reused next time) unless it is installed, builds the kernels, runs the
+# Transformer Engine `gpu` tests, BF16 against FP8 on a real corpus (benchmarks/fp8_training.py on
+# data/shakespeare, carried along) and the throughput rows of both precisions, 0.5B and 1B, every family.
 #
 # --no-gpu runs the same stages on a CPU (no CUDA build; the `gpu` tests skip; a tiny model stands in for
 # 0.5B and 1B), to check this script. Missing prerequisites stop it at once (exit 2). Each stage has a time
@@ -17,8 +23,14 @@
 # (megatron-core, for one) in .whl/ first; they are installed into /tmp/site.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-gpu=1
-if [ "${1:-}" = "--no-gpu" ]; then gpu=0; shift; fi
+gpu=1 te=0
+while [ $# -gt 0 ]; do
+    case $1 in
+        --no-gpu) gpu=0; shift ;;
+        --te) te=1; shift ;;
+        *) break ;;
+    esac
+done
 out=${1:-${OUT:-gpu-results}}
 mkdir -p "$out"
 PY=${PYTHON:-python3}
@@ -74,6 +86,12 @@ fi
 torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU', 'megatron-core',
 megatron.core.__version__)" | tee -a "$out/machine.log"
 "$PY" -m angpt.pretrain --help > "$out/pretrain-help.txt" 2>&1 || die "angpt.pretrain --help failed: see $out/pretrain-help.txt"
+te_bundle=""
+if [ $te -eq 1 ] && [ $gpu -eq 1 ] && ! "$PY" -c "import transformer_engine.pytorch" 2> /dev/null; then
+    te_bundle=$(compgen -G ".whl/te-*.tar.xz" | head -n 1)
+    [ -n "$te_bundle" ] || die "--te: Transformer Engine is not installed and .whl/ has no bundle (tools/te_bundle.py prepare)"
+    export PYTHONPATH=/tmp/site:$PYTHONPATH
+fi
 
 # Before/after: the flags of angpt.pretrain that switch the speed-ups of issue 13 on (after) or off (before),
 # where this tree has them (both sides of an option that is on by default, such as torch's fused AdamW on
@@ -92,6 +110,9 @@ if [ $gpu -eq 1 ] && has_flag --cuda-graph-impl; then variants+=(--variant "grap
 read -ra families <<< "${FAMILIES:-gptplus angpt ngpt}"
 other_features=$(grep -oE -- "--[a-z0-9-]*(fus|foreach|graph|compile)[a-z0-9-]*" "$out/pretrain-help.txt" | sort -u | tr '\n' ' ')
 
+if [ -n "$te_bundle" ]; then
+    stage te-install 300 "$PY" tools/te_bundle.py install "$te_bundle" --target /tmp/site --wheel-cache "$out/te-wheel"
+fi
 if [ $gpu -eq 1 ]; then
     # The extension for this GPU only (the Docker image builds sm_80 and sm_90).
     export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$("$PY" -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")}
@@ -105,20 +126,39 @@ else
     small=tiny large=tiny sizes=(2 8) large_sizes=(2 4)
 fi
 gpu_tests=$(grep -l "pytest.mark.gpu" tests/test_*.py)
+[ $te -eq 0 ] || gpu_tests=tests/test_transformer_engine.py
 # shellcheck disable=SC2086  # one argument per file
 stage tests 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors -o addopts="-ra" \
     --durations=15 $gpu_tests
 # (The host-sync check, tests/test_graph_safety.py, passed on the H200 on 2026-11-30; the CUDA graph tests
 # among the `gpu` tests above check graph safety by capturing.)
+if [ $te -eq 1 ]; then
+    # BF16 against FP8 on a real corpus first (the loss target), then FP8's throughput; "after" flags only.
+    if [ -f data/shakespeare/train_text_document.idx ]; then
+        stage fp8-training 240 "$PY" benchmarks/fp8_training.py --corpus data/shakespeare \
+            --output-dir "$out/fp8-training" $([ $gpu -eq 1 ] || echo "--transformer-impl local --precisions bf16 \
+            --train-iters 4 --num-layers 2 --hidden-size 64 --seq-length 32 --micro-batch-size 2 --log-interval 2")
+    else
+        echo "== fp8-training: skipped, no data/shakespeare (run make quickstart, and carry data/shakespeare)"
+        summary+=("fp8-training: SKIPPED (no data/shakespeare)")
+    fi
+    precisions=(bf16 fp8)
+    [ $gpu -eq 1 ] || precisions=(bf16)
+    variants=(--variant "after=${after# }")
+else
+    precisions=(bf16)
+fi
 # 0.5B: every variant at the smallest and largest micro-batch, the global batch from the largest.
 stage throughput-0.5b 200 "$PY" benchmarks/gpu_throughput.py --shapes $small --families "${families[@]}" \
-    --precisions bf16 --kernels on "${model[@]}" --micro-batch-size "${sizes[@]}" \
+    --precisions "${precisions[@]}" --kernels on "${model[@]}" --micro-batch-size "${sizes[@]}" \
     --global-micro-batch-size "${sizes[-1]}" "${variants[@]}" --profile-steps 1 --profile "$out/profile.txt" \
     --output "$out/throughput-0.5b.json" --markdown "$out/throughput-0.5b.md"
+large_variants=("${variants[@]}")
+[ ${#variants[@]} -le 4 ] || large_variants=("${variants[@]: -4}")
 # 1B: the last two variants, the global batch from micro-batches of 8 (16 took 118 GiB for GPT+ eagerly).
 stage throughput-1b 150 "$PY" benchmarks/gpu_throughput.py --shapes $large --families "${families[@]}" \
-    --precisions bf16 --kernels on "${model[@]}" --micro-batch-size "${large_sizes[@]}" \
-    --global-micro-batch-size "${large_sizes[-1]}" "${variants[@]: -4}" --profile-steps 1 \
+    --precisions "${precisions[@]}" --kernels on "${model[@]}" --micro-batch-size "${large_sizes[@]}" \
+    --global-micro-batch-size "${large_sizes[-1]}" "${large_variants[@]}" --profile-steps 1 \
     --profile "$out/profile-1b.txt" --output "$out/throughput-1b.json" --markdown "$out/throughput-1b.md"
 
 echo
@@ -128,6 +168,7 @@ echo "compared: ${variants[*]}"
 echo "speed-related flags in angpt.pretrain --help: ${other_features:-none}"
 printf '%s\n' "${summary[@]}"
 [ -f "$out/tests.log" ] && echo "gpu tests: $(grep -E "passed|failed|error|skipped|no tests ran" "$out/tests.log" | tail -n 1)"
+[ -f "$out/fp8-training/fp8_training.md" ] && { echo; echo "BF16 against FP8 on data/shakespeare"; cat "$out/fp8-training/fp8_training.md"; }
 for name in 0.5b 1b; do
     if [ -f "$out/throughput-$name.md" ]; then
         echo; echo "throughput $name ($(grep -m1 "fused kernels" "$out/throughput-$name.log" | sed 's/.*fused kernels/fused kernels/'))"

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -338,3 +339,29 @@ def test_health_probe_summary_at_tp2_and_pp2_equals_single_process(single_proces
         assert set(summary) == set(reference), result["layout"]
         for name, value in reference.items():
             assert summary[name] == pytest.approx(value, rel=1e-5), (result["layout"], name)
+
+
+@pytest.mark.parametrize("fp8_format, margin, grad_max", [("hybrid", 0, 57344.0), ("e4m3", 1, 448.0)])
+def test_health_probe_reports_the_amax_behind_each_fp8_scale(fp8_format, margin, grad_max, single_process):
+    """Under delayed scaling TE sets scale = fp8_max / amax / 2^margin (E4M3's max 448 forward, E5M2's 57344
+    backward in the hybrid format); the probe reads the amaxes back from the scales TE keeps per module."""
+    chunks = build("gptplus")
+    model = chunks[0].module
+    model.config.fp8, model.config.fp8_margin = fp8_format, margin
+    layer = model.decoder.layers[1]
+    # Stand-ins for TE's state on one linear: input amax 2, weight amax 0.5, grad_output amax 8; the output
+    # and grad_input columns are not reported.
+    amax = {"input": 2.0, "weight": 0.5, "grad_output": 8.0}
+    layer.self_attention.linear_qkv.fp8_meta = {
+        "scaling_fwd": SimpleNamespace(scale=torch.tensor([448 / 2.0, 448 / 0.5, 7.0]) / 2**margin),
+        "scaling_bwd": SimpleNamespace(scale=torch.tensor([grad_max / 8.0, 3.0]) / 2**margin),
+        "recipe": "not a scaling state",
+    }
+    try:
+        summary = HealthProbe(chunks).summary()
+    finally:
+        del layer.self_attention.linear_qkv.fp8_meta
+        model.config.fp8, model.config.fp8_margin = None, 0
+    name = f"layer_{layer.layer_number:02d}/self_attention.linear_qkv"
+    reported = {key: value for key, value in summary.items() if "fp8" in key}
+    assert reported == pytest.approx({f"health/fp8_amax_{operand}/{name}": value for operand, value in amax.items()})
