@@ -17,7 +17,7 @@ from megatron.core.utils import unwrap_model
 
 from angpt.bounding import all_reduce_in_place, constrained_parameters, split_over_tp
 from angpt.models.gpt import WEIGHT_CONSTRAINTS
-from angpt.models.layers import NormalizedResidual, PostNorm
+from angpt.models.layers import NormalizedResidual
 
 # A row counts as "at the bound" when its norm is within this of 1 (docs/model.md, Bounding: rows are projected to
 # norm <= 1, so rows the optimizer pushes outward sit at exactly 1 up to round-off).
@@ -77,8 +77,9 @@ class HealthProbe:
             record_output = partial(self._record_output, f"residual_norm/{layer_name}")
             handles.append(layer.register_forward_hook(record_output))
             for child_name, child in layer.named_children():
-                if isinstance(child, PostNorm):
-                    sub_block = child_name.removesuffix("_post_norm")
+                # The residual update applies the post-norm to its second input, the sub-block's output.
+                if isinstance(child, NormalizedResidual) and child.post_norm:
+                    sub_block = child_name.removesuffix("_residual")
                     name = f"post_norm_input/{sub_block}/{layer_name}"
                     handles.append(child.register_forward_pre_hook(partial(self._record_input, name)))
         try:
@@ -88,7 +89,7 @@ class HealthProbe:
                 handle.remove()
 
     def _record_input(self, name, module, inputs):
-        self._accumulate(name, inputs[0])
+        self._accumulate(name, inputs[1])
 
     def _record_output(self, name, module, inputs, output):
         # Transformer layers return (hidden_states, context).

@@ -4,9 +4,10 @@ from unittest import mock
 
 import pytest
 import torch
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnBackend
 
-from angpt.models import attention, build_model, model_config
+from angpt.models import attention, build_model, layers, model_config
 from angpt.models.attention import (
     FusedDotProductAttention,
     clear_attention_backend_environment,
@@ -155,3 +156,65 @@ def test_rope_fusion_runs_without_transformer_engine(seeded, fresh_backend_varia
     assert torch.equal(loss_fused, loss_unfused)
     for name, grad in grads_unfused.items():
         assert torch.equal(grads_fused[name], grad), name
+
+
+@pytest.mark.slow
+def test_rope_fused_with_qk_normalization_equals_the_spec_and_keeps_nothing_of_its_own():
+    """rotary_scaled_l2_normalize = s_qk * Norm(RoPE(q)), the kernel of the normalized families' q and k on
+    GPUs (compiled here for the CPU) and its eager form: values and gradients equal the spec's RoPE and
+    normalization computed independently in float64. Compiled, it keeps for backward the storage of its
+    input (a view of the qkv projection's output, which attention keeps anyway), the angles and s_qk."""
+    generator = torch.Generator().manual_seed(4)
+    mixed = torch.randn(SEQ, 2, 4, 3 * HEAD_DIM, generator=generator, dtype=torch.float64)  # q, k, v per head
+    theta = torch.rand(SEQ, 1, 1, HEAD_DIM // 2, generator=generator, dtype=torch.float64) * 6.0
+    scale = 0.5 + torch.rand(1, HEAD_DIM, generator=generator, dtype=torch.float64)
+    weights = torch.linspace(-1, 1, SEQ * 2 * 4 * HEAD_DIM, dtype=torch.float64).view(SEQ, 2, 4, HEAD_DIM)
+
+    def value_and_grads(function, mixed, scale):
+        mixed, scale = mixed.detach().requires_grad_(), scale.detach().requires_grad_()
+        kept = set()
+
+        def pack(tensor):
+            if tensor.numel() >= SEQ * 2 * 4 * HEAD_DIM:
+                kept.add(tensor.untyped_storage().data_ptr())
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out = function(mixed[..., :HEAD_DIM], scale)
+        grads = torch.autograd.grad((out * weights.to(out.dtype)).sum(), (mixed, scale))
+        return (out.detach(), *grads), kept, mixed.untyped_storage().data_ptr()
+
+    def spec(q, scale):
+        rotated = spec_rope(q, theta)
+        return scale * rotated / rotated.norm(dim=-1, keepdim=True)
+
+    expected, _, _ = value_and_grads(spec, mixed, scale)
+    angles = torch.cat((theta, theta), dim=-1).float()  # as megatron-core passes them
+    for name, function in (("compiled", layers.rotary_scaled_l2_normalize.compiled),
+                           ("eager", layers.rotary_scaled_l2_normalize)):
+        results, kept, mixed_storage = value_and_grads(lambda q, s: function(q, angles, s, False),
+                                                       mixed.float(), scale.float())
+        assert not layers.rotary_scaled_l2_normalize.compile_failures
+        for computed, reference in zip(results, expected):  # fp32: a few units of round-off on values of order 1
+            torch.testing.assert_close(computed.double(), reference, rtol=0, atol=1e-5, msg=name)
+        if name == "compiled":
+            assert kept == {mixed_storage}
+
+
+@pytest.mark.parametrize("family", ["angpt", "ngpt"])
+def test_normalized_attention_applies_rope_in_its_core_attention(family, seeded):
+    """NormalizedSelfAttention hands RoPE to its core attention, which applies it with the QK normalization
+    (once for q and once for k per layer): the model computes what it computes with megatron-core's RoPE
+    between the two (bit for bit on the CPU, where the same eager functions run), and no angles are left
+    behind on the module after a forward pass."""
+    model = build_model(model_config(family, **SHAPE), VOCAB, SEQ)
+    tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(2))
+    with mock.patch.object(layers, "rotary_scaled_l2_normalize", wraps=layers.rotary_scaled_l2_normalize) as fused:
+        loss, grads = run(model, tokens)
+    assert fused.call_count == 2 * SHAPE["num_layers"]
+    assert all(layer.self_attention.core_attention.rotary_pos_emb is None for layer in model.decoder.layers)
+    with mock.patch.object(layers.NormalizedSelfAttention, "forward", SelfAttention.forward):
+        loss_megatron, grads_megatron = run(model, tokens)
+    assert torch.equal(loss, loss_megatron)
+    for name, grad in grads_megatron.items():
+        assert torch.equal(grads[name], grad), name

@@ -213,10 +213,10 @@ def norms_by_hand(model) -> dict[str, float]:
             name = f"layer_{layer.layer_number:02d}"
             attention, _ = layer.self_attention(h, attention_mask=None, rotary_pos_emb=rope)
             add(f"health/post_norm_input/attention/{name}", attention)
-            h = layer.attention_residual(h, layer.attention_post_norm(attention))
+            h = layer.attention_residual(h, attention)  # which applies the post-norm
             mlp, _ = layer.mlp(h)
             add(f"health/post_norm_input/mlp/{name}", mlp)
-            h = layer.mlp_residual(h, layer.mlp_post_norm(mlp))
+            h = layer.mlp_residual(h, mlp)
             add(f"health/residual_norm/{name}", h)
     return {name: sums[name] / counts[name] for name in sums}
 

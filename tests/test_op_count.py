@@ -13,7 +13,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from angpt import distributed, kernels
 from angpt.factors import nu_alpha
 from angpt.models import build_model, model_config
-from angpt.models.layers import _NuLerpUpdate, _ScaledL2Normalize, l2_normalize, lerp_update, nu_lerp_update
+from angpt.models.layers import (
+    _NuLerpUpdate,
+    _ScaledL2Normalize,
+    fused_l2_normalize,
+    l2_normalize,
+    lerp_update,
+    nu_lerp_update,
+    post_norm_nu_lerp_update,
+)
 
 SHAPE = dict(hidden_size=64, num_attention_heads=4)
 VOCAB, SEQ, BATCH = 128, 16, 2
@@ -119,9 +127,44 @@ def test_hand_written_normalization_equals_the_formula(scale_shape):
         torch.testing.assert_close(computed, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("nu_grad", [True, False])
+def test_post_norm_fused_into_the_residual_equals_the_formula_and_keeps_one_tensor_less(nu_grad):
+    """post_norm_nu_lerp_update(h, x) = the residual update of Norm(x), eager (the CPU path) and compiled (the
+    GPU path, run here on the CPU); compiled, it keeps h and x for backward and recomputes Norm(x), where the
+    post-norm and the update compiled apart keep Norm(x) as well (anGPT's default, nu_grad)."""
+    h, x, s_hat = residual_inputs(torch.float32)
+    weights = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(1))
+
+    def run(function):
+        kept = {}
+
+        def pack(tensor):
+            if tensor.shape == h.shape:
+                kept[tensor.untyped_storage().data_ptr()] = tensor
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out = function(h, x, s_hat, 0.3, 1.5, nu_grad)
+        return (out, *torch.autograd.grad((out * weights).sum(), (h, x, s_hat))), len(kept)
+
+    expected, _ = run(lambda h, x, *factors: literal_residual(h, l2_normalize(x), *factors))
+    eager, _ = run(post_norm_nu_lerp_update)
+    with kernels.compiled_everywhere():
+        compiled, kept_fused = run(post_norm_nu_lerp_update)
+        _, kept_apart = run(lambda h, x, *factors: nu_lerp_update(h, fused_l2_normalize(x), *factors))
+    assert not post_norm_nu_lerp_update.compile_failures, post_norm_nu_lerp_update.compile_failures
+    for results in (eager, compiled):
+        for computed, reference in zip(results, expected):
+            torch.testing.assert_close(computed, reference, rtol=1e-5, atol=1e-5)  # fp32, a few roundings
+    # Apart, the update's alpha gradient (through nu(alpha) as well when nu_grad) needs Norm(x) kept.
+    assert (kept_fused, kept_apart) == (2, 3 if nu_grad else 2)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("function", [nu_lerp_update, post_norm_nu_lerp_update])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_residual_equals_the_hand_written_one(dtype):
+def test_compiled_residual_equals_the_hand_written_one(dtype, function):
     h, x, s_hat = (t.detach().cuda() for t in residual_inputs(torch.float32))
     h, x = (t.to(dtype).requires_grad_() for t in (h, x))
     s_hat.requires_grad_()
@@ -129,9 +172,9 @@ def test_compiled_residual_equals_the_hand_written_one(dtype):
     results = []
     for compiled in (True, False):
         with contextlib.nullcontext() if compiled else kernels.reference_only():
-            out = nu_lerp_update(h, x, s_hat, 0.3, 1.0, True)
+            out = function(h, x, s_hat, 0.3, 1.0, True)
             results.append((out, *torch.autograd.grad((out.float() * weights).sum(), (h, x, s_hat))))
-    assert not nu_lerp_update.compile_failures, nu_lerp_update.compile_failures
+    assert not function.compile_failures, function.compile_failures
     for computed, expected in zip(*results):
         if dtype == torch.float32:
             torch.testing.assert_close(computed, expected, rtol=1e-4, atol=1e-5)

@@ -8,7 +8,7 @@ import torch
 
 from angpt.factors import nu_alpha
 from angpt.models import build_model, model_config
-from angpt.models.layers import NormalizedResidual, PostNorm
+from angpt.models.layers import NormalizedResidual
 
 SHAPE = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
 
@@ -103,9 +103,13 @@ def test_ngpt_uses_the_absolute_alpha_and_exact_normalization(vectors, seeded):
 
 
 def test_post_norm_switch(vectors):
-    h, _ = vectors
-    torch.testing.assert_close(PostNorm(config()).forward(3 * h), h)
-    assert torch.equal(PostNorm(config(post_norm="none")).forward(3 * h), 3 * h)
+    """The residual update normalizes the sub-block's output x (the post-norm), or with post_norm "none" not."""
+    h, x = vectors
+    for post_norm, x_used in (("l2", x / x.norm(dim=-1, keepdim=True)), ("none", x)):
+        module = NormalizedResidual(config(post_norm=post_norm))
+        alpha = module.alpha().detach()
+        expected = (h + alpha * (x_used - h)) / torch.sqrt((1 - alpha) ** 2 + alpha**2)
+        torch.testing.assert_close(module(h, 3 * x if post_norm == "l2" else x), expected)
 
 
 ABLATIONS = {

@@ -63,6 +63,7 @@ def _load() -> tuple[Optional[object], str]:
 
 _extension, _why_not = _load()
 _forced_off = False
+_compiled_everywhere = False
 _logged = set()
 
 
@@ -92,6 +93,18 @@ def reference_only():
         _forced_off = previous
 
 
+@contextlib.contextmanager
+def compiled_everywhere():
+    """Run every `fused_on_gpu` function's compiled form inside, on any device, as a GPU runs them: to see on a
+    CPU what the GPU path saves for the backward pass (benchmarks/activation_memory.py) or computes."""
+    global _compiled_everywhere
+    previous, _compiled_everywhere = _compiled_everywhere, True
+    try:
+        yield
+    finally:
+        _compiled_everywhere = previous
+
+
 def fused_on_gpu(function: Optional[Callable] = None, *, eager: Optional[Callable] = None) -> Callable:
     """`function` (tensors first) compiled by torch.compile when its first argument is a CUDA tensor and the
     kernels are on; `eager` (the same function in fewer eager ops, say with a hand-written backward; by
@@ -105,7 +118,7 @@ def fused_on_gpu(function: Optional[Callable] = None, *, eager: Optional[Callabl
 
     @functools.wraps(function)
     def run(x: torch.Tensor, *args):
-        if x.is_cuda and not failed and _fusion_on():
+        if (x.is_cuda or _compiled_everywhere) and not failed and _fusion_on():
             try:
                 return compiled(x, *args)
             except Exception as error:  # noqa: BLE001 - Triton or Inductor missing or failing on this machine

@@ -15,9 +15,12 @@ from typing import Optional
 import torch
 import torch.distributed.nn.functional as dist_fn
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.common.embeddings import rope_utils
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_layer import TransformerLayer
+from torch.utils.checkpoint import checkpoint
 
 from angpt import kernels
 from angpt.factors import NU_PLAIN_RESIDUAL, nu_alpha
@@ -79,6 +82,23 @@ def scaled_l2_normalize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return scale * l2_normalize(x)
 
 
+def _rope(x: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """megatron-core's RoPE of x [s, b, heads, head_dim] by the angles freqs [s, 1, 1, rotary_dim]."""
+    return rope_utils._apply_rotary_pos_emb_bshd(x, freqs, rotary_interleaved=interleaved)
+
+
+@kernels.fused_on_gpu(eager=lambda x, freqs, scale, interleaved: _ScaledL2Normalize.apply(_rope(x, freqs, interleaved),
+                                                                                          scale))
+def rotary_scaled_l2_normalize(x: torch.Tensor, freqs: torch.Tensor, scale: torch.Tensor,
+                               interleaved: bool) -> torch.Tensor:
+    """scale * Norm(RoPE(x)) over the last dim: RoPE and QK normalization in one fused kernel on GPUs. Its
+    backward recomputes RoPE(x) from x, a view of the qkv projection's output that attention keeps anyway
+    (for v), so q and k cost no memory of their own before attention's inputs; without the checkpoint
+    torch.compile keeps RoPE(x) (benchmarks/activation_memory.py)."""
+    return checkpoint(lambda x, scale: scale * l2_normalize(_rope(x, freqs, interleaved)), x, scale,
+                      use_reentrant=False)
+
+
 @kernels.fused_on_gpu(eager=lambda x: _ScaledL2Normalize.apply(x, None))
 def fused_l2_normalize(x: torch.Tensor) -> torch.Tensor:
     """x / ||x||_2 over the last dim, one fused kernel on GPUs."""
@@ -138,6 +158,19 @@ def nu_lerp_update(h: torch.Tensor, x: torch.Tensor, s_hat: torch.Tensor, ratio:
     return (h + alpha.to(h.dtype) * (x - h)) * nu.to(h.dtype)
 
 
+@kernels.fused_on_gpu(eager=lambda h, x, *factors: _NuLerpUpdate.apply(h, _ScaledL2Normalize.apply(x, None), *factors))
+def post_norm_nu_lerp_update(h: torch.Tensor, x: torch.Tensor, s_hat: torch.Tensor, ratio: float, multiplier: float,
+                             nu_grad: bool) -> torch.Tensor:
+    """nu_lerp_update(h, Norm(x), ...): the post-norm and anGPT's residual update in one fused kernel on GPUs,
+    which keeps h and x for the backward pass and recomputes Norm(x) there, rather than also keeping Norm(x)
+    (one [tokens, hidden] tensor less per sub-block; benchmarks/activation_memory.py)."""
+    alpha = ratio * s_hat
+    nu = multiplier * nu_alpha(alpha)
+    if not nu_grad:
+        nu = nu.detach()
+    return (h + alpha.to(h.dtype) * (l2_normalize(x) - h)) * nu.to(h.dtype)
+
+
 @kernels.fused_on_gpu(eager=lambda h, x, alpha: _ScaledL2Normalize.apply(h + alpha.to(h.dtype) * (x - h), None))
 def normalized_lerp_update(h: torch.Tensor, x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     """Norm(h + alpha (x - h)), nGPT's residual update, one fused kernel on GPUs."""
@@ -192,23 +225,15 @@ class NuScale(torch.nn.Module):
         return f"{self.name}={self.value:.6g}{note}"
 
 
-class PostNorm(torch.nn.Module):
-    """Norm(x) on a sub-block output (docs/model.md, Post-norm), or nothing with post_norm="none"."""
-
-    def __init__(self, config: AnGPTConfig):
-        super().__init__()
-        self.enabled = config.post_norm == "l2"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused_l2_normalize(x) if self.enabled else x
-
-
 class NormalizedResidual(MegatronModule):
     """h <- nu(alpha) (h + alpha (x - h)), the LERP residual of anGPT; nGPT's Norm(h + |alpha| (x - h));
-    or the plain nu (h + x) of the ablation."""
+    or the plain nu (h + x) of the ablation; x = Norm(sub-block output), the post-norm (docs/model.md,
+    Post-norm), or the output itself with post_norm="none". The post-norm is computed here so that anGPT's
+    update can fuse it (post_norm_nu_lerp_update)."""
 
     def __init__(self, config: AnGPTConfig):
         super().__init__(config=config)
+        self.post_norm = config.post_norm == "l2"
         self.lerp = config.residual == "lerp"
         if self.lerp:
             # alpha multiplies sequence-sharded activations under sequence parallelism.
@@ -217,7 +242,15 @@ class NormalizedResidual(MegatronModule):
             )
 
     def forward(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """`x`: the sub-block's output, before the post-norm."""
         config = self.config
+        if self.lerp and config.nu_alpha_mode == "analytic" and not config.alpha_abs:
+            # anGPT: alpha, nu(alpha) and the post-norm inside one kernel
+            update = post_norm_nu_lerp_update if self.post_norm else nu_lerp_update
+            return update(h, x, self.alpha.surrogate(), self.alpha.multiplier, config.nu_alpha_multiplier,
+                          config.nu_alpha_grad)
+        if self.post_norm:
+            x = fused_l2_normalize(x)
         if not self.lerp:  # the plain-residual ablation
             out = h + x
             if config.nu_alpha_mode == "exact":
@@ -226,9 +259,6 @@ class NormalizedResidual(MegatronModule):
                 return out
             nu = torch.tensor(NU_PLAIN_RESIDUAL, dtype=torch.float32)
             return out * (config.nu_alpha_multiplier * nu).to(out.dtype)
-        if config.nu_alpha_mode == "analytic" and not config.alpha_abs:  # anGPT: alpha and nu(alpha) inside
-            return nu_lerp_update(h, x, self.alpha.surrogate(), self.alpha.multiplier,
-                                  config.nu_alpha_multiplier, config.nu_alpha_grad)
         alpha = self.alpha()
         if config.alpha_abs:
             alpha = alpha.abs()
@@ -295,6 +325,7 @@ class QKNormalization:
 
     def __init__(self, config: AnGPTConfig, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
+        self.rotary_pos_emb = None  # RoPE's angles for the current forward pass (NormalizedSelfAttention)
         head_dim = config.kv_channels
         if config.model_family == "ngpt":
             if config.num_query_groups != config.num_attention_heads:
@@ -307,8 +338,13 @@ class QKNormalization:
                 packed_seq_params=None, **kwargs):
         # query, key: [s, b, heads, h] in both implementations (TE's "sbhd").
         s_qk = self.s_qk().view(-1, query.shape[-1]).to(query.dtype)  # [heads or 1, h]
-        query = scaled_l2_normalize(query, s_qk)
-        key = scaled_l2_normalize(key, s_qk)
+        if self.rotary_pos_emb is None:
+            query = scaled_l2_normalize(query, s_qk)
+            key = scaled_l2_normalize(key, s_qk)
+        else:  # RoPE, handed over by NormalizedSelfAttention, then the normalization: one kernel each
+            q_freqs, k_freqs = self.rotary_pos_emb
+            query = rotary_scaled_l2_normalize(query, q_freqs, s_qk, self.config.rotary_interleaved)
+            key = rotary_scaled_l2_normalize(key, k_freqs, s_qk, self.config.rotary_interleaved)
         return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
                                packed_seq_params, **kwargs)
 
@@ -317,6 +353,26 @@ class QKNormalization:
         state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         state.update(self.s_qk.sharded_state_dict(f"{prefix}s_qk.", sharded_offsets, metadata))
         return state
+
+
+class NormalizedSelfAttention(SelfAttention):
+    """megatron-core's self-attention, whose QK-normalized core attention applies RoPE itself, fused with the
+    normalization that follows it (rotary_scaled_l2_normalize), rather than megatron-core applying RoPE in
+    between. Where megatron-core's RoPE does more than rotate by the angles (a KV cache, packed sequences,
+    YaRN's scaling) it stays megatron-core's."""
+
+    def forward(self, hidden_states, attention_mask, *args, rotary_pos_emb=None, **kwargs):
+        core = self.core_attention
+        handed_over = (rotary_pos_emb is not None and kwargs.get("inference_context") is None
+                       and kwargs.get("packed_seq_params") is None and not self.config.multi_latent_attention
+                       and not hasattr(self.config, "yarn_rotary_scaling_factor"))
+        if handed_over:
+            core.rotary_pos_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
+            rotary_pos_emb = None
+        try:
+            return super().forward(hidden_states, attention_mask, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)
+        finally:
+            core.rotary_pos_emb = None
 
 
 class NormalizedDotProductAttention(QKNormalization, FusedDotProductAttention):
@@ -353,13 +409,11 @@ class ScaledSwiGLUMLP(MLP):
 
 
 class NormalizedTransformerLayer(TransformerLayer):
-    """The anGPT / nGPT layer: no pre-norms, a post-norm on each sub-block output, normalized residuals."""
+    """The anGPT / nGPT layer: no pre-norms, normalized residuals that post-norm each sub-block's output."""
 
     def __init__(self, config: AnGPTConfig, submodules, *args, **kwargs):
         super().__init__(config, submodules, *args, **kwargs)
-        self.attention_post_norm = PostNorm(config)
         self.attention_residual = NormalizedResidual(config)
-        self.mlp_post_norm = PostNorm(config)
         self.mlp_residual = NormalizedResidual(config)
 
     def forward(self, hidden_states, attention_mask=None, context=None, rotary_pos_emb=None,
@@ -373,9 +427,9 @@ class NormalizedTransformerLayer(TransformerLayer):
             packed_seq_params=packed_seq_params,
             sequence_len_offset=sequence_len_offset,
         )
-        h = self.attention_residual(h, self.attention_post_norm(h_attention))
+        h = self.attention_residual(h, h_attention)
         h_mlp, _ = self.mlp(h)
-        h = self.mlp_residual(h, self.mlp_post_norm(h_mlp))
+        h = self.mlp_residual(h, h_mlp)
         return h, context
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -21,6 +21,7 @@ from angpt.models.layers import (
     FactorScaledColumnParallelLinear,
     FactorScaledRowParallelLinear,
     NormalizedDotProductAttention,
+    NormalizedSelfAttention,
     NormalizedTransformerLayer,
     ScaledSwiGLUMLP,
 )
@@ -47,7 +48,7 @@ def normalized_layer_spec(modules: NormalizedModules = LOCAL_NORMALIZED_MODULES)
         module=NormalizedTransformerLayer,
         submodules=TransformerLayerSubmodules(
             self_attention=ModuleSpec(
-                module=SelfAttention,
+                module=NormalizedSelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ModuleSpec(module=column, params={"factor": "nu_qkv"}),
