@@ -116,6 +116,22 @@ def test_the_frontier_keeps_the_lower_envelope():
     assert [p["C"] for p in fit_scaling_law.compute_frontier(points)] == [1.0, 3.0, 5.0]
 
 
+def test_compute_multiplier_of_a_family_with_a_smaller_coefficient():
+    """Family b's loss is 10 C^-0.5 and family a's 10 (2 C)^-0.5 (the same exponent, a coefficient 2^-0.5
+    times b's): a reaches each of b's losses with half b's compute, a multiplier of 2 at every loss that a's
+    frontier spans (a power law is a line in log C against log L, which the interpolation follows exactly)."""
+    def frontier(computes, factor):
+        return [dict(run_id=f"C{c:g}", C=c, valid_loss=10 * (factor * c) ** -0.5) for c in computes]
+
+    a, b = frontier([1, 2, 4, 8, 16], 2.0), frontier([2, 8, 32, 64], 1.0)
+    rows = fit_scaling_law.compute_multipliers(b, a)
+    # b's losses at C = 2, 8, 32 are a's at C = 1, 4, 16; at C = 64 below anything a reached.
+    assert [row["run_id"] for row in rows] == ["C2", "C8", "C32"]
+    assert [row["multiplier"] for row in rows] == pytest.approx([2.0, 2.0, 2.0])
+    assert fit_scaling_law.compute_to_reach(a, 10 * 6**-0.5) == pytest.approx(3.0)
+    assert fit_scaling_law.compute_to_reach(a, 100.0) is None
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The sweep file
 

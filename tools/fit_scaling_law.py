@@ -19,6 +19,10 @@ What is fitted:
     log lr through the best grid point and its two neighbours (the grid point itself, marked "at edge",
     when the best lr is the smallest or largest of the grid). Then log lr_opt = log a + b log N by least
     squares. The same for the batch size (the best over lr for each batch size).
+  * With --baseline (another family's PREFIX_fit.json, say GPT+'s): for each of the baseline's frontier
+    points whose loss this frontier spans, the compute this family needs to reach that loss (log C
+    interpolated linearly in log L between frontier points) and the ratio, the baseline's compute over it.
+    Under "the same exponent, a smaller coefficient" the ratio is the same at every loss.
   * Confidence intervals: percentile bootstrap (default 1000 resamples, 95 %). L(C): the frontier points
     are resampled with replacement and refitted (resamples with fewer than 3 distinct points are
     dropped). lr_opt and batch_opt: the shapes are resampled (fewer than 2 distinct N: dropped). With
@@ -215,6 +219,30 @@ def compute_frontier(points: list[dict]) -> list[dict]:
         if not frontier or point["valid_loss"] < frontier[-1]["valid_loss"]:
             frontier.append(point)
     return frontier
+
+
+def compute_to_reach(frontier: list[dict], loss: float) -> Optional[float]:
+    """The compute at which a frontier (sorted by C, its loss falling) reaches `loss`: log C interpolated
+    linearly in log L between the two frontier points around it; None outside the frontier's losses."""
+    for low, high in zip(frontier, frontier[1:]):
+        if high["valid_loss"] <= loss <= low["valid_loss"]:
+            if low["valid_loss"] == high["valid_loss"]:
+                return low["C"]
+            t = math.log(low["valid_loss"] / loss) / math.log(low["valid_loss"] / high["valid_loss"])
+            return math.exp(math.log(low["C"]) + t * math.log(high["C"] / low["C"]))
+    return None
+
+
+def compute_multipliers(baseline_frontier: list[dict], frontier: list[dict]) -> list[dict]:
+    """For each baseline frontier point whose loss `frontier` spans: the compute `frontier` needs for that
+    loss and the ratio of the baseline's compute to it (above 1: this family needs less)."""
+    rows = []
+    for point in baseline_frontier:
+        needed = compute_to_reach(frontier, point["valid_loss"])
+        if needed is not None:
+            rows.append(dict(run_id=point["run_id"], C=point["C"], valid_loss=point["valid_loss"], C_needed=needed,
+                             multiplier=point["C"] / needed))
+    return rows
 
 
 def optimum_on_grid(values: Sequence[float], losses: Sequence[float]) -> tuple[float, bool]:
@@ -436,6 +464,16 @@ def markdown(summary: dict, plot_names: dict) -> str:
                              f"{', '.join(f'{v:.4f}' for v in row['losses'])} | {row['best_on_grid']:g} | "
                              f"{row['optimum']:.3g}{' (edge)' if row['at_edge'] else ''} |")
             lines.append("")
+    if "compute_multiplier" in summary:
+        comparison = summary["compute_multiplier"]
+        lines += [f"**Compute to reach the frontier losses of {comparison['baseline']}**: "
+                  f"{len(comparison['rows'])} of its {comparison['baseline_points']} frontier points lie within "
+                  "this frontier's losses.", ""]
+        if comparison["rows"]:
+            lines += ["| baseline run | baseline C | loss | C needed here | multiplier |", "|---|---|---|---|---|"]
+            lines += [f"| {row['run_id']} | {row['C']:.3g} | {row['valid_loss']:.4f} | {row['C_needed']:.3g} "
+                      f"| {row['multiplier']:.2f}x |" for row in comparison["rows"]]
+            lines.append("")
     lines += ["Frontier (compute-optimal points):", "", "| run | N | D | C | loss |", "|---|---|---|---|---|"]
     for row in summary["frontier"]:
         lines.append(f"| {row['run_id']} | {row['N']:.3g} | {row['D']:.3g} | {row['C']:.3g} "
@@ -458,6 +496,8 @@ def main(argv=None) -> int:
     parser.add_argument("--bootstrap", type=int, default=1000, help="resamples (default 1000)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot-link-prefix", default="", help="prefix of the plot links in the Markdown")
+    parser.add_argument("--baseline", help="another family's PREFIX_fit.json: the compute this family needs to "
+                        "reach that family's frontier losses")
     args = parser.parse_args(argv)
 
     try:
@@ -480,6 +520,15 @@ def main(argv=None) -> int:
                         "the frontier" if args.points == "frontier" else "every (shape, tokens) optimum")
     if note:
         summary["loss_compute_note"] = note
+    if args.baseline:
+        try:
+            with open(args.baseline) as file:
+                baseline = json.load(file)["frontier"]
+        except (OSError, ValueError, KeyError) as error:
+            print(f"tools/fit_scaling_law.py: --baseline {args.baseline}: {error!r}", file=sys.stderr)
+            return 2
+        summary["compute_multiplier"] = dict(baseline=args.baseline, baseline_points=len(baseline),
+                                             rows=compute_multipliers(baseline, frontier))
 
     os.makedirs(args.out_dir, exist_ok=True)
     names = {"loss against compute": f"{args.prefix}_loss_compute.png",
