@@ -172,11 +172,8 @@ def prune_wheel(source: Path, destination: Path, arch: int) -> dict:
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(file, "sha256").hexdigest()
 
 
 def download_sdist(name: str, version: str, directory: Path, index_url: str) -> Path:
