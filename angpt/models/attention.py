@@ -72,12 +72,18 @@ class FusedDotProductAttention(DotProductAttention):
         return context.permute(2, 0, 1, 3).reshape(sequence, batch, -1)
 
 
+def rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """megatron-core's RoPE of t [s, b, heads, head_dim] by the angles freqs [s, 1, 1, rotary_dim] (cos and sin
+    of the angles, the rotated half, the pass-through part)."""
+    return rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
+
+
 @fused_on_gpu
 def _rotary(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    # megatron-core's own RoPE (cos and sin of the angles, the rotated half, the pass-through part), which
-    # torch.compile turns into one kernel forward and one backward: the angles' cos and sin are computed
-    # in registers, never written out, and rotate_half's negation and concatenation are index arithmetic.
-    return rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
+    # torch.compile turns megatron-core's RoPE into one kernel forward and one backward: the angles' cos and
+    # sin are computed in registers, never written out, and rotate_half's negation and concatenation are
+    # index arithmetic.
+    return rope(t, freqs, interleaved)
 
 
 def fused_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:

@@ -15,7 +15,6 @@ from typing import Optional
 import torch
 import torch.distributed.nn.functional as dist_fn
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
@@ -24,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from angpt import kernels
 from angpt.factors import NU_PLAIN_RESIDUAL, nu_alpha
-from angpt.models.attention import FusedDotProductAttention
+from angpt.models.attention import FusedDotProductAttention, rope
 from angpt.models.config import AnGPTConfig
 from angpt.models.scales import LearnableScale
 
@@ -82,12 +81,7 @@ def scaled_l2_normalize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return scale * l2_normalize(x)
 
 
-def _rope(x: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """megatron-core's RoPE of x [s, b, heads, head_dim] by the angles freqs [s, 1, 1, rotary_dim]."""
-    return rope_utils._apply_rotary_pos_emb_bshd(x, freqs, rotary_interleaved=interleaved)
-
-
-@kernels.fused_on_gpu(eager=lambda x, freqs, scale, interleaved: _ScaledL2Normalize.apply(_rope(x, freqs, interleaved),
+@kernels.fused_on_gpu(eager=lambda x, freqs, scale, interleaved: _ScaledL2Normalize.apply(rope(x, freqs, interleaved),
                                                                                           scale))
 def rotary_scaled_l2_normalize(x: torch.Tensor, freqs: torch.Tensor, scale: torch.Tensor,
                                interleaved: bool) -> torch.Tensor:
@@ -95,7 +89,7 @@ def rotary_scaled_l2_normalize(x: torch.Tensor, freqs: torch.Tensor, scale: torc
     backward recomputes RoPE(x) from x, a view of the qkv projection's output that attention keeps anyway
     (for v), so q and k cost no memory of their own before attention's inputs; without the checkpoint
     torch.compile keeps RoPE(x) (benchmarks/activation_memory.py)."""
-    return checkpoint(lambda x, scale: scale * l2_normalize(_rope(x, freqs, interleaved)), x, scale,
+    return checkpoint(lambda x, scale: scale * l2_normalize(rope(x, freqs, interleaved)), x, scale,
                       use_reentrant=False)
 
 
@@ -146,16 +140,21 @@ class _NuLerpUpdate(torch.autograd.Function):
         return grad_lerp - grad_x, grad_x, ctx.ratio * grad_alpha, None, None, None
 
 
-@kernels.fused_on_gpu(eager=_NuLerpUpdate.apply)
-def nu_lerp_update(h: torch.Tensor, x: torch.Tensor, s_hat: torch.Tensor, ratio: float, multiplier: float,
-                   nu_grad: bool) -> torch.Tensor:
-    """multiplier nu(alpha) (h + alpha (x - h)) with alpha = ratio s_hat, the LERP residual of anGPT from
-    alpha's surrogate, as docs/model.md writes it: one fused kernel on GPUs, alpha and nu(alpha) included."""
+def _nu_lerp(h: torch.Tensor, x: torch.Tensor, s_hat: torch.Tensor, ratio: float, multiplier: float,
+             nu_grad: bool) -> torch.Tensor:
     alpha = ratio * s_hat
     nu = multiplier * nu_alpha(alpha)
     if not nu_grad:
         nu = nu.detach()
     return (h + alpha.to(h.dtype) * (x - h)) * nu.to(h.dtype)
+
+
+@kernels.fused_on_gpu(eager=_NuLerpUpdate.apply)
+def nu_lerp_update(h: torch.Tensor, x: torch.Tensor, s_hat: torch.Tensor, ratio: float, multiplier: float,
+                   nu_grad: bool) -> torch.Tensor:
+    """multiplier nu(alpha) (h + alpha (x - h)) with alpha = ratio s_hat, the LERP residual of anGPT from
+    alpha's surrogate, as docs/model.md writes it: one fused kernel on GPUs, alpha and nu(alpha) included."""
+    return _nu_lerp(h, x, s_hat, ratio, multiplier, nu_grad)
 
 
 @kernels.fused_on_gpu(eager=lambda h, x, *factors: _NuLerpUpdate.apply(h, _ScaledL2Normalize.apply(x, None), *factors))
@@ -164,11 +163,7 @@ def post_norm_nu_lerp_update(h: torch.Tensor, x: torch.Tensor, s_hat: torch.Tens
     """nu_lerp_update(h, Norm(x), ...): the post-norm and anGPT's residual update in one fused kernel on GPUs,
     which keeps h and x for the backward pass and recomputes Norm(x) there, rather than also keeping Norm(x)
     (one [tokens, hidden] tensor less per sub-block; benchmarks/activation_memory.py)."""
-    alpha = ratio * s_hat
-    nu = multiplier * nu_alpha(alpha)
-    if not nu_grad:
-        nu = nu.detach()
-    return (h + alpha.to(h.dtype) * (l2_normalize(x) - h)) * nu.to(h.dtype)
+    return _nu_lerp(h, l2_normalize(x), s_hat, ratio, multiplier, nu_grad)
 
 
 @kernels.fused_on_gpu(eager=lambda h, x, alpha: _ScaledL2Normalize.apply(h + alpha.to(h.dtype) * (x - h), None))
