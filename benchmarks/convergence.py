@@ -12,7 +12,8 @@ What it does
 1. Learning-rate grid: each family (anGPT, GPT+ with its warm-up and weight decay, nGPT; each with its own
    optimizer recipe of `angpt.optimizer.RECIPES`) at each lr of its grid, seed 0, the same tokens.
 2. Seeds: the best lr of each family (lowest final validation loss on seed 0) with --seeds seeds in all.
-3. Ablations (docs/model.md, Ablations): anGPT at its best lr, seed 0, with one `--angpt-*` switch changed.
+3. Ablations (docs/model.md, Ablations): anGPT at its best lr with one `--angpt-*` switch changed, at seeds
+   0..--ablation-seeds-1, each compared with anGPT's run of the same seed (mean, std and t interval over seeds).
 4. Norm health (docs/model.md, What the paper reports): after training, each run's model reads the first
    --probe-batches validation batches and then the same number of batches of one token repeated (the most
    frequent token of those batches) under `angpt.health.HealthProbe`; the per-layer mean residual-stream
@@ -302,6 +303,27 @@ def spread(values: list[float]) -> dict:
             "min": min(values), "max": max(values), "n": len(values)}
 
 
+def paired_change(runs: list[dict], reference_by_seed: dict, level: float = 0.95) -> dict:
+    """The relative change of the final validation loss of `runs` against the reference run of the same seed
+    (same initialization stream and data order), per seed; its mean and std over seeds and the Student t
+    interval of the mean at `level`. sign: "+" or "-" when the interval excludes 0, "inside noise" when it
+    does not, None with one seed (no interval)."""
+    by_seed = {}
+    for run in runs:
+        ref = reference_by_seed.get(run["seed"])
+        if ref and run["final_val_loss"] is not None and ref["final_val_loss"] is not None:
+            by_seed[run["seed"]] = run["final_val_loss"] / ref["final_val_loss"] - 1
+    stats = spread(list(by_seed.values()))
+    interval, sign = None, None
+    if stats["n"] >= 2:
+        from scipy.stats import t  # noqa: PLC0415 (optional: scipy, as matplotlib for the plots)
+
+        half = t.ppf(0.5 + level / 2, stats["n"] - 1) * stats["std"] / math.sqrt(stats["n"])
+        interval = [stats["mean"] - half, stats["mean"] + half]
+        sign = "+" if interval[0] > 0 else "-" if interval[1] < 0 else "inside noise"
+    return {"by_seed": by_seed, **stats, "interval": interval, "level": level, "sign": sign}
+
+
 def loss_key(run: dict) -> float:
     return run["final_val_loss"] if run["final_val_loss"] is not None else math.inf
 
@@ -342,23 +364,34 @@ def analyse(grid: dict, seeds: dict, ablations: dict, settings: dict, options, l
                        "per_seed": per_seed, "per_seed_spread": spread(per_seed),
                        "reached": steps is not None}
     reference = next(r for r in seeds["angpt"] if r["seed"] == 0)
+    angpt_by_seed = {r["seed"]: r for r in seeds["angpt"]}
+    ablation_seeds = list(range(options.ablation_seeds))
+    references = [angpt_by_seed[s] for s in ablation_seeds if s in angpt_by_seed]
+    reference_final = spread([r["final_val_loss"] for r in references])["mean"]
     abl_rows = []
-    gpt0 = next(r for r in seeds["gptplus"] if r["seed"] == 0)
-    for name, run in [*ablations.items(), ("gptplus_instead", gpt0)]:
+    gpt_instead = [r for r in seeds["gptplus"] if r["seed"] in ablation_seeds]
+    for name, runs in [*ablations.items(), ("gptplus_instead", gpt_instead)]:
         flags, paper, label = ABLATIONS.get(name, ([], PAPER_GPTPLUS, "GPT+ instead of anGPT (at its best lr)"))
-        final = run["final_val_loss"]
-        # Collapsed: no finite loss, stopped on NaNs, or lost more than half of anGPT's progress from the
-        # first logged training loss.
-        first, ref = run["first_train_loss"], reference["final_val_loss"]
-        collapsed = final is None or run["exit_code"] != 0 or (
-            first is not None and ref is not None and first > ref and final - ref > 0.5 * (first - ref))
+        finals = [r["final_val_loss"] for r in runs]
+        # Collapsed (any seed): no finite loss, stopped on NaNs, or lost more than half of anGPT's progress
+        # from the first logged training loss.
+        collapsed = False
+        for run in runs:
+            first, ref, final = run["first_train_loss"], angpt_by_seed[run["seed"]]["final_val_loss"], \
+                run["final_val_loss"]
+            collapsed |= final is None or run["exit_code"] != 0 or (
+                first is not None and ref is not None and first > ref and final - ref > 0.5 * (first - ref))
+        change = paired_change(runs, angpt_by_seed)
+        ms = [r["ms_per_step"] for r in runs if r["ms_per_step"]]
+        ms_per_step = statistics.median(ms) if ms else None
         abl_rows.append({
-            "name": name, "label": label, "flags": flags, "paper": paper, "final_val_loss": final,
-            "relative_change": (final / reference["final_val_loss"] - 1) if final is not None else None,
-            "step_time_relative": (run["ms_per_step"] / reference["ms_per_step"])
-            if run["ms_per_step"] and reference["ms_per_step"] else None,
-            "ms_per_step": run["ms_per_step"], "skipped_steps": run["skipped_steps"], "collapsed": collapsed,
-            "curve": run["curve"],
+            "name": name, "label": label, "flags": flags, "paper": paper, "seeds": [r["seed"] for r in runs],
+            "final_val_loss": spread(finals)["mean"] if None not in finals else None,
+            "relative_change": change["mean"], "relative_change_paired": change,
+            "step_time_relative": ms_per_step / reference["ms_per_step"]
+            if ms_per_step and reference["ms_per_step"] else None,
+            "ms_per_step": ms_per_step, "skipped_steps": sum(r["skipped_steps"] for r in runs),
+            "collapsed": collapsed, "curve": runs[0]["curve"] if runs else [],
         })
     seed_noise = families["angpt"]["final_val_loss"]
     health = {}
@@ -383,7 +416,8 @@ def analyse(grid: dict, seeds: dict, ablations: dict, settings: dict, options, l
             "L* = final value of GPT+'s seed-mean validation curve (fixed validation subset, every "
             f"{settings['eval_interval']} steps); steps to reach L* by linear interpolation between evaluations; "
             "speed-up = steps(GPT+) / steps(model); per seed: seed s against GPT+ seed s's own final loss"),
-        "ablations": {"reference": {"lr": reference["lr"], "seed": 0, "final_val_loss": reference["final_val_loss"],
+        "ablations": {"reference": {"lr": reference["lr"], "seeds": [r["seed"] for r in references],
+                                    "final_val_loss": reference_final,
                                     "ms_per_step": reference["ms_per_step"],
                                     "seed_std_relative": (seed_noise["std"] / seed_noise["mean"])
                                     if seed_noise["mean"] else None},
@@ -392,7 +426,7 @@ def analyse(grid: dict, seeds: dict, ablations: dict, settings: dict, options, l
         "runs": list({r["name"]: {k: r[k] for k in ("name", "family", "lr", "seed", "final_val_loss", "ms_per_step",
                                                   "train_seconds", "exit_code", "command")}
                       for r in [*[x for f in FAMILIES for x in grid[f]], *[x for f in FAMILIES for x in seeds[f]],
-                                *ablations.values()]}.values()),
+                                *[x for runs in ablations.values() for x in runs]]}.values()),
     }
 
 
@@ -466,20 +500,34 @@ def markdown(report: dict) -> str:
     ref = report["ablations"]["reference"]
     seed_std = 100 * ref["seed_std_relative"] if ref["seed_std_relative"] is not None else None
     rounds = (report["ablations"].get("step_times_interleaved") or {}).get("rounds", "n/a")
-    lines += [f"anGPT at its best lr {ref['lr']:g}, seed 0 only (one seed per ablation to fit the time budget): "
-              f"val loss {fmt(ref['final_val_loss'])}, {fmt(ref['ms_per_step'], '.1f')} ms/step. Seed-to-seed std of "
-              f"anGPT's final loss: {fmt(seed_std, '.2f')}% of the mean; changes smaller than that are noise. Step "
+    seeds = ref["seeds"]
+    level = next((r["relative_change_paired"]["level"] for r in report["ablations"]["rows"]), 0.95)
+    lines += [f"anGPT at its best lr {ref['lr']:g}, seeds {seeds} "
+              + ("(one seed per ablation to fit the time budget)" if len(seeds) == 1 else
+                 "(each ablation at each of these seeds)")
+              + f": val loss {fmt(ref['final_val_loss'])} (mean), {fmt(ref['ms_per_step'], '.1f')} ms/step. "
+              f"Seed-to-seed std of anGPT's final loss: {fmt(seed_std, '.2f')}% of the mean. The change of an "
+              "ablation is paired: its run against anGPT's run of the same seed"
+              + (" (one seed: no interval, changes within the seed-to-seed std are noise)" if len(seeds) == 1 else
+                 f", then the mean ± std over seeds and the {100 * level:g}% Student t interval of that mean; the "
+                 "sign is stated only when the interval excludes 0, else 'inside noise'") + ". Step "
               "times are medians of runs that shared the CPU with another run and other work: rough. The "
               "side-by-side column times every model in one process, one step of each in turn on one random batch "
               f"(as benchmarks/step_time.py does), median of {rounds} rounds after a warm-up round: load hits all "
               "alike.", "",
-              "| ablation | flags | val loss | change vs anGPT | paper | step time vs anGPT (in the run) | "
-              "(side by side) | collapsed |",
-              "|---|---|---|---|---|---|---|---|"]
+              f"| ablation | flags | val loss | change vs anGPT (mean ± std) | {100 * level:g}% interval | sign | "
+              "paper | step time vs anGPT (in the run) | (side by side) | collapsed |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["ablations"]["rows"]:
-        change = fmt(100 * row["relative_change"] if row["relative_change"] is not None else None, "+.2f")
+        paired = row["relative_change_paired"]
+        change = fmt(100 * paired["mean"] if paired["mean"] is not None else None, "+.2f")
+        if paired["n"] > 1:
+            change += f"% ± {100 * paired['std']:.2f}"
+        interval = (f"{100 * paired['interval'][0]:+.2f}% to {100 * paired['interval'][1]:+.2f}%"
+                    if paired["interval"] else "n/a")
         lines.append(f"| {row['label']} | `{' '.join(row['flags']) or '--model-family gptplus'}` | "
-                     f"{fmt(row['final_val_loss'])} | {change}% | {row['paper']} | "
+                     f"{fmt(row['final_val_loss'])} | {change}% (n={paired['n']}) | {interval} | "
+                     f"{paired['sign'] or 'n/a'} | {row['paper']} | "
                      f"{fmt(row['step_time_relative'], '.3f')}x | "
                      f"{fmt(row.get('step_time_relative_interleaved'), '.3f')}x | "
                      f"{'yes' if row['collapsed'] else 'no'} |")
@@ -549,12 +597,14 @@ def plots(report: dict, seeds: dict, output_dir: str, prefix: str) -> list[str]:
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.5), gridspec_kw={"width_ratios": [1.2, 1]})
     labels = [r["label"] for r in rows]
     values = [100 * r["relative_change"] if r["relative_change"] is not None else float("nan") for r in rows]
-    ax.barh(range(len(rows)), values, color=["tab:red" if r["collapsed"] else "tab:blue" for r in rows])
+    errors = [100 * r["relative_change_paired"]["std"] if r["relative_change_paired"]["n"] > 1 else 0 for r in rows]
+    ax.barh(range(len(rows)), values, xerr=errors, color=["tab:red" if r["collapsed"] else "tab:blue" for r in rows])
     for i, r in enumerate(rows):
         ax.text(0, i, f"  paper {r['paper']}", va="center", fontsize=7)
     ax.set_yticks(range(len(rows)), labels, fontsize=7)
     ax.invert_yaxis()
-    ax.set(xlabel="change of final validation loss vs anGPT (%)", title="ablations (red: collapsed)")
+    ax.set(xlabel="change of final validation loss vs anGPT (%; bars: std over seeds)",
+           title="ablations (red: collapsed)")
     ax.axvline(0, color="k", lw=0.8)
     for r in rows:
         if r["curve"]:
@@ -667,6 +717,9 @@ def parse_args(argv=None):
                         help="this family's lr grid instead of the mode's (repeatable), e.g. gptplus=0.003,0.001")
     parser.add_argument("--ablations", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--ablation-list", help="comma-separated subset of: " + ", ".join(ABLATIONS))
+    parser.add_argument("--ablation-seeds", type=int, default=1,
+                        help="run each ablation at seeds 0..N-1, each against anGPT's run of the same seed "
+                             "(at most --seeds)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (each gets cores / jobs threads)")
     parser.add_argument("--corpus", default="data/shakespeare",
                         help="directory of the indexed datasets train_text_document and valid_text_document; "
@@ -716,6 +769,9 @@ def main(argv=None) -> None:
         unknown = set(ablation_names) - set(ABLATIONS)
         if unknown:
             raise SystemExit(f"unknown ablations {sorted(unknown)}; known: {', '.join(ABLATIONS)}")
+    if not 1 <= options.ablation_seeds <= options.seeds:
+        raise SystemExit(f"--ablation-seeds {options.ablation_seeds}: between 1 and --seeds ({options.seeds}), "
+                         "since each ablation run is compared with anGPT's run of the same seed")
     os.makedirs(options.output_dir, exist_ok=True)
     os.makedirs(options.work_dir, exist_ok=True)
     ensure_corpus(options.corpus)
@@ -767,9 +823,9 @@ def main(argv=None) -> None:
 
     seed_runs = {f: [make(f"{f}_lr{best[f]:g}_seed{s}", f, best[f], s) for s in range(1, options.seeds)]
                  for f in FAMILIES}
-    ablation_runs = {a: make(f"ablation_{a}_lr{best['angpt']:g}_seed0", "angpt", best["angpt"], 0, ABLATIONS[a][0])
-                     for a in ablation_names}
-    pending = [r for f in FAMILIES for r in seed_runs[f]] + list(ablation_runs.values())
+    ablation_runs = {a: [make(f"ablation_{a}_lr{best['angpt']:g}_seed{s}", "angpt", best["angpt"], s,
+                              ABLATIONS[a][0]) for s in range(options.ablation_seeds)] for a in ablation_names}
+    pending = [r for f in FAMILIES for r in seed_runs[f]] + [r for runs in ablation_runs.values() for r in runs]
     print(f"2/3 seeds and 3/3 ablations: {len(pending)} runs", flush=True)
     if not options.report_only:
         run_all(pending, options.jobs, loads)
@@ -778,14 +834,14 @@ def main(argv=None) -> None:
         print(f"--report-only: {len(missing)} runs not finished, left out of the report: {', '.join(missing)}")
     seeds = {f: [next(r for r in grid[f] if r["lr"] == best[f]), *[r.load() for r in seed_runs[f] if r.done()]]
              for f in FAMILIES}
-    ablations = {a: r.load() for a, r in ablation_runs.items() if r.done()}
+    ablations = {a: [r.load() for r in runs] for a, runs in ablation_runs.items() if all(r.done() for r in runs)}
     interleaved = None
     if options.step_time_rounds and ablations:
         path = os.path.join(options.work_dir, f"step_times_{options.step_time_rounds}.json")
         if not os.path.isfile(path) and not options.report_only:
             configs = {"anGPT": next(r for r in grid_runs["angpt"] if r.lr == best["angpt"]).argv,
                        "GPT+": next(r for r in grid_runs["gptplus"] if r.lr == best["gptplus"]).argv,
-                       **{a: ablation_runs[a].argv for a in ablations}}
+                       **{a: ablation_runs[a][0].argv for a in ablations}}
             print(f"step times: {len(configs)} models side by side, {options.step_time_rounds} rounds", flush=True)
             env = {**os.environ, "PYTHONWARNINGS": "ignore",
                    "PYTHONPATH": os.pathsep.join(p for p in (options.code, ROOT) if p)}

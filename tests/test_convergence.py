@@ -21,11 +21,12 @@ def finite(value) -> bool:
 
 def test_convergence_quick_two_steps(pydoc_corpus, tmp_path):
     out = tmp_path / "out"
-    # One lr per family, two seeds, one ablation: 3 + 3 + 1 runs. Each run spends most of its time
-    # importing megatron-core, so the runs of a stage all go at once (--jobs 4) and no core waits.
+    # One lr per family, two seeds, one ablation at both seeds: 3 + 3 + 2 runs. Each run spends most of its
+    # time importing megatron-core, so the runs of a stage all go at once (--jobs 5) and no core waits.
     command = [sys.executable, os.path.join(ROOT, "benchmarks", "convergence.py"), "--output-dir", str(out),
                "--quick", "--train-iters", "2", "--max-lrs", "1", "--seeds", "2", "--ablation-list",
-               "plain_residual", "--step-time-rounds", "1", "--jobs", "4", "--work-dir", str(tmp_path / "work"),
+               "plain_residual", "--ablation-seeds", "2", "--step-time-rounds", "1", "--jobs", "5",
+               "--work-dir", str(tmp_path / "work"),
                "--corpus", str(pydoc_corpus), "--no-snapshot"]  # the working tree's code, committed or not
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
@@ -64,7 +65,12 @@ def test_convergence_quick_two_steps(pydoc_corpus, tmp_path):
     for row in rows.values():
         assert finite(row["final_val_loss"]) and finite(row["relative_change"]) and finite(row["step_time_relative"])
         assert finite(row["step_time_relative_interleaved"]) and row["step_time_relative_interleaved"] > 0
-    assert len(report["runs"]) == 3 + 3 + 1 and all(r["exit_code"] == 0 for r in report["runs"])
+        paired = row["relative_change_paired"]  # each seed against anGPT's run of the same seed
+        assert row["seeds"] == [0, 1] and paired["n"] == 2 and set(paired["by_seed"]) == {"0", "1"}
+        assert all(finite(v) for v in paired["interval"]) and paired["interval"][0] <= paired["mean"]
+        assert paired["sign"] in ("+", "-", "inside noise")
+    assert report["ablations"]["reference"]["seeds"] == [0, 1]
+    assert len(report["runs"]) == 3 + 3 + 2 and all(r["exit_code"] == 0 for r in report["runs"])
 
     markdown = (out / "convergence.md").read_text()
     for row_start in ("| anGPT |", "| GPT+ |", "| nGPT |", "| plain residual instead of LERP |",
@@ -77,4 +83,4 @@ def test_convergence_quick_two_steps(pydoc_corpus, tmp_path):
     # A second invocation finds every run done and only rebuilds the report.
     again = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "finished in" not in again.stdout and again.stdout.count("already finished, skipped") == 7
+    assert "finished in" not in again.stdout and again.stdout.count("already finished, skipped") == 8
