@@ -512,9 +512,10 @@ def markdown(report: dict) -> str:
                  f", then the mean ± std over seeds and the {100 * level:g}% Student t interval of that mean; the "
                  "sign is stated only when the interval excludes 0, else 'inside noise'") + ". Step "
               "times are medians of runs that shared the CPU with another run and other work: rough. The "
-              "side-by-side column times every model in one process, one step of each in turn on one random batch "
-              f"(as benchmarks/step_time.py does), median of {rounds} rounds after a warm-up round: load hits all "
-              "alike.", "",
+              + ("side-by-side column times every model in one process, one step of each in turn on one random "
+                 f"batch (as benchmarks/step_time.py does), median of {rounds} rounds after a warm-up round: load "
+                 "hits all alike." if rounds != "n/a" else
+                 "side-by-side timing was not run for this report (--step-time-rounds 0)."), "",
               f"| ablation | flags | val loss | change vs anGPT (mean ± std) | {100 * level:g}% interval | sign | "
               "paper | step time vs anGPT (in the run) | (side by side) | collapsed |",
               "|---|---|---|---|---|---|---|---|---|---|"]
@@ -528,8 +529,9 @@ def markdown(report: dict) -> str:
         lines.append(f"| {row['label']} | `{' '.join(row['flags']) or '--model-family gptplus'}` | "
                      f"{fmt(row['final_val_loss'])} | {change}% (n={paired['n']}) | {interval} | "
                      f"{paired['sign'] or 'n/a'} | {row['paper']} | "
-                     f"{fmt(row['step_time_relative'], '.3f')}x | "
-                     f"{fmt(row.get('step_time_relative_interleaved'), '.3f')}x | "
+                     f"{fmt(row['step_time_relative'], '.3f')}{'x' if row['step_time_relative'] else ''} | "
+                     f"{fmt(row.get('step_time_relative_interleaved'), '.3f')}"
+                     f"{'x' if row.get('step_time_relative_interleaved') else ''} | "
                      f"{'yes' if row['collapsed'] else 'no'} |")
     lines += ["", "![ablations](ablations.png)", "", "## Norm health (docs/model.md, What the paper reports)", "",
               "Mean residual-stream norm after each layer (validation text), per trained model (seed 0); the "
