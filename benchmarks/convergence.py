@@ -827,7 +827,10 @@ def main(argv=None) -> None:
                  for f in FAMILIES}
     ablation_runs = {a: [make(f"ablation_{a}_lr{best['angpt']:g}_seed{s}", "angpt", best["angpt"], s,
                               ABLATIONS[a][0]) for s in range(options.ablation_seeds)] for a in ablation_names}
-    pending = [r for f in FAMILIES for r in seed_runs[f]] + [r for runs in ablation_runs.values() for r in runs]
+    # anGPT's seeds (the ablations' references) first, then one ablation at a time, then the other families'
+    # seeds: a run stopped early (--report-only) still has whole ablations to report.
+    pending = [*seed_runs["angpt"], *(r for runs in ablation_runs.values() for r in runs),
+               *(r for f in FAMILIES if f != "angpt" for r in seed_runs[f])]
     print(f"2/3 seeds and 3/3 ablations: {len(pending)} runs", flush=True)
     if not options.report_only:
         run_all(pending, options.jobs, loads)
