@@ -523,7 +523,7 @@ def markdown(report: dict) -> str:
         paired = row["relative_change_paired"]
         change = fmt(100 * paired["mean"] if paired["mean"] is not None else None, "+.2f")
         if paired["n"] > 1:
-            change += f"% ± {100 * paired['std']:.2f}"
+            change += f"% ± {100 * paired['std']:.2g}"  # two significant digits: a paired std can be 0.005%
         interval = (f"{100 * paired['interval'][0]:+.2f}% to {100 * paired['interval'][1]:+.2f}%"
                     if paired["interval"] else "n/a")
         lines.append(f"| {row['label']} | `{' '.join(row['flags']) or '--model-family gptplus'}` | "
