@@ -599,13 +599,16 @@ def plots(report: dict, seeds: dict, output_dir: str, prefix: str) -> list[str]:
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.5), gridspec_kw={"width_ratios": [1.2, 1]})
     labels = [r["label"] for r in rows]
     values = [100 * r["relative_change"] if r["relative_change"] is not None else float("nan") for r in rows]
-    errors = [100 * r["relative_change_paired"]["std"] if r["relative_change_paired"]["n"] > 1 else 0 for r in rows]
+    # Error bars: the t interval of the paired mean, the one the table's sign is read from.
+    errors = [100 * (r["relative_change_paired"]["interval"][1] - r["relative_change_paired"]["mean"])
+              if r["relative_change_paired"]["interval"] else 0 for r in rows]
     ax.barh(range(len(rows)), values, xerr=errors, color=["tab:red" if r["collapsed"] else "tab:blue" for r in rows])
     for i, r in enumerate(rows):
         ax.text(0, i, f"  paper {r['paper']}", va="center", fontsize=7)
     ax.set_yticks(range(len(rows)), labels, fontsize=7)
     ax.invert_yaxis()
-    ax.set(xlabel="change of final validation loss vs anGPT (%; bars: std over seeds)",
+    level = next((r["relative_change_paired"]["level"] for r in rows), 0.95)
+    ax.set(xlabel=f"change of final validation loss vs anGPT (%; bars: {100 * level:g}% t interval over seeds)",
            title="ablations (red: collapsed)")
     ax.axvline(0, color="k", lw=0.8)
     for r in rows:
@@ -620,7 +623,7 @@ def plots(report: dict, seeds: dict, output_dir: str, prefix: str) -> list[str]:
     ax2.legend(fontsize=6)
     fig.tight_layout()
     paths.append(os.path.join(output_dir, "ablations.png" if prefix == "convergence" else f"{prefix}_ablations.png"))
-    fig.savefig(paths[-1], dpi=90)
+    fig.savefig(paths[-1], dpi=90, bbox_inches="tight")
     plt.close(fig)
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
