@@ -445,8 +445,13 @@ def clean(value):
     return value
 
 
-def fmt(value, spec=".4f", none="n/a"):
-    return none if value is None else format(value, spec)
+def fmt(value, spec=".4f", none="n/a", suffix=""):
+    return none if value is None else format(value, spec) + suffix
+
+
+def interval_level(rows: list[dict]) -> float:
+    """The confidence level of the ablation rows' paired intervals (paired_change's default without rows)."""
+    return next((r["relative_change_paired"]["level"] for r in rows), 0.95)
 
 
 def markdown(report: dict) -> str:
@@ -501,7 +506,7 @@ def markdown(report: dict) -> str:
     seed_std = 100 * ref["seed_std_relative"] if ref["seed_std_relative"] is not None else None
     rounds = (report["ablations"].get("step_times_interleaved") or {}).get("rounds", "n/a")
     seeds = ref["seeds"]
-    level = next((r["relative_change_paired"]["level"] for r in report["ablations"]["rows"]), 0.95)
+    level = interval_level(report["ablations"]["rows"])
     lines += [f"anGPT at its best lr {ref['lr']:g}, seeds {seeds} "
               + ("(one seed per ablation to fit the time budget)" if len(seeds) == 1 else
                  "(each ablation at each of these seeds)")
@@ -529,9 +534,8 @@ def markdown(report: dict) -> str:
         lines.append(f"| {row['label']} | `{' '.join(row['flags']) or '--model-family gptplus'}` | "
                      f"{fmt(row['final_val_loss'])} | {change}% (n={paired['n']}) | {interval} | "
                      f"{paired['sign'] or 'n/a'} | {row['paper']} | "
-                     f"{fmt(row['step_time_relative'], '.3f')}{'x' if row['step_time_relative'] else ''} | "
-                     f"{fmt(row.get('step_time_relative_interleaved'), '.3f')}"
-                     f"{'x' if row.get('step_time_relative_interleaved') else ''} | "
+                     f"{fmt(row['step_time_relative'], '.3f', suffix='x')} | "
+                     f"{fmt(row.get('step_time_relative_interleaved'), '.3f', suffix='x')} | "
                      f"{'yes' if row['collapsed'] else 'no'} |")
     lines += ["", "![ablations](ablations.png)", "", "## Norm health (docs/model.md, What the paper reports)", "",
               "Mean residual-stream norm after each layer (validation text), per trained model (seed 0); the "
@@ -607,7 +611,7 @@ def plots(report: dict, seeds: dict, output_dir: str, prefix: str) -> list[str]:
         ax.text(0, i, f"  paper {r['paper']}", va="center", fontsize=7)
     ax.set_yticks(range(len(rows)), labels, fontsize=7)
     ax.invert_yaxis()
-    level = next((r["relative_change_paired"]["level"] for r in rows), 0.95)
+    level = interval_level(rows)
     ax.set(xlabel=f"change of final validation loss vs anGPT (%; bars: {100 * level:g}% t interval over seeds)",
            title="ablations (red: collapsed)")
     ax.axvline(0, color="k", lw=0.8)
