@@ -26,6 +26,10 @@ so no checkpoint is written. Runs go --jobs at a time (OMP_NUM_THREADS = cores /
 status.json under --work-dir says it finished with the same flags is not run again (angpt.sweep_runner, as for
 tools/sweep.py): an interrupted invocation resumes where it stopped.
 
+--families runs some of the families only (their grid and seeds), e.g. GPT+ at a new lr: that report has no
+speed-up, ablations or norm health, and benchmarks/speedup_horizon.py combines it with a report of the others
+at the same settings. Every report's JSON keeps each run's validation curve for that.
+
 The validation loss is evaluated every --eval-interval steps on the same first --eval-iters global batches
 of the validation split (a fixed subset). Speed-up over GPT+: with L* = the final value of GPT+'s
 seed-averaged validation curve, the step at which a curve first reaches L* is found by linear
@@ -328,41 +332,68 @@ def loss_key(run: dict) -> float:
     return run["final_val_loss"] if run["final_val_loss"] is not None else math.inf
 
 
-def analyse(grid: dict, seeds: dict, ablations: dict, settings: dict, options, loads: list, wall: float) -> dict:
-    best_lr = {f: min(grid[f], key=loss_key)["lr"] for f in FAMILIES}
-    families = {}
-    for f in FAMILIES:
-        finals = [r["final_val_loss"] for r in seeds[f]]
-        families[f] = {"best_lr": best_lr[f], "final_val_loss": spread(finals),
-                       "finals_by_seed": {r["seed"]: r["final_val_loss"] for r in seeds[f]},
-                       "ms_per_step": spread([r["ms_per_step"] for r in seeds[f]]),
-                       "grid": [{"lr": r["lr"], "final_val_loss": r["final_val_loss"]} for r in grid[f]],
-                       "mean_curve": mean_curve([r["curve"] for r in seeds[f]])}
-    gpt_curve = families["gptplus"]["mean_curve"]
+def speedup_over_gptplus(gpt_curve: list, curve: list, gpt_runs: list[dict], runs: list[dict]) -> dict:
+    """A model's speed-up over GPT+ (the two seed-mean validation curves): steps GPT+ needs to reach its own
+    final loss L*, over the steps the model needs to reach L*; per seed, run s against GPT+'s run s (runs with
+    their curves; none: no per-seed figures)."""
     target = gpt_curve[-1][1]
-    base_steps = steps_to_reach(gpt_curve, target)
-    speedups = {}
-    for f in ("angpt", "ngpt"):
-        steps = steps_to_reach(families[f]["mean_curve"], target)
-        per_seed = []
-        gpt_by_seed = {r["seed"]: r for r in seeds["gptplus"]}
-        for r in seeds[f]:
-            g = gpt_by_seed.get(r["seed"])
-            if g is None or not g["curve"]:
-                continue
-            gs = steps_to_reach(g["curve"], g["curve"][-1][1])
-            ms = steps_to_reach(r["curve"], g["curve"][-1][1])
-            per_seed.append(gs / ms if gs and ms else None)
-        # Not reached: the other way round, with the model's own final loss as the target (then < 1).
-        own = families[f]["mean_curve"][-1][1]
-        own_steps, gpt_steps_to_own = steps_to_reach(families[f]["mean_curve"], own), steps_to_reach(gpt_curve, own)
-        speedups[f] = {"target_loss": target, "gptplus_steps": base_steps, "steps": steps,
-                       "speedup": base_steps / steps if base_steps and steps else None,
-                       "own_final_loss": own, "gptplus_steps_to_own_final": gpt_steps_to_own,
-                       "steps_to_own_final": own_steps,
-                       "speedup_at_own_final": gpt_steps_to_own / own_steps if gpt_steps_to_own and own_steps else None,
-                       "per_seed": per_seed, "per_seed_spread": spread(per_seed),
-                       "reached": steps is not None}
+    base_steps, steps = steps_to_reach(gpt_curve, target), steps_to_reach(curve, target)
+    per_seed = []
+    gpt_by_seed = {r["seed"]: r for r in gpt_runs}
+    for r in runs:
+        g = gpt_by_seed.get(r["seed"])
+        if g is None or not g["curve"]:
+            continue
+        gs = steps_to_reach(g["curve"], g["curve"][-1][1])
+        ms = steps_to_reach(r["curve"], g["curve"][-1][1])
+        per_seed.append(gs / ms if gs and ms else None)
+    # Not reached: the other way round, with the model's own final loss as the target (then < 1).
+    own = curve[-1][1]
+    own_steps, gpt_steps_to_own = steps_to_reach(curve, own), steps_to_reach(gpt_curve, own)
+    return {"target_loss": target, "gptplus_steps": base_steps, "steps": steps,
+            "speedup": base_steps / steps if base_steps and steps else None,
+            "own_final_loss": own, "gptplus_steps_to_own_final": gpt_steps_to_own, "steps_to_own_final": own_steps,
+            "speedup_at_own_final": gpt_steps_to_own / own_steps if gpt_steps_to_own and own_steps else None,
+            "per_seed": per_seed, "per_seed_spread": spread(per_seed), "reached": steps is not None}
+
+
+def family_summary(grid_runs: list[dict], seed_runs: list[dict]) -> dict:
+    """One family's lr grid (seed 0), its best lr and its runs at that lr over seeds."""
+    return {"best_lr": min(grid_runs, key=loss_key)["lr"],
+            "final_val_loss": spread([r["final_val_loss"] for r in seed_runs]),
+            "finals_by_seed": {r["seed"]: r["final_val_loss"] for r in seed_runs},
+            "ms_per_step": spread([r["ms_per_step"] for r in seed_runs]),
+            "grid": [{"lr": r["lr"], "final_val_loss": r["final_val_loss"]} for r in grid_runs],
+            "mean_curve": mean_curve([r["curve"] for r in seed_runs])}
+
+
+def common_report(grid: dict, seeds: dict, settings: dict, options, loads: list, wall: float,
+                  extra_runs: list[dict] = ()) -> dict:
+    """What every report has: the settings, the families run (grid and seeds) and each run with its
+    validation curve, so that a later report (benchmarks/speedup_horizon.py) can combine runs of several."""
+    runs = [*[x for f in grid for x in grid[f]], *[x for f in seeds for x in seeds[f]], *extra_runs]
+    return {
+        "mode": options.mode_name, "settings": {k: v for k, v in settings.items() if k != "lrs"},
+        "lr_grid": {f: list(settings["lrs"][f]) for f in grid},
+        "tokens_per_run": settings["train_iters"] * settings["global_batch_size"] * settings["seq_length"],
+        "validation_tokens_per_eval": settings["eval_iters"] * settings["global_batch_size"] * settings["seq_length"],
+        "seeds": sorted({r["seed"] for f in seeds for r in seeds[f]}), "jobs": options.jobs,
+        "seeds_by_family": {f: sorted(r["seed"] for r in seeds[f]) for f in seeds},
+        "code_commit": options.commit, "corpus": options.corpus, "vocab_size": runs[0]["vocab_size"],
+        "load_average": spread(loads), "wall_seconds": wall,
+        "families": {f: family_summary(grid[f], seeds[f]) for f in seeds}, "paper": PAPER,
+        "runs": list({r["name"]: {k: r[k] for k in ("name", "family", "lr", "seed", "final_val_loss", "ms_per_step",
+                                                  "train_seconds", "exit_code", "command", "curve")}
+                      for r in runs}.values()),
+    }
+
+
+def analyse(grid: dict, seeds: dict, ablations: dict, settings: dict, options, loads: list, wall: float) -> dict:
+    report = common_report(grid, seeds, settings, options, loads, wall,
+                           [x for runs in ablations.values() for x in runs])
+    families = report["families"]
+    speedups = {f: speedup_over_gptplus(families["gptplus"]["mean_curve"], families[f]["mean_curve"],
+                                        seeds["gptplus"], seeds[f]) for f in ("angpt", "ngpt")}
     reference = next(r for r in seeds["angpt"] if r["seed"] == 0)
     angpt_by_seed = {r["seed"]: r for r in seeds["angpt"]}
     ablation_seeds = list(range(options.ablation_seeds))
@@ -404,14 +435,7 @@ def analyse(grid: dict, seeds: dict, ablations: dict, settings: dict, options, l
                      "ood_ratio_spread": spread([s["probe"].get("ood_ratio") for s in seeds[f]]),
                      "alpha": r["alpha"]}
     return {
-        "mode": options.mode_name, "settings": {k: v for k, v in settings.items() if k != "lrs"},
-        "lr_grid": {f: list(settings["lrs"][f]) for f in FAMILIES},
-        "tokens_per_run": settings["train_iters"] * settings["global_batch_size"] * settings["seq_length"],
-        "validation_tokens_per_eval": settings["eval_iters"] * settings["global_batch_size"] * settings["seq_length"],
-        "seeds": sorted({r["seed"] for r in seeds["angpt"]}), "jobs": options.jobs,
-        "seeds_by_family": {f: sorted(r["seed"] for r in seeds[f]) for f in FAMILIES},
-        "code_commit": options.commit, "corpus": options.corpus, "vocab_size": reference["vocab_size"],
-        "load_average": spread(loads), "wall_seconds": wall, "families": families,
+        **report,
         "speedup": speedups, "speedup_method": (
             "L* = final value of GPT+'s seed-mean validation curve (fixed validation subset, every "
             f"{settings['eval_interval']} steps); steps to reach L* by linear interpolation between evaluations; "
@@ -422,11 +446,7 @@ def analyse(grid: dict, seeds: dict, ablations: dict, settings: dict, options, l
                                     "seed_std_relative": (seed_noise["std"] / seed_noise["mean"])
                                     if seed_noise["mean"] else None},
                       "rows": abl_rows},
-        "norm_health": health, "paper": PAPER,
-        "runs": list({r["name"]: {k: r[k] for k in ("name", "family", "lr", "seed", "final_val_loss", "ms_per_step",
-                                                  "train_seconds", "exit_code", "command")}
-                      for r in [*[x for f in FAMILIES for x in grid[f]], *[x for f in FAMILIES for x in seeds[f]],
-                                *[x for runs in ablations.values() for x in runs]]}.values()),
+        "norm_health": health,
     }
 
 
@@ -474,11 +494,13 @@ def markdown(report: dict) -> str:
         "| speed-up over GPT+ | paper |",
         "|---|---|---|---|---|---|---|",
     ]
-    for f in FAMILIES:
+    for f in report["families"]:
         fam = report["families"][f]
         v = fam["final_val_loss"]
         grid = ", ".join(f"{g['lr']:g}: {fmt(g['final_val_loss'], '.3f')}" for g in fam["grid"])
-        if f == "gptplus":
+        if "speedup" not in report:
+            sp, paper = "n/a", "-"
+        elif f == "gptplus":
             sp, paper = "1 (reference)", "1"
         else:
             su = report["speedup"][f]
@@ -490,6 +512,10 @@ def markdown(report: dict) -> str:
         lines.append(f"| {NAMES[f]} | {fam['best_lr']:g} ({grid}) | {fmt(v['mean'])} ± {fmt(v['std'])} "
                      f"(n={v['n']}) | {fmt(v['min'])}-{fmt(v['max'])} | {fmt(fam['ms_per_step']['mean'], '.1f')} | "
                      f"{sp} | {paper} |")
+    if "speedup" not in report:
+        return "\n".join([*lines, "", f"This report has {', '.join(NAMES[f] for f in report['families'])} "
+                           "only (--families): no speed-up, ablations or norm health. benchmarks/speedup_horizon.py "
+                           "combines it with a report of the other families at the same shape and horizon.", ""])
     su = report["speedup"]["angpt"]
     lines += ["", f"Speed-up: {report['speedup_method']}. L* = {su['target_loss']:.4f}, reached by GPT+ at step "
               f"{fmt(su['gptplus_steps'], '.1f')}, by anGPT at {fmt(su['steps'], '.1f')}, by nGPT at "
@@ -724,6 +750,9 @@ def parse_args(argv=None):
     parser.add_argument("--max-lrs", type=int, help="use only this many lrs of each grid (the middle ones)")
     parser.add_argument("--lrs", action="append", metavar="FAMILY=LR[,LR...]",
                         help="this family's lr grid instead of the mode's (repeatable), e.g. gptplus=0.003,0.001")
+    parser.add_argument("--families", default=",".join(FAMILIES),
+                        help="comma-separated families to run (default: all); with a subset the report has no "
+                        "speed-up or ablations: benchmarks/speedup_horizon.py combines it with another report")
     parser.add_argument("--ablations", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--ablation-list", help="comma-separated subset of: " + ", ".join(ABLATIONS))
     parser.add_argument("--ablation-seeds", type=int, default=1,
@@ -746,8 +775,9 @@ def parse_args(argv=None):
     parser.add_argument("--prefix", default="convergence", help="file name stem of the Markdown, JSON and main PNG")
     options = parser.parse_args(argv)
     options.mode_name = "quick" if options.quick else "full"
-    options.work_dir = options.work_dir or os.path.join(ROOT, "runs", f"convergence-{options.mode_name}"
-                                                        + (f"-{options.train_iters}it" if options.train_iters else ""))
+    # Absolute: the run's flags hold paths under it, and a finished run is found again by its flags.
+    default = f"convergence-{options.mode_name}" + (f"-{options.train_iters}it" if options.train_iters else "")
+    options.work_dir = os.path.abspath(options.work_dir or os.path.join(ROOT, "runs", default))
     return options
 
 
@@ -772,12 +802,19 @@ def main(argv=None) -> None:
             raise SystemExit(f"--lrs {item}: expected FAMILY=LR[,LR...]") from None
         if family not in FAMILIES or not all(lr > 0 for lr in settings["lrs"][family]):
             raise SystemExit(f"--lrs {item}: FAMILY is one of {', '.join(FAMILIES)}, each LR positive")
+    families = tuple(f for f in FAMILIES if f in options.families.split(","))
+    unknown = set(options.families.split(",")) - set(FAMILIES)
+    if unknown or not families:
+        raise SystemExit(f"--families {options.families}: a comma-separated subset of {', '.join(FAMILIES)}")
     ablation_names = list(ABLATIONS) if options.ablations else []
     if options.ablation_list:
         ablation_names = [a for a in options.ablation_list.split(",") if a]
         unknown = set(ablation_names) - set(ABLATIONS)
         if unknown:
             raise SystemExit(f"unknown ablations {sorted(unknown)}; known: {', '.join(ABLATIONS)}")
+    if ablation_names and "angpt" not in families:
+        raise SystemExit("ablations are anGPT runs compared with anGPT's: add angpt to --families or pass "
+                         "--no-ablations")
     if not 1 <= options.ablation_seeds <= options.seeds:
         raise SystemExit(f"--ablation-seeds {options.ablation_seeds}: between 1 and --seeds ({options.seeds}), "
                          "since each ablation run is compared with anGPT's run of the same seed")
@@ -796,14 +833,14 @@ def main(argv=None) -> None:
     def make(name, family, lr, seed, flags=()):
         return Run(name, family, lr, seed, list(flags), settings, options)
 
-    grid_runs = {f: [make(f"{f}_lr{lr:g}_seed0", f, lr, 0) for lr in settings["lrs"][f]] for f in FAMILIES}
+    grid_runs = {f: [make(f"{f}_lr{lr:g}_seed0", f, lr, 0) for lr in settings["lrs"][f]] for f in families}
     print(f"1/3 lr grid: {sum(map(len, grid_runs.values()))} runs", flush=True)
     if not options.report_only:
-        run_all([r for f in FAMILIES for r in grid_runs[f]], options.jobs, loads)
+        run_all([r for f in families for r in grid_runs[f]], options.jobs, loads)
     # A best lr at the edge of its grid: one more lr beyond that edge (same ratio), --grid-extensions times.
     for _ in range(options.grid_extensions):
         added = []
-        for f in FAMILIES:
+        for f in families:
             done = sorted((r for r in grid_runs[f] if r.done()), key=lambda r: r.lr)
             if len(done) < 2:
                 continue
@@ -820,24 +857,24 @@ def main(argv=None) -> None:
         if not added or options.report_only:
             break
         run_all(added, options.jobs, loads)
-    for f in FAMILIES:
+    for f in families:
         grid_runs[f].sort(key=lambda r: r.lr)
-    grid = {f: [r.load() for r in grid_runs[f] if r.done()] for f in FAMILIES}
+    grid = {f: [r.load() for r in grid_runs[f] if r.done()] for f in families}
     if options.stop_after_grid:
         return
     if not all(grid.values()):
-        raise SystemExit("no finished lr-grid run of " + ", ".join(f for f in FAMILIES if not grid[f]))
-    best = {f: min(grid[f], key=loss_key)["lr"] for f in FAMILIES}
-    print("best lr: " + ", ".join(f"{NAMES[f]} {best[f]:g}" for f in FAMILIES), flush=True)
+        raise SystemExit("no finished lr-grid run of " + ", ".join(f for f in families if not grid[f]))
+    best = {f: min(grid[f], key=loss_key)["lr"] for f in families}
+    print("best lr: " + ", ".join(f"{NAMES[f]} {best[f]:g}" for f in families), flush=True)
 
     seed_runs = {f: [make(f"{f}_lr{best[f]:g}_seed{s}", f, best[f], s) for s in range(1, options.seeds)]
-                 for f in FAMILIES}
+                 for f in families}
     ablation_runs = {a: [make(f"ablation_{a}_lr{best['angpt']:g}_seed{s}", "angpt", best["angpt"], s,
                               ABLATIONS[a][0]) for s in range(options.ablation_seeds)] for a in ablation_names}
     # anGPT's seeds (the ablations' references) first, then one ablation at a time, then the other families'
     # seeds: a run stopped early (--report-only) still has whole ablations to report.
-    pending = [*seed_runs["angpt"], *(r for runs in ablation_runs.values() for r in runs),
-               *(r for f in FAMILIES if f != "angpt" for r in seed_runs[f])]
+    pending = [*seed_runs.get("angpt", []), *(r for runs in ablation_runs.values() for r in runs),
+               *(r for f in families if f != "angpt" for r in seed_runs[f])]
     print(f"2/3 seeds and 3/3 ablations: {len(pending)} runs", flush=True)
     if not options.report_only:
         run_all(pending, options.jobs, loads)
@@ -845,7 +882,18 @@ def main(argv=None) -> None:
     if missing:
         print(f"--report-only: {len(missing)} runs not finished, left out of the report: {', '.join(missing)}")
     seeds = {f: [next(r for r in grid[f] if r["lr"] == best[f]), *[r.load() for r in seed_runs[f] if r.done()]]
-             for f in FAMILIES}
+             for f in families}
+    # Wall clock of the runs: first start to last finish (over resumed invocations, gaps included).
+    done = [r for r in [*[x for f in families for x in grid_runs[f]], *pending] if r.done()]
+    wall = (max(os.path.getmtime(r.result) for r in done)
+            - min(os.path.getmtime(r.result) - r.job.status()["seconds"] for r in done))
+    if os.path.isfile(LOAD_FILE):
+        loads = [float(line.split()[1]) for line in open(LOAD_FILE) if len(line.split()) == 2]
+    if families != FAMILIES:
+        report = common_report(grid, seeds, settings, options, loads, wall)
+        report["not_finished"] = missing
+        write_report(report, [], options)
+        return
     ablations = {a: [r.load() for r in runs] for a, runs in ablation_runs.items() if all(r.done() for r in runs)}
     interleaved = None
     if options.step_time_rounds and ablations:
@@ -863,13 +911,6 @@ def main(argv=None) -> None:
         if os.path.isfile(path):
             with open(path) as file:
                 interleaved = json.load(file)
-    # Wall clock of the runs: first start to last finish (over resumed invocations, gaps included).
-    done = [r for r in [*[x for f in FAMILIES for x in grid_runs[f]], *pending] if r.done()]
-    wall = (max(os.path.getmtime(r.result) for r in done)
-            - min(os.path.getmtime(r.result) - r.job.status()["seconds"] for r in done))
-    if os.path.isfile(LOAD_FILE):
-        loads = [float(line.split()[1]) for line in open(LOAD_FILE) if len(line.split()) == 2]
-
     report = analyse(grid, seeds, ablations, settings, options, loads, wall)
     report["not_finished"] = missing
     report["ablations"]["step_times_interleaved"] = interleaved
@@ -879,20 +920,24 @@ def main(argv=None) -> None:
             key = "GPT+" if row["name"] == "gptplus_instead" else row["name"]
             row["step_time_relative_interleaved"] = ms[key] / ms["anGPT"] if key in ms else None
     report["ablations"]["not_run"] = [a for a in ablation_names if a not in ablations]
+    write_report(report, plots(report, seeds, options.output_dir, options.prefix), options)
+
+
+def write_report(report: dict, plot_paths: list[str], options) -> None:
+    """The report as Markdown (printed too) and JSON under --output-dir, file names from --prefix."""
     md = markdown(report)
     if options.prefix != "convergence":
         md = md.replace("(ablations.png)", f"({options.prefix}_ablations.png)").replace(
             "(norm_health.png)", f"({options.prefix}_norm_health.png)").replace(
             "(convergence.png)", f"({options.prefix}.png)")
-    paths = plots(report, seeds, options.output_dir, options.prefix)
-    with open(os.path.join(options.output_dir, f"{options.prefix}.json"), "w") as file:
+    stem = os.path.join(options.output_dir, options.prefix)
+    with open(stem + ".json", "w") as file:
         json.dump(clean(report), file, indent=1, allow_nan=False)
-    with open(os.path.join(options.output_dir, f"{options.prefix}.md"), "w") as file:
+    with open(stem + ".md", "w") as file:
         file.write(md)
     print()
     print(md)
-    print("wrote " + ", ".join([*paths, os.path.join(options.output_dir, f"{options.prefix}.json"),
-                                os.path.join(options.output_dir, f"{options.prefix}.md")]))
+    print("wrote " + ", ".join([*plot_paths, stem + ".json", stem + ".md"]))
 
 
 if __name__ == "__main__":

@@ -84,3 +84,27 @@ def test_convergence_quick_two_steps(pydoc_corpus, tmp_path):
     again = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "finished in" not in again.stdout and again.stdout.count("already finished, skipped") == 8
+
+    # One family alone (--families): GPT+ at another lr, its own report, combined with the first by
+    # benchmarks/speedup_horizon.py (GPT+ from the later report, anGPT and nGPT from the first).
+    gpt_out = tmp_path / "gptplus"
+    alone = [sys.executable, os.path.join(ROOT, "benchmarks", "convergence.py"), "--output-dir", str(gpt_out),
+             "--quick", "--train-iters", "2", "--families", "gptplus", "--lrs", "gptplus=0.003", "--seeds", "2",
+             "--no-ablations", "--jobs", "2", "--work-dir", str(tmp_path / "work"), "--corpus", str(pydoc_corpus),
+             "--no-snapshot"]
+    done = subprocess.run(alone, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    gpt_report = json.loads((gpt_out / "convergence.json").read_text())
+    assert list(gpt_report["families"]) == ["gptplus"] and "speedup" not in gpt_report
+    assert gpt_report["families"]["gptplus"]["best_lr"] == 0.003 and gpt_report["seeds"] == [0, 1]
+    assert sorted(r["name"] for r in gpt_report["runs"]) == ["gptplus_lr0.003_seed0", "gptplus_lr0.003_seed1"]
+    assert all([step for step, _ in r["curve"]] == [1, 2] for r in gpt_report["runs"])
+    assert "GPT+ only (--families)" in (gpt_out / "convergence.md").read_text()
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import speedup_horizon  # noqa: PLC0415 (benchmarks/ is not a package)
+
+    (row,) = speedup_horizon.horizon_rows([str(out / "convergence.json"), str(gpt_out / "convergence.json")])
+    assert row["lr"]["gptplus"] == 0.003 and row["sources"]["gptplus"] == str(gpt_out / "convergence.json")
+    assert row["sources"]["angpt"] == row["sources"]["ngpt"] == str(out / "convergence.json")
+    refused = subprocess.run([*alone, "--ablations"], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    assert refused.returncode != 0 and "add angpt to --families" in refused.stderr
