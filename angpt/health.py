@@ -15,7 +15,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron.core.utils import unwrap_model
 
-from angpt.bounding import all_reduce_in_place, constrained_parameters, split_over_tp
+from angpt.models.bounding import all_reduce_in_place, constrained_parameters, split_over_tp
 from angpt.models.gpt import WEIGHT_CONSTRAINTS
 from angpt.models.layers import NormalizedResidual
 

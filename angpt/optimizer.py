@@ -15,8 +15,8 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import get_model_config
 
-from angpt.bounding import attach_weight_constraint
 from angpt.models import WEIGHT_CONSTRAINTS
+from angpt.models.bounding import attach_weight_constraint
 
 logger = logging.getLogger("angpt.optimizer")
 

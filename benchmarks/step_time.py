@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from angpt import distributed
-from angpt.bounding import project_parameters_
 from angpt.models import WEIGHT_CONSTRAINTS, model_config
+from angpt.models.bounding import project_parameters_
 from angpt.optimizer import build_optimizer
 from angpt.step import build_model_chunks, train_step
 

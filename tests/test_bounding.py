@@ -6,8 +6,8 @@ bounding is in test_parallel_equivalence.py."""
 import pytest
 import torch
 
-from angpt.bounding import _Piece, _project, constrained_parameters, project_parameters_
 from angpt.models import build_model, model_config
+from angpt.models.bounding import _Piece, _project, constrained_parameters, project_parameters_
 from angpt.optimizer import build_optimizer
 from angpt.step import build_model_chunks, train_step
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from angpt.factors import NU_PLAIN_RESIDUAL, derive_factors, nu_acf_monte_carlo, nu_alpha
+from angpt.models.factors import NU_PLAIN_RESIDUAL, derive_factors, nu_acf_monte_carlo, nu_alpha
 
 from conftest import ROOT
 

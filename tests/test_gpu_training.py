@@ -11,12 +11,12 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.transformer.enums import AttnBackend
 
 from angpt import kernels
-from angpt.bounding import constrained_parameters
 from angpt.distributed import set_random_seed
-from angpt.factors import nu_alpha
 from angpt.megatron_compat import patches
 from angpt.models import attention, build_model, layers, model_config, norms
 from angpt.models.attention import clear_attention_backend_environment
+from angpt.models.bounding import constrained_parameters
+from angpt.models.factors import nu_alpha
 from angpt.optimizer import build_optimizer
 from angpt.step import build_model_chunks, train_step
 

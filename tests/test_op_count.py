@@ -11,8 +11,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from angpt import distributed, kernels
-from angpt.factors import nu_alpha
 from angpt.models import build_model, model_config
+from angpt.models.factors import nu_alpha
 from angpt.models.layers import (
     _NuLerpUpdate,
     _ScaledL2Normalize,

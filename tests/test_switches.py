@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from angpt.factors import nu_alpha
 from angpt.models import build_model, model_config
+from angpt.models.factors import nu_alpha
 from angpt.models.layers import NormalizedResidual
 
 SHAPE = dict(num_layers=2, hidden_size=64, num_attention_heads=4)

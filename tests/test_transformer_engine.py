@@ -27,13 +27,13 @@ from megatron.core.enums import ModelType
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from angpt import bounding, distributed, transformer_engine_support
+from angpt import distributed, transformer_engine_support
 from angpt.arguments import parse_args
-from angpt.bounding import _optimizer_pieces, constrained_parameters
 from angpt.config_from_args import model_config_from_args
 from angpt.distributed import set_random_seed
-from angpt.models import model_config, te_specs
+from angpt.models import bounding, model_config, te_specs
 from angpt.models.attention import FusedDotProductAttention
+from angpt.models.bounding import _optimizer_pieces, constrained_parameters
 from angpt.models.gpt import build_model_with_impl
 from angpt.models.layers import FactorScaledColumn, FactorScaledRow, QKNormalization
 from angpt.models.specs import normalized_layer_spec

@@ -29,7 +29,7 @@ def main():
     args = parser.parse_args()
     if args.hidden_size % args.num_attention_heads and not args.kv_channels:
         parser.error("--hidden-size is not divisible by --num-attention-heads: give --kv-channels")
-    from angpt.factors import derive_factors  # noqa: PLC0415 (after parsing: --help without torch)
+    from angpt.models.factors import derive_factors  # noqa: PLC0415 (after parsing: --help without torch)
     ffn = args.ffn_hidden_size or 4 * args.hidden_size
     factors = derive_factors(args.hidden_size, ffn, args.num_attention_heads, args.kv_channels,
                              args.nu_p_reading, args.nu_acf_samples, args.nu_acf_seed)

@@ -30,9 +30,9 @@ from angpt import checkpointing, distributed
 from angpt.choices import EXPORT_DTYPES
 from angpt.config_from_args import model_config_from_args
 from angpt.data.tokenizers import EOD_TOKEN, GPT2_SPLIT_PATTERN, TikTokenizer, load_gpt2_vocab_merges
-from angpt.factors import NU_PLAIN_RESIDUAL
 from angpt.hf import configuration_angpt
 from angpt.metrics_reader import MetricsError, read_metrics
+from angpt.models.factors import NU_PLAIN_RESIDUAL
 from angpt.models.scales import scale_init
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -15,7 +15,7 @@ import torch
 from megatron.core.transformer import TransformerConfig
 
 from angpt.choices import FACTOR_MODES, MODEL_FAMILIES, NU_P_READINGS, POST_NORMS, RESIDUALS, TRANSFORMER_IMPLS
-from angpt.factors import NormalizationFactors, derive_factors
+from angpt.models.factors import NormalizationFactors, derive_factors
 
 
 @dataclass

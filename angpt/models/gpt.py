@@ -8,7 +8,7 @@ from typing import Optional
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-from angpt.bounding import project_parameters_
+from angpt.models.bounding import project_parameters_
 from angpt.models.config import AnGPTConfig
 from angpt.models.layers import ScaledOutputLayer, is_row_parallel_linear
 from angpt.models.norms import RMSNorm

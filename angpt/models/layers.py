@@ -22,9 +22,9 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch.utils.checkpoint import checkpoint
 
 from angpt import kernels
-from angpt.factors import NU_PLAIN_RESIDUAL, nu_alpha
 from angpt.models.attention import FusedDotProductAttention, rope
 from angpt.models.config import AnGPTConfig
+from angpt.models.factors import NU_PLAIN_RESIDUAL, nu_alpha
 from angpt.models.scales import LearnableScale
 
 

@@ -22,8 +22,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from angpt import distributed
-from angpt.bounding import _optimizer_pieces, project_parameters_
 from angpt.models import WEIGHT_CONSTRAINTS
+from angpt.models.bounding import _optimizer_pieces, project_parameters_
 from angpt.optimizer import build_optimizer
 from angpt.step import build_model_chunks, forward_step, train_step
 

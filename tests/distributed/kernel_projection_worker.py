@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from angpt import distributed, kernels
-from angpt.bounding import _Piece, _project
+from angpt.models.bounding import _Piece, _project
 
 # name: (rows, cols, unit_norm_dim, tensor-parallel partition dim or None)
 WEIGHTS = {
