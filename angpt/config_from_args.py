@@ -1,7 +1,7 @@
-"""The adapters from parsed flags (angpt.arguments) to the objects they configure: the model config,
+"""The adapters from parsed flags (angpt.config.arguments) to the objects they configure: the model config,
 the padded vocabulary, the virtual pipeline, the data. Beside the arguments, as in Megatron-LM, so that the
 trainer, the Hugging Face export and import and the benchmarks build the same objects from the same flags.
-(angpt.arguments itself imports nothing heavy, so that `--help` is quick.)
+(angpt.config.arguments itself imports nothing heavy, so that `--help` is quick.)
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def model_config_from_args(args: argparse.Namespace) -> AnGPTConfig:
             overrides[key] = getattr(args, key)
     overrides["transformer_impl"] = getattr(args, "transformer_impl", "local")
     fused_cross_entropy = getattr(args, "cross_entropy_loss_fusion", None)
-    if fused_cross_entropy is None:  # where it is exact and pays for its compilation (angpt.arguments)
+    if fused_cross_entropy is None:  # where it is exact and pays for its compilation (angpt.config.arguments)
         fused_cross_entropy = args.bf16 and torch.cuda.is_available()
     overrides.update(cross_entropy_loss_fusion=fused_cross_entropy,
                      cross_entropy_fusion_impl=getattr(args, "cross_entropy_fusion_impl", "native"))

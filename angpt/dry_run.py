@@ -63,7 +63,7 @@ def _count(n: float) -> str:
 
 
 def describe(args: argparse.Namespace, world_size: int) -> str:
-    """The report; `args` were validated for `world_size` by angpt.arguments.parse_args."""
+    """The report; `args` were validated for `world_size` by angpt.config.arguments.parse_args."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     vp = virtual_pipeline_stages(args)
     dp = world_size // (tp * pp)

@@ -7,7 +7,7 @@
         --save-interval 200 --eval-interval 200 --eval-iters 10 --log-interval 10
 
 `--config run.yaml` takes the same flags as YAML keys; flags given on the command line win.
-See `angpt.arguments` for every flag and `angpt.trainer` for what the loop does.
+See `angpt.config.arguments` for every flag and `angpt.trainer` for what the loop does.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from angpt.arguments import parse_args
+from angpt.config.arguments import parse_args
 from angpt.megatron_compat import quiet_known_warnings
 
 

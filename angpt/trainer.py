@@ -19,8 +19,8 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQu
 from megatron.core.distributed import DistributedDataParallelConfig
 
 from angpt import checkpointing, distributed, faults, save_lock
-from angpt.arguments import exit_signals
 from angpt.checkpointing import TrainState
+from angpt.config.arguments import exit_signals
 from angpt.config_from_args import data_arguments, model_config_from_args, padded_vocab_size, virtual_pipeline_stages
 from angpt.data.gpt_datasets import build_datasets, dataset_vocabulary, micro_batches
 from angpt.data.indexed import IndexedDatasetError

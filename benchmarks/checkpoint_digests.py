@@ -19,7 +19,7 @@ import tempfile
 import time
 
 from angpt import checkpointing, digests
-from angpt.arguments import parse_args
+from angpt.config.arguments import parse_args
 from angpt.trainer import Trainer
 
 

@@ -103,7 +103,7 @@ def worker(result_path: str, argv: list[str], probe_batches: int) -> None:
     import torch  # noqa: PLC0415 (runs only)
     import torch.distributed as dist  # noqa: PLC0415 (runs only)
 
-    from angpt.arguments import parse_args  # noqa: PLC0415 (runs only)
+    from angpt.config.arguments import parse_args  # noqa: PLC0415 (runs only)
     from angpt.trainer import Trainer  # noqa: PLC0415 (runs only)
 
     args = parse_args(argv)
@@ -164,7 +164,7 @@ def step_times(result_path: str, rounds: int, configs: dict) -> None:
     from step_time import interleaved_step_times, random_batch  # noqa: PLC0415 (runs only; imports torch)
 
     from angpt import distributed  # noqa: PLC0415 (runs only)
-    from angpt.arguments import parse_args  # noqa: PLC0415 (runs only)
+    from angpt.config.arguments import parse_args  # noqa: PLC0415 (runs only)
     from angpt.config_from_args import data_arguments, model_config_from_args, padded_vocab_size  # noqa: PLC0415 (runs only)
     from angpt.data.gpt_datasets import dataset_vocabulary  # noqa: PLC0415 (runs only)
     from angpt.optimizer import build_optimizer  # noqa: PLC0415 (runs only)

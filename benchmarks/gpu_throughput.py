@@ -50,8 +50,8 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from angpt import distributed, kernels
-from angpt.arguments import parse_args as parse_pretrain_args
-from angpt.arguments import settings_to_argv
+from angpt.config.arguments import parse_args as parse_pretrain_args
+from angpt.config.arguments import settings_to_argv
 from angpt.config_from_args import model_config_from_args, padded_vocab_size
 from angpt.megatron_compat import patches
 from angpt.models.attention import clear_attention_backend_environment

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from angpt import distributed
-from angpt.arguments import parse_args
+from angpt.config.arguments import parse_args
 from angpt.trainer import Trainer
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))

@@ -7,8 +7,9 @@ import pytest
 import torch
 from megatron.core.models.common.language_module import language_module
 
-from angpt import distributed, transformer_engine_support
-from angpt.arguments import parse_args
+from angpt import distributed
+from angpt.config import transformer_engine_support
+from angpt.config.arguments import parse_args
 from angpt.config_from_args import model_config_from_args
 from angpt.models import build_model, model_config
 

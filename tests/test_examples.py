@@ -9,7 +9,7 @@ import subprocess
 import pytest
 from torch.distributed.run import get_args_parser
 
-from angpt.arguments import build_parser, parse_args
+from angpt.config.arguments import build_parser, parse_args
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 EXAMPLES = os.path.join(ROOT, "examples")

@@ -27,8 +27,9 @@ from megatron.core.enums import ModelType
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from angpt import distributed, transformer_engine_support
-from angpt.arguments import parse_args
+from angpt import distributed
+from angpt.config import transformer_engine_support
+from angpt.config.arguments import parse_args
 from angpt.config_from_args import model_config_from_args
 from angpt.distributed import set_random_seed
 from angpt.models import bounding, model_config, te_specs

@@ -18,7 +18,7 @@ import wandb
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from wandb.proto import wandb_internal_pb2
 
-from angpt.arguments import parse_args
+from angpt.config.arguments import parse_args
 from angpt.metrics_reader import read_metrics
 
 from conftest import in_process_trainer

@@ -6,7 +6,7 @@
 
 import argparse
 
-from angpt.choices import NU_P_READINGS
+from angpt.config.choices import NU_P_READINGS
 
 APPLIED_TO = {
     "nu_qkv": "outputs of W_q, W_k, W_v, per head (h x d): sqrt(d/h)",

@@ -21,7 +21,7 @@ tolerance. fp32 logits further apart than 1e-4 or a greedy token outside it (bf1
 import argparse
 import sys
 
-from angpt.choices import EXPORT_DTYPES
+from angpt.config.choices import EXPORT_DTYPES
 from angpt.megatron_compat import quiet_known_warnings
 
 

@@ -57,7 +57,7 @@ from typing import Callable, Optional
 import yaml
 
 from angpt import metrics_reader
-from angpt.arguments import flag_actions, setting_value, settings_to_argv
+from angpt.config.arguments import flag_actions, setting_value, settings_to_argv
 from angpt.sweep_runner import STATUS_FILE, Job, interrupt_on_sigterm, read_json, run_jobs, write_json
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))

@@ -27,7 +27,7 @@ from transformers import GenerationConfig, Qwen3Config
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
 from angpt import checkpointing, distributed
-from angpt.choices import EXPORT_DTYPES
+from angpt.config.choices import EXPORT_DTYPES
 from angpt.config_from_args import model_config_from_args
 from angpt.data.tokenizers import EOD_TOKEN, GPT2_SPLIT_PATTERN, TikTokenizer, load_gpt2_vocab_merges
 from angpt.hf import configuration_angpt

@@ -20,7 +20,7 @@ from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, Distribut
 from megatron.core.transformer import cuda_graphs
 from megatron.core.utils import local_multi_tensor_l2_norm
 
-from angpt.arguments import EXIT_SIGNALS
+from angpt.config.arguments import EXIT_SIGNALS
 from angpt.megatron_compat import WRITTEN_FOR, cpu
 from angpt.models.attention import fused_rotary_pos_emb
 

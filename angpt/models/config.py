@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from megatron.core.transformer import TransformerConfig
 
-from angpt.choices import FACTOR_MODES, MODEL_FAMILIES, NU_P_READINGS, POST_NORMS, RESIDUALS, TRANSFORMER_IMPLS
+from angpt.config.choices import FACTOR_MODES, MODEL_FAMILIES, NU_P_READINGS, POST_NORMS, RESIDUALS, TRANSFORMER_IMPLS
 from angpt.models.factors import NormalizationFactors, derive_factors
 
 

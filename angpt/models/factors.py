@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from angpt.choices import NU_P_READINGS
+from angpt.config.choices import NU_P_READINGS
 
 
 def linear_map_factor(in_features: int, out_features: int) -> float:

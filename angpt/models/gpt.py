@@ -8,6 +8,7 @@ from typing import Optional
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+from angpt.config.transformer_engine_support import require_transformer_engine
 from angpt.models.bounding import project_parameters_
 from angpt.models.config import AnGPTConfig
 from angpt.models.layers import ScaledOutputLayer, is_row_parallel_linear
@@ -15,7 +16,6 @@ from angpt.models.norms import RMSNorm
 from angpt.models.scales import LearnableScale
 from angpt.models.specs import gptplus_layer_spec, normalized_layer_spec
 from angpt.models.te_specs import layer_and_final_norm
-from angpt.transformer_engine_support import require_transformer_engine
 
 # What happens to each family's weight matrices after every optimizer step (docs/model.md, Bounding).
 WEIGHT_CONSTRAINTS = {"angpt": "bound", "ngpt": "normalize", "gptplus": None}

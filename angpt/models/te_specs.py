@@ -34,10 +34,10 @@ from typing import Optional
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from angpt.config.transformer_engine_support import require_transformer_engine
 from angpt.models.config import AnGPTConfig
 from angpt.models.layers import FactorScaledColumn, FactorScaledRow, QKNormalization
 from angpt.models.specs import NormalizedModules, normalized_layer_spec
-from angpt.transformer_engine_support import require_transformer_engine
 
 
 def compose_normalized_modules(column_base: type, row_base: type, attention_base: type) -> NormalizedModules:

@@ -1,5 +1,5 @@
 """The values each enumerated model setting may take: one place for the model config's checks
-(angpt.models.config) and the command line's choices (angpt.arguments). It imports nothing, so that the
+(angpt.models.config) and the command line's choices (angpt.config.arguments). It imports nothing, so that the
 command line parses (and `--help` prints) before torch and megatron-core are loaded.
 """
 

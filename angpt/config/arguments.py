@@ -15,8 +15,8 @@ from typing import Optional
 
 import yaml
 
-from angpt import transformer_engine_support
-from angpt.choices import FACTOR_MODES, MODEL_FAMILIES, NU_P_READINGS, POST_NORMS, RESIDUALS, TRANSFORMER_IMPLS
+from angpt.config import transformer_engine_support
+from angpt.config.choices import FACTOR_MODES, MODEL_FAMILIES, NU_P_READINGS, POST_NORMS, RESIDUALS, TRANSFORMER_IMPLS
 from angpt.data.blend import parse_blend
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "WSD")

@@ -1,5 +1,5 @@
 """Whether Transformer Engine (TE) can run here, and what to say when it cannot: one small module that the
-command line (angpt.arguments, before anything is built) and the TE layer specs (angpt.models.te_specs)
+command line (angpt.config.arguments, before anything is built) and the TE layer specs (angpt.models.te_specs)
 share. It imports nothing heavy at the top, so that `--help` stays quick; TE is an optional dependency,
 and torch and megatron-core are imported only by the FP8 check that needs them.
 """
