@@ -80,7 +80,7 @@ setup(
         "psutil",
         # Checkpoint digests at memory speed (angpt/digests.py; blake2b and sha256 hash ten times slower).
         "xxhash",
-        # Training metrics as TensorBoard scalars (angpt/metrics.py).
+        # Training metrics as TensorBoard scalars (angpt/telemetry/metrics.py).
         "tensorboard",
         # `angpt.pretrain --config run.yaml`.
         "pyyaml",

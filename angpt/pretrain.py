@@ -22,7 +22,7 @@ from angpt.megatron_compat import quiet_known_warnings
 def main(argv=None) -> None:
     args = parse_args(argv)  # before torch and megatron-core are imported: --help and flag errors are instant
     quiet_known_warnings()
-    from angpt.metrics import console_outlives_its_reader  # noqa: PLC0415 (after parsing)
+    from angpt.telemetry.metrics import console_outlives_its_reader  # noqa: PLC0415 (after parsing)
 
     console_outlives_its_reader()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, TextIO
 
-from angpt.metrics_reader import read_metrics
+from angpt.telemetry.metrics_reader import read_metrics
 
 STATUS_FILE = "status.json"
 LOG_FILE = "log.txt"

@@ -24,9 +24,9 @@ from angpt.config.arguments import exit_signals
 from angpt.config_from_args import data_arguments, model_config_from_args, padded_vocab_size, virtual_pipeline_stages
 from angpt.data.gpt_datasets import build_datasets, dataset_vocabulary, micro_batches
 from angpt.data.indexed import IndexedDatasetError
-from angpt.monitoring import TrainingMonitor
 from angpt.optimizer import build_optimizer
 from angpt.step import build_model_chunks, eval_step, train_step
+from angpt.telemetry.monitoring import TrainingMonitor
 
 logger = logging.getLogger("angpt.trainer")
 

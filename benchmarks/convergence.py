@@ -16,7 +16,7 @@ What it does
    0..--ablation-seeds-1, each compared with anGPT's run of the same seed (mean, std and t interval over seeds).
 4. Norm health (docs/model.md, What the paper reports): after training, each run's model reads the first
    --probe-batches validation batches and then the same number of batches of one token repeated (the most
-   frequent token of those batches) under `angpt.health.HealthProbe`; the per-layer mean residual-stream
+   frequent token of those batches) under `angpt.telemetry.health.HealthProbe`; the per-layer mean residual-stream
    norms and their ratio (repeated / text, mean over layers) are kept; alpha's trajectory comes from the
    health scalars of the run's metrics.jsonl (every --log-interval steps).
 
@@ -51,8 +51,8 @@ import sys
 import time
 from collections import Counter
 
-from angpt.metrics_reader import read_metrics
 from angpt.sweep_runner import Job, run_jobs
+from angpt.telemetry.metrics_reader import read_metrics
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 FAMILIES = ("angpt", "gptplus", "ngpt")
@@ -131,7 +131,7 @@ def probe_norms(trainer, num_batches: int) -> dict:
     import torch  # noqa: PLC0415 (runs only)
 
     from angpt.data.gpt_datasets import micro_batches  # noqa: PLC0415 (runs only)
-    from angpt.health import HealthProbe  # noqa: PLC0415 (runs only)
+    from angpt.telemetry.health import HealthProbe  # noqa: PLC0415 (runs only)
 
     args = trainer.args
     model = trainer.chunks[0]

@@ -7,7 +7,7 @@ For each family (anGPT and GPT+ by default) the trainer (`angpt.pretrain`) runs 
 layers from the same seed and data: BF16, and FP8 GEMMs (hybrid format, delayed scaling with an amax history
 of 16 and its max, the settings Megatron-LM's FP8 runs use at a shorter window). Every --log-interval steps the
 trainer logs, beside the loss, the absolute maximum behind each FP8 GEMM operand's scale, per layer and
-module (angpt.health: health/fp8_amax_{input,weight,grad_output}/...). The report (fp8_training.md and
+module (angpt.telemetry.health: health/fp8_amax_{input,weight,grad_output}/...). The report (fp8_training.md and
 .json in --output-dir, and fp8_training.png with matplotlib) gives per family: the final training and
 validation losses of both runs and FP8's relative gap (the target: within 1%); and per operand over the
 layers and logged steps: the range of the amaxes (the dynamic range one per-tensor scale must cover) and
@@ -32,7 +32,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from angpt.metrics_reader import read_metrics  # noqa: E402
+from angpt.telemetry.metrics_reader import read_metrics  # noqa: E402
 
 # The best lrs of the convergence benchmark's grid at 640 steps (docs/results.md).
 LEARNING_RATES = {"angpt": 1e-2, "gptplus": 3e-3, "ngpt": 1e-2}

@@ -19,7 +19,7 @@ fused="--cross-entropy-loss-fusion"`); the default is one variant without extra 
 Engine, `--transformer-impl transformer_engine --fp8-format ... --fp8-recipe ...`) appear when Transformer
 Engine is importable.
 
-MFU counts model FLOPs analytically (`angpt.performance.model_flops_per_token`, Megatron-LM's count) against
+MFU counts model FLOPs analytically (`angpt.telemetry.performance.model_flops_per_token`, Megatron-LM's count) against
 the GPU's dense BF16 peak (989 TFLOP/s on H100/H200 SXM), also for FP8 rows, as Megatron-LM reports it. The
 measured rate of an 8192^3 BF16 matmul on the same GPU is printed first as the practical ceiling.
 
@@ -56,8 +56,8 @@ from angpt.config_from_args import model_config_from_args, padded_vocab_size
 from angpt.megatron_compat import patches
 from angpt.models.attention import clear_attention_backend_environment
 from angpt.optimizer import build_optimizer
-from angpt.performance import model_flops_per_token, peak_flops_per_device
 from angpt.step import build_model_chunks, train_step
+from angpt.telemetry.performance import model_flops_per_token, peak_flops_per_device
 
 # The paper's shapes (docs/model.md, Model shapes: head dim 64, f = 4d); "tiny" smoke-tests this script on a CPU.
 SHAPES = {"tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4),

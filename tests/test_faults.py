@@ -16,7 +16,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from angpt import step
 from angpt.checkpointing import write_latest_iteration
 from angpt.data.indexed import IndexedDatasetError, write_metadata
-from angpt.metrics_reader import read_metrics
+from angpt.telemetry.metrics_reader import read_metrics
 
 from conftest import ROOT, in_process_trainer
 

@@ -1,4 +1,4 @@
-"""angpt.monitoring: FLOPs and peaks, metrics.jsonl, TensorBoard, telemetry, the log line, the progress
+"""angpt.telemetry.monitoring: FLOPs and peaks, metrics.jsonl, TensorBoard, telemetry, the log line, the progress
 bar, and the HealthProbe against norms computed by hand, alone and at TP 2 / PP 2."""
 
 import io
@@ -14,12 +14,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from angpt.distributed import set_random_seed
-from angpt.health import HealthProbe
-from angpt.metrics import MetricsLogger, ProgressBar, format_log_line
 from angpt.models import model_config
 from angpt.models.bounding import constrained_parameters
-from angpt.performance import DeviceTelemetry, memory_stats, model_flops_per_token, peak_flops_per_device
 from angpt.step import build_model_chunks, forward_step
+from angpt.telemetry.health import HealthProbe
+from angpt.telemetry.metrics import MetricsLogger, ProgressBar, format_log_line
+from angpt.telemetry.performance import DeviceTelemetry, memory_stats, model_flops_per_token, peak_flops_per_device
 
 from conftest import ROOT, run_workers
 

@@ -1,6 +1,6 @@
 """The Weights & Biases sink (--wandb-project, Megatron-LM's flags) on a real in-process run in W&B's offline
 mode: what W&B wrote is read back from its run file with a reader of the file's format written here, and held
-to the run's metrics.jsonl (angpt.metrics_reader) and TensorBoard scalars (TensorBoard's own reader)."""
+to the run's metrics.jsonl (angpt.telemetry.metrics_reader) and TensorBoard scalars (TensorBoard's own reader)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from wandb.proto import wandb_internal_pb2
 
 from angpt.config.arguments import parse_args
-from angpt.metrics_reader import read_metrics
+from angpt.telemetry.metrics_reader import read_metrics
 
 from conftest import in_process_trainer
 

@@ -8,7 +8,7 @@ logged them (residual-stream norms, post-norm input norms, alphas, weight rows a
 
 A run is a metrics.jsonl or the directory holding one; each run is one line per panel, labelled by its
 directory's name unless --labels. A resumed run logs again the steps after its checkpoint: the records
-of the run as it stands are plotted (angpt.metrics_reader), one per iteration. Records of kinds other than
+of the run as it stands are plotted (angpt.telemetry.metrics_reader), one per iteration. Records of kinds other than
 "train", "eval" and "start" are left out. Health signals of one run are drawn per layer (dark: first
 layer); of several runs, as each run's mean over the layers. Needs matplotlib (`pip install
 'angpt[bench]'`); draws without a display.
@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from angpt.metrics_reader import MetricsError, current_records, read_records
+from angpt.telemetry.metrics_reader import MetricsError, current_records, read_records
 
 HEALTH = "health/"
-# A per-layer health signal ends in /layer_NN (angpt.health.HealthProbe); what comes before names its panel.
+# A per-layer health signal ends in /layer_NN (angpt.telemetry.health.HealthProbe); what comes before names its panel.
 LAYER_SUFFIX = re.compile(r"/layer_(\d+)$")
 HEALTH_TITLES = {
     "residual_norm": "residual-stream norm after the layer",
@@ -69,8 +69,8 @@ def default_labels(paths: list[str]) -> list[str]:
 
 def series(path: str, label: str) -> Run:
     """The curves of the run whose metrics.jsonl is `path`, as the run stands: after each "start" record
-    only the earlier records up to its iteration (angpt.metrics_reader.current_records), and where an iteration
-    is still logged twice (files written before start records), its last record. Train records by
+    only the earlier records up to its iteration (angpt.telemetry.metrics_reader.current_records), and where an
+    iteration is still logged twice (files written before start records), its last record. Train records by
     iteration; validation records by iteration, placed at the tokens consumed by then."""
     kinds = ("train", "eval", "start")
     records = read_records(path)

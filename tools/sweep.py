@@ -56,9 +56,9 @@ from typing import Callable, Optional
 
 import yaml
 
-from angpt import metrics_reader
 from angpt.config.arguments import flag_actions, setting_value, settings_to_argv
 from angpt.sweep_runner import STATUS_FILE, Job, interrupt_on_sigterm, read_json, run_jobs, write_json
+from angpt.telemetry import metrics_reader
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
@@ -471,11 +471,11 @@ def slurm_script(sweep: Sweep, partition: Optional[str], time_limit: str, nodes:
 def non_embedding_parameters(model_family: str, shape: dict) -> int:
     """N as in Kaplan et al.: the weights of the transformer layers' matmuls (qkv, attention output, the
     SwiGLU MLP), without the embedding, the output head and the vectors (norm gains, learnable scales).
-    Counted from the model config by `angpt.performance.model_flops_per_token` (6 FLOPs per weight and
+    Counted from the model config by `angpt.telemetry.performance.model_flops_per_token` (6 FLOPs per weight and
     token for training), with the sequence length (attention scores) and the vocabulary set to 0."""
     # Here, so that the commands other than `collect` start without importing torch and megatron-core.
-    from angpt import performance  # noqa: PLC0415
     from angpt.models import model_config  # noqa: PLC0415
+    from angpt.telemetry import performance  # noqa: PLC0415
 
     config = model_config(model_family, **shape)
     return round(performance.model_flops_per_token(config, 0, 0) / 6)

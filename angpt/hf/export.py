@@ -31,9 +31,9 @@ from angpt.config.choices import EXPORT_DTYPES
 from angpt.config_from_args import model_config_from_args
 from angpt.data.tokenizers import EOD_TOKEN, GPT2_SPLIT_PATTERN, TikTokenizer, load_gpt2_vocab_merges
 from angpt.hf import configuration_angpt
-from angpt.metrics_reader import MetricsError, read_metrics
 from angpt.models.factors import NU_PLAIN_RESIDUAL
 from angpt.models.scales import scale_init
+from angpt.telemetry.metrics_reader import MetricsError, read_metrics
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REMOTE_CODE = ("configuration_angpt.py", "modeling_angpt.py")
@@ -385,7 +385,7 @@ FAMILY_NAMES = {
 
 
 def metrics_path(checkpoint: Checkpoint) -> str:
-    """The run's metrics.jsonl: --metrics-file, or beside its checkpoints (angpt.monitoring's default)."""
+    """The run's metrics.jsonl: --metrics-file, or beside its checkpoints (angpt.telemetry.monitoring's default)."""
     return checkpoint.args.get("metrics_file") or os.path.join(os.path.dirname(checkpoint.path), "metrics.jsonl")
 
 

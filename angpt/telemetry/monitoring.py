@@ -1,5 +1,6 @@
 """What the trainer reports every --log-interval and after each evaluation: TrainingMonitor puts the
-measurements of angpt.performance and angpt.health into the records angpt.metrics writes and prints."""
+measurements of angpt.telemetry.performance and angpt.telemetry.health into the records
+angpt.telemetry.metrics writes and prints."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from angpt.health import HealthProbe
-from angpt.metrics import MetricsLogger, ProgressBar, format_log_line
-from angpt.performance import DeviceTelemetry, memory_stats, model_flops_per_token, peak_flops_per_device
+from angpt.telemetry.health import HealthProbe
+from angpt.telemetry.metrics import MetricsLogger, ProgressBar, format_log_line
+from angpt.telemetry.performance import DeviceTelemetry, memory_stats, model_flops_per_token, peak_flops_per_device
 
 
 class TrainingMonitor:
@@ -41,7 +42,7 @@ class TrainingMonitor:
         self.progress = ProgressBar(args.train_iters, start_iteration, enabled=self.is_reporting_rank)
         self._reset_window()
         # Marks where the steps logged after it start: a resumed run logs again the steps its checkpoint
-        # did not hold, and readers (angpt.metrics_reader.read_metrics) drop the first run's records of them.
+        # did not hold, and readers (angpt.telemetry.metrics_reader.read_metrics) drop the first run's records of them.
         tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
         self.metrics.log({"kind": "start", "iteration": start_iteration, "train_iters": args.train_iters,
                           "resumed": start_iteration > 0, "checkpoint": loaded_from, "world_size": self.world_size,

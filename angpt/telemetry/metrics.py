@@ -1,5 +1,5 @@
 """What a run logs and writes: metrics.jsonl, TensorBoard scalars and optionally a Weights & Biases run, the log
-line and the progress bar on the console (angpt.metrics_reader reads metrics.jsonl back).
+line and the progress bar on the console (angpt.telemetry.metrics_reader reads metrics.jsonl back).
 
 The trainer assembles one record per logged iteration (and per evaluation):
 
@@ -45,7 +45,7 @@ class MetricsLogger:
     line, so a crash loses nothing written before it) and each numeric figure as the TensorBoard scalar
     "train/{name}" (an evaluation's: "{split}/{name}") at step = iteration. Records hold "kind" ("train" or
     "eval"), "iteration" and figures, or "kind": "start" and where a run starts (JSON only;
-    `angpt.metrics_reader` reads the file back);
+    `angpt.telemetry.metrics_reader` reads the file back);
     the JSON line adds "time" (Unix seconds). Non-finite figures (a NaN loss) are written as null, which
     keeps every line valid JSON (pandas reads null back as NaN); TensorBoard gets the NaN itself.
     With `wandb_init` (wandb.init's keyword arguments: project, name, entity, dir, config), the same scalars

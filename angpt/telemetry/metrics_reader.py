@@ -1,4 +1,4 @@
-"""Reading metrics.jsonl back (angpt.metrics writes it): the one reader of the file, which knows about
+"""Reading metrics.jsonl back (angpt.telemetry.metrics writes it): the one reader of the file, which knows about
 restarts, and imports nothing heavy (the sweep's and the benchmarks' coordinators read runs' files).
 
 A run appends to metrics.jsonl; a resumed run first appends a {"kind": "start", "iteration": s, ...} record,

@@ -1,5 +1,5 @@
 """How fast and how full a run is: model FLOPs per token and the device's peak (model FLOPs utilisation),
-memory, and GPU telemetry, for the trainer's records (angpt.monitoring).
+memory, and GPU telemetry, for the trainer's records (angpt.telemetry.monitoring).
 
 MFU = model_flops_per_token(...) * tokens_per_s_per_device / peak_flops_per_device(dtype).
 """
