@@ -7,7 +7,7 @@
         --save-interval 200 --eval-interval 200 --eval-iters 10 --log-interval 10
 
 `--config run.yaml` takes the same flags as YAML keys; flags given on the command line win.
-See `angpt.config.arguments` for every flag and `angpt.trainer` for what the loop does.
+See `angpt.config.arguments` for every flag and `angpt.training.trainer` for what the loop does.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ def main(argv=None) -> None:
     logging.getLogger("angpt").setLevel(logging.INFO)
     if args.dry_run is not None:
         sys.exit(dry_run(args))
-    from angpt.trainer import pretrain  # noqa: PLC0415 (after parsing)
+    from angpt.training.trainer import pretrain  # noqa: PLC0415 (after parsing)
 
     sys.exit(pretrain(args))
 
 
 def dry_run(args) -> int:
-    from angpt.dry_run import describe  # noqa: PLC0415 (after parsing)
+    from angpt.training.dry_run import describe  # noqa: PLC0415 (after parsing)
 
     try:
         print(describe(args, args.world_size))

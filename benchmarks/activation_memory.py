@@ -25,9 +25,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from angpt import distributed, kernels  # noqa: E402
+from angpt import kernels  # noqa: E402
 from angpt.megatron_compat import patches  # noqa: E402
 from angpt.models import build_model, model_config  # noqa: E402
+from angpt.training import distributed  # noqa: E402
 
 FAMILIES = ("gptplus", "angpt", "ngpt")
 

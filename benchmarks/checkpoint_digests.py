@@ -4,7 +4,7 @@
     python benchmarks/checkpoint_digests.py [--hidden-size 1024 --num-layers 4 --vocab-size 32768] [--dir DIR]
 
 Trains one step of a model in one process (gloo), saves it (the commit records the digests), then times,
-on the checkpoint's files: xxh3_128 as `angpt.digests` streams them, hashlib's blake2b and sha256 for
+on the checkpoint's files: xxh3_128 as `angpt.training.digests` streams them, hashlib's blake2b and sha256 for
 comparison, `digests.record` (what a commit adds), `verify_checkpoint` (what a resume adds) and
 `load_checkpoint` (model, optimizer, RNG). The defaults (118M parameters, fp32 with Adam's moments) write
 about 1.5 GB; the files are read from the page cache, as right after a save (a cold read from disk adds
@@ -18,9 +18,9 @@ import shutil
 import tempfile
 import time
 
-from angpt import checkpointing, digests
 from angpt.config.arguments import parse_args
-from angpt.trainer import Trainer
+from angpt.training import checkpointing, digests
+from angpt.training.trainer import Trainer
 
 
 def options():
@@ -60,7 +60,7 @@ def main():
         files = [os.path.join(parent, name) for parent, _, names in os.walk(path) for name in names]
         size = sum(os.path.getsize(file) for file in files) / 2**20
         print(f"checkpoint {path}: {len(files)} files, {size:.0f} MiB (run with its save: {save_seconds:.1f} s)")
-        for name, digest in [("xxh3_128 (angpt.digests)", digests.file_digest),
+        for name, digest in [("xxh3_128 (angpt.training.digests)", digests.file_digest),
                              ("blake2b", lambda file: hashlib_digest("blake2b", file)),
                              ("sha256", lambda file: hashlib_digest("sha256", file))]:
             seconds = timed(lambda: [digest(file) for file in files])

@@ -10,7 +10,7 @@ corpus of the quickstart.
 
 What it does
 1. Learning-rate grid: each family (anGPT, GPT+ with its warm-up and weight decay, nGPT; each with its own
-   optimizer recipe of `angpt.optimizer.RECIPES`) at each lr of its grid, seed 0, the same tokens.
+   optimizer recipe of `angpt.training.optimizer.RECIPES`) at each lr of its grid, seed 0, the same tokens.
 2. Seeds: the best lr of each family (lowest final validation loss on seed 0) with --seeds seeds in all.
 3. Ablations (docs/model.md, Ablations): anGPT at its best lr with one `--angpt-*` switch changed, at seeds
    0..--ablation-seeds-1, each compared with anGPT's run of the same seed (mean, std and t interval over seeds).
@@ -21,7 +21,7 @@ What it does
    health scalars of the run's metrics.jsonl (every --log-interval steps).
 
 Each run is a subprocess that does what `python -m angpt.pretrain ARGS --metrics-file ...` does (same flag
-parser, same `angpt.trainer.Trainer`) and then the probe above on the trained model, in the same process,
+parser, same `angpt.training.trainer.Trainer`) and then the probe above on the trained model, in the same process,
 so no checkpoint is written. Runs go --jobs at a time (OMP_NUM_THREADS = cores / jobs each). A run whose
 status.json under --work-dir says it finished with the same flags is not run again (angpt.sweep_runner, as for
 tools/sweep.py): an interrupted invocation resumes where it stopped.
@@ -104,7 +104,7 @@ def worker(result_path: str, argv: list[str], probe_batches: int) -> None:
     import torch.distributed as dist  # noqa: PLC0415 (runs only)
 
     from angpt.config.arguments import parse_args  # noqa: PLC0415 (runs only)
-    from angpt.trainer import Trainer  # noqa: PLC0415 (runs only)
+    from angpt.training.trainer import Trainer  # noqa: PLC0415 (runs only)
 
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
@@ -163,12 +163,12 @@ def step_times(result_path: str, rounds: int, configs: dict) -> None:
     import torch  # noqa: PLC0415 (runs only)
     from step_time import interleaved_step_times, random_batch  # noqa: PLC0415 (runs only; imports torch)
 
-    from angpt import distributed  # noqa: PLC0415 (runs only)
     from angpt.config.arguments import parse_args  # noqa: PLC0415 (runs only)
-    from angpt.config_from_args import data_arguments, model_config_from_args, padded_vocab_size  # noqa: PLC0415 (runs only)
     from angpt.data.gpt_datasets import dataset_vocabulary  # noqa: PLC0415 (runs only)
-    from angpt.optimizer import build_optimizer  # noqa: PLC0415 (runs only)
-    from angpt.step import build_model_chunks  # noqa: PLC0415 (runs only)
+    from angpt.training import distributed  # noqa: PLC0415 (runs only)
+    from angpt.training.config_from_args import data_arguments, model_config_from_args, padded_vocab_size  # noqa: PLC0415 (runs only)
+    from angpt.training.optimizer import build_optimizer  # noqa: PLC0415 (runs only)
+    from angpt.training.step import build_model_chunks  # noqa: PLC0415 (runs only)
 
     distributed.initialize()
     built = {}

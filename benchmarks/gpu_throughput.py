@@ -49,15 +49,16 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from angpt import distributed, kernels
+from angpt import kernels
 from angpt.config.arguments import parse_args as parse_pretrain_args
 from angpt.config.arguments import settings_to_argv
-from angpt.config_from_args import model_config_from_args, padded_vocab_size
 from angpt.megatron_compat import patches
 from angpt.models.attention import clear_attention_backend_environment
-from angpt.optimizer import build_optimizer
-from angpt.step import build_model_chunks, train_step
 from angpt.telemetry.performance import model_flops_per_token, peak_flops_per_device
+from angpt.training import distributed
+from angpt.training.config_from_args import model_config_from_args, padded_vocab_size
+from angpt.training.optimizer import build_optimizer
+from angpt.training.step import build_model_chunks, train_step
 
 # The paper's shapes (docs/model.md, Model shapes: head dim 64, f = 4d); "tiny" smoke-tests this script on a CPU.
 SHAPES = {"tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4),

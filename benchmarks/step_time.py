@@ -17,11 +17,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from angpt import distributed
 from angpt.models import WEIGHT_CONSTRAINTS, model_config
 from angpt.models.bounding import project_parameters_
-from angpt.optimizer import build_optimizer
-from angpt.step import build_model_chunks, train_step
+from angpt.training import distributed
+from angpt.training.optimizer import build_optimizer
+from angpt.training.step import build_model_chunks, train_step
 
 FAMILIES = ("gptplus", "angpt", "ngpt")
 

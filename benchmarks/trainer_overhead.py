@@ -32,11 +32,11 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from angpt import distributed
 from angpt.models import WEIGHT_CONSTRAINTS, build_model, model_config
 from angpt.models.bounding import project_parameters_
-from angpt.optimizer import build_optimizer
-from angpt.step import build_model_chunks, train_step
+from angpt.training import distributed
+from angpt.training.optimizer import build_optimizer
+from angpt.training.step import build_model_chunks, train_step
 
 
 def parse_args():
@@ -69,7 +69,7 @@ def fixed_batches(args) -> list[dict]:
 
 
 class TrainerPath:
-    """What `angpt.trainer.Trainer.train_one_step` runs, without data loading and logging."""
+    """What `angpt.training.trainer.Trainer.train_one_step` runs, without data loading and logging."""
 
     def __init__(self, args, config):
         self.args = args

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from angpt import distributed
 from angpt.config.arguments import parse_args
-from angpt.trainer import Trainer
+from angpt.training import distributed
+from angpt.training.trainer import Trainer
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 PYDOC_VOCAB_SIZE = 512  # the BPE of the pydoc_corpus fixture

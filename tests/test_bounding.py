@@ -8,8 +8,8 @@ import torch
 
 from angpt.models import build_model, model_config
 from angpt.models.bounding import _Piece, _project, constrained_parameters, project_parameters_
-from angpt.optimizer import build_optimizer
-from angpt.step import build_model_chunks, train_step
+from angpt.training.optimizer import build_optimizer
+from angpt.training.step import build_model_chunks, train_step
 
 
 def weight(rows, cols, unit_norm_dim, seed=0):

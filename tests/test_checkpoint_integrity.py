@@ -22,10 +22,10 @@ import time
 import psutil
 import pytest
 
-from angpt import checkpointing, digests, save_lock
 from angpt.hf.export import ExportError, export
 from angpt.hf.importer import import_hf
-from angpt.trainer import Trainer
+from angpt.training import checkpointing, digests, save_lock
+from angpt.training.trainer import Trainer
 
 from conftest import ROOT, in_process_trainer
 

@@ -7,11 +7,11 @@ import pytest
 import torch
 from megatron.core.models.common.language_module import language_module
 
-from angpt import distributed
 from angpt.config import transformer_engine_support
 from angpt.config.arguments import parse_args
-from angpt.config_from_args import model_config_from_args
 from angpt.models import build_model, model_config
+from angpt.training import distributed
+from angpt.training.config_from_args import model_config_from_args
 
 V, S, MB = 128, 16, 2
 FLAGS = ["--train-iters", "1", "--mock-data", "--vocab-size", str(V)]

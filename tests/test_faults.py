@@ -13,10 +13,10 @@ import pytest
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-from angpt import step
-from angpt.checkpointing import write_latest_iteration
 from angpt.data.indexed import IndexedDatasetError, write_metadata
 from angpt.telemetry.metrics_reader import read_metrics
+from angpt.training import step
+from angpt.training.checkpointing import write_latest_iteration
 
 from conftest import ROOT, in_process_trainer
 

@@ -11,14 +11,14 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.transformer.enums import AttnBackend
 
 from angpt import kernels
-from angpt.distributed import set_random_seed
 from angpt.megatron_compat import patches
 from angpt.models import attention, build_model, layers, model_config, norms
 from angpt.models.attention import clear_attention_backend_environment
 from angpt.models.bounding import constrained_parameters
 from angpt.models.factors import nu_alpha
-from angpt.optimizer import build_optimizer
-from angpt.step import build_model_chunks, train_step
+from angpt.training.distributed import set_random_seed
+from angpt.training.optimizer import build_optimizer
+from angpt.training.step import build_model_chunks, train_step
 
 pytestmark = pytest.mark.gpu
 

@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_leaves
 from angpt.megatron_compat import cpu as cpu_adapter
 from angpt.models import model_config
 from angpt.models.attention import clear_attention_backend_environment
-from angpt.step import build_model_chunks, forward_step
+from angpt.training.step import build_model_chunks, forward_step
 
 SHAPE = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
 VOCAB, SEQ, BATCH = 128, 16, 2

@@ -21,9 +21,9 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from angpt import checkpointing
 from angpt.data.tokenizers import EOD_TOKEN, build_tokenizer
 from angpt.hf.export import Checkpoint, ExportError, export, save_tokenizer, vocabulary
+from angpt.training import checkpointing
 
 from conftest import ROOT, TRAINED_MODEL, in_process_trainer
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from angpt import kernels
-from angpt.distributed import set_random_seed
 from angpt.kernels import Piece, reference
 from angpt.models import model_config
-from angpt.optimizer import build_optimizer
-from angpt.step import build_model_chunks, train_step
+from angpt.training.distributed import set_random_seed
+from angpt.training.optimizer import build_optimizer
+from angpt.training.step import build_model_chunks, train_step
 
 from conftest import ROOT, run_workers
 

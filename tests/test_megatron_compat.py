@@ -1,6 +1,6 @@
 """angpt.megatron_compat: the one place of megatron-core workarounds. Each workaround's effect is tested
 where it matters (the CPU adapter in test_cpu_adapter.py, the optimizer load in test_checkpoint.py, the
-signal-proof save queue in test_faults.py); here: that they are installed by `angpt.distributed.initialize`,
+signal-proof save queue in test_faults.py); here: that they are installed by `angpt.training.distributed.initialize`,
 that the warnings and the log filter hide exactly what they name, and the version check."""
 
 import logging

@@ -13,13 +13,13 @@ import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from angpt.distributed import set_random_seed
 from angpt.models import model_config
 from angpt.models.bounding import constrained_parameters
-from angpt.step import build_model_chunks, forward_step
 from angpt.telemetry.health import HealthProbe
 from angpt.telemetry.metrics import MetricsLogger, ProgressBar, format_log_line
 from angpt.telemetry.performance import DeviceTelemetry, memory_stats, model_flops_per_token, peak_flops_per_device
+from angpt.training.distributed import set_random_seed
+from angpt.training.step import build_model_chunks, forward_step
 
 from conftest import ROOT, run_workers
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from angpt import distributed, kernels
+from angpt import kernels
 from angpt.models import build_model, model_config
 from angpt.models.factors import nu_alpha
 from angpt.models.layers import (
@@ -22,6 +22,7 @@ from angpt.models.layers import (
     nu_lerp_update,
     post_norm_nu_lerp_update,
 )
+from angpt.training import distributed
 
 SHAPE = dict(hidden_size=64, num_attention_heads=4)
 VOCAB, SEQ, BATCH = 128, 16, 2

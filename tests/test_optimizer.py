@@ -10,12 +10,12 @@ from megatron.core.optimizer import clip_grads
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.utils import local_multi_tensor_l2_norm
 
-from angpt import distributed
 from angpt.megatron_compat import patches
 from angpt.models import model_config
 from angpt.models.scales import LearnableScale
-from angpt.optimizer import build_optimizer
-from angpt.step import build_model_chunks, step_unless_not_finite, train_step
+from angpt.training import distributed
+from angpt.training.optimizer import build_optimizer
+from angpt.training.step import build_model_chunks, step_unless_not_finite, train_step
 
 V, S, MB = 128, 16, 2
 
@@ -174,7 +174,7 @@ def test_foreach_grad_norm_and_clipping_equal_megatrons(family, seeded, monkeypa
     """The grad norm of megatron's optimizer through the foreach fallback (angpt.megatron_compat.patches) equals
     megatron's own fallback and the norm of all gradients as one vector; clipping scales every gradient by
     max_norm / (norm + 1e-6), megatron's coefficient."""
-    assert clip_grads.l2_norm_impl is patches.foreach_l2_norm  # installed by angpt.distributed.initialize
+    assert clip_grads.l2_norm_impl is patches.foreach_l2_norm  # installed by angpt.training.distributed.initialize
     chunks = tiny_chunks(family)
     optimizer, _ = build_optimizer(chunks, family, lr=1e-3, train_iters=10, clip_grad=1.0)
     grads = _drawn_main_grads(chunks)

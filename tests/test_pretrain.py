@@ -11,7 +11,7 @@ import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from angpt.config.arguments import NUMERIC_RANGES, build_parser, parse_args
-from angpt.config_from_args import model_config_from_args
+from angpt.training.config_from_args import model_config_from_args
 
 from conftest import PYDOC_VOCAB_SIZE, ROOT, TRAINED_ITERS, TRAINED_RUNS
 

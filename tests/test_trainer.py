@@ -22,9 +22,9 @@ from megatron.core import tensor_parallel
 from megatron.core.dist_checkpointing import load_plain_tensors
 from megatron.core.transformer.enums import AttnBackend
 
-from angpt import checkpointing, faults
 from angpt.models import build_model, model_config
 from angpt.models.attention import clear_attention_backend_environment
+from angpt.training import checkpointing, faults
 
 from conftest import ROOT, in_process_trainer
 

@@ -27,19 +27,19 @@ from megatron.core.enums import ModelType
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from angpt import distributed
 from angpt.config import transformer_engine_support
 from angpt.config.arguments import parse_args
-from angpt.config_from_args import model_config_from_args
-from angpt.distributed import set_random_seed
 from angpt.models import bounding, model_config, te_specs
 from angpt.models.attention import FusedDotProductAttention
 from angpt.models.bounding import _optimizer_pieces, constrained_parameters
 from angpt.models.gpt import build_model_with_impl
 from angpt.models.layers import FactorScaledColumn, FactorScaledRow, QKNormalization
 from angpt.models.specs import normalized_layer_spec
-from angpt.optimizer import build_optimizer
-from angpt.step import build_model_chunks, train_step
+from angpt.training import distributed
+from angpt.training.config_from_args import model_config_from_args
+from angpt.training.distributed import set_random_seed
+from angpt.training.optimizer import build_optimizer
+from angpt.training.step import build_model_chunks, train_step
 
 from conftest import ROOT
 
@@ -269,7 +269,7 @@ def test_fp8_needs_the_te_implementation_in_the_config_too():
 # -- apex / Transformer Engine selection, logged once ----------------------------------------------
 
 def test_optimizer_and_norm_choice_logged_once(seeded, caplog, monkeypatch):
-    monkeypatch.setattr("angpt.optimizer._logged_backends", False)
+    monkeypatch.setattr("angpt.training.optimizer._logged_backends", False)
     chunks = build_model_chunks(model_config("gptplus", **SMALL), 128, 16)
     with caplog.at_level(logging.INFO, logger="angpt.optimizer"):
         build_optimizer(chunks, "gptplus", lr=1e-3, train_iters=10)

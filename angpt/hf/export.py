@@ -26,14 +26,14 @@ from tokenizers import Tokenizer
 from transformers import GenerationConfig, Qwen3Config
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
-from angpt import checkpointing, distributed
 from angpt.config.choices import EXPORT_DTYPES
-from angpt.config_from_args import model_config_from_args
 from angpt.data.tokenizers import EOD_TOKEN, GPT2_SPLIT_PATTERN, TikTokenizer, load_gpt2_vocab_merges
 from angpt.hf import configuration_angpt
 from angpt.models.factors import NU_PLAIN_RESIDUAL
 from angpt.models.scales import scale_init
 from angpt.telemetry.metrics_reader import MetricsError, read_metrics
+from angpt.training import checkpointing, distributed
+from angpt.training.config_from_args import model_config_from_args
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REMOTE_CODE = ("configuration_angpt.py", "modeling_angpt.py")

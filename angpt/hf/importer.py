@@ -17,12 +17,12 @@ from megatron.core import dist_checkpointing
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from angpt import checkpointing
 from angpt.config.arguments import build_parser, settings_to_argv
-from angpt.config_from_args import model_config_from_args, padded_vocab_size
 from angpt.data.tokenizers import describe_file
 from angpt.hf.export import MODEL_FLAGS, ExportError, ensure_process_group, join_qkv, single_process_args
 from angpt.models.gpt import build_model
+from angpt.training import checkpointing
+from angpt.training.config_from_args import model_config_from_args, padded_vocab_size
 
 logger = logging.getLogger("angpt.hf")
 

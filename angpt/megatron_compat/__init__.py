@@ -24,11 +24,11 @@ Each workaround, where it is, and what breaks without it under megatron-core 0.1
   the first layer's gradients (and, after a pre-norm, the embedding's) are wrong from the second step on.
 - CUDA graphs freed (`patches.py`, `delete_cuda_graphs`): megatron-core's own keeps every graph's input and
   output buffers alive, so a second micro-batch shape or model in the same process runs out of memory.
-- The optimizer step composed from its parts (`angpt/step.py`, `step_unless_not_finite`): `optimizer.step()`
+- The optimizer step composed from its parts (`angpt/training/step.py`, `step_unless_not_finite`): `optimizer.step()`
   skips only on an fp16 overflow, so a NaN or Inf loss in bf16 or fp32 would update the weights.
 - The output layer converted in place (`angpt/models/layers.py`, `ScaledOutputLayer.attach`): `GPTModel`
   builds its output layer inline, with no spec to give it the logit scale s_Z.
-- The optimizer state saved per parameter (`angpt/checkpointing.py`, `OPTIMIZER_SHARDING`): the default
+- The optimizer state saved per parameter (`angpt/training/checkpointing.py`, `OPTIMIZER_SHARDING`): the default
   per-parameter "fully_sharded_model_space" format no longer validates on load.
 
 This module imports neither torch nor megatron-core: entry points call `quiet_known_warnings` before they
@@ -43,7 +43,7 @@ WRITTEN_FOR = "0.16.1"
 
 # (category, the start of the message), as megatron-core 0.16.1 and torch 2.11-2.13 word them. Each is for
 # something this project already decided or cannot change: CPU and GPU runs without Transformer Engine or
-# apex fall back to torch on purpose (angpt.optimizer logs which back end runs), and the deprecations are
+# apex fall back to torch on purpose (angpt.training.optimizer logs which back end runs), and the deprecations are
 # inside megatron-core's own checkpointing. Anything else still shows.
 KNOWN_WARNINGS = (
     (UserWarning, "Transformer Engine and Apex are not installed"),

@@ -4,7 +4,7 @@ megatron-core assumes a CUDA device in a few dozen places. `enable()` patches th
 process, and only when `torch.cuda.is_available()` is false, so GPU runs are untouched. Every patch
 says what breaks without it.
 
-`angpt.megatron_compat.patches.install()` calls it (through `angpt.distributed.initialize`, which every
+`angpt.megatron_compat.patches.install()` calls it (through `angpt.training.distributed.initialize`, which every
 entry point calls before it builds a model).
 """
 

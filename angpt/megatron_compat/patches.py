@@ -1,5 +1,5 @@
 """The patches of megatron-core (0.16.1) objects that angpt applies in every process, by `install()`, which
-`angpt.distributed.initialize` calls before anything is built. The table of `angpt.megatron_compat` says what
+`angpt.training.distributed.initialize` calls before anything is built. The table of `angpt.megatron_compat` says what
 breaks without each."""
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 
-from angpt import distributed
-from angpt.optimizer import build_optimizer
-from angpt.step import build_model_chunks, train_step
+from angpt.training import distributed
+from angpt.training.optimizer import build_optimizer
+from angpt.training.step import build_model_chunks, train_step
 
 from common import S, V, fixed_batches, gather_full, report, small_config, unwrap
 

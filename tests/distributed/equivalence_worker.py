@@ -21,11 +21,11 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-from angpt import distributed
 from angpt.models import WEIGHT_CONSTRAINTS
 from angpt.models.bounding import _optimizer_pieces, project_parameters_
-from angpt.optimizer import build_optimizer
-from angpt.step import build_model_chunks, forward_step, train_step
+from angpt.training import distributed
+from angpt.training.optimizer import build_optimizer
+from angpt.training.step import build_model_chunks, forward_step, train_step
 
 from common import MICRO_BATCH, S, V, fixed_batches, gather_full, load_full, small_config, unwrap
 

@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from angpt import distributed, kernels
+from angpt import kernels
 from angpt.models.bounding import _Piece, _project
+from angpt.training import distributed
 
 # name: (rows, cols, unit_norm_dim, tensor-parallel partition dim or None)
 WEIGHTS = {

@@ -13,9 +13,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from angpt import distributed
-from angpt.step import build_model_chunks, forward_step
 from angpt.telemetry.health import HealthProbe
+from angpt.training import distributed
+from angpt.training.step import build_model_chunks, forward_step
 
 from common import MICRO_BATCH, S, V, fixed_batches, load_full, report, small_config
 

@@ -24,7 +24,7 @@ from typing import Optional
 import psutil
 import torch.distributed as dist
 
-from angpt.checkpointing import CheckpointError
+from angpt.training.checkpointing import CheckpointError
 
 logger = logging.getLogger("angpt.save_lock")
 

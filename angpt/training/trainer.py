@@ -18,15 +18,20 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.distributed import DistributedDataParallelConfig
 
-from angpt import checkpointing, distributed, faults, save_lock
-from angpt.checkpointing import TrainState
 from angpt.config.arguments import exit_signals
-from angpt.config_from_args import data_arguments, model_config_from_args, padded_vocab_size, virtual_pipeline_stages
 from angpt.data.gpt_datasets import build_datasets, dataset_vocabulary, micro_batches
 from angpt.data.indexed import IndexedDatasetError
-from angpt.optimizer import build_optimizer
-from angpt.step import build_model_chunks, eval_step, train_step
 from angpt.telemetry.monitoring import TrainingMonitor
+from angpt.training import checkpointing, distributed, faults, save_lock
+from angpt.training.checkpointing import TrainState
+from angpt.training.config_from_args import (
+    data_arguments,
+    model_config_from_args,
+    padded_vocab_size,
+    virtual_pipeline_stages,
+)
+from angpt.training.optimizer import build_optimizer
+from angpt.training.step import build_model_chunks, eval_step, train_step
 
 logger = logging.getLogger("angpt.trainer")
 

@@ -3,8 +3,8 @@
     <save>/latest_checkpointed_iteration.txt    the iteration of the newest complete checkpoint
     <save>/iter_0001000/                         model, optimizer, scheduler, training state, RNG states
     <save>/iter_0001000/tokenizer/               the tokenizer files the training data were written with
-    <save>/iter_0001000/angpt_digests.json       every file's size and digest (angpt.digests)
-    <save>/angpt_save.lock                       the run writing here (angpt.save_lock)
+    <save>/iter_0001000/angpt_digests.json       every file's size and digest (angpt.training.digests)
+    <save>/angpt_save.lock                       the run writing here (angpt.training.save_lock)
 
 A checkpoint is written into `iter_XXXXXXX.incomplete/`, renamed once every rank has finished, and only
 then named in `latest_checkpointed_iteration.txt` (replaced atomically). A process killed at any point of
@@ -40,8 +40,8 @@ from megatron.core.dist_checkpointing.serialization import get_default_save_shar
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from torch.distributed.checkpoint.api import CheckpointException
 
-from angpt import digests
 from angpt.megatron_compat import patches
+from angpt.training import digests
 
 logger = logging.getLogger("angpt.checkpointing")
 
@@ -128,7 +128,7 @@ def _rng_state() -> dict:
         "random": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
-        # Generators where CUDA graphs are on (angpt.distributed.set_random_seed): saved as their states, so
+        # Generators where CUDA graphs are on (angpt.training.distributed.set_random_seed): saved as their states, so
         # that a checkpoint resumes with CUDA graphs on or off.
         "tracker": {name: rng.get_state() if isinstance(rng, torch.Generator) else rng
                     for name, rng in tensor_parallel.get_cuda_rng_tracker().get_states().items()},

@@ -12,11 +12,17 @@ from collections import defaultdict
 import torch
 from megatron.core import tensor_parallel
 
-from angpt import distributed, kernels
-from angpt.config_from_args import data_arguments, model_config_from_args, padded_vocab_size, virtual_pipeline_stages
+from angpt import kernels
 from angpt.data.gpt_datasets import dataset_vocabulary
 from angpt.data.indexed import check_indexed_dataset
 from angpt.models.gpt import build_model
+from angpt.training import distributed
+from angpt.training.config_from_args import (
+    data_arguments,
+    model_config_from_args,
+    padded_vocab_size,
+    virtual_pipeline_stages,
+)
 
 _TENSOR_PARALLEL_MODULES = (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear,
                             tensor_parallel.VocabParallelEmbedding)
