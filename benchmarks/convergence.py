@@ -23,8 +23,8 @@ What it does
 Each run is a subprocess that does what `python -m angpt.pretrain ARGS --metrics-file ...` does (same flag
 parser, same `angpt.training.trainer.Trainer`) and then the probe above on the trained model, in the same process,
 so no checkpoint is written. Runs go --jobs at a time (OMP_NUM_THREADS = cores / jobs each). A run whose
-status.json under --work-dir says it finished with the same flags is not run again (angpt.sweep_runner, as for
-tools/sweep.py): an interrupted invocation resumes where it stopped.
+status.json under --work-dir says it finished with the same flags is not run again
+(angpt.experiments.sweep_runner, as for tools/sweep.py): an interrupted invocation resumes where it stopped.
 
 --families runs some of the families only (their grid and seeds), e.g. GPT+ at a new lr: that report has no
 speed-up, ablations or norm health, and benchmarks/speedup_horizon.py combines it with a report of the others
@@ -51,7 +51,7 @@ import sys
 import time
 from collections import Counter
 
-from angpt.sweep_runner import Job, run_jobs
+from angpt.experiments.sweep_runner import Job, run_jobs
 from angpt.telemetry.metrics_reader import read_metrics
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))

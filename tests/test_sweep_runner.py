@@ -1,4 +1,4 @@
-"""angpt.sweep_runner, the one runner of tools/sweep.py and benchmarks/convergence.py: its resume marker,
+"""angpt.experiments.sweep_runner, the one runner of tools/sweep.py and benchmarks/convergence.py: its resume marker,
 what an attempt starts over, a failure's log, and an interrupt that stops the runs in flight."""
 
 import json
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from angpt.sweep_runner import Job, run_jobs
+from angpt.experiments.sweep_runner import Job, run_jobs
 
 
 def python_job(tmp_path, name: str, code: str, flags=None, **kwargs) -> Job:
@@ -115,6 +115,6 @@ def test_threads_and_environment_reach_the_run_and_rank_variables_do_not(tmp_pat
 
 
 def test_the_coordinator_does_not_import_torch():
-    code = "import sys, angpt.sweep_runner; print('torch' in sys.modules)"
+    code = "import sys, angpt.experiments.sweep_runner; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 

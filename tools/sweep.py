@@ -57,7 +57,7 @@ from typing import Callable, Optional
 import yaml
 
 from angpt.config.arguments import flag_actions, setting_value, settings_to_argv
-from angpt.sweep_runner import STATUS_FILE, Job, interrupt_on_sigterm, read_json, run_jobs, write_json
+from angpt.experiments.sweep_runner import STATUS_FILE, Job, interrupt_on_sigterm, read_json, run_jobs, write_json
 from angpt.telemetry import metrics_reader
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
@@ -359,7 +359,7 @@ def describe(run: Run) -> str:
 
 
 def job(sweep: Sweep, run: Run, launch: list[str]) -> Job:
-    """The run as a job of angpt.sweep_runner; the flags after the launcher identify it."""
+    """The run as a job of angpt.experiments.sweep_runner; the flags after the launcher identify it."""
     command = sweep.command(run, launch)
     run_dir = sweep.run_dir(run)
     os.makedirs(run_dir, exist_ok=True)
