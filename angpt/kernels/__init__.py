@@ -1,4 +1,5 @@
-"""The fused kernels of csrc/ behind one Python function each, whatever the back end.
+"""The fused kernels of csrc/ behind one Python function each, whatever the back end. The lowest layer: it
+imports nothing else of angpt.
 
 - `scaled_swiglu`: the nu-scaled SwiGLU of the MLP, forward and backward in one pass each; it applies
   nu_uz and nu_acf for the MLP's NuScale modules (docs/model.md, Fused kernels).

@@ -31,7 +31,8 @@ Each workaround, where it is, and what breaks without it under megatron-core 0.1
 - The optimizer state saved per parameter (`angpt/training/checkpointing.py`, `OPTIMIZER_SHARDING`): the default
   per-parameter "fully_sharded_model_space" format no longer validates on load.
 
-This module imports neither torch nor megatron-core: entry points call `quiet_known_warnings` before they
+The folder imports `angpt.config` (the exit signals) and `angpt.models` (the fused RoPE it installs), never
+training. This module imports neither torch nor megatron-core: entry points call `quiet_known_warnings` before they
 import them, so that `--help` stays instant and import-time warnings are caught.
 """
 
