@@ -179,6 +179,25 @@ def test_a_stale_lock_is_taken_over_on_its_host_and_refused_from_another(copy, c
         trainer("--save", str(copy))
 
 
+def test_a_lock_of_a_killed_run_not_yet_reaped_is_taken_over(tmp_path, caplog):
+    """A run killed the hard way is a zombie until reaped, and psutil still gives its start time: before, a run
+    started at once on its save directory was refused as if the killed one still wrote there."""
+    killed = subprocess.Popen(["sleep", "60"])
+    try:
+        holder = lock_of(psutil.Process(killed.pid))
+        killed.kill()
+        while psutil.Process(killed.pid).status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.01)
+        write_lock(tmp_path, holder)
+        with caplog.at_level(logging.WARNING):
+            save_lock.acquire(str(tmp_path))
+    finally:
+        killed.wait()
+    assert f"from a run that is no longer running (PID {killed.pid}" in caplog.text
+    assert json.loads((tmp_path / save_lock.LOCK).read_text())["pid"] == os.getpid()
+    save_lock.release(str(tmp_path))
+
+
 def test_a_lock_left_by_an_earlier_attempt_of_the_same_slurm_job_is_taken_over_from_another_host(
         copy, caplog, monkeypatch):
     """A requeued Slurm job (the same SLURM_JOB_ID, its SLURM_RESTART_COUNT one higher) whose rank 0 now runs on

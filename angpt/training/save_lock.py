@@ -56,7 +56,9 @@ def describe(holder: dict) -> str:
 def _is_running(holder: dict) -> bool:
     try:
         process = psutil.Process(holder["pid"])
-        return abs(process.create_time() - holder["started"]) < STARTED_TOLERANCE_S
+        # A killed run is a zombie until its parent (or init, for an orphan) reaps it: it has ended.
+        return abs(process.create_time() - holder["started"]) < STARTED_TOLERANCE_S \
+            and process.status() != psutil.STATUS_ZOMBIE
     except (psutil.NoSuchProcess, psutil.ZombieProcess):
         return False
 
