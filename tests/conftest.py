@@ -15,6 +15,8 @@ from angpt.config.arguments import parse_args
 from angpt.training import distributed
 from angpt.training.trainer import Trainer
 
+from launch import launch
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 PYDOC_VOCAB_SIZE = 512  # the BPE of the pydoc_corpus fixture
 
@@ -80,15 +82,11 @@ def pytest_collection_finish(session):
 
 
 def run_workers(script: str, *args: str, nproc: int = 2, timeout: int = 600) -> str:
-    """Run a worker under torchrun (or alone when nproc is 0) and return its output; fail with it."""
-    launcher = [sys.executable] if nproc == 0 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"
-    ]
+    """Run a worker as torchrun's ranks (or alone when nproc is 0), warm (tests/launch.py), and return its
+    output; fail with it."""
     env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run(
-        [*launcher, os.path.join(ROOT, "tests", "distributed", script), *args],
-        capture_output=True, text=True, timeout=timeout, env=env,
-    )
+    done = launch([os.path.join(ROOT, "tests", "distributed", script), *args], nproc=nproc, env=env,
+                  timeout=timeout)
     output = done.stdout + done.stderr
     assert done.returncode == 0, f"{script} {' '.join(args)} failed:\n{output[-6000:]}"
     return output

@@ -5,8 +5,6 @@ this process: a torchrun launch costs 20 s or more)."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -19,6 +17,7 @@ from angpt.training import step
 from angpt.training.checkpointing import write_latest_iteration
 
 from conftest import ROOT, in_process_trainer
+from launch import launch
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
          "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "1e-2", "--log-interval", "1",
@@ -44,12 +43,9 @@ def test_token_ids_beyond_the_vocabulary_stop_a_tensor_parallel_run_before_it_tr
     cross-entropy mask ids outside each rank's rows, and the run trained to exit 0 on zero embeddings."""
     prefix = str(tmp_path / "understated_text_document")
     largest = write_understated_dataset(prefix)
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "angpt.pretrain",
-         *MODEL, "--tensor-model-parallel-size", "2", "--train-iters", "2", "--train-data-path", prefix,
-         "--data-cache-path", str(tmp_path / "cache")],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore"})
+    done = launch(["-m", "angpt.pretrain", *MODEL, "--tensor-model-parallel-size", "2", "--train-iters", "2",
+                   "--train-data-path", prefix, "--data-cache-path", str(tmp_path / "cache")],
+                  nproc=2, timeout=300, env={**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore"})
     output = done.stdout + done.stderr
     assert done.returncode != 0, output[-4000:]
     assert (f"angpt.pretrain: {prefix}.bin holds token id {largest}, outside the vocab_size 100 of {prefix}.json"

@@ -17,7 +17,6 @@ import random
 import re
 import runpy
 import shutil
-import subprocess
 import sys
 from pydoc_data.topics import topics
 
@@ -43,6 +42,7 @@ from angpt.hf.verify import (
 )
 
 from conftest import PYDOC_VOCAB_SIZE, ROOT, TRAINED_ITERS, TRAINED_MODEL, TRAINED_RUNS, in_process_trainer
+from launch import launch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -65,10 +65,11 @@ SWITCHES = {
 PADDING_TOLERANCE = 1e-5
 
 
-def run(*command: str, **env: str) -> str:
-    """Python with `command`, in the repository, with `env` added to the environment; its output."""
-    done = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore", **env})
+def run(*command: str, nproc: int = 0, cold: bool = False, **env: str) -> str:
+    """`python COMMAND` (or torchrun's nproc ranks of it), warm unless `cold` (tests/launch.py), in the
+    repository, with `env` added to the environment; its output."""
+    done = launch(list(command), nproc=nproc, timeout=600, cold=cold,
+                  env={**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore", **env})
     output = done.stdout + done.stderr
     assert done.returncode == 0, f"exit code {done.returncode}:\n{output[-5000:]}"
     return output
@@ -360,9 +361,9 @@ def test_an_imported_checkpoint_is_fine_tuned_by_the_trainer_at_another_layout(e
     output = exported["ngpt", "float32"][1]
     printed = run("tools/convert_from_hf.py", "--input", output, "--save", str(tmp_path))
     assert "--model-family ngpt --num-layers 2 --hidden-size 64 --seq-length 64" in printed
-    trained = run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "angpt.pretrain",
-                  *MODEL, "--model-family", "ngpt", "--tensor-model-parallel-size", "2", "--mock-data",
-                  "--vocab-size", "256", "--train-iters", "1", "--load", str(tmp_path), "--finetune")
+    trained = run("-m", "angpt.pretrain", *MODEL, "--model-family", "ngpt", "--tensor-model-parallel-size", "2",
+                  "--mock-data", "--vocab-size", "256", "--train-iters", "1", "--load", str(tmp_path), "--finetune",
+                  nproc=2)
     assert "for fine-tuning" in trained and "iteration        1/       1" in trained
 
 
@@ -430,7 +431,7 @@ def test_lm_eval_runs_offline_on_the_export_and_scores_what_our_model_does(expor
     output = exported["angpt", "float32"][1]
     run("-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={output},trust_remote_code=True,dtype=float32",
         "--tasks", "angpt_local", "--include_path", str(tmp_path / "tasks"), "--device", "cpu", "--batch_size", "8",
-        "--output_path", str(tmp_path / "results"), "--log_samples",
+        "--output_path", str(tmp_path / "results"), "--log_samples", cold=True,  # HF_HUB_OFFLINE is read at import
         HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "datasets"))
     (results_file,) = glob.glob(str(tmp_path / "results" / "*" / "results_*.json"))
     with open(results_file) as file:

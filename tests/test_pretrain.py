@@ -14,6 +14,7 @@ from angpt.config.arguments import NUMERIC_RANGES, build_parser, parse_args
 from angpt.training.config_from_args import model_config_from_args
 
 from conftest import PYDOC_VOCAB_SIZE, ROOT, TRAINED_ITERS, TRAINED_RUNS
+from launch import launch
 
 FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
          "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "1e-2", "--log-interval", "1",
@@ -28,11 +29,7 @@ def train_losses(metrics_file) -> list[float]:
 
 def pretrain(*args, nproc=2, timeout=600):
     env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore"}
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-         "-m", "angpt.pretrain", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env,
-    )
+    return launch(["-m", "angpt.pretrain", *args], nproc=nproc, env=env, timeout=timeout)
 
 
 @pytest.mark.multiprocess
@@ -233,8 +230,7 @@ def dry_run(*flags, world_size=None):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     env.pop("WORLD_SIZE", None)
     dry = ["--dry-run", *([str(world_size)] if world_size else [])]
-    return subprocess.run([sys.executable, "-m", "angpt.pretrain", *flags, *dry], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, env=env)
+    return launch(["-m", "angpt.pretrain", *flags, *dry], env=env, timeout=300)
 
 
 def test_dry_run_of_the_1b_config_on_32_processes_resolves_its_layout_and_counts_its_parameters(tmp_path):

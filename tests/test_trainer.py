@@ -27,6 +27,7 @@ from angpt.models.attention import clear_attention_backend_environment
 from angpt.training import checkpointing, faults
 
 from conftest import ROOT, in_process_trainer
+from launch import launch
 
 MODEL = ["--num-layers", "4", "--hidden-size", "48", "--num-attention-heads", "4", "--seq-length", "32",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-2", "--mock-data", "--vocab-size", "256",
@@ -47,8 +48,9 @@ def environment(**extra) -> dict:
 
 
 def train(*args, nproc: int = 2, expect: int = 0, env: dict | None = None, timeout: int = 300) -> str:
-    done = subprocess.run(command(*args, nproc=nproc), cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=environment(**(env or {})))
+    """A run to its end, warm (tests/launch.py): the tests of torchrun's part start `command` themselves."""
+    done = launch(["-m", "angpt.pretrain", *MODEL, *args], nproc=nproc, env=environment(**(env or {})),
+                  timeout=timeout)
     output = done.stdout + done.stderr
     assert done.returncode == expect, f"exit code {done.returncode}, expected {expect}:\n{output[-5000:]}"
     return output
