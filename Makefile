@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test test-fast lint quickstart setup clean cuda-check
+.PHONY: test test-fast test-long lint quickstart setup clean cuda-check
 
 setup: $(VENV)/.installed
 
@@ -29,15 +29,20 @@ define timed
 		printf '    done in %dm %02ds\n' $$((seconds / 60)) $$((seconds % 60))
 endef
 
-# Every test; the files are spread over one pytest-xdist worker per core (tests/conftest.py keeps a file's
-# tests, and files sharing a fixture, on one worker).
+# Every test but the long checks; the files are spread over one pytest-xdist worker per core (tests/conftest.py
+# keeps a file's tests, and files sharing a fixture, on one worker). The 15 slowest are listed at the end: a
+# test over a minute on a quiet 2-core machine says in a comment why it cannot be cheaper.
 test: setup
-	$(PY) -m pytest -q -n auto --dist loadgroup
+	$(PY) -m pytest -q -n auto --dist loadgroup -m "not long" --durations=15
+
+# The long end-to-end checks (minutes each: the convergence benchmark), which CI runs after `make test`.
+test-long: setup
+	$(PY) -m pytest -q -n auto --dist loadgroup -m long --durations=15
 
 # The in-process tests that take seconds each, for iterating: no torchrun jobs, no compiler, no end-to-end
 # scripts (`make test` runs those too).
 test-fast: setup
-	$(PY) -m pytest -q -n auto --dist loadgroup -m "not multiprocess and not slow"
+	$(PY) -m pytest -q -n auto --dist loadgroup -m "not multiprocess and not slow and not long"
 
 # ruff, configured in pyproject.toml (tests/test_lint.py runs the same check).
 lint: setup

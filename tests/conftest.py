@@ -35,6 +35,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "xdist_group(name): run on the pytest-xdist worker of that group")
     config.addinivalue_line("markers",
                             "slow: takes more than a few seconds in one process (left out of `make test-fast`)")
+    config.addinivalue_line("markers", "long: an end-to-end check of minutes, run by `make test-long` (CI runs it "
+                                       "after `make test`), not by `make test`")
 
 
 # `make test` runs the tests on parallel pytest-xdist workers (--dist loadgroup). A test that uses a fixture of

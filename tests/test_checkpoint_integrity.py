@@ -28,6 +28,7 @@ from angpt.training import checkpointing, digests, save_lock
 from angpt.training.trainer import Trainer
 
 from conftest import ROOT, in_process_trainer
+from launch import launch
 
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
          "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-2", "--mock-data", "--vocab-size", "128",
@@ -285,14 +286,18 @@ def test_two_runs_on_one_save_directory(tmp_path):
     without touching it; the first (saving asynchronously) goes on, releases the lock at exit and recorded
     digests at each commit; a resume at two ranks verifies them and falls back past a damaged checkpoint."""
     env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore"}
+    pretrain = ["-m", "angpt.pretrain", *MODEL, "--global-batch-size", "4", "--save", str(tmp_path)]
 
-    def launch(*flags: str) -> subprocess.Popen:
-        return subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-             "-m", "angpt.pretrain", *MODEL, "--global-batch-size", "4", "--save", str(tmp_path), *flags],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    def to_the_end(*flags: str) -> tuple[int, str]:
+        """A run started warm while the first one trains (tests/launch.py): its exit code and output."""
+        done = launch([*pretrain, *flags], nproc=2, env=env, timeout=240)
+        return done.returncode, done.stdout + done.stderr
 
-    first = launch("--train-iters", "1000", "--save-interval", "2", "--keep-last-n-checkpoints", "3", "--async-save")
+    # torchrun for real: the first run is stopped by signals to its workers.
+    first = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                              *pretrain, "--train-iters", "1000", "--save-interval", "2", "--keep-last-n-checkpoints",
+                              "3", "--async-save"],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         deadline = time.monotonic() + 240
         while not os.path.isfile(tmp_path / checkpointing.LATEST):
@@ -300,9 +305,8 @@ def test_two_runs_on_one_save_directory(tmp_path):
             time.sleep(0.2)
         with open(tmp_path / save_lock.LOCK) as file:
             holder = json.load(file)
-        second = launch("--load", str(tmp_path), "--train-iters", "1000", "--lr", "5e-3")
-        output = second.communicate(timeout=240)[0]
-        assert second.returncode != 0, output[-4000:]
+        code, output = to_the_end("--load", str(tmp_path), "--train-iters", "1000", "--lr", "5e-3")
+        assert code != 0, output[-4000:]
         assert f"angpt.pretrain: {tmp_path} is being written by another run (PID {holder['pid']} on {holder['host']}" \
             in output, output[-4000:]
         assert first.poll() is None
@@ -321,9 +325,8 @@ def test_two_runs_on_one_save_directory(tmp_path):
         with open(tmp_path / f"iter_{iteration:07d}" / digests.DIGESTS) as file:
             assert json.load(file)["algorithm"] == digests.ALGORITHM
     overwrite_256_bytes(tmp_path / f"iter_{latest:07d}" / "__1_0.distcp")
-    resumed = launch("--load", str(tmp_path), "--load-fallback-to-intact", "--train-iters", str(previous + 1))
-    output = resumed.communicate(timeout=240)[0]
-    assert resumed.returncode == 0, output[-4000:]
+    code, output = to_the_end("--load", str(tmp_path), "--load-fallback-to-intact", "--train-iters", str(previous + 1))
+    assert code == 0, output[-4000:]
     assert f"the checkpoint of iteration {latest} is damaged: {tmp_path / f'iter_{latest:07d}' / '__1_0.distcp'}" \
            in output
     assert f"loaded checkpoint {tmp_path / f'iter_{previous:07d}'} (iteration {previous})" in output

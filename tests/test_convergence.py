@@ -12,7 +12,8 @@ import pytest
 
 from conftest import PYDOC_VOCAB_SIZE, ROOT
 
-pytestmark = pytest.mark.slow
+# Ten cold processes (the benchmark's own runner starts each run, as a user's invocation does): over a minute.
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 
 def finite(value) -> bool:
