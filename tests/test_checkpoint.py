@@ -10,6 +10,8 @@ from conftest import run_workers
 ROUND_TRIPS = {"tp2_to_tp1": "tp2pp1:tp1pp1", "pp2_to_tp2": "tp1pp2:tp2pp1"}
 
 
+# Over the suite's budget of 60 s: every family's round trips (6 saves, 12 loads at other layouts)
+# share one warm job of two ranks; megatron-core's distributed checkpointing is most of the time.
 @pytest.fixture(scope="module")
 def round_trips(tmp_path_factory) -> list[dict]:
     """Every round trip of every family, in one torchrun job."""

@@ -280,6 +280,8 @@ def test_a_checkpoint_imported_from_hugging_face_records_digests(saved, tmp_path
     assert checkpointing.verify_checkpoint(str(tmp_path / "imported" / "iter_0000000"))
 
 
+# Over the suite's budget of 60 s: a real torchrun job trains (and saves asynchronously) while a
+# second run is refused and until its workers are signalled; the second run and the resume start warm.
 @pytest.mark.multiprocess
 def test_two_runs_on_one_save_directory(tmp_path):
     """Real runs under torchrun: a second run on the directory of one in progress is refused by every rank

@@ -123,6 +123,8 @@ def uninterrupted(tmp_path_factory):
     return Runs()
 
 
+# Over the suite's budget of 60 s: it trains the bf16 layout's uninterrupted run too (the
+# fixture, 6 iterations) before the two runs that stop and resume; all three start warm.
 # tp2 and dp2 with the distributed optimizer stop and resume under signals, and are compared with their
 # uninterrupted runs in the same way, in
 # test_signals_to_torchrun_or_to_the_workers_groups_save_and_the_runs_resume_exactly.
@@ -322,6 +324,8 @@ SIGNALLED_RUNS = {
 }
 
 
+# Over the suite's budget of 60 s: torchrun is the subject, so each of the 3 (sync) or 2 (async)
+# runs is a cold torchrun job of two ranks, each stopped by a real signal after a save.
 @pytest.mark.parametrize("saves", SIGNALLED_RUNS)
 def test_signals_to_torchrun_or_to_the_workers_groups_save_and_the_runs_resume_exactly(saves, uninterrupted,
                                                                                       tmp_path, single_process):
@@ -386,6 +390,8 @@ def test_repeated_nans_stop_the_run_with_the_last_good_state(tmp_path, single_pr
     assert weights and all(torch.equal(good[key], saved[key]) for key in weights)
 
 
+# Over the suite's budget of 60 s: two cold torchrun agents rendezvous over TCP as two nodes
+# do; the launcher's rendezvous is the subject.
 def test_two_nodes_train_like_one_node(uninterrupted, tmp_path, single_process):
     """Two nodes of one process each, rendezvousing over TCP, train exactly as one node of two processes."""
     with socket.socket() as sock:
