@@ -7,6 +7,8 @@ import importlib.util
 import json
 import os
 
+import pytest
+
 from conftest import ROOT
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_throughput.py")
@@ -19,6 +21,7 @@ def load_script():
     return module
 
 
+@pytest.mark.slow  # the benchmark end to end, 10 s on the CPU
 def test_tiny_run_on_cpu_writes_every_measure(single_process, tmp_path):
     out = tmp_path / "throughput.json"
     rows = load_script().main([

@@ -233,6 +233,7 @@ def dry_run(*flags, world_size=None):
     return launch(["-m", "angpt.pretrain", *flags, *dry], env=env, timeout=300)
 
 
+@pytest.mark.slow  # a dry run is a process of its own
 def test_dry_run_of_the_1b_config_on_32_processes_resolves_its_layout_and_counts_its_parameters(tmp_path):
     done = dry_run("--config", "examples/configs/angpt_1b.yaml", "--model-family", "gptplus", "--mock-data",
                    "--vocab-size", "50277", "--save", str(tmp_path / "run"), "--pipeline-model-parallel-size", "4",
@@ -256,6 +257,7 @@ def test_dry_run_of_the_1b_config_on_32_processes_resolves_its_layout_and_counts
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # the preprocessed corpus and dry runs are processes of their own
 def test_dry_run_reads_the_data_and_refuses_missing_data(preprocessed, tmp_path):
     done = dry_run(*FLAGS, "--train-iters", "10", "--data-path", str(preprocessed))
     assert done.returncode == 0, done.stderr
