@@ -36,6 +36,21 @@ def write_understated_dataset(prefix: str, **metadata) -> int:
     return max(int(document.max()) for document in documents)
 
 
+def test_a_dataset_written_by_megatron_lms_tool_trains_with_its_tokenizer_flags(tmp_path, single_process):
+    """No .json beside the .bin/.idx, as Megatron-LM's tools/preprocess_data.py writes it: its NullTokenizer
+    flags give the vocabulary (599 ids and the end-of-document id 599), and the run trains."""
+    prefix = str(tmp_path / "megatron_text_document")
+    largest = write_understated_dataset(prefix)
+    os.remove(prefix + ".json")
+    trainer = in_process_trainer([*MODEL, "--train-iters", "2", "--train-data-path", prefix, "--data-cache-path",
+                                  str(tmp_path / "cache"), "--tokenizer-type", "NullTokenizer", "--vocab-size",
+                                  str(largest), "--save", str(tmp_path / "run")])
+    assert (trainer.vocabulary.vocab_size, trainer.vocabulary.eod) == (largest + 1, largest)
+    assert trainer.run() == 0
+    assert [record["iteration"] for record in read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
+            if record["kind"] == "train"] == [1, 2]
+
+
 @pytest.mark.multiprocess
 def test_token_ids_beyond_the_vocabulary_stop_a_tensor_parallel_run_before_it_trains(tmp_path):
     """The drill: a .json (here without max_token_id, as older ones) records vocab_size 100 for ids up to 599.

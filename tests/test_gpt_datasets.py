@@ -1,6 +1,7 @@
 """Training data through megatron-core's BlendedMegatronDatasetBuilder and GPTDataset."""
 
 import json
+import os
 import re
 
 import numpy as np
@@ -137,3 +138,79 @@ def test_a_split_left_without_documents_is_refused_by_name(tmp_path, single_proc
     data = DataArguments(data_path=[prefix], split="96,4,0", data_cache_path=str(tmp_path / "cache"))
     train, valid, test = build_datasets(data, dataset_vocabulary(data), 16, 1234, [64, 8, 0])
     assert len(train) >= 64 and len(valid) >= 8 and test is None
+
+
+# Datasets as Megatron-LM's own tools/preprocess_data.py writes them: a .bin/.idx pair and no .json. Their
+# vocabulary comes from Megatron-LM's tokenizer flags.
+def without_metadata(prefix: str) -> str:
+    os.remove(prefix + ".json")
+    return prefix
+
+
+def null_tokenizer(vocab_size: int, **data) -> DataArguments:
+    return DataArguments(tokenizer_type="NullTokenizer", vocab_size=vocab_size, **data)
+
+
+def test_a_dataset_without_metadata_is_refused_in_one_line_without_tokenizer_flags(two_prefixes):
+    a = without_metadata(two_prefixes[0])
+    with pytest.raises(IndexedDatasetError) as refusal:
+        dataset_vocabulary(DataArguments(train_data_path=[a]))
+    assert str(refusal.value).startswith(f"{a}.json: no dataset metadata: give the tokenizer the dataset was "
+                                         "written with (--tokenizer-type") and "\n" not in str(refusal.value)
+
+
+def test_null_tokenizer_has_megatron_lms_vocabulary_and_bounds_the_token_ids_at_its_edge(two_prefixes, tmp_path,
+                                                                                         single_process):
+    """Megatron-LM's NullTokenizer: --vocab-size ids, then the end-of-document id (vocab_size + 1 in all). The
+    datasets' ids reach EOD = 499: --vocab-size 499 holds them exactly, 498 does not."""
+    a = without_metadata(two_prefixes[0])
+    data = null_tokenizer(EOD, train_data_path=[a], data_cache_path=str(tmp_path / "cache"))
+    vocabulary = dataset_vocabulary(data)
+    assert (vocabulary.vocab_size, vocabulary.eod) == (EOD + 1, EOD)
+    train, _, _ = build_datasets(data, vocabulary, seq_length=32, seed=1234, samples=[64, 0, 0])
+    assert len(train) >= 64
+    with pytest.raises(IndexedDatasetError, match=rf"^{re.escape(a)}\.bin holds token id {EOD}, outside the "
+                                                  rf"vocab_size {EOD} of --tokenizer-type NullTokenizer --vocab-size "
+                                                  rf"{EOD - 1}$"):
+        dataset_vocabulary(null_tokenizer(EOD - 1, train_data_path=[a]))
+    with pytest.raises(ValueError, match="^--tokenizer-type NullTokenizer needs --vocab-size$"):
+        dataset_vocabulary(DataArguments(tokenizer_type="NullTokenizer", train_data_path=[a]))
+
+
+def test_a_blend_mixes_datasets_with_and_without_metadata_when_the_tokenizer_agrees(two_prefixes, tmp_path,
+                                                                                    single_process):
+    a, b = two_prefixes
+    without_metadata(a)
+    data = null_tokenizer(EOD, data_path=["1", a, "1", b], split="98,2,0", data_cache_path=str(tmp_path / "cache"))
+    vocabulary = dataset_vocabulary(data)  # b.json records VOCAB = EOD + 1 and EOD, as NullTokenizer(EOD) has
+    assert (vocabulary.vocab_size, vocabulary.eod) == (VOCAB, EOD)
+    train, _, _ = build_datasets(data, vocabulary, seq_length=32, seed=1234, samples=[200, 0, 0])
+    assert isinstance(train, BlendedDataset) and set(np.unique(train.dataset_index[:200])) == {0, 1}
+
+
+def test_a_json_that_disagrees_with_the_tokenizer_flags_is_refused_naming_both(two_prefixes):
+    a, b = two_prefixes
+    without_metadata(a)
+    with pytest.raises(ValueError, match=rf"^{re.escape(b)}\.json records vocab_size {VOCAB} and eod {EOD}, but "
+                                         rf"--tokenizer-type NullTokenizer --vocab-size 600 has vocab_size 601 and "
+                                         rf"eod 600$"):
+        dataset_vocabulary(null_tokenizer(600, data_path=["1", a, "1", b]))
+
+
+def test_a_hugging_face_tokenizer_gives_the_vocabulary_and_the_description_checkpoints_carry(two_prefixes,
+                                                                                             tmp_path):
+    """A WordLevel tokenizer of 500 entries whose last is <|endoftext|>: vocab_size 500, eod 499."""
+    from tokenizers import Tokenizer, models  # noqa: PLC0415 (this test's only use)
+
+    vocab = {f"w{i}": i for i in range(EOD)} | {"<|endoftext|>": EOD}
+    Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(tmp_path / "tokenizer.json"))
+    a = without_metadata(two_prefixes[0])
+    vocabulary = dataset_vocabulary(DataArguments(train_data_path=[a], tokenizer_type="HuggingFaceTokenizer",
+                                                  tokenizer_model=str(tmp_path / "tokenizer.json")))
+    assert (vocabulary.vocab_size, vocabulary.eod) == (VOCAB, EOD)
+    described = vocabulary.unique_identifiers["tokenizer"]
+    assert described["type"] == "HuggingFaceTokenizer"
+    assert described["model"]["path"].endswith("tokenizer.json") and len(described["model"]["sha256"]) == 64
+    with pytest.raises(ValueError, match="^--tokenizer-type SentencePieceTokenizer: choose one of "
+                                         "HuggingFaceTokenizer, TikTokenizer, GPT2BPETokenizer, NullTokenizer$"):
+        dataset_vocabulary(DataArguments(train_data_path=[a], tokenizer_type="SentencePieceTokenizer"))

@@ -229,8 +229,16 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--test-data-path", nargs="+")
     data.add_argument("--data-cache-path", help="where GPTDataset caches its indices")
     data.add_argument("--mock-data", action="store_true", help="megatron-core's synthetic sequences")
-    data.add_argument("--vocab-size", type=int, help="vocabulary of --mock-data; with datasets, it must be the "
-                      "vocab_size their .json records")
+    data.add_argument("--vocab-size", type=int, help="vocabulary of --mock-data, or NullTokenizer's ids (its "
+                      "end-of-document id comes after them); with a dataset's .json, it must be the vocab_size "
+                      "it records")
+    # Megatron-LM's tokenizer flags: the vocabulary of datasets without our .json, as its tools/preprocess_data.py
+    # writes them (angpt.data.gpt_datasets.flag_vocabulary); with a .json, they must agree with it.
+    data.add_argument("--tokenizer-type", help="HuggingFaceTokenizer, TikTokenizer, GPT2BPETokenizer or "
+                      "NullTokenizer (with --vocab-size)")
+    data.add_argument("--tokenizer-model", help="tokenizer.json or its directory, or a .tiktoken ranks file")
+    data.add_argument("--vocab-file", help="GPT2BPETokenizer's vocab.json")
+    data.add_argument("--merge-file", help="GPT2BPETokenizer's merges.txt")
     data.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                       help="pad the vocabulary to a multiple of this times the tensor-parallel size")
 

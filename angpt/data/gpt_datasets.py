@@ -4,6 +4,7 @@ and GPTDataset, with Megatron-LM's flags and its order of samples across data-pa
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -13,7 +14,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 
 from angpt.data.blend import parse_blend
 from angpt.data.indexed import IndexedDatasetError, check_indexed_dataset, check_token_ids, metadata_path, read_metadata
-from angpt.data.tokenizers import recorded_tokenizer
+from angpt.data.tokenizers import NULL_TOKENIZER, TOKENIZER_TYPES, build_tokenizer, recorded_tokenizer
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,12 @@ class DataArguments:
     test_data_path: Optional[Sequence[str]] = None
     data_cache_path: Optional[str] = None
     mock_data: bool = False
-    vocab_size: Optional[int] = None  # mock_data's; with datasets, it must be theirs
+    vocab_size: Optional[int] = None  # mock_data's and NullTokenizer's; with a dataset's .json, it must be its
+    # The tokenizer of datasets without our .json (as Megatron-LM's tools/preprocess_data.py writes them).
+    tokenizer_type: Optional[str] = None
+    tokenizer_model: Optional[str] = None
+    vocab_file: Optional[str] = None
+    merge_file: Optional[str] = None
 
     def prefixes(self) -> list[str]:
         paths = [self.data_path, self.train_data_path, self.valid_data_path, self.test_data_path]
@@ -45,10 +51,12 @@ class DataArguments:
 
 
 def dataset_vocabulary(data: DataArguments) -> DatasetVocabulary:
-    """The vocabulary recorded with the datasets; every prefix must agree on it, and with --vocab-size
-    when given. Checks that each .bin/.idx pair is whole, that its token ids lie within that vocabulary,
-    and that the tokenizer the metadata names (when its files are at hand) has that vocabulary, before
-    anything reads the data."""
+    """The vocabulary of the datasets: the one their .json records, or, for a dataset without one (written by
+    Megatron-LM's own tool), the one of the tokenizer flags (--tokenizer-type and its files, or NullTokenizer
+    with --vocab-size), as Megatron-LM reads it. Every prefix must agree on it, a .json with the tokenizer
+    flags when both are given, and with --vocab-size when given. Checks that each .bin/.idx pair is whole,
+    that its token ids lie within that vocabulary, and that the tokenizer a .json names (when its files are
+    at hand) has that vocabulary, before anything reads the data."""
     if data.mock_data:
         if not data.vocab_size:
             raise ValueError("--mock-data needs --vocab-size")
@@ -56,22 +64,68 @@ def dataset_vocabulary(data: DataArguments) -> DatasetVocabulary:
     prefixes = data.prefixes()
     if not prefixes:
         raise ValueError("no training data: give --data-path, --train-data-path or --mock-data")
+    flags = flag_vocabulary(data)
     metadata = {}
     for prefix in prefixes:
         check_indexed_dataset(prefix)
-        metadata[prefix] = read_metadata(prefix)
-        check_token_ids(prefix, metadata[prefix])
+        if os.path.isfile(metadata_path(prefix)):
+            metadata[prefix] = read_metadata(prefix)
+            check_token_ids(prefix, metadata[prefix])
+        elif flags is None:
+            raise IndexedDatasetError(
+                f"{metadata_path(prefix)}: no dataset metadata: give the tokenizer the dataset was written with "
+                "(--tokenizer-type and --tokenizer-model, --vocab-file/--merge-file, or NullTokenizer with "
+                "--vocab-size), or write it with tools/preprocess_data.py")
+        else:
+            check_token_ids(prefix, {"vocab_size": flags.vocab_size}, source=_describe_flags(data))
     recorded = {prefix: (meta["vocab_size"], meta["eod"]) for prefix, meta in metadata.items()}
     if len(set(recorded.values())) > 1:
         raise ValueError(f"the datasets were tokenized differently (vocab_size, eod): {recorded}")
-    first = metadata[prefixes[0]]
-    if data.vocab_size is not None and data.vocab_size != first["vocab_size"]:
-        raise ValueError(f"--vocab-size {data.vocab_size} disagrees with the vocab_size {first['vocab_size']} of "
-                         f"{metadata_path(prefixes[0])} (leave --vocab-size out: the datasets' is used)")
-    described = {json.dumps(meta["tokenizer"], sort_keys=True): prefix for prefix, meta in metadata.items()}
-    for prefix in described.values():  # each tokenizer once: a split's datasets usually share one
-        _check_tokenizer(prefix, metadata[prefix])
-    return DatasetVocabulary(first["vocab_size"], first["eod"], {"tokenizer": first["tokenizer"]})
+    if flags is not None:
+        for prefix, (vocab_size, eod) in recorded.items():
+            if (vocab_size, eod) != (flags.vocab_size, flags.eod):
+                raise ValueError(f"{metadata_path(prefix)} records vocab_size {vocab_size} and eod {eod}, but "
+                                 f"{_describe_flags(data)} has vocab_size {flags.vocab_size} and eod {flags.eod}")
+    if metadata:
+        first_prefix = next(iter(metadata))
+        first = metadata[first_prefix]
+        if data.vocab_size is not None and data.tokenizer_type != NULL_TOKENIZER \
+                and data.vocab_size != first["vocab_size"]:
+            raise ValueError(f"--vocab-size {data.vocab_size} disagrees with the vocab_size {first['vocab_size']} of "
+                             f"{metadata_path(first_prefix)} (leave --vocab-size out: the datasets' is used)")
+        described = {json.dumps(meta["tokenizer"], sort_keys=True): prefix for prefix, meta in metadata.items()}
+        for prefix in described.values():  # each tokenizer once: a split's datasets usually share one
+            _check_tokenizer(prefix, metadata[prefix])
+        if flags is None:
+            return DatasetVocabulary(first["vocab_size"], first["eod"], {"tokenizer": first["tokenizer"]})
+    return flags
+
+
+def flag_vocabulary(data: DataArguments) -> Optional[DatasetVocabulary]:
+    """The vocabulary of the tokenizer flags, as Megatron-LM builds it (None without --tokenizer-type):
+    NullTokenizer's is --vocab-size ids and the end-of-document id after them (vocab_size + 1 in all)."""
+    if data.tokenizer_type is None:
+        return None
+    if data.tokenizer_type == NULL_TOKENIZER:
+        if not data.vocab_size:
+            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
+        return DatasetVocabulary(data.vocab_size + 1, data.vocab_size,
+                                 {"tokenizer": {"type": NULL_TOKENIZER, "vocab_size": data.vocab_size}})
+    if data.tokenizer_type not in TOKENIZER_TYPES:
+        raise ValueError(f"--tokenizer-type {data.tokenizer_type}: choose one of "
+                         f"{', '.join([*TOKENIZER_TYPES, NULL_TOKENIZER])}")
+    tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_file, data.merge_file)
+    # Described as a .json describes its tokenizer: checkpoints and the export carry it.
+    return DatasetVocabulary(tokenizer.vocab_size, tokenizer.eod, {"tokenizer": tokenizer.description})
+
+
+def _describe_flags(data: DataArguments) -> str:
+    files = [f"{flag} {path}" for flag, path in (("--tokenizer-model", data.tokenizer_model),
+                                                  ("--vocab-file", data.vocab_file),
+                                                  ("--merge-file", data.merge_file)) if path]
+    if data.tokenizer_type == NULL_TOKENIZER:
+        files = [f"--vocab-size {data.vocab_size}"]
+    return " ".join([f"--tokenizer-type {data.tokenizer_type}", *files])
 
 
 def _check_tokenizer(prefix: str, metadata: dict) -> None:

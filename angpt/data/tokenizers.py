@@ -26,6 +26,9 @@ EOD_TOKEN = "<|endoftext|>"
 # GPT-2's pre-tokenizer regex, which TikTokenizer splits text with (angpt.hf.export gives it to the export).
 GPT2_SPLIT_PATTERN = r50k_pat_str
 TOKENIZER_TYPES = ("HuggingFaceTokenizer", "TikTokenizer", "GPT2BPETokenizer")
+# Megatron-LM's tokenizer of already tokenized data: --vocab-size ids, the end-of-document id after them. The
+# trainer takes it for datasets without a .json; it cannot tokenize text.
+NULL_TOKENIZER = "NullTokenizer"
 
 
 class Tokenizer(Protocol):

@@ -110,4 +110,6 @@ def data_arguments(args: argparse.Namespace) -> DataArguments:
         data_path=args.data_path, split=args.split, train_data_path=args.train_data_path,
         valid_data_path=args.valid_data_path, test_data_path=args.test_data_path,
         data_cache_path=args.data_cache_path, mock_data=args.mock_data, vocab_size=args.vocab_size,
+        tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
     )
