@@ -4,18 +4,26 @@ signal-proof save queue in test_faults.py); here: that they are installed by `an
 that the warnings and the log filter hide exactly what they name, and the version check."""
 
 import logging
+import os
+import queue as queue_module
+import signal
 import subprocess
 import sys
+import time
 import warnings
 
 import megatron.core
+import psutil
 import pytest
 import torch
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
 from megatron.core.transformer import cuda_graphs
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.storage import WriteResult
 
-from angpt.megatron_compat import KNOWN_WARNINGS, WRITTEN_FOR, patches, quiet_known_warnings
+from angpt.config.arguments import EXIT_SIGNALS
+from angpt.megatron_compat import KNOWN_WARNINGS, WRITTEN_FOR, patches, quiet_known_warnings, results_queue
 
 from conftest import ROOT
 
@@ -92,3 +100,58 @@ def test_a_graph_input_buffer_kept_for_backward_stays_out_of_the_reuse_pool(sing
         pool.pool.clear()
         pool.tensor_strong_refs.clear()
         pool.tensor_strong_refs_dataptrs.clear()
+
+
+# A training process that starts the save's results queue and says its Manager's pid (tests below kill it).
+QUEUE_HOLDER = """
+import sys, time
+from angpt.config.arguments import EXIT_SIGNALS
+from angpt.megatron_compat import results_queue
+manager, queue = results_queue.start(EXIT_SIGNALS)
+print(manager._process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _ended(pid: int) -> bool:
+    # An orphan is a zombie until init reaps it (a container's init may never): it has ended.
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_the_results_queue_passes_torch_objects_through_a_manager_without_torch():
+    """megatron-core's Manager unpickled every write result, importing torch for it (2 CPU-s and 300 MB a
+    rank): the results now cross it as bytes."""
+    manager, queue = results_queue.start(EXIT_SIGNALS)
+    try:
+        result = WriteResult(index=MetadataIndex("decoder.weight", torch.Size([4, 0]), 1), size_in_bytes=64,
+                             storage_data={"relative_path": "__0_0.distcp"})
+        queue.put([result])
+        assert queue.get_nowait() == [result]
+        with pytest.raises(queue_module.Empty):
+            queue.get_nowait()
+        assert "libtorch" not in open(f"/proc/{manager._process.pid}/maps").read()
+    finally:
+        manager.shutdown()
+
+
+def test_the_results_queue_outlives_exit_signals_but_not_its_process():
+    """The Manager ignores SIGTERM (a signal to the process group must not kill the save it asked for), and
+    exits by itself within a second of its training process's SIGKILL, rather than staying behind for good."""
+    holder = subprocess.Popen([sys.executable, "-c", QUEUE_HOLDER], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": ROOT})
+    try:
+        manager = int(holder.stdout.readline())
+        os.kill(manager, signal.SIGTERM)
+        time.sleep(2 * results_queue.PARENT_POLL_INTERVAL)
+        assert not _ended(manager)
+        holder.kill()
+        holder.wait()
+        deadline = time.monotonic() + 10
+        while not _ended(manager) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _ended(manager), "the Manager outlived its killed training process by 10 s"
+    finally:
+        holder.kill()

@@ -10,8 +10,9 @@ Each workaround, where it is, and what breaks without it under megatron-core 0.1
   `FutureWarning`s at every load, in every process.
 - "Unknown MLP type" log filtered (`patches.py`): `TransformerLayer` logs it once per layer for any MLP
   class but its own (our `ScaledSwiGLUMLP`).
-- The save's results queue deaf to exit signals (`patches.py`): SIGTERM or SIGINT to torchrun's process
-  group kills the queue's Manager, and the save the signal asked for fails.
+- The save's results queue (`results_queue.py`): SIGTERM or SIGINT to torchrun's process group kills the
+  queue's Manager, and the save the signal asked for fails; a SIGKILLed training process leaves its Manager
+  behind; the Manager imports torch (2 CPU-s and 300 MB a rank) to unpickle results it only passes on.
 - The distributed optimizer loading torch's Adam (`patches.py`): without apex or Transformer Engine there
   is no sharded state dict to load into, then `KeyError: 'step'`, then Adam's bias correction restarts.
 - The grad norm and clipping in foreach ops (`patches.py`, `foreach_l2_norm`): without apex or Transformer

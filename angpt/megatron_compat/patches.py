@@ -5,11 +5,6 @@ breaks without each."""
 from __future__ import annotations
 
 import logging
-import signal
-import sys
-import types
-from multiprocessing import get_context, resource_tracker
-from multiprocessing.managers import SyncManager
 
 import megatron.core
 import torch
@@ -21,7 +16,7 @@ from megatron.core.transformer import cuda_graphs
 from megatron.core.utils import local_multi_tensor_l2_norm
 
 from angpt.config.arguments import EXIT_SIGNALS
-from angpt.megatron_compat import WRITTEN_FOR, cpu
+from angpt.megatron_compat import WRITTEN_FOR, cpu, results_queue
 from angpt.models.attention import fused_rotary_pos_emb
 
 logger = logging.getLogger("angpt.megatron_compat")
@@ -66,32 +61,10 @@ class _OwnMLPFilter(logging.Filter):
 
 
 def _results_queue_that_outlives_exit_signals():
-    """megatron-core 0.16's `filesystem_async._get_write_results_queue`, with its Manager process deaf
-    to the exit signals. Every save, sync or async, sends the written files' metadata back through a
-    queue served by a spawned multiprocessing Manager, started at the first save and kept for the
-    process's life, in the training process's process group. torchrun forwards SIGTERM and SIGINT to
-    that group (os.killpg), as `kill -TERM -<pgid>` does, and Slurm signals every process of a job: the
-    Manager died of it, and the save the signal asked for failed (BrokenPipeError or
-    ConnectionRefusedError, an `.incomplete` directory left, the steps since the last save lost).
-    The Manager starts with the exit signals blocked (a child inherits its parent's signal mask, and
-    the Manager never unblocks them), so they stay pending there: the training process decides, and
-    shuts it down at exit; SIGKILL to the group still ends it. Starting multiprocessing's resource
-    tracker unblocks SIGINT and SIGTERM, so it is started before they are blocked.
-    A spawned process imports its parent's main module first (here `angpt.pretrain`: torch and
-    megatron-core, 5 s of CPU and 400 MB per rank), which a queue's server does not need: it is spawned
-    while `__main__` is a blank module."""
+    """megatron-core 0.16's `filesystem_async._get_write_results_queue`, served by a Manager that outlives the
+    exit signals and not its process, and imports nothing to pass the results (`results_queue`)."""
     if filesystem_async._results_queue is None:
-        manager = SyncManager(ctx=get_context("spawn"))
-        resource_tracker.ensure_running()
-        unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {getattr(signal, name) for name in EXIT_SIGNALS})
-        main = sys.modules["__main__"]
-        sys.modules["__main__"] = types.ModuleType("__main__")
-        try:
-            manager.start()
-        finally:
-            sys.modules["__main__"] = main
-            signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)  # what arrived meanwhile is handled now
-        filesystem_async._results_queue = manager.Queue()  # the queue's proxy keeps the manager alive
+        _, filesystem_async._results_queue = results_queue.start(EXIT_SIGNALS)
     return filesystem_async._results_queue
 
 
