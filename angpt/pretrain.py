@@ -13,8 +13,10 @@ See `angpt.config.arguments` for every flag and `angpt.training.trainer` for wha
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
+from angpt.config import megatron_lm
 from angpt.config.arguments import parse_args
 from angpt.megatron_compat import quiet_known_warnings
 
@@ -27,6 +29,9 @@ def main(argv=None) -> None:
     console_outlives_its_reader()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("angpt").setLevel(logging.INFO)
+    if int(os.environ.get("RANK", "0")) == 0:
+        for note in megatron_lm.notes(args):
+            logging.getLogger("angpt.pretrain").info("%s", note)
     if args.dry_run is not None:
         sys.exit(dry_run(args))
     from angpt.training.trainer import pretrain  # noqa: PLC0415 (after parsing)

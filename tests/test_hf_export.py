@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
 from angpt.data.tokenizers import EOD_TOKEN, build_tokenizer
 from angpt.hf.export import LAYER, Checkpoint, ExportError, export, read_checkpoint, recorded_losses
-from angpt.hf.importer import import_hf
+from angpt.hf.importer import import_hf, qwen3_args
 from angpt.hf.verify import (
     FP32_LOGIT_TOLERANCE,
     decided,
@@ -458,3 +458,11 @@ def test_lm_eval_runs_offline_on_the_export_and_scores_what_our_model_does(expor
             assert sample["acc"] == float(best == item["label"]), sample["doc_id"]
     print(f"lm-eval accuracy {accuracy}; the best choice decided on {decided_items} of {len(items)} items")
     assert decided_items >= len(items) // 2
+
+
+@pytest.mark.parametrize("epsilon", [1e-6, 1e-5])
+def test_a_qwen3_models_rms_norm_epsilon_is_imported_as_norm_epsilon(epsilon):
+    """Qwen3's own checkpoints use 1e-6; GPT+'s default (Megatron-LM's --norm-epsilon) is 1e-5."""
+    config = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, max_position_embeddings=32, rope_theta=10000, rms_norm_eps=epsilon)
+    assert qwen3_args(config)["norm_epsilon"] == epsilon

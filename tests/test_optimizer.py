@@ -14,7 +14,7 @@ from angpt.megatron_compat import patches
 from angpt.models import model_config
 from angpt.models.scales import LearnableScale
 from angpt.training import distributed
-from angpt.training.optimizer import build_optimizer
+from angpt.training.optimizer import build_optimizer, recipe_departures
 from angpt.training.step import build_model_chunks, step_unless_not_finite, train_step
 
 V, S, MB = 128, 16, 2
@@ -226,3 +226,15 @@ def test_foreach_scale_writes_source_times_scale_into_target():
         torch.testing.assert_close(target, source * 0.5)
     patches.foreach_scale(0, None, [sources, sources], 0.5)
     torch.testing.assert_close(sources[1], torch.full((2, 2), 1.0))
+
+
+def test_a_recipe_flag_departing_from_the_familys_recipe_is_said_and_the_recipes_own_value_is_not():
+    assert recipe_departures("angpt", 0.1, None, None) == [
+        "--weight-decay 0.1 departs from anGPT's recipe, no weight decay (docs/model.md)"]
+    assert recipe_departures("ngpt", None, 5, 0.0) == [
+        "--lr-warmup-iters 5 departs from nGPT's recipe, no warm-up (docs/model.md)"]
+    assert recipe_departures("gptplus", 0.0, None, 0.001) == [
+        "--weight-decay 0 departs from GPT+'s recipe, weight decay 0.1 (docs/model.md)",
+        "--lr-warmup-fraction 0.001 departs from GPT+'s recipe, a warm-up of 0.01 of the decay (docs/model.md)"]
+    # The recipe's own values, given explicitly or left out, depart from nothing.
+    assert recipe_departures("angpt", 0.0, 0, 0.0) == recipe_departures("gptplus", 0.1, None, 0.01) == []

@@ -15,7 +15,7 @@ from typing import Optional
 
 import yaml
 
-from angpt.config import transformer_engine_support
+from angpt.config import megatron_lm, transformer_engine_support
 from angpt.config.choices import FACTOR_MODES, MODEL_FAMILIES, NU_P_READINGS, POST_NORMS, RESIDUALS, TRANSFORMER_IMPLS
 from angpt.data.blend import parse_blend
 
@@ -41,10 +41,11 @@ NUMERIC_RANGES = (
         "keep_last_n_checkpoints", "eval_interval", "log_interval", "exit_interval")),
     ("cannot be negative", lambda value: value >= 0, (
         "angpt_alpha_init", "min_lr", "lr_warmup_iters", "lr_warmup_init", "weight_decay", "clip_grad", "seed",
-        "fp8_margin", "eval_iters", "max_skipped_steps", "dry_run", "cuda_graph_warmup_steps")),
+        "fp8_margin", "eval_iters", "max_skipped_steps", "dry_run", "cuda_graph_warmup_steps",
+        "megatron_local_rank")),
     ("must be positive", lambda value: value > 0, (
-        "init_method_std", "angpt_constant_factor_multiplier", "angpt_nu_alpha_multiplier",
-        "distributed_timeout_minutes", "lr", "adam_eps", "exit_duration_in_mins")),
+        "init_method_std", "norm_epsilon", "angpt_constant_factor_multiplier", "angpt_nu_alpha_multiplier",
+        "distributed_timeout_minutes", "lr", "adam_eps", "exit_duration_in_mins", "megatron_rotary_percent")),
     ("must be in [0, 1)", lambda value: 0 <= value < 1, (
         "attention_dropout", "hidden_dropout", "lr_warmup_fraction", "adam_beta1", "adam_beta2")),
 )
@@ -108,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--max-position-embeddings", type=int,
                        help="accepted for Megatron-LM scripts; RoPE needs only --seq-length (must not be below it)")
     model.add_argument("--rotary-base", type=int, default=10000)
+    model.add_argument("--norm-epsilon", type=float, default=1e-5, help="epsilon of GPT+'s RMSNorms (anGPT and "
+                       "nGPT replace them by their own normalization)")
     model.add_argument("--init-method-std", type=float, default=0.02, help="GPT+ weight init (anGPT and nGPT "
                        "put every row on the unit sphere instead)")
     tying = model.add_mutually_exclusive_group()
@@ -201,8 +204,6 @@ def build_parser() -> argparse.ArgumentParser:
                            "(default 1)")
     precision.add_argument("--fp8-amax-compute-algo", choices=FP8_AMAX_ALGOS,
                            help="delayed scaling: amax of the window (max) or the latest (most_recent, default)")
-    precision.add_argument("--fp8-param-gather", action="store_true", help="accepted for Megatron-LM scripts "
-                           "and refused: FP8 parameters are not supported (docs/fp8.md)")
 
     speed = parser.add_argument_group("fusions and CUDA graphs (GPU)")
     speed.add_argument("--rope-fusion", dest="apply_rope_fusion", action=SWITCH, default=None,
@@ -289,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     exits.add_argument("--exit-duration-in-mins", type=float, help="save and exit after this many minutes")
     exits.add_argument("--max-skipped-steps", type=int, default=10,
                        help="stop when more than this many steps in a row have a NaN/Inf loss or grad norm")
+    megatron_lm.add_megatron_lm_flags(parser)
     for action in parser._actions:
         if action.help is None and _shows_default(action):
             action.help = "default: %(default)s"  # argparse shows no default where there is no help text
@@ -304,6 +306,7 @@ def parse_args(argv: Optional[list[str]] = None, world_size: Optional[int] = Non
     if world_size is None:  # --dry-run 0 (--dry-run alone) is this job's world size
         world_size = max(args.dry_run or 0, 0) or int(os.environ.get("WORLD_SIZE", 1))
     validate(parser, args, world_size)
+    megatron_lm.check_implied(parser, args)
     args.world_size = world_size
     return args
 
@@ -326,14 +329,21 @@ def read_config(parser: argparse.ArgumentParser, path: str) -> dict:
     if not isinstance(values, dict):
         parser.error(f"--config {path}: expected a mapping of flag names to values")
     actions = flag_actions(parser)
+    # A key is a flag's destination or the flag itself (Megatron-LM's flags here have destinations of their own).
+    actions.update({action.option_strings[0].lstrip("-").replace("-", "_"): action for action in actions.values()
+                    if action.dest.startswith("megatron_")})
     defaults = {}
     for key, value in values.items():
-        dest = str(key).lstrip("-").replace("-", "_")
-        action = actions.get(dest)
+        action = actions.get(str(key).lstrip("-").replace("-", "_"))
         if action is None:
             parser.error(f"--config {path}: unknown key {key!r} (not a flag of angpt.pretrain)")
+        if isinstance(action, megatron_lm.Refuse):
+            why = action.refusal(value)
+            if why is None:
+                continue
+            parser.error(f"--config {path}: {key}: not supported: {why}")
         try:
-            defaults[dest] = setting_value(action, value)
+            defaults[action.dest] = setting_value(action, value)
         except ValueError as error:
             parser.error(f"--config {path}: {key}: {error}")
     return defaults
@@ -431,15 +441,16 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
 
 
 def _validate_ranges(parser, args) -> None:
-    for requirement, holds, flags in NUMERIC_RANGES:
-        for flag in flags:
-            value = getattr(args, flag)
+    for requirement, holds, dests in NUMERIC_RANGES:
+        for dest in dests:
+            value = getattr(args, dest)
             if value is None:
                 continue
+            flag = "--" + dest.removeprefix("megatron_").replace("_", "-")
             if isinstance(value, float) and not math.isfinite(value):
-                parser.error(f"--{flag.replace('_', '-')} {value} must be a finite number")
+                parser.error(f"{flag} {value} must be a finite number")
             if not holds(value):
-                parser.error(f"--{flag.replace('_', '-')} {value} {requirement}")
+                parser.error(f"{flag} {value} {requirement}")
 
 
 # The anGPT switches each other family reads (docs/model.md, Families and switches); the rest would be
@@ -498,7 +509,7 @@ def _validate_precision(parser, args) -> None:
                      "native (the default)")
     fp8 = args.fp8_format is not None
     if not fp8:
-        for flag in ("fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_param_gather"):
+        for flag in ("fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo"):
             if getattr(args, flag) not in (None, False):
                 parser.error(f"--{flag.replace('_', '-')} needs --fp8-format (FP8 is off without it)")
     for flag, default in FP8_DEFAULTS.items():
@@ -511,11 +522,6 @@ def _validate_precision(parser, args) -> None:
         if not args.bf16:
             parser.error(f"--fp8-format {args.fp8_format} needs --bf16 (the weights and activations FP8 does not "
                          "cover stay bf16)")
-        if args.fp8_param_gather:
-            parser.error("--fp8-param-gather is not supported: anGPT's weights are projected onto the unit ball "
-                         "at initialization and after every step in fp32, and FP8 parameters would need that "
-                         "projection on their high-precision copies (docs/fp8.md); leave it out (the FP8 casts "
-                         "then happen in each GEMM)")
         if args.fp8_recipe != "delayed":
             for flag in ("fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo"):
                 if getattr(args, flag) != FP8_DEFAULTS[flag]:

@@ -4,6 +4,7 @@ command line parses (and `--help` prints) before torch and megatron-core are loa
 """
 
 MODEL_FAMILIES = ("angpt", "gptplus", "ngpt")
+FAMILY_NAMES = {"angpt": "anGPT", "gptplus": "GPT+", "ngpt": "nGPT"}  # as the paper writes them
 # The normalization factors: as derived, all 1, or the exact 1/||x|| (docs/model.md, Normalization factors).
 FACTOR_MODES = ("analytic", "one", "exact")
 # The two readings of nu_p (docs/model.md, Normalization factors).

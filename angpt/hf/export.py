@@ -46,7 +46,7 @@ MODEL_FLAGS = ("model_family", "num_layers", "hidden_size", "num_attention_heads
                "ffn_hidden_size", "kv_channels", "seq_length", "rotary_base", "tie_embeddings_and_output_weights",
                "angpt_post_norm", "angpt_nu_p", "angpt_alpha_init", "angpt_constant_factors",
                "angpt_constant_factor_multiplier", "angpt_nu_alpha", "angpt_nu_alpha_multiplier",
-               "angpt_no_nu_alpha_grad", "angpt_residual")
+               "angpt_no_nu_alpha_grad", "angpt_residual", "norm_epsilon")
 
 
 class ExportError(ValueError):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import shutil
 from dataclasses import asdict
@@ -69,14 +68,12 @@ def qwen3_args(config: dict) -> dict:
     refused = [name for name, value in unsupported.items() if value]
     if refused:
         raise ExportError(f"this Qwen3 model has {', '.join(refused)}, which GPT+ does not")
-    if not math.isclose(config.get("rms_norm_eps", 1e-5), 1e-5):
-        logger.warning("the model's RMSNorm epsilon is %g; angpt's GPT+ uses 1e-5", config["rms_norm_eps"])
     return {
         "model_family": "gptplus", "num_layers": config["num_hidden_layers"], "hidden_size": config["hidden_size"],
         "num_attention_heads": config["num_attention_heads"], "num_query_groups": config["num_key_value_heads"],
         "kv_channels": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
         "ffn_hidden_size": config["intermediate_size"], "seq_length": config["max_position_embeddings"],
-        "rotary_base": int(rope["rope_theta"]),
+        "rotary_base": int(rope["rope_theta"]), "norm_epsilon": config.get("rms_norm_eps", 1e-5),
         "tie_embeddings_and_output_weights": config.get("tie_word_embeddings", False),
     }
 

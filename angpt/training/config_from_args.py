@@ -38,6 +38,7 @@ def model_config_from_args(args: argparse.Namespace) -> AnGPTConfig:
         params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         init_method_std=args.init_method_std,
+        layernorm_epsilon=getattr(args, "norm_epsilon", 1e-5),  # not recorded before the flag existed
         post_norm=args.angpt_post_norm,
         nu_p_reading=args.angpt_nu_p,
         alpha_init=args.angpt_alpha_init,

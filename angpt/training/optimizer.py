@@ -15,6 +15,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import get_model_config
 
+from angpt.config.choices import FAMILY_NAMES
 from angpt.models import WEIGHT_CONSTRAINTS
 from angpt.models.bounding import attach_weight_constraint
 
@@ -34,6 +35,23 @@ RECIPES = {
     "ngpt": Recipe(weight_decay=0.0, warmup_fraction=0.0, min_lr_ratio=0.0),
     "gptplus": Recipe(weight_decay=0.1, warmup_fraction=0.01, min_lr_ratio=0.1),
 }
+
+
+def recipe_departures(model_family: str, weight_decay: Optional[float], warmup_iters: Optional[int],
+                      warmup_fraction: Optional[float]) -> list[str]:
+    """A line for each flag given a value other than the family's recipe (a Megatron-LM script's
+    `--weight-decay 0.1` with anGPT, say): honoured, and said."""
+    recipe, name = RECIPES[model_family], FAMILY_NAMES[model_family]
+    lines = []
+    if weight_decay is not None and weight_decay != recipe.weight_decay:
+        paper = f"weight decay {recipe.weight_decay:g}" if recipe.weight_decay else "no weight decay"
+        lines.append(f"--weight-decay {weight_decay:g} departs from {name}'s recipe, {paper} (docs/model.md)")
+    warmup = [(f"--lr-warmup-iters {warmup_iters}", warmup_iters and recipe.warmup_fraction == 0),
+              (f"--lr-warmup-fraction {warmup_fraction}", warmup_fraction is not None
+               and warmup_fraction != recipe.warmup_fraction)]
+    paper = f"a warm-up of {recipe.warmup_fraction:g} of the decay" if recipe.warmup_fraction else "no warm-up"
+    lines += [f"{flag} departs from {name}'s recipe, {paper} (docs/model.md)" for flag, departs in warmup if departs]
+    return lines
 
 
 def optimizer_backend() -> str:
@@ -63,14 +81,17 @@ def norm_backend(config) -> str:
 _logged_backends = False
 
 
-def log_backends(config) -> None:
-    """One log line each for the optimizer and the norms, once per process (rank 0 only when distributed)."""
+def log_backends(config, departures: list[str]) -> None:
+    """One log line each for the optimizer, the norms and each departure from the family's recipe, once per
+    process (rank 0 only when distributed)."""
     global _logged_backends
     if _logged_backends or (dist.is_initialized() and dist.get_rank() != 0):
         return
     _logged_backends = True
     logger.info("optimizer: %s", optimizer_backend())
     logger.info("norms: %s", norm_backend(config))
+    for line in departures:
+        logger.warning("%s", line)
 
 
 def use_fused_adam(optimizer) -> None:
@@ -127,6 +148,7 @@ def build_optimizer(
     `fused_adam`: see `use_fused_adam`; default on with CUDA."""
     recipe = RECIPES[model_family]
     min_lr = recipe.min_lr_ratio * lr if min_lr is None else min_lr
+    weight_decay_given = weight_decay
     weight_decay = recipe.weight_decay if weight_decay is None else weight_decay
     decay_iters = lr_decay_iters or train_iters
     # The warm-up: --lr-warmup-iters, else --lr-warmup-fraction of the decay, else the family's fraction.
@@ -147,7 +169,8 @@ def build_optimizer(
         use_distributed_optimizer=use_distributed_optimizer,
     )
     model_config = get_model_config(model_chunks[0])
-    log_backends(model_config)
+    log_backends(model_config, recipe_departures(model_family, weight_decay_given, lr_warmup_iters,
+                                                 lr_warmup_fraction))
     optimizer = get_megatron_optimizer(config, model_chunks)
     if torch.cuda.is_available() if fused_adam is None else fused_adam:
         use_fused_adam(optimizer)

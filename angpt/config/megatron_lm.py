@@ -1,0 +1,573 @@
+"""Every flag of Megatron-LM's pretraining parser (`megatron_lm_flags.GROUPS`, read from its
+`megatron/training/arguments.py`) decided here, so that a Megatron-LM launch script runs with `--model-family`
+added, or stops at its first flag that cannot be honoured with one line saying why:
+
+- implemented: `angpt.config.arguments` defines the flag, with Megatron-LM's meaning (docs/megatron.md notes
+  where our default differs);
+- implied: the family implies or replaces what the flag asks for; accepted, and checked against the family
+  where a value could ask for something else (`--normalization LayerNorm` with GPT+ is refused);
+- refused: asks for something angpt does not build; giving it Megatron-LM's default value asks for nothing
+  and is accepted (`--context-parallel-size 1`).
+
+`docs/megatron.md` is written from this table and the parser by tools/megatron_flags_doc.py; a test holds
+the table to every flag of `megatron_lm_flags`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable, NamedTuple, Optional
+
+from angpt.config.choices import FAMILY_NAMES
+from angpt.config.megatron_lm_flags import GROUPS, SOURCE
+
+IMPLEMENTED, IMPLIED, REFUSED = "implemented", "implied", "refused"
+
+
+class Decision(NamedTuple):
+    status: str
+    why: str
+    # For an implied flag: the refusal for a value or family that asks for something else, else None.
+    check: Optional[Callable[[argparse.Namespace, object], Optional[str]]] = None
+
+
+def implied(why: str, check=None) -> Decision:
+    return Decision(IMPLIED, why, check)
+
+
+def refused(why: str) -> Decision:
+    return Decision(REFUSED, why)
+
+
+def only(expected, why: str):
+    """A check that refuses any value but `expected`."""
+    return lambda args, value: None if value == expected else why
+
+
+def _normalization(args, value):
+    if args.model_family == "gptplus" and value != "RMSNorm":
+        return "GPT+ normalizes with RMSNorm (docs/model.md)"
+    return None
+
+
+def _gptplus_refuses(why: str):
+    return lambda args, value: why if args.model_family == "gptplus" else None
+
+
+NOT_YET = "not built yet"
+NORM_REPLACED = "anGPT and nGPT replace it by their own normalization (one log line says so); "
+FSDP = "FSDP is not built: use --use-distributed-optimizer (megatron-core's ZeRO-1 sharding of the optimizer)"
+FP16 = f"--fp16 is {NOT_YET}: use --bf16"
+LOSS_SCALE = f"loss scaling is for --fp16, which is {NOT_YET}: use --bf16"
+SAMPLES = f"sample-based schedules are {NOT_YET}: use the iteration flags (--lr-decay-iters, --lr-warmup-iters, " \
+          "--lr-wsd-decay-iters)"
+OFFLOAD = "CPU offloading is not built"
+TE_OVERLAP = "Transformer Engine's userbuffer overlap of tensor-parallel communication is not built"
+PROFILE = f"profiling ranges are {NOT_YET}"
+DATALOADER = f"Megatron-LM's DataLoader workers are {NOT_YET}: samples are read in the training process"
+PIPELINE_SPLIT = f"uneven pipeline stages are {NOT_YET}: --num-layers splits evenly over the stages"
+INFERENCE = "an inference setting: angpt pretrains; generate with the Hugging Face export (tools/convert_to_hf.py)"
+LEGACY = "Megatron-LM's legacy models are not part of angpt; the families are megatron-core models"
+DENSE = "angpt trains dense GPTs of its three families"
+ATTENTION = f"{DENSE}; their attention is softmax attention with RoPE (docs/model.md)"
+CHECKPOINT_FORMAT = "angpt saves and loads megatron-core distributed checkpoints (torch_dist) only"
+
+# By flag (every spelling of it is looked up).
+FLAGS: dict[str, Decision] = {
+    # -- transformer configuration
+    "--pipeline-model-parallel-comm-backend": refused("the pipeline's communication backend follows the device "
+                                                      "(NCCL with CUDA, gloo without)"),
+    "--context-parallel-size": refused(f"context parallelism is {NOT_YET}"),
+    "--hierarchical-context-parallel-sizes": refused(f"context parallelism is {NOT_YET}"),
+    "--max-seqlen-per-dp-cp-rank": refused(f"context parallelism is {NOT_YET}"),
+    "--hybrid-context-parallel": refused(f"context parallelism is {NOT_YET}"),
+    "--cp-comm-type": refused(f"context parallelism is {NOT_YET}"),
+    "--expert-model-parallel-size": refused(f"expert parallelism: {DENSE}"),
+    "--expert-tensor-parallel-size": refused(f"expert parallelism: {DENSE}"),
+    "--no-initialization": refused("the families' initialization (unit-norm rows for anGPT and nGPT) is part of "
+                                   "the model; skipping it is not built"),
+    "--use-cpu-initialization": implied("weights are initialized on the CPU where there is no GPU, on the GPU "
+                                        "otherwise (megatron-core's choice)", only(False, "not built on a GPU")),
+    "--fp16": refused(FP16),
+    "--deterministic-mode": refused(f"{NOT_YET}: CPU runs are deterministic; on GPUs, kernels choose"),
+    "--no-async-tensor-model-parallel-allreduce": refused("megatron-core 0.16 always overlaps it"),
+    "--tp-comm-overlap-rs-dgrad": refused(TE_OVERLAP),
+    "--overlap-moe-expert-parallel-comm": refused(f"MoE: {DENSE}"),
+    "--delay-wgrad-compute": refused(f"{NOT_YET} (it needs Transformer Engine's split weight gradients)"),
+    "--ep-overlap-early-attn-memory-release": refused(f"MoE: {DENSE}"),
+    "--use-ring-exchange-p2p": refused(f"{NOT_YET}: pipeline stages exchange with megatron-core's batched p2p"),
+    "--defer-embedding-wgrad-compute": refused(f"{NOT_YET} (it needs gradient-accumulation fusion, apex or "
+                                               "Transformer Engine)"),
+    "--wgrad-deferral-limit": refused(f"{NOT_YET} (with --defer-embedding-wgrad-compute)"),
+    "--overlap-p2p-communication-warmup-flush": refused(f"{NOT_YET}: the interleaved schedule runs megatron-core's "
+                                                        "default"),
+    "--microbatch-group-size-per-virtual-pipeline-stage": refused(f"{NOT_YET}: the interleaved schedule groups "
+                                                                  "--pipeline-model-parallel-size micro-batches"),
+    "--account-for-embedding-in-pipeline-split": refused(PIPELINE_SPLIT),
+    "--account-for-loss-in-pipeline-split": refused(PIPELINE_SPLIT),
+    "--softmax-type": refused(ATTENTION),
+    "--fp32-residual-connection": refused(f"{NOT_YET}: the residual stream is in the parameters' precision"),
+    "--apply-residual-connection-post-layernorm": refused("the families' residual connections are fixed by "
+                                                          "docs/model.md"),
+    "--apply-layernorm-1p": implied(NORM_REPLACED + "GPT+ refuses it (a plain RMSNorm gain)",
+                                    _gptplus_refuses("GPT+'s RMSNorm has a plain gain (docs/model.md)")),
+    "--disable-bias-linear": implied("no family has biases in its linear layers (docs/model.md)"),
+    "--add-qkv-bias": refused("no family has biases in its linear layers (docs/model.md)"),
+    "--glu-linear-offset": refused("the families' SwiGLU has no offset (docs/model.md)"),
+    "--activation-func-clamp-value": refused("the families' SwiGLU has no clamp (docs/model.md)"),
+    "--rotary-interleaved": refused("the families rotate halves of each head, not interleaved pairs"),
+    "--normalization": implied("GPT+ is RMSNorm; " + NORM_REPLACED.rstrip("; "), _normalization),
+    "--qk-layernorm": implied("GPT+ is a QK-norm GPT; " + NORM_REPLACED.rstrip("; ")),
+    "--qk-l2-norm": implied("GPT+ refuses it (RMSNorm on q and k); " + NORM_REPLACED.rstrip("; "),
+                            _gptplus_refuses("GPT+ normalizes q and k with RMSNorm, not an L2 norm")),
+    "--attention-output-gate": refused(ATTENTION),
+    "--calculate-per-token-loss": refused(f"{NOT_YET}: the loss is the mean over each micro-batch's tokens"),
+    "--multi-latent-attention": refused(ATTENTION),
+    "--experimental-attention-variant": refused(ATTENTION),
+    "--embedding-init-method-std": refused(f"{NOT_YET}: the embedding is initialized as the other weights "
+                                           "(--init-method-std for GPT+, unit-norm rows for anGPT and nGPT)"),
+    "--init-model-with-meta-device": refused(f"{NOT_YET}"),
+    "--apply-query-key-layer-scaling": refused("the families' softmax scale is fixed by docs/model.md"),
+    "--disable-bf16-reduced-precision-matmul": refused(f"{NOT_YET}"),
+    "--use-fused-weighted-squared-relu": refused("the families use SwiGLU"),
+    "--distribute-saved-activations": refused(f"{NOT_YET} (full recompute keeps each layer's input whole)"),
+    "--recompute-modules": refused(f"selective recompute is {NOT_YET}: use --recompute-granularity full"),
+    "--fp8-quantizer-factory": refused("custom FP8 quantizers are not built (docs/fp8.md)"),
+    "--fp8-interval": refused("deprecated in Megatron-LM and without effect there"),
+    "--no-fp8-wgrad": refused(f"{NOT_YET} (docs/fp8.md)"),
+    "--first-last-layers-bf16": refused(f"{NOT_YET} (docs/fp8.md)"),
+    "--num-layers-at-start-in-bf16": refused(f"{NOT_YET} (with --first-last-layers-bf16)"),
+    "--num-layers-at-end-in-bf16": refused(f"{NOT_YET} (with --first-last-layers-bf16)"),
+    "--use-kitchen-attention": refused("NVIDIA Kitchen is not built"),
+    "--enable-cuda-graph": refused("deprecated in Megatron-LM: use --cuda-graph-impl local"),
+    "--external-cuda-graph": refused("deprecated in Megatron-LM: use --cuda-graph-impl local"),
+    "--cuda-graph-scope": refused(f"{NOT_YET}: --cuda-graph-impl local captures each whole transformer layer"),
+    "--no-clone-scatter-output-in-embedding": refused(f"{NOT_YET}"),
+    "--config-logger-dir": refused(f"{NOT_YET}: the run's flags are recorded in each checkpoint and "
+                                   "metrics.jsonl"),
+    "--flash-decode": refused(INFERENCE),
+    "--batch-invariant-mode": refused(f"{NOT_YET}"),
+    "--use-te-activation-func": refused("the families' SwiGLU is angpt's own kernel or megatron-core's"),
+    "--symmetric-ar-type": refused(INFERENCE),
+    "--mrope-section": refused(ATTENTION),
+    "--mlp-chunks-for-prefill": refused(INFERENCE),
+    "--is-hybrid-model": refused(f"hybrid (Mamba) models: {DENSE}"),
+    "--disable-mamba-mem-eff-path": refused(f"hybrid (Mamba) models: {DENSE}"),
+    # -- network size
+    "--encoder-num-layers": refused("use --num-layers"),
+    "--decoder-num-layers": refused("use --num-layers"),
+    "--group-query-attention": implied("grouped-query attention follows --num-query-groups (omitted: one group "
+                                       "per head)"),
+    "--window-size": refused(ATTENTION),
+    "--window-attn-skip-freq": refused(ATTENTION),
+    "--position-embedding-type": implied("every family uses RoPE (docs/model.md)",
+                                         only("rope", "every family uses RoPE (docs/model.md)")),
+    "--relative-attention-num-buckets": refused("every family uses RoPE (docs/model.md)"),
+    "--relative-attention-max-distance": refused("every family uses RoPE (docs/model.md)"),
+    "--use-rotary-position-embeddings": implied("every family uses RoPE (docs/model.md)"),
+    "--rotary-percent": implied("RoPE rotates every channel of a head",
+                                only(1.0, "RoPE rotates every channel of a head here (--rotary-percent 1.0)")),
+    "--rotary-seq-len-interpolation-factor": refused(f"RoPE interpolation is {NOT_YET}"),
+    "--use-rope-scaling": refused(f"RoPE scaling is {NOT_YET}"),
+    "--rope-scaling-factor": refused(f"RoPE scaling is {NOT_YET}"),
+    "--no-rope-freq": refused("every layer uses RoPE (docs/model.md)"),
+    "--no-position-embedding": refused("every family uses RoPE (docs/model.md)"),
+    "--openai-gelu": refused("the families use SwiGLU (docs/model.md)"),
+    "--squared-relu": refused("the families use SwiGLU (docs/model.md)"),
+    "--swiglu": implied("every family uses SwiGLU (docs/model.md)"),
+    "--quick-geglu": refused("the families use SwiGLU (docs/model.md)"),
+    "--onnx-safe": refused("an export setting of Megatron-LM's legacy models"),
+    "--bert-no-binary-head": refused(f"BERT: {DENSE}"),
+    # -- regularization
+    "--apply-wd-to-qk-layernorm": refused(f"{NOT_YET}: GPT+'s norm gains are not decayed"),
+    "--sgd-momentum": refused("the families train with Adam"),
+    "--no-weight-decay-cond-type": refused(f"{NOT_YET}: norm gains, scales and biases are never decayed"),
+    # -- training
+    "--rampup-batch-size": refused(f"batch-size ramp-up is {NOT_YET}"),
+    "--decrease-batch-size-if-needed": refused(f"{NOT_YET} (it goes with --rampup-batch-size)"),
+    "--empty-unused-memory-level": refused(f"{NOT_YET}"),
+    "--check-weight-hash-across-dp-replicas-interval": refused(f"{NOT_YET}"),
+    "--train-sync-interval": refused(f"{NOT_YET}"),
+    "--exit-signal-handler-for-dataloader": refused(DATALOADER),
+    "--manual-gc": refused(f"{NOT_YET}"),
+    "--manual-gc-interval": refused(f"{NOT_YET}"),
+    "--no-manual-gc-eval": refused(f"{NOT_YET}"),
+    "--iterations-to-skip": refused(f"{NOT_YET}"),
+    "--batch-size": refused("deprecated in Megatron-LM: use --micro-batch-size"),
+    "--recompute-activations": refused(f"selective recompute is {NOT_YET}: use --recompute-granularity full"),
+    "--checkpoint-activations": refused("deprecated in Megatron-LM: use --recompute-granularity full"),
+    "--no-check-for-nan-in-loss-and-grad": refused("a step with a NaN or Inf loss or grad norm is always skipped "
+                                                   "(--max-skipped-steps bounds how many in a row)"),
+    "--check-for-large-grads": refused(f"{NOT_YET}"),
+    "--result-rejected-tracker-filename": refused(f"{NOT_YET}"),
+    "--disable-gloo-process-groups": refused("angpt needs gloo groups (the CPU path and checkpoint metadata)"),
+    "--tp-comm-overlap-cfg": refused(TE_OVERLAP),
+    "--no-masked-softmax-fusion": implied("the masked-softmax fusion is never used here (FlashAttention or "
+                                          "megatron-core's unfused attention)"),
+    "--no-bias-gelu-fusion": implied("no family has a GELU"),
+    "--no-bias-dropout-fusion": refused(f"{NOT_YET}"),
+    "--rope-type": refused("every family uses megatron-core's RoPE (docs/model.md)"),
+    "--use-flash-attn": refused("deprecated in Megatron-LM: use --attention-backend flash"),
+    "--optimizer": implied("every family trains with Adam with decoupled weight decay, as Megatron-LM's adam",
+                           only("adam", "the families train with Adam (--optimizer adam)")),
+    "--optimizer-cpu-offload": refused(OFFLOAD),
+    "--optimizer-offload-fraction": refused(OFFLOAD),
+    "--use-torch-optimizer-for-cpu-offload": refused(OFFLOAD),
+    "--overlap-cpu-optimizer-d2h-h2d": refused(OFFLOAD),
+    "--dump-param-to-param-group-map": refused(f"{NOT_YET}"),
+    "--no-pin-cpu-grads": refused(OFFLOAD),
+    "--no-pin-cpu-params": refused(OFFLOAD),
+    "--dataloader-type": implied("samples are read in order of megatron-core's GPTDataset shuffle (Megatron-LM's "
+                                 "single)", only("single", "only --dataloader-type single is built")),
+    "--no-persist-layer-norm": implied("the persistent layer-norm kernel (apex) is never used here"),
+    "--no-gradient-accumulation-fusion": implied("gradient-accumulation fusion (apex or Transformer Engine) is "
+                                                 "off here"),
+    "--use-mcore-models": implied("the families are megatron-core models"),
+    "--use-legacy-models": refused(LEGACY),
+    "--high-priority-stream-groups": refused(f"{NOT_YET}"),
+    "--disable-jit-fuser": refused(f"{NOT_YET}: the fusions have flags of their own (--rope-fusion, "
+                                   "--bias-swiglu-fusion, --cross-entropy-loss-fusion)"),
+    # -- RNG and initialization
+    "--te-rng-tracker": refused("Transformer Engine's RNG tracker is not used (dropout is off by default)"),
+    "--inference-rng-tracker": refused(INFERENCE),
+    "--data-parallel-random-init": refused("data-parallel replicas start equal, as the optimizer assumes"),
+    "--init-method-xavier-uniform": refused("the families' initialization is fixed by docs/model.md"),
+    # -- learning rate and weight decay
+    "--lr-decay-samples": refused(SAMPLES),
+    "--lr-wsd-decay-samples": refused(SAMPLES),
+    "--lr-warmup-samples": refused(SAMPLES),
+    "--override-opt_param-scheduler": refused(f"{NOT_YET}: a resumed run keeps the checkpoint's schedule"),
+    "--use-checkpoint-opt_param-scheduler": implied("a resumed run keeps the checkpoint's schedule"),
+    "--start-weight-decay": refused(f"weight-decay schedules are {NOT_YET}: --weight-decay is constant"),
+    "--end-weight-decay": refused(f"weight-decay schedules are {NOT_YET}: --weight-decay is constant"),
+    "--weight-decay-incr-style": refused(f"weight-decay schedules are {NOT_YET}: --weight-decay is constant"),
+    "--warmup": refused("deprecated in Megatron-LM: use --lr-warmup-iters or --lr-warmup-fraction"),
+    "--decoupled-lr": refused(f"{NOT_YET}"),
+    "--decoupled-min-lr": refused(f"{NOT_YET}"),
+    # -- checkpointing
+    "--save-wgrads-interval": refused(f"{NOT_YET}"),
+    "--save-dgrads-interval": refused(f"{NOT_YET}"),
+    "--save-retain-interval": refused(f"{NOT_YET}: use --keep-last-n-checkpoints"),
+    "--load-main-params-from-ckpt": refused(f"{NOT_YET}"),
+    "--pretrained-checkpoint": refused("use --load with --finetune"),
+    "--ckpt-step": refused(f"{NOT_YET}: --load resumes from the latest complete checkpoint"),
+    "--use-checkpoint-args": refused(f"{NOT_YET}: give the flags again (each checkpoint records them)"),
+    "--use-mp-args-from-checkpoint-args": refused(f"{NOT_YET}: give the flags again (each checkpoint records "
+                                                  "them)"),
+    "--no-use-tokenizer-model-from-checkpoint-args": refused(f"{NOT_YET}"),
+    "--exit-on-missing-checkpoint": refused(f"{NOT_YET}: --load of an empty directory starts from scratch"),
+    "--auto-detect-ckpt-format": implied(CHECKPOINT_FORMAT),
+    "--no-ckpt-fully-parallel-save": refused(f"{NOT_YET}"),
+    "--use-persistent-ckpt-worker": refused(f"{NOT_YET}: --async-save forks a writer per save"),
+    "--ckpt-fully-parallel-load": refused(f"{NOT_YET}"),
+    "--ckpt-assume-constant-structure": refused(f"{NOT_YET}"),
+    "--no-strict-fsdp-dtensor-load": refused(FSDP),
+    "--dist-ckpt-strictness": refused(f"{NOT_YET}: a checkpoint loads whole or is refused"),
+    "--dist-ckpt-save-pre-mcore-014": refused(CHECKPOINT_FORMAT + ", as megatron-core 0.16 writes them"),
+    "--dist-ckpt-optim-fully-reshardable": implied("the optimizer state is saved per parameter and loads at "
+                                                   "another layout"),
+    "--distrib-optim-fully-reshardable-mem-efficient": refused(f"{NOT_YET}"),
+    "--no-save-optim": refused(f"{NOT_YET}: checkpoints hold the optimizer state, for exact resume"),
+    "--no-save-rng": refused(f"{NOT_YET}: checkpoints hold the RNG states, for exact resume"),
+    "--use-dist-ckpt": implied(CHECKPOINT_FORMAT),
+    "--dist-ckpt-format": refused("deprecated in Megatron-LM: use --ckpt-format torch_dist"),
+    "--ckpt-fully-parallel-save": implied("deprecated in Megatron-LM, where it is the default"),
+    # -- mixed precision
+    "--grad-reduce-in-bf16": refused(f"{NOT_YET}: gradients are reduced in fp32"),
+    "--loss-scale": refused(LOSS_SCALE),
+    "--initial-loss-scale": refused(LOSS_SCALE),
+    "--min-loss-scale": refused(LOSS_SCALE),
+    "--loss-scale-window": refused(LOSS_SCALE),
+    "--hysteresis": refused(LOSS_SCALE),
+    "--attention-softmax-in-fp32": implied("the softmax runs in fp32 in FlashAttention and in megatron-core's "
+                                           "unfused attention under --bf16"),
+    "--accumulate-allreduce-grads-in-fp32": implied("gradients are accumulated and reduced in fp32"),
+    "--fp16-lm-cross-entropy": refused(FP16),
+    "--reuse-grad-buf-for-mxfp8-param-ag": refused("FP8 parameters are not built (docs/fp8.md)"),
+    "--fp8-param-gather": refused("FP8 parameters are not built: anGPT's weights are projected onto the unit ball "
+                                  "in fp32 at initialization and after every step, which FP8 parameters would need "
+                                  "on their high-precision copies (docs/fp8.md); leave it out (the FP8 casts then "
+                                  "happen in each GEMM)"),
+    # -- distributed
+    "--decoder-first-pipeline-num-layers": refused(PIPELINE_SPLIT),
+    "--decoder-last-pipeline-num-layers": refused(PIPELINE_SPLIT),
+    "--pipeline-model-parallel-layout": refused(PIPELINE_SPLIT),
+    "--model-parallel-size": refused("deprecated in Megatron-LM: use --tensor-model-parallel-size"),
+    "--num-virtual-stages-per-pipeline-rank": refused("use --num-layers-per-virtual-pipeline-stage"),
+    "--no-overlap-p2p-communication": refused(f"{NOT_YET}"),
+    "--distributed-backend": refused("the backend follows the device: NCCL with CUDA, gloo without"),
+    "--distributed-timeout-seconds-after-init": refused(f"{NOT_YET}: --distributed-timeout-minutes applies "
+                                                        "throughout"),
+    "--no-align-grad-reduce": refused(f"{NOT_YET}"),
+    "--ddp-num-buckets": refused(f"{NOT_YET}"),
+    "--ddp-bucket-size": refused(f"{NOT_YET}: megatron-core's default bucket size is used"),
+    "--ddp-pad-buckets-for-high-nccl-busbw": refused(f"{NOT_YET}"),
+    "--ddp-reduce-scatter-with-fp32-accumulation": refused(f"{NOT_YET}"),
+    "--ddp-average-in-collective": refused(f"{NOT_YET}"),
+    "--overlap-param-gather-with-optimizer-step": refused(f"{NOT_YET}"),
+    "--no-align-param-gather": refused(f"{NOT_YET}"),
+    "--no-scatter-gather-tensors-in-pipeline": refused(f"{NOT_YET}"),
+    "--local-rank": implied("torchrun's LOCAL_RANK is read from the environment"),
+    "--lazy-mpu-init": refused("an external launcher's setting of Megatron-LM: launch with torchrun"),
+    "--use-nccl-ub": refused(f"NCCL user buffers are {NOT_YET}"),
+    "--disable-symmetric-registration": refused(f"NCCL user buffers are {NOT_YET}"),
+    "--use-sharp": refused(f"{NOT_YET}"),
+    "--sharp-enabled-group": refused(f"{NOT_YET}"),
+    "--create-all-gather-group": refused(f"{NOT_YET}"),
+    "--use-megatron-fsdp": refused(FSDP),
+    "--data-parallel-sharding-strategy": refused(FSDP),
+    "--outer-dp-sharding-strategy": refused(FSDP),
+    "--no-gradient-reduce-div-fusion": refused(FSDP),
+    "--suggested-communication-unit-size": refused(FSDP),
+    "--keep-fp8-transpose-cache": refused(FSDP),
+    "--enable-full-sharding-in-hsdp": refused(FSDP),
+    "--num-distributed-optimizer-instances": refused(f"{NOT_YET}: one distributed optimizer instance spans the "
+                                                     "data-parallel group"),
+    "--use-torch-fsdp2": refused(FSDP),
+    "--torch-fsdp2-no-reshard-after-forward": refused(FSDP),
+    "--nccl-communicator-config-path": refused(f"{NOT_YET}"),
+    "--use-tp-pp-dp-mapping": refused(f"{NOT_YET}: ranks are ordered as megatron-core's default (tp-cp-ep-dp-pp)"),
+    "--fake-process-group": refused(f"{NOT_YET}"),
+    # -- validation
+    "--skip-train": refused(f"{NOT_YET}"),
+    "--test-mode": refused(f"{NOT_YET}"),
+    "--full-validation": refused(f"{NOT_YET}: each evaluation reads --eval-iters global batches"),
+    "--multiple-validation-sets": refused(f"{NOT_YET}"),
+    # -- data and dataloader
+    "--phase-transition-iterations": refused(f"{NOT_YET}"),
+    "--data-args-path": refused(f"{NOT_YET}: give --data-path"),
+    "--per-split-data-args-path": refused(f"{NOT_YET}: give --train-data-path, --valid-data-path, "
+                                          "--test-data-path"),
+    "--per-dataset-sequences-path": refused(f"{NOT_YET}"),
+    "--dataloader-fast-cache-load": refused(f"{NOT_YET}"),
+    "--dataloader-defer-npy-index-mmap": refused(f"{NOT_YET}"),
+    "--no-mmap-bin-files": refused(f"{NOT_YET}: the .bin files are memory-mapped"),
+    "--encoder-seq-length": refused("use --seq-length"),
+    "--decoder-seq-length": refused("use --seq-length"),
+    "--sample-rate": refused(f"{NOT_YET}"),
+    "--mask-prob": refused(f"masked language modelling (BERT): {DENSE}"),
+    "--short-seq-prob": refused(f"masked language modelling (BERT): {DENSE}"),
+    "--num-workers": refused(DATALOADER),
+    "--reset-position-ids": refused(f"{NOT_YET}"),
+    "--reset-attention-mask": refused(f"{NOT_YET}"),
+    "--eod-mask-loss": refused(f"{NOT_YET}"),
+    "--no-create-attention-mask-in-dataloader": implied("the dataset never builds an attention mask here: every "
+                                                        "attention backend is causal by construction"),
+    "--num-dataset-builder-threads": refused(f"{NOT_YET}"),
+    "--object-storage-cache-path": refused(f"object storage is {NOT_YET}"),
+    "--mid-level-dataset-surplus": refused(f"{NOT_YET}"),
+    "--allow-ambiguous-pad-tokens": refused(f"{NOT_YET}"),
+    # -- tokenizer
+    "--padded-vocab-size": refused("the padded vocabulary follows --make-vocab-size-divisible-by"),
+    "--vocab-extra-ids": refused(f"{NOT_YET}"),
+    "--tokenizer-metadata": refused(f"{NOT_YET}"),
+    "--tokenizer-special-tokens": refused(f"{NOT_YET}"),
+    "--legacy-tokenizer": refused(f"{NOT_YET}: angpt's tokenizers give megatron-core's vocabulary and EOD"),
+    "--tiktoken-pattern": refused(f"{NOT_YET}: TikTokenizer splits with GPT-2's pattern"),
+    "--tiktoken-num-special-tokens": refused(f"{NOT_YET}"),
+    "--tiktoken-special-tokens": refused(f"{NOT_YET}"),
+    "--tokenizer-sentencepiece-legacy": refused(f"SentencePieceTokenizer is {NOT_YET}"),
+    "--tokenizer-hf-use-fast": implied("Hugging Face tokenizers are read with the `tokenizers` library (fast)"),
+    "--tokenizer-hf-include-special-tokens": refused(f"{NOT_YET}"),
+    "--trust-remote-code": refused("tokenizers are read from tokenizer.json; no remote code is run"),
+    # -- logging
+    "--log-params-norm": refused(f"{NOT_YET}: anGPT's health signals (metrics.jsonl) include the weight norms"),
+    "--log-throughput": implied("every log line gives the throughput (tokens/s) and MFU"),
+    "--log-progress": refused(f"{NOT_YET}"),
+    "--timing-log-level": refused(f"timers are {NOT_YET}"),
+    "--timing-log-option": refused(f"timers are {NOT_YET}"),
+    "--tensorboard-log-interval": refused(f"{NOT_YET}: TensorBoard gets every --log-interval"),
+    "--tensorboard-queue-size": refused(f"{NOT_YET}"),
+    "--log-timers-to-tensorboard": refused(f"timers are {NOT_YET}"),
+    "--no-log-loss-scale-to-tensorboard": refused(LOSS_SCALE),
+    "--log-validation-ppl-to-tensorboard": refused(f"{NOT_YET}"),
+    "--log-memory-to-tensorboard": refused(f"{NOT_YET}"),
+    "--log-memory-interval": refused(f"{NOT_YET}"),
+    "--log-device-memory-used": refused(f"{NOT_YET}"),
+    "--log-num-zeros-in-grad": refused(f"{NOT_YET}"),
+    "--log-max-attention-logit": refused(f"{NOT_YET}"),
+    "--no-barrier-with-level-1-timing": refused(f"timers are {NOT_YET}"),
+    "--log-world-size-to-tensorboard": refused(f"{NOT_YET}"),
+    "--logging-level": refused(f"{NOT_YET}"),
+    "--log-energy": refused(f"{NOT_YET}"),
+    # -- profiling
+    "--profile": refused(PROFILE),
+    "--profile-step-start": refused(PROFILE),
+    "--profile-step-end": refused(PROFILE),
+    "--use-pytorch-profiler": refused(PROFILE),
+    "--profile-ranks": refused(PROFILE),
+    "--record-memory-history": refused(PROFILE),
+    "--memory-snapshot-path": refused(PROFILE),
+    # -- Transformer Engine, experimental, rerun engine
+    "--te-precision-config-file": refused("per-layer precision configs are not built (docs/fp8.md)"),
+    "--enable-experimental": refused("Megatron-LM's experimental features are not built"),
+    "--spec": refused("the layer spec follows --model-family"),
+    "--yaml-cfg": refused("use --config (a YAML file of angpt.pretrain's flags)"),
+    "--use-precision-aware-optimizer": refused(f"{NOT_YET}"),
+    "--main-grads-dtype": refused(f"{NOT_YET} (with --use-precision-aware-optimizer)"),
+    "--main-params-dtype": refused(f"{NOT_YET} (with --use-precision-aware-optimizer)"),
+    "--exp-avg-dtype": refused(f"{NOT_YET} (with --use-precision-aware-optimizer)"),
+    "--exp-avg-sq-dtype": refused(f"{NOT_YET} (with --use-precision-aware-optimizer)"),
+    "--error-injection-rate": refused(f"megatron-core's rerun state machine is {NOT_YET}"),
+    "--error-injection-type": refused(f"megatron-core's rerun state machine is {NOT_YET}"),
+    "--rerun-mode": refused(f"megatron-core's rerun state machine is {NOT_YET}"),
+    "--check-for-spiky-loss": refused(f"{NOT_YET}"),
+}
+
+# By the start of the flag, for families of flags that share one reason.
+PREFIXES: tuple[tuple[str, Decision], ...] = (
+    ("--moe-", refused(f"mixture of experts: {DENSE}")),
+    ("--mtp-", refused(f"multi-token prediction is {NOT_YET}")),
+    ("--fp4-", refused("FP4 is not built (docs/fp8.md)")),
+    ("--mamba-", refused(f"hybrid (Mamba) models: {DENSE}")),
+    ("--tp-comm-", refused(TE_OVERLAP)),
+    ("--no-tp-comm-", refused(TE_OVERLAP)),
+    ("--kitchen-", refused("NVIDIA Kitchen is not built")),
+    ("--dsa-", refused(ATTENTION)),
+    ("--linear-", refused(ATTENTION)),
+    ("--qk-clip", refused(f"QK-clip is {NOT_YET}")),
+    ("--muon-", refused("the families train with Adam (docs/model.md)")),
+    ("--non-persistent-", refused(f"non-persistent (local) checkpoints are {NOT_YET}: use --save-interval")),
+    ("--ckpt-convert-", refused(CHECKPOINT_FORMAT)),
+    ("--replication", refused(f"checkpoint replication is {NOT_YET}")),
+    ("--fsdp-", refused(FSDP)),
+    ("--fim-", refused(f"fill-in-the-middle data is {NOT_YET}")),
+    ("--hybrid-", refused(f"hybrid (Mamba) models: {DENSE}")),
+    ("--inference-", refused(INFERENCE)),
+    ("--cpu-offloading", refused(OFFLOAD)),
+    ("--offload-", refused(OFFLOAD)),
+    ("--fine-grained-activation-offloading", refused(OFFLOAD)),
+    ("--min-offloaded-tensor-size", refused(OFFLOAD)),
+)
+
+# By Megatron-LM's argument group, for groups that do not apply to pretraining a dense GPT.
+GROUP_DECISIONS: dict[str, Decision] = {
+    "moe": refused(f"mixture of experts: {DENSE}"),
+    "mla": refused(f"multi-latent attention: {ATTENTION}"),
+    "experimental_attention_variant": refused(ATTENTION),
+    "heterogeneous architecture": refused(f"heterogeneous layers: {DENSE}"),
+    "rl": refused("reinforcement learning is not part of angpt (pretraining)"),
+    "sft": refused("supervised fine-tuning data is not built: --finetune continues pretraining from a checkpoint"),
+    "inference": refused(INFERENCE),
+    "biencoder": refused(f"retrieval (biencoder) models: {DENSE}"),
+    "vision": refused(f"vision models: {DENSE}"),
+    "straggler": refused(f"the straggler report is {NOT_YET}"),
+    "autoresume": refused("ADLR autoresume is NVIDIA-internal: on Slurm, use examples/pretrain.slurm (saves on "
+                          "SIGUSR1 and requeues)"),
+    "one logger": refused("NVIDIA's one logger is not used: metrics go to metrics.jsonl, TensorBoard and W&B"),
+    "ft_package": refused("NVIDIA's fault-tolerance package is not used: torchrun and Slurm restart a run, "
+                          "which resumes from --load"),
+    "In-process restart": refused("in-process restart is not built: torchrun and Slurm restart a run, which "
+                                  "resumes from --load"),
+    "workload inspector": refused("NVIDIA's workload inspector is not used"),
+    "msc": refused("the multi-storage client is not used: checkpoints and data are on a file system"),
+}
+
+
+def megatron_lm_flags() -> list[tuple[str, tuple]]:
+    """[(group, (flag, other spellings, nargs, type, default))] of Megatron-LM's parser, in its order."""
+    return [(group, row) for group, rows in GROUPS.items() for row in rows]
+
+
+def decide(group: str, flag: str, spellings: tuple[str, ...] = ()) -> Optional[Decision]:
+    """The decision of this table for a Megatron-LM flag that angpt.pretrain does not define (None: undecided)."""
+    for name in (flag, *spellings):
+        if name in FLAGS:
+            return FLAGS[name]
+    for prefix, decision in PREFIXES:
+        if any(name.startswith(prefix) for name in (flag, *spellings)):
+            return decision
+    return GROUP_DECISIONS.get(group)
+
+
+def _convert(kind: Optional[str], value: str):
+    try:
+        return {"int": int, "float": float}.get(kind, str)(value)
+    except ValueError:
+        return value
+
+
+class Refuse(argparse.Action):
+    """A Megatron-LM flag angpt does not build: an error of one line saying why, unless its value is
+    Megatron-LM's default (it then asks for nothing)."""
+
+    def __init__(self, option_strings, dest, why: str, kind: Optional[str], megatron_default, **kwargs):
+        self.why, self.kind, self.megatron_default = why, kind, megatron_default
+        super().__init__(option_strings, dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+
+    def refusal(self, value) -> Optional[str]:
+        """Why `value` (True for a flag without a value given) cannot be honoured; None if it asks for nothing."""
+        if self.nargs == 0:
+            return self.why if value else None
+        if isinstance(value, list):
+            value = [_convert(self.kind, v) for v in value]
+        elif isinstance(value, str):
+            value = _convert(self.kind, value)
+        return None if value == self.megatron_default else self.why
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        why = self.refusal(True if self.nargs == 0 else values)
+        if why is not None:
+            raise argparse.ArgumentError(self, f"not supported: {why}")
+
+
+def add_megatron_lm_flags(parser: argparse.ArgumentParser) -> None:
+    """Add every Megatron-LM flag the parser does not define: the implied ones (shown in --help) and the
+    refused ones (in docs/megatron.md)."""
+    defined = {name: action for action in parser._actions for name in action.option_strings}
+    group = parser.add_argument_group(f"Megatron-LM flags ({SOURCE}) that the family implies or replaces "
+                                      "(docs/megatron.md lists every Megatron-LM flag)")
+    for megatron_group, (flag, spellings, nargs, kind, default) in megatron_lm_flags():
+        names = [name for name in (flag, *spellings) if name not in defined]
+        ours = next((defined[name] for name in (flag, *spellings) if name in defined), None)
+        if ours is not None:  # implemented; Megatron-LM's other spellings of it become ours too
+            for name in names:
+                ours.option_strings.append(name)
+                parser._option_string_actions[name] = ours
+            continue
+        decision = decide(megatron_group, flag, spellings)
+        if decision is None:
+            raise KeyError(f"Megatron-LM's {flag} is not decided in angpt.config.megatron_lm")
+        dest = "megatron_" + flag.lstrip("-").replace("-", "_")
+        if decision.status == REFUSED:
+            parser.add_argument(*names, dest=dest, action=Refuse, nargs=nargs, why=decision.why, kind=kind,
+                                megatron_default=default)
+        elif nargs == 0:
+            group.add_argument(*names, dest=dest, action="store_true", help=decision.why)
+        else:
+            converter = {"int": int, "float": float}.get(kind, str)
+            group.add_argument(*names, dest=dest, nargs=nargs, type=converter, help=decision.why,
+                               metavar=flag.lstrip("-").upper().replace("-", "_"))
+        defined.update(dict.fromkeys(names))
+
+
+def check_implied(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse an implied flag given a value (or with a family) that asks for something else."""
+    for action in parser._actions:
+        if not action.dest.startswith("megatron_") or isinstance(action, Refuse):
+            continue
+        value = getattr(args, action.dest, None)
+        if value in (None, False):
+            continue
+        decision = decide("", action.option_strings[0])
+        reason = decision.check(args, value) if decision.check else None
+        if reason is not None:
+            shown = "" if action.nargs == 0 else f" {value}"
+            parser.error(f"{action.option_strings[0]}{shown} with --model-family {args.model_family}: {reason}")
+
+
+NORM_FLAGS = ("megatron_normalization", "megatron_apply_layernorm_1p", "megatron_qk_layernorm",
+              "megatron_qk_l2_norm", "norm_epsilon")
+NORM_EPSILON = 1e-5  # Megatron-LM's default of --norm-epsilon, and angpt's
+
+
+def notes(args: argparse.Namespace) -> list[str]:
+    """The lines a run logs once about Megatron-LM flags the family replaced."""
+    given = [(dest, getattr(args, dest, None)) for dest in NORM_FLAGS]
+    given = [(dest, value) for dest, value in given
+             if value not in (None, False) and not (dest == "norm_epsilon" and value == NORM_EPSILON)]
+    if args.model_family == "gptplus" or not given:
+        return []
+    shown = ", ".join("--" + dest.removeprefix("megatron_").replace("_", "-") + ("" if value is True else f" {value}")
+                      for dest, value in given)
+    return [f"{shown}: replaced by {FAMILY_NAMES[args.model_family]}'s own normalization (docs/model.md)"]

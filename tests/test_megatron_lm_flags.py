@@ -1,0 +1,131 @@
+"""Megatron-LM's flags (angpt.config.megatron_lm): every flag of its pretraining parser is implemented, implied
+or refused with a reason, never unrecognized; docs/megatron.md is what the table says."""
+
+import collections
+import os
+import subprocess
+import sys
+
+import pytest
+
+from angpt.config import megatron_lm
+from angpt.config.arguments import build_parser, parse_args
+from angpt.config.megatron_lm_flags import GROUPS
+from angpt.training.config_from_args import model_config_from_args
+
+from conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import megatron_flags_doc  # noqa: E402 (a tool, not a package)
+
+BASE = ["--train-iters", "10", "--mock-data", "--vocab-size", "256"]
+
+
+def parse_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([*BASE, *argv], world_size=1)
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_every_flag_of_megatron_lms_parser_is_a_flag_here_with_a_status():
+    """None unrecognized: every spelling of every flag of Megatron-LM's parser is an option of angpt.pretrain,
+    and each has a status (a flag left undecided stops build_parser)."""
+    options = {name for action in build_parser()._actions for name in action.option_strings}
+    spellings = [name for rows in GROUPS.values() for row in rows for name in (row[0], *row[1])]
+    assert len(spellings) > 650
+    assert [name for name in spellings if name not in options] == []
+    statuses = collections.Counter(status for *_, status, _ in megatron_flags_doc.flag_rows(build_parser()))
+    assert sum(statuses.values()) == sum(map(len, GROUPS.values()))
+    assert set(statuses) == {megatron_lm.IMPLEMENTED, megatron_lm.IMPLIED, megatron_lm.REFUSED}
+
+
+def test_docs_megatron_md_is_what_the_parser_and_the_table_say():
+    with open(os.path.join(ROOT, "docs", "megatron.md")) as file:
+        assert file.read() == megatron_flags_doc.document(build_parser()), \
+            "docs/megatron.md is out of date: run python tools/megatron_flags_doc.py"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--use-legacy-models"], "argument --use-legacy-models: not supported: Megatron-LM's legacy models"),
+    (["--moe-router-topk", "4"], "argument --moe-router-topk: not supported: mixture of experts"),
+    (["--num-experts", "8"], "argument --num-experts: not supported: mixture of experts"),
+    (["--context-parallel-size", "2"], "argument --context-parallel-size: not supported: context parallelism"),
+    (["--rl-use-sequence-packing"], "not supported: reinforcement learning"),
+    (["--fp16"], "argument --fp16: not supported: --fp16 is not built yet: use --bf16"),
+])
+def test_a_refused_flag_stops_the_parse_in_one_line_saying_why(argv, message, capsys):
+    line = parse_error(argv, capsys)
+    assert message in line and line.startswith("angpt.pretrain: error: ")
+
+
+def test_a_refused_flag_given_megatron_lms_default_asks_for_nothing(capsys):
+    """At the boundary: Megatron-LM's default is accepted, the next value is not."""
+    parse_args([*BASE, "--context-parallel-size", "1", "--expert-model-parallel-size", "1",
+                "--distributed-backend", "nccl", "--cp-comm-type", "p2p"], world_size=1)
+    assert "--context-parallel-size" in parse_error(["--context-parallel-size", "2"], capsys)
+    assert "--distributed-backend" in parse_error(["--distributed-backend", "gloo"], capsys)
+    assert "--cp-comm-type" in parse_error(["--cp-comm-type", "a2a"], capsys)
+
+
+@pytest.mark.parametrize("family,argv,message", [
+    ("gptplus", ["--normalization", "LayerNorm"], "--normalization LayerNorm with --model-family gptplus: GPT+ "
+                                                  "normalizes with RMSNorm"),
+    ("gptplus", ["--apply-layernorm-1p"], "--apply-layernorm-1p with --model-family gptplus"),
+    ("angpt", ["--position-embedding-type", "learned_absolute"],
+     "--position-embedding-type learned_absolute with --model-family angpt: every family uses RoPE"),
+    ("angpt", ["--rotary-percent", "0.5"], "--rotary-percent 0.5 with --model-family angpt"),
+    ("ngpt", ["--optimizer", "sgd"], "--optimizer sgd with --model-family ngpt"),
+])
+def test_an_implied_flag_asking_for_something_else_is_refused_naming_the_family(family, argv, message, capsys):
+    assert message in parse_error(["--model-family", family, *argv], capsys)
+
+
+def test_implied_flags_are_accepted_and_the_replaced_norm_flags_are_said_once():
+    megatron = ["--normalization", "RMSNorm", "--qk-layernorm", "--swiglu", "--disable-bias-linear",
+                "--position-embedding-type", "rope", "--rotary-percent", "1.0", "--group-query-attention",
+                "--use-mcore-models"]
+    gptplus = parse_args([*BASE, "--model-family", "gptplus", *megatron], world_size=1)
+    assert megatron_lm.notes(gptplus) == []
+    angpt = parse_args([*BASE, "--model-family", "angpt", *megatron, "--apply-layernorm-1p",
+                        "--norm-epsilon", "1e-6"], world_size=1)
+    assert megatron_lm.notes(angpt) == ["--normalization RMSNorm, --apply-layernorm-1p, --qk-layernorm, "
+                                        "--norm-epsilon 1e-06: replaced by anGPT's own normalization (docs/model.md)"]
+    assert megatron_lm.notes(parse_args([*BASE, "--norm-epsilon", "1e-5"], world_size=1)) == []
+
+
+def test_a_refused_flag_in_a_config_file_is_refused_and_megatron_lms_default_accepted(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("context-parallel-size: 1\nuse-distributed-optimizer: true\n")
+    assert parse_args([*BASE, "--config", str(config)], world_size=1).use_distributed_optimizer
+    config.write_text("context_parallel_size: 4\n")
+    assert "context_parallel_size: not supported: context parallelism" in parse_error(["--config", str(config)],
+                                                                                    capsys)
+
+
+def test_norm_epsilon_reaches_gpt_pluss_rms_norms():
+    args = parse_args([*BASE, "--model-family", "gptplus", "--norm-epsilon", "1e-6"], world_size=1)
+    assert model_config_from_args(args).layernorm_epsilon == 1e-6
+    default = parse_args(BASE, world_size=1)
+    assert default.norm_epsilon == 1e-5 == megatron_lm.NORM_EPSILON
+
+
+def test_the_refusal_is_printed_by_rank_0_only():
+    code = "from angpt.config.arguments import parse_args; parse_args(['--train-iters', '1', '--mock-data', " \
+           "'--vocab-size', '8', '--num-experts', '4'])"
+    outputs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                              env={**os.environ, "RANK": str(rank), "PYTHONPATH": ROOT}) for rank in (0, 1)]
+    assert [output.returncode for output in outputs] == [2, 2]
+    assert "--num-experts: not supported" in outputs[0].stderr and outputs[1].stderr == ""
+
+
+def test_the_table_reads_megatron_lms_own_parser_output():
+    """Spot checks of the vendored flag list against Megatron-LM core_v0.16.1's arguments.py, as read there."""
+    rows = {row[0]: (group, row) for group, rows in GROUPS.items() for row in rows}
+    assert rows["--context-parallel-size"][1][2:] == (None, "int", 1)
+    assert rows["--swiglu"][1][2:] == (0, None, False)
+    assert rows["--rampup-batch-size"][1][2] == 3
+    assert rows["--save-interval"][1][1] == ("--persistent-save-interval",)
+    assert rows["--num-experts"][0] == "moe"
