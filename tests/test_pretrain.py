@@ -68,7 +68,7 @@ def test_training_lowers_the_loss(family, trained_runs):
         ([*MOCK, "--bf16"], "--bf16 needs --use-distributed-optimizer"),
         ([*MOCK, "--lr-decay-style", "WSD"], "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
         ([*MOCK, "--exit-interval", "5"], "need --save"),
-        ([*MOCK, "--train-samples", "12"], "--train-samples 12 is not a multiple of --global-batch-size 8"),
+        ([*MOCK, "--train-samples", "7"], "--train-samples 7 is less than one --global-batch-size 8"),
         ([*MOCK, "--hidden-dropout", "0.1"], "--hidden-dropout is not supported for --model-family angpt"),
         ([*MOCK, "--model-family", "ngpt", "--hidden-dropout", "0.1"],
          "--hidden-dropout is not supported for --model-family ngpt"),

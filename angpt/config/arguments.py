@@ -37,15 +37,18 @@ NUMERIC_RANGES = (
         "seq_length", "max_position_embeddings", "rotary_base", "recompute_num_layers", "tensor_model_parallel_size",
         "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage", "micro_batch_size",
         "global_batch_size", "train_iters", "train_samples", "lr_decay_iters", "lr_wsd_decay_iters",
+        "lr_decay_samples", "lr_wsd_decay_samples",
         "fp8_amax_history_len", "vocab_size", "make_vocab_size_divisible_by", "save_interval",
-        "keep_last_n_checkpoints", "eval_interval", "log_interval", "exit_interval")),
+        "keep_last_n_checkpoints", "eval_interval", "log_interval", "exit_interval", "ddp_bucket_size")),
     ("cannot be negative", lambda value: value >= 0, (
-        "angpt_alpha_init", "min_lr", "lr_warmup_iters", "lr_warmup_init", "weight_decay", "clip_grad", "seed",
-        "fp8_margin", "eval_iters", "max_skipped_steps", "dry_run", "cuda_graph_warmup_steps",
-        "megatron_local_rank")),
+        "angpt_alpha_init", "min_lr", "lr_warmup_iters", "lr_warmup_samples", "lr_warmup_init", "weight_decay",
+        "clip_grad", "seed", "fp8_margin", "eval_iters", "max_skipped_steps", "dry_run", "cuda_graph_warmup_steps",
+        "megatron_local_rank", "rampup_batch_size", "manual_gc_interval", "decoupled_min_lr",
+        "empty_unused_memory_level")),
     ("must be positive", lambda value: value > 0, (
         "init_method_std", "norm_epsilon", "angpt_constant_factor_multiplier", "angpt_nu_alpha_multiplier",
-        "distributed_timeout_minutes", "lr", "adam_eps", "exit_duration_in_mins", "megatron_rotary_percent")),
+        "distributed_timeout_minutes", "lr", "adam_eps", "exit_duration_in_mins", "megatron_rotary_percent",
+        "decoupled_lr")),
     ("must be in [0, 1)", lambda value: 0 <= value < 1, (
         "attention_dropout", "hidden_dropout", "lr_warmup_fraction", "adam_beta1", "adam_beta2")),
 )
@@ -149,14 +152,21 @@ def build_parser() -> argparse.ArgumentParser:
     parallel.add_argument("--overlap-grad-reduce", action=SWITCH, default=False)
     parallel.add_argument("--overlap-param-gather", action=SWITCH, default=False)
     parallel.add_argument("--distributed-timeout-minutes", type=float, default=10)
+    parallel.add_argument("--ddp-bucket-size", type=int, help="elements per gradient bucket of data-parallel "
+                          "reduction (default: megatron-core's, at least 40M and 1M per data-parallel rank)")
 
     batch = parser.add_argument_group("batch and length of training")
     batch.add_argument("--micro-batch-size", type=int, default=4)
     batch.add_argument("--global-batch-size", type=int, default=8)
     length = batch.add_mutually_exclusive_group()
     length.add_argument("--train-iters", type=int, help="required, or --train-samples")
-    length.add_argument("--train-samples", type=int, help="train for this many samples (a multiple of the "
-                        "global batch); required, or --train-iters")
+    length.add_argument("--train-samples", type=int, help="train for this many samples (as Megatron-LM: whole "
+                        "global batches, the rest left out); required, or --train-iters. The lr schedule then counts "
+                        "samples: --lr-decay-samples, --lr-warmup-samples, --lr-wsd-decay-samples")
+    batch.add_argument("--rampup-batch-size", nargs=3, type=int, metavar=("START", "INCREMENT", "SAMPLES"),
+                       help="grow the global batch from START by INCREMENT up to --global-batch-size over the first "
+                       "SAMPLES samples, in equal steps (Megatron-LM's ramp-up, megatron-core's calculator); needs "
+                       "--train-samples")
 
     lr = parser.add_argument_group("learning rate and optimizer (defaults: the family's recipe, docs/model.md)")
     lr.add_argument("--lr", type=float, default=3e-3)
@@ -168,8 +178,19 @@ def build_parser() -> argparse.ArgumentParser:
     warmup.add_argument("--lr-warmup-fraction", type=float, help="warm-up as a fraction of --lr-decay-iters")
     lr.add_argument("--lr-warmup-init", type=float, default=0.0, help="lr at the start of warm-up")
     lr.add_argument("--lr-wsd-decay-iters", type=int, help="length of WSD's final decay")
+    # With --train-samples, Megatron-LM counts the schedule in samples (megatron/training/training.py,
+    # get_optimizer_param_scheduler): these replace the iteration flags above.
+    lr.add_argument("--lr-decay-samples", type=int, help="with --train-samples: decay over this many samples "
+                    "(default: --train-samples)")
+    lr.add_argument("--lr-warmup-samples", type=int, help="with --train-samples: warm up over this many samples "
+                    "(default: the family's fraction of the decay)")
+    lr.add_argument("--lr-wsd-decay-samples", type=int, help="with --train-samples: length of WSD's final decay")
     lr.add_argument("--lr-wsd-decay-style", choices=WSD_DECAY_STYLES, default="exponential")
     lr.add_argument("--weight-decay", type=float, help="default: the family's (0; 0.1 for GPT+)")
+    lr.add_argument("--decoupled-lr", type=float, help="max lr of the input and output layers (the embedding and "
+                    "the output head), decoupled from --lr; the same schedule")
+    lr.add_argument("--decoupled-min-lr", type=float, help="min lr of the input and output layers (with "
+                    "--decoupled-lr; default --min-lr's)")
     lr.add_argument("--clip-grad", type=float, default=1.0)
     lr.add_argument("--adam-beta1", type=float, default=0.9)
     lr.add_argument("--adam-beta2", type=float, default=0.95)
@@ -180,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     precision.add_argument("--bf16", action=SWITCH, default=False,
                            help="bf16 weights and activations, fp32 main weights in the optimizer (learnable scales "
                            "stay fp32)")
+    precision.add_argument("--grad-reduce-in-bf16", action="store_true", help="with --bf16: accumulate and "
+                           "reduce gradients in bf16 (default fp32, as Megatron-LM's)")
     precision.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default="local",
                            help="megatron-core's own layers (default; CPU and GPU) or NVIDIA Transformer Engine's "
                            "(GPU; needed for FP8)")
@@ -230,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--test-data-path", nargs="+")
     data.add_argument("--data-cache-path", help="where GPTDataset caches its indices")
     data.add_argument("--mock-data", action="store_true", help="megatron-core's synthetic sequences")
+    data.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",
+                      help="read the .bin files by file reads rather than through a memory map")
     data.add_argument("--vocab-size", type=int, help="vocabulary of --mock-data, or NullTokenizer's ids (its "
                       "end-of-document id comes after them); with a dataset's .json, it must be the vocab_size "
                       "it records")
@@ -281,6 +306,17 @@ def build_parser() -> argparse.ArgumentParser:
                       "default entity of the logged-in user)")
     logs.add_argument("--wandb-save-dir", help="where W&B writes its local files, in a wandb/ folder inside it "
                       "(default: <save>/wandb)")
+
+    memory = parser.add_argument_group("memory")
+    memory.add_argument("--manual-gc", action="store_true", help="turn Python's garbage collector off and collect "
+                        "at chosen steps, the same on every rank (a collection on one rank stalls the others)")
+    memory.add_argument("--manual-gc-interval", type=int, default=0, help="with --manual-gc: collect every this "
+                        "many steps (0: only around evaluations)")
+    memory.add_argument("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false",
+                        help="with --manual-gc: no collection before and after each evaluation")
+    memory.add_argument("--empty-unused-memory-level", type=int, choices=(0, 1, 2), default=0,
+                        help="release the CUDA caching allocator's unused memory: 1 after each forward-backward and "
+                        "evaluation step, 2 also after each optimizer step (slower; for fragmentation)")
 
     exits = parser.add_argument_group("exiting")
     exits.add_argument("--exit-signal-handler", action="store_true",
@@ -426,6 +462,12 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
         # Its state-dict mapping skips fp32 parameters inside a bf16 model, which the learnable scales are.
         parser.error("--bf16 needs --use-distributed-optimizer (megatron-core's other bf16 optimizer cannot "
                      "checkpoint the fp32 learnable scales)")
+    for flag, needs in (("decoupled_min_lr", "decoupled_lr"), ("grad_reduce_in_bf16", "bf16"),
+                        ("manual_gc_interval", "manual_gc")):
+        if getattr(args, flag) and not getattr(args, needs):
+            parser.error(f"--{flag.replace('_', '-')} needs --{needs.replace('_', '-')}")
+    if not args.manual_gc_eval and not args.manual_gc:
+        parser.error("--no-manual-gc-eval needs --manual-gc")
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         parser.error("--overlap-param-gather needs --use-distributed-optimizer")
     if args.max_position_embeddings is not None and args.max_position_embeddings < args.seq_length:
@@ -433,7 +475,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
                      f"{args.seq_length}")
     _validate_dropout(parser, args)
     _validate_switches(parser, args)
-    _validate_schedule(parser, args)
+    _validate_schedule(parser, args, dp)
     _validate_precision(parser, args)
     _validate_checkpoints(parser, args)
     _validate_data(parser, args)
@@ -443,14 +485,13 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
 def _validate_ranges(parser, args) -> None:
     for requirement, holds, dests in NUMERIC_RANGES:
         for dest in dests:
-            value = getattr(args, dest)
-            if value is None:
-                continue
+            given = getattr(args, dest)
             flag = "--" + dest.removeprefix("megatron_").replace("_", "-")
-            if isinstance(value, float) and not math.isfinite(value):
-                parser.error(f"{flag} {value} must be a finite number")
-            if not holds(value):
-                parser.error(f"{flag} {value} {requirement}")
+            for value in given if isinstance(given, list) else [] if given is None else [given]:
+                if isinstance(value, float) and not math.isfinite(value):
+                    parser.error(f"{flag} {value} must be a finite number")
+                if not holds(value):
+                    parser.error(f"{flag} {value} {requirement}")
 
 
 # The anGPT switches each other family reads (docs/model.md, Families and switches); the rest would be
@@ -480,16 +521,45 @@ def _validate_dropout(parser, args) -> None:
                      "residual has no hidden dropout; GPT+ only); use --attention-dropout")
 
 
-def _validate_schedule(parser, args) -> None:
+def _validate_rampup(parser, args, dp: int) -> None:
+    """What megatron-core's ramp-up calculator asserts (or divides by zero on), as errors naming the flags: every
+    batch of the ramp-up must split into micro-batches on every data-parallel rank."""
+    start, increment, samples = args.rampup_batch_size
+    shown = f"--rampup-batch-size {start} {increment} {samples}"
+    if args.train_samples is None:
+        parser.error(f"{shown} needs --train-samples (the ramp-up is counted in samples)")
+    if min(start, increment, samples) < 1:  # SAMPLES 0: megatron-core divides by zero
+        parser.error(f"{shown}: START, INCREMENT and SAMPLES must be at least 1")
+    if start >= args.global_batch_size or (args.global_batch_size - start) % increment:
+        parser.error(f"{shown}: START must be below --global-batch-size {args.global_batch_size} and reach it in "
+                     "whole INCREMENTs")
+    if start % (args.micro_batch_size * dp) or increment % (args.micro_batch_size * dp):
+        parser.error(f"{shown}: START and INCREMENT must be multiples of --micro-batch-size {args.micro_batch_size} "
+                     f"x data-parallel size {dp}")
+
+
+def _validate_schedule(parser, args, dp: int) -> None:
     if args.train_iters is None and args.train_samples is None:
         parser.error("give the length of training: --train-iters or --train-samples")
-    if args.train_samples is not None:
-        if args.train_samples % args.global_batch_size:
-            parser.error(f"--train-samples {args.train_samples} is not a multiple of --global-batch-size "
+    # As Megatron-LM (megatron/training/arguments.py): a run counts iterations or samples, not both.
+    by_samples = args.train_samples is not None
+    unit, other = ("samples", "iters") if by_samples else ("iters", "samples")
+    for name in ("lr_decay", "lr_warmup", "lr_wsd_decay"):
+        if getattr(args, f"{name}_{other}") is not None:
+            parser.error(f"--{name.replace('_', '-')}-{other} needs --train-{other} (this run gives --train-{unit}: "
+                         f"use --{name.replace('_', '-')}-{unit})")
+    if args.lr_warmup_fraction is not None and getattr(args, f"lr_warmup_{unit}") is not None:
+        parser.error(f"give one of --lr-warmup-fraction and --lr-warmup-{unit}")
+    if args.rampup_batch_size is not None:
+        _validate_rampup(parser, args, dp)
+    if by_samples and args.rampup_batch_size is None:
+        if args.train_samples < args.global_batch_size:
+            parser.error(f"--train-samples {args.train_samples} is less than one --global-batch-size "
                          f"{args.global_batch_size}")
+        # Whole global batches; the samples of a last, partial one are left out, as in Megatron-LM.
         args.train_iters = args.train_samples // args.global_batch_size
-    if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None:
-        parser.error("--lr-decay-style WSD needs --lr-wsd-decay-iters")
+    if args.lr_decay_style == "WSD" and getattr(args, f"lr_wsd_decay_{unit}") is None:
+        parser.error(f"--lr-decay-style WSD needs --lr-wsd-decay-{unit}")
     if args.min_lr is not None and args.min_lr > args.lr:
         parser.error(f"--min-lr {args.min_lr} is above --lr {args.lr}")
 

@@ -59,8 +59,6 @@ NORM_REPLACED = "anGPT and nGPT replace it by their own normalization (one log l
 FSDP = "FSDP is not built: use --use-distributed-optimizer (megatron-core's ZeRO-1 sharding of the optimizer)"
 FP16 = f"--fp16 is {NOT_YET}: use --bf16"
 LOSS_SCALE = f"loss scaling is for --fp16, which is {NOT_YET}: use --bf16"
-SAMPLES = f"sample-based schedules are {NOT_YET}: use the iteration flags (--lr-decay-iters, --lr-warmup-iters, " \
-          "--lr-wsd-decay-iters)"
 OFFLOAD = "CPU offloading is not built"
 TE_OVERLAP = "Transformer Engine's userbuffer overlap of tensor-parallel communication is not built"
 PROFILE = f"profiling ranges are {NOT_YET}"
@@ -109,8 +107,8 @@ FLAGS: dict[str, Decision] = {
     "--fp32-residual-connection": refused(f"{NOT_YET}: the residual stream is in the parameters' precision"),
     "--apply-residual-connection-post-layernorm": refused("the families' residual connections are fixed by "
                                                           "docs/model.md"),
-    "--apply-layernorm-1p": implied(NORM_REPLACED + "GPT+ refuses it (a plain RMSNorm gain)",
-                                    _gptplus_refuses("GPT+'s RMSNorm has a plain gain (docs/model.md)")),
+    "--apply-layernorm-1p": implied("GPT+: a gain 1 + w from w = 0 trains as a gain from 1 here, where norm gains "
+                                    "are not decayed (Adam sees the same gradients); " + NORM_REPLACED.rstrip("; ")),
     "--disable-bias-linear": implied("no family has biases in its linear layers (docs/model.md)"),
     "--add-qkv-bias": refused("no family has biases in its linear layers (docs/model.md)"),
     "--glu-linear-offset": refused("the families' SwiGLU has no offset (docs/model.md)"),
@@ -121,7 +119,8 @@ FLAGS: dict[str, Decision] = {
     "--qk-l2-norm": implied("GPT+ refuses it (RMSNorm on q and k); " + NORM_REPLACED.rstrip("; "),
                             _gptplus_refuses("GPT+ normalizes q and k with RMSNorm, not an L2 norm")),
     "--attention-output-gate": refused(ATTENTION),
-    "--calculate-per-token-loss": refused(f"{NOT_YET}: the loss is the mean over each micro-batch's tokens"),
+    "--calculate-per-token-loss": implied("every token of a micro-batch counts (there is no --eod-mask-loss), so the "
+                                          "mean of the micro-batches' mean losses is the mean over all tokens"),
     "--multi-latent-attention": refused(ATTENTION),
     "--experimental-attention-variant": refused(ATTENTION),
     "--embedding-init-method-std": refused(f"{NOT_YET}: the embedding is initialized as the other weights "
@@ -183,15 +182,10 @@ FLAGS: dict[str, Decision] = {
     "--sgd-momentum": refused("the families train with Adam"),
     "--no-weight-decay-cond-type": refused(f"{NOT_YET}: norm gains, scales and biases are never decayed"),
     # -- training
-    "--rampup-batch-size": refused(f"batch-size ramp-up is {NOT_YET}"),
     "--decrease-batch-size-if-needed": refused(f"{NOT_YET} (it goes with --rampup-batch-size)"),
-    "--empty-unused-memory-level": refused(f"{NOT_YET}"),
     "--check-weight-hash-across-dp-replicas-interval": refused(f"{NOT_YET}"),
     "--train-sync-interval": refused(f"{NOT_YET}"),
     "--exit-signal-handler-for-dataloader": refused(DATALOADER),
-    "--manual-gc": refused(f"{NOT_YET}"),
-    "--manual-gc-interval": refused(f"{NOT_YET}"),
-    "--no-manual-gc-eval": refused(f"{NOT_YET}"),
     "--iterations-to-skip": refused(f"{NOT_YET}"),
     "--batch-size": refused("deprecated in Megatron-LM: use --micro-batch-size"),
     "--recompute-activations": refused(f"selective recompute is {NOT_YET}: use --recompute-granularity full"),
@@ -233,17 +227,12 @@ FLAGS: dict[str, Decision] = {
     "--data-parallel-random-init": refused("data-parallel replicas start equal, as the optimizer assumes"),
     "--init-method-xavier-uniform": refused("the families' initialization is fixed by docs/model.md"),
     # -- learning rate and weight decay
-    "--lr-decay-samples": refused(SAMPLES),
-    "--lr-wsd-decay-samples": refused(SAMPLES),
-    "--lr-warmup-samples": refused(SAMPLES),
     "--override-opt_param-scheduler": refused(f"{NOT_YET}: a resumed run keeps the checkpoint's schedule"),
     "--use-checkpoint-opt_param-scheduler": implied("a resumed run keeps the checkpoint's schedule"),
     "--start-weight-decay": refused(f"weight-decay schedules are {NOT_YET}: --weight-decay is constant"),
     "--end-weight-decay": refused(f"weight-decay schedules are {NOT_YET}: --weight-decay is constant"),
     "--weight-decay-incr-style": refused(f"weight-decay schedules are {NOT_YET}: --weight-decay is constant"),
     "--warmup": refused("deprecated in Megatron-LM: use --lr-warmup-iters or --lr-warmup-fraction"),
-    "--decoupled-lr": refused(f"{NOT_YET}"),
-    "--decoupled-min-lr": refused(f"{NOT_YET}"),
     # -- checkpointing
     "--save-wgrads-interval": refused(f"{NOT_YET}"),
     "--save-dgrads-interval": refused(f"{NOT_YET}"),
@@ -273,7 +262,6 @@ FLAGS: dict[str, Decision] = {
     "--dist-ckpt-format": refused("deprecated in Megatron-LM: use --ckpt-format torch_dist"),
     "--ckpt-fully-parallel-save": implied("deprecated in Megatron-LM, where it is the default"),
     # -- mixed precision
-    "--grad-reduce-in-bf16": refused(f"{NOT_YET}: gradients are reduced in fp32"),
     "--loss-scale": refused(LOSS_SCALE),
     "--initial-loss-scale": refused(LOSS_SCALE),
     "--min-loss-scale": refused(LOSS_SCALE),
@@ -300,7 +288,6 @@ FLAGS: dict[str, Decision] = {
                                                         "throughout"),
     "--no-align-grad-reduce": refused(f"{NOT_YET}"),
     "--ddp-num-buckets": refused(f"{NOT_YET}"),
-    "--ddp-bucket-size": refused(f"{NOT_YET}: megatron-core's default bucket size is used"),
     "--ddp-pad-buckets-for-high-nccl-busbw": refused(f"{NOT_YET}"),
     "--ddp-reduce-scatter-with-fp32-accumulation": refused(f"{NOT_YET}"),
     "--ddp-average-in-collective": refused(f"{NOT_YET}"),
@@ -341,7 +328,6 @@ FLAGS: dict[str, Decision] = {
     "--per-dataset-sequences-path": refused(f"{NOT_YET}"),
     "--dataloader-fast-cache-load": refused(f"{NOT_YET}"),
     "--dataloader-defer-npy-index-mmap": refused(f"{NOT_YET}"),
-    "--no-mmap-bin-files": refused(f"{NOT_YET}: the .bin files are memory-mapped"),
     "--encoder-seq-length": refused("use --seq-length"),
     "--decoder-seq-length": refused("use --seq-length"),
     "--sample-rate": refused(f"{NOT_YET}"),
@@ -363,7 +349,10 @@ FLAGS: dict[str, Decision] = {
     "--tokenizer-metadata": refused(f"{NOT_YET}"),
     "--tokenizer-special-tokens": refused(f"{NOT_YET}"),
     "--legacy-tokenizer": refused(f"{NOT_YET}: angpt's tokenizers give megatron-core's vocabulary and EOD"),
-    "--tiktoken-pattern": refused(f"{NOT_YET}: TikTokenizer splits with GPT-2's pattern"),
+    "--tiktoken-pattern": implied("read with TikTokenizer only, as in Megatron-LM; angpt's TikTokenizer splits with "
+                                  "GPT-2's pattern, so it is refused there",
+                                  lambda args, value: f"TikTokenizer splits with GPT-2's pattern here; Megatron-LM's "
+                                  f"{value} pattern is {NOT_YET}" if args.tokenizer_type == "TikTokenizer" else None),
     "--tiktoken-num-special-tokens": refused(f"{NOT_YET}"),
     "--tiktoken-special-tokens": refused(f"{NOT_YET}"),
     "--tokenizer-sentencepiece-legacy": refused(f"SentencePieceTokenizer is {NOT_YET}"),

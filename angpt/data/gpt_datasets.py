@@ -44,6 +44,7 @@ class DataArguments:
     tokenizer_model: Optional[str] = None
     vocab_file: Optional[str] = None
     merge_file: Optional[str] = None
+    mmap_bin_files: bool = True  # read the .bin files through a memory map (else by file reads)
 
     def prefixes(self) -> list[str]:
         paths = [self.data_path, self.train_data_path, self.valid_data_path, self.test_data_path]
@@ -158,7 +159,7 @@ def build_datasets(data: DataArguments, vocabulary, seq_length: int, seed: int, 
         blend_per_split=blend_per_split,
         split=data.split if blend is not None or data.mock_data else None,
         path_to_cache=data.data_cache_path,
-        mmap_bin_files=True,
+        mmap_bin_files=data.mmap_bin_files,
         tokenizer=vocabulary,
         reset_position_ids=False,
         reset_attention_mask=False,

@@ -37,7 +37,6 @@ class TrainingMonitor:
         self.telemetry = DeviceTelemetry()
         self.flops_per_token = model_flops_per_token(config, args.seq_length, vocab_size)
         self.peak_flops = peak_flops_per_device(config.params_dtype)
-        self.tokens_per_step = args.global_batch_size * args.seq_length
         self.world_size = dist.get_world_size()
         self.progress = ProgressBar(args.train_iters, start_iteration, enabled=self.is_reporting_rank)
         self._reset_window()
@@ -51,6 +50,7 @@ class TrainingMonitor:
 
     def _reset_window(self) -> None:
         self.window_seconds, self.window_steps, self.window_losses, self.window_skipped = 0.0, 0, [], 0
+        self.window_samples = 0
 
     def _reports(self, iteration: int) -> bool:
         return iteration % self.args.log_interval == 0 or iteration == self.args.train_iters
@@ -68,6 +68,7 @@ class TrainingMonitor:
         """Collective on logged iterations (the health summary gathers over every rank)."""
         # A step skipped for its grad norm still computed a loss: it counts (and "skipped" says so).
         self.window_skipped += step["skipped"]
+        self.window_samples += step["global_batch_size"]  # ramped up or constant
         if math.isfinite(step["loss"]):
             self.window_losses.append(step["loss"])
         iteration = step["iteration"]
@@ -75,13 +76,15 @@ class TrainingMonitor:
         if not self._reports(iteration):
             return
         seconds_per_step = self.window_seconds / max(self.window_steps, 1)
-        tokens_per_second_per_device = self.tokens_per_step / seconds_per_step / self.world_size
+        tokens_per_second_per_device = (self.window_samples * self.args.seq_length / max(self.window_seconds, 1e-9)
+                                        / self.world_size)
         record = {
             "kind": "train",
             "iteration": iteration,
             "train_iters": self.args.train_iters,
             "consumed_samples": step["consumed_samples"],
             "consumed_tokens": step["consumed_samples"] * self.args.seq_length,
+            "global_batch_size": step["global_batch_size"],
             "lm_loss": (sum(self.window_losses) / len(self.window_losses)) if self.window_losses else float("nan"),
             "lr": step["lr"],
             "grad_norm": step["grad_norm"] if step["grad_norm"] is not None else float("nan"),

@@ -10,6 +10,7 @@ import argparse
 from typing import Optional
 
 import torch
+from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.transformer.enums import AttnBackend
 
 from angpt.data.gpt_datasets import DataArguments
@@ -82,6 +83,17 @@ def model_config_from_args(args: argparse.Namespace) -> AnGPTConfig:
     return model_config(args.model_family, **overrides)
 
 
+def ddp_config_from_args(args: argparse.Namespace) -> DistributedDataParallelConfig:
+    """Data-parallel gradient reduction (Megatron-LM's `get_model`): in fp32 unless --grad-reduce-in-bf16."""
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=not args.grad_reduce_in_bf16,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        bucket_size=args.ddp_bucket_size,
+    )
+
+
 def speed_overrides(args: argparse.Namespace) -> dict:
     """The fusions (on by default with a GPU, where each pays for its compilation) and CUDA graphs. Read with
     getattr: checkpoints saved before these flags existed record none of them."""
@@ -112,5 +124,5 @@ def data_arguments(args: argparse.Namespace) -> DataArguments:
         valid_data_path=args.valid_data_path, test_data_path=args.test_data_path,
         data_cache_path=args.data_cache_path, mock_data=args.mock_data, vocab_size=args.vocab_size,
         tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
-        merge_file=args.merge_file,
+        merge_file=args.merge_file, mmap_bin_files=getattr(args, "mmap_bin_files", True),
     )

@@ -17,6 +17,7 @@ from angpt.data.gpt_datasets import dataset_vocabulary
 from angpt.data.indexed import check_indexed_dataset
 from angpt.models.gpt import build_model
 from angpt.training import distributed
+from angpt.training.batch_schedule import ramp, set_train_iters
 from angpt.training.config_from_args import (
     data_arguments,
     model_config_from_args,
@@ -74,7 +75,9 @@ def describe(args: argparse.Namespace, world_size: int) -> str:
     vp = virtual_pipeline_stages(args)
     dp = world_size // (tp * pp)
     micro_batches = args.global_batch_size // (args.micro_batch_size * dp)
-    iterations = args.train_iters or args.train_samples // args.global_batch_size
+    set_train_iters(args)
+    steps = ramp(args)
+    tokens = sum(size * count for size, count in steps) * args.seq_length
     tokens_per_step = args.global_batch_size * args.seq_length
     vocabulary = dataset_vocabulary(data_arguments(args))  # the trainer's checks of the data, and its vocabulary
     vocab_size = padded_vocab_size(vocabulary.vocab_size, args.make_vocab_size_divisible_by, tp)
@@ -106,9 +109,17 @@ def describe(args: argparse.Namespace, world_size: int) -> str:
         "batch",
         f"  global batch {args.global_batch_size} sequences = micro-batch {args.micro_batch_size} x {micro_batches} "
         f"micro-batches x data parallel {dp}",
-        f"  {tokens_per_step:,} tokens per step (sequence length {args.seq_length}); {iterations:,} steps = "
-        f"{iterations * tokens_per_step / 1e9:.3g}B tokens",
+        f"  {tokens_per_step:,} tokens per step (sequence length {args.seq_length}); {args.train_iters:,} steps = "
+        f"{tokens / 1e9:.3g}B tokens",
     ]
+    if args.rampup_batch_size:
+        lines.append("  ramp-up (--rampup-batch-size): " + ", ".join(f"{count:,} steps at {size}"
+                                                                      for size, count in steps))
+    if args.train_samples is not None:
+        trained = tokens // args.seq_length
+        left_out = args.train_samples - trained
+        lines.append(f"  --train-samples {args.train_samples:,}: {trained:,} samples in whole global batches"
+                     + (f", the last {left_out:,} left out" if left_out > 0 else ""))
     if pp > 1:
         bubble = (pp - 1) / (micro_batches * (vp or 1))
         lines.append(f"  pipeline bubble (p - 1) / (m x v) = {bubble:.1%} of a step")

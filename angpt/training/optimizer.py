@@ -37,8 +37,8 @@ RECIPES = {
 }
 
 
-def recipe_departures(model_family: str, weight_decay: Optional[float], warmup_iters: Optional[int],
-                      warmup_fraction: Optional[float]) -> list[str]:
+def recipe_departures(model_family: str, weight_decay: Optional[float], warmup: Optional[int],
+                      warmup_fraction: Optional[float], unit: str = "iters") -> list[str]:
     """A line for each flag given a value other than the family's recipe (a Megatron-LM script's
     `--weight-decay 0.1` with anGPT, say): honoured, and said."""
     recipe, name = RECIPES[model_family], FAMILY_NAMES[model_family]
@@ -46,7 +46,7 @@ def recipe_departures(model_family: str, weight_decay: Optional[float], warmup_i
     if weight_decay is not None and weight_decay != recipe.weight_decay:
         paper = f"weight decay {recipe.weight_decay:g}" if recipe.weight_decay else "no weight decay"
         lines.append(f"--weight-decay {weight_decay:g} departs from {name}'s recipe, {paper} (docs/model.md)")
-    warmup = [(f"--lr-warmup-iters {warmup_iters}", warmup_iters and recipe.warmup_fraction == 0),
+    warmup = [(f"--lr-warmup-{unit} {warmup}", warmup and recipe.warmup_fraction == 0),
               (f"--lr-warmup-fraction {warmup_fraction}", warmup_fraction is not None
                and warmup_fraction != recipe.warmup_fraction)]
     paper = f"a warm-up of {recipe.warmup_fraction:g} of the decay" if recipe.warmup_fraction else "no warm-up"
@@ -132,6 +132,12 @@ def build_optimizer(
     lr_decay_iters: Optional[int] = None,
     lr_wsd_decay_iters: Optional[int] = None,
     lr_wsd_decay_style: str = "exponential",
+    decoupled_lr: Optional[float] = None,
+    decoupled_min_lr: Optional[float] = None,
+    train_samples: Optional[int] = None,
+    lr_decay_samples: Optional[int] = None,
+    lr_warmup_samples: Optional[int] = None,
+    lr_wsd_decay_samples: Optional[int] = None,
     clip_grad: float = 1.0,
     adam_beta1: float = 0.9,
     adam_beta2: float = 0.95,
@@ -144,18 +150,26 @@ def build_optimizer(
     weight projection attached, and its lr schedule (megatron-core's: constant, linear, cosine or WSD,
     over `lr_decay_iters`, default `train_iters`). Returns (optimizer, scheduler).
 
+    With `train_samples` the schedule counts samples, as Megatron-LM's does then (`lr_decay_samples`, default
+    `train_samples`; `lr_warmup_samples`, else the warm-up fraction of the decay, not rounded): step the
+    scheduler by each step's global batch. Otherwise it counts iterations: step it by 1.
+
     Weight decay reaches 2-D weights only: megatron-core exempts 1-D parameters (norms and scales).
     `fused_adam`: see `use_fused_adam`; default on with CUDA."""
     recipe = RECIPES[model_family]
     min_lr = recipe.min_lr_ratio * lr if min_lr is None else min_lr
     weight_decay_given = weight_decay
     weight_decay = recipe.weight_decay if weight_decay is None else weight_decay
-    decay_iters = lr_decay_iters or train_iters
-    # The warm-up: --lr-warmup-iters, else --lr-warmup-fraction of the decay, else the family's fraction.
-    if lr_warmup_iters is not None:
-        warmup = lr_warmup_iters
+    fraction = recipe.warmup_fraction if lr_warmup_fraction is None else lr_warmup_fraction
+    if train_samples is not None:
+        decay_steps, wsd_decay_steps = lr_decay_samples or train_samples, lr_wsd_decay_samples
+        warmup = lr_warmup_samples if lr_warmup_samples is not None else fraction * decay_steps
+        warmup_given = lr_warmup_samples
     else:
-        warmup = round((recipe.warmup_fraction if lr_warmup_fraction is None else lr_warmup_fraction) * decay_iters)
+        decay_steps, wsd_decay_steps = lr_decay_iters or train_iters, lr_wsd_decay_iters
+        # The warm-up: --lr-warmup-iters, else --lr-warmup-fraction of the decay, else the family's fraction.
+        warmup = lr_warmup_iters if lr_warmup_iters is not None else round(fraction * decay_steps)
+        warmup_given = lr_warmup_iters
     config = OptimizerConfig(
         optimizer="adam",
         lr=lr,
@@ -165,12 +179,15 @@ def build_optimizer(
         adam_beta2=adam_beta2,
         adam_eps=adam_eps,
         clip_grad=clip_grad,
+        # The embedding and output head's own max and min lr (megatron-core's param groups).
+        decoupled_lr=decoupled_lr,
+        decoupled_min_lr=decoupled_min_lr,
         bf16=bf16,
         use_distributed_optimizer=use_distributed_optimizer,
     )
     model_config = get_model_config(model_chunks[0])
-    log_backends(model_config, recipe_departures(model_family, weight_decay_given, lr_warmup_iters,
-                                                 lr_warmup_fraction))
+    log_backends(model_config, recipe_departures(model_family, weight_decay_given, warmup_given, lr_warmup_fraction,
+                                                 "samples" if train_samples is not None else "iters"))
     optimizer = get_megatron_optimizer(config, model_chunks)
     if torch.cuda.is_available() if fused_adam is None else fused_adam:
         use_fused_adam(optimizer)
@@ -183,13 +200,13 @@ def build_optimizer(
         max_lr=lr,
         min_lr=min_lr,
         lr_warmup_steps=warmup,
-        lr_decay_steps=decay_iters,
+        lr_decay_steps=decay_steps,
         lr_decay_style=lr_decay_style,
         start_wd=weight_decay,
         end_wd=weight_decay,
-        wd_incr_steps=decay_iters,
+        wd_incr_steps=decay_steps,
         wd_incr_style="constant",
-        wsd_decay_steps=lr_wsd_decay_iters,
+        wsd_decay_steps=wsd_decay_steps,
         lr_wsd_decay_style=lr_wsd_decay_style,
     )
     return optimizer, scheduler

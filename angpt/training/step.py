@@ -73,9 +73,13 @@ def train_step(
     num_microbatches: int,
     micro_batch_size: int,
     seq_length: int,
+    schedule_increment: int = 1,
+    empty_unused_memory_level: int = 0,
 ):
     """Forward and backward over the global batch, then one optimizer step unless the loss or the
-    gradient norm is not finite.
+    gradient norm is not finite, and the lr schedule advanced by `schedule_increment` (1 for a schedule in
+    iterations, the global batch for one in samples). `empty_unused_memory_level` (Megatron-LM's): release the
+    CUDA caching allocator's unused memory after the forward-backward (1) and also after the step (2).
 
     Returns (loss averaged over the global batch, available on every rank; grad norm; whether the
     optimizer applied the update)."""
@@ -84,9 +88,13 @@ def train_step(
     optimizer.zero_grad()
     loss = _mean_loss_over_global_batch(data_iterators, model_chunks, num_microbatches, micro_batch_size,
                                         seq_length, forward_only=False)
+    if empty_unused_memory_level >= 1:
+        torch.cuda.empty_cache()
     updated, grad_norm = step_unless_not_finite(optimizer, loss)
+    if empty_unused_memory_level >= 2:
+        torch.cuda.empty_cache()
     if updated:
-        scheduler.step(increment=1)
+        scheduler.step(increment=schedule_increment)
     return loss, grad_norm, updated
 
 

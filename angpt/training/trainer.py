@@ -5,6 +5,7 @@ and what users watch. `angpt.pretrain` parses the flags and calls `pretrain(args
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import signal
 import sys
@@ -16,16 +17,18 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 
 from angpt.config.arguments import exit_signals
 from angpt.data.gpt_datasets import build_datasets, dataset_vocabulary, micro_batches
 from angpt.data.indexed import IndexedDatasetError
 from angpt.telemetry.monitoring import TrainingMonitor
 from angpt.training import checkpointing, distributed, faults, save_lock
+from angpt.training.batch_schedule import BatchSchedule, set_train_iters
 from angpt.training.checkpointing import TrainState
 from angpt.training.config_from_args import (
     data_arguments,
+    ddp_config_from_args,
     model_config_from_args,
     padded_vocab_size,
     virtual_pipeline_stages,
@@ -80,6 +83,7 @@ class Trainer:
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
+        set_train_iters(args)
         self.faults = faults.from_environment()
         data_args = data_arguments(args)
         self.vocabulary = dataset_vocabulary(data_args)
@@ -97,19 +101,16 @@ class Trainer:
                            "a GPU since (docs/gpu.md, CUDA graphs); use it to measure speed, not to train")
         self.vocab_size = padded_vocab_size(self.vocabulary.vocab_size, args.make_vocab_size_divisible_by,
                                             args.tensor_model_parallel_size)
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            use_distributed_optimizer=args.use_distributed_optimizer,
-            overlap_grad_reduce=args.overlap_grad_reduce,
-            overlap_param_gather=args.overlap_param_gather,
-        )
-        self.chunks = build_model_chunks(self.config, self.vocab_size, args.seq_length, ddp_config)
+        self.chunks = build_model_chunks(self.config, self.vocab_size, args.seq_length, ddp_config_from_args(args))
         self.optimizer, self.scheduler = build_optimizer(
             self.chunks, args.model_family, lr=args.lr, train_iters=args.train_iters, min_lr=args.min_lr,
             weight_decay=args.weight_decay, lr_warmup_iters=args.lr_warmup_iters,
             lr_warmup_fraction=args.lr_warmup_fraction, lr_warmup_init=args.lr_warmup_init,
             lr_decay_style=args.lr_decay_style, lr_decay_iters=args.lr_decay_iters,
             lr_wsd_decay_iters=args.lr_wsd_decay_iters, lr_wsd_decay_style=args.lr_wsd_decay_style,
+            decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
+            train_samples=args.train_samples, lr_decay_samples=args.lr_decay_samples,
+            lr_warmup_samples=args.lr_warmup_samples, lr_wsd_decay_samples=args.lr_wsd_decay_samples,
             clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
             adam_eps=args.adam_eps, use_distributed_optimizer=args.use_distributed_optimizer, bf16=args.bf16,
         )
@@ -131,11 +132,16 @@ class Trainer:
             self.async_queue = AsyncCallsQueue()
 
         evaluation_samples = args.eval_iters * args.global_batch_size
+        # As Megatron-LM: the samples a run by samples asks for, else its iterations' global batches.
+        train_samples = args.train_samples or args.train_iters * args.global_batch_size
         self.data = Data(*build_datasets(data_args, self.vocabulary, args.seq_length, args.seed,
-                                         [args.train_iters * args.global_batch_size, evaluation_samples,
-                                          evaluation_samples]))
+                                         [train_samples, evaluation_samples, evaluation_samples]))
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.batches = BatchSchedule(args.global_batch_size, args.micro_batch_size, self.dp_size,
+                                     args.rampup_batch_size, self.rank)
+        # The schedule counts samples in a run by samples (Megatron-LM's), else iterations (angpt.training.optimizer).
+        self.by_samples = args.train_samples is not None
         self.exits = ExitRequests(exit_signals(args), args.exit_duration_in_mins)
         self.monitor = TrainingMonitor(args, self.config, self.chunks, self.vocab_size, self.rank,
                                        self.state.iteration, self.loaded_from)
@@ -148,8 +154,8 @@ class Trainer:
                         args.pipeline_model_parallel_size, self.dp_size, self.state.iteration, args.train_iters)
 
     # -- data ---------------------------------------------------------------------------------------
-    def _iterators(self, dataset, consumed_samples: int, poison: bool = False):
-        batches = micro_batches(dataset, consumed_samples, self.args.global_batch_size, self.args.micro_batch_size,
+    def _iterators(self, dataset, consumed_samples: int, global_batch_size: int, poison: bool = False):
+        batches = micro_batches(dataset, consumed_samples, global_batch_size, self.args.micro_batch_size,
                                 self.dp_rank, self.dp_size, vocab_size=self.vocabulary.vocab_size)
         if poison:  # fault injection: a NaN loss (and NaN gradients) in this step
             for batch in batches:
@@ -161,17 +167,22 @@ class Trainer:
     def train_one_step(self) -> dict:
         args, state = self.args, self.state
         iteration = state.iteration + 1
-        iterators, num_micro_batches = self._iterators(self.data.train, state.consumed_samples,
+        global_batch_size = self.batches.global_batch_size(state.consumed_samples)
+        iterators, num_micro_batches = self._iterators(self.data.train, state.consumed_samples, global_batch_size,
                                                        poison=iteration in self.faults.nan_iterations)
-        lr = self.optimizer.param_groups[0]["lr"]
+        lr = get_canonical_lr_for_logging(self.optimizer.param_groups)  # --lr's, not --decoupled-lr's
         with self.monitor.step(iteration):
             loss, grad_norm, updated = train_step(iterators, self.chunks, self.optimizer, self.scheduler,
-                                                  num_micro_batches, args.micro_batch_size, args.seq_length)
+                                                  num_micro_batches, args.micro_batch_size, args.seq_length,
+                                                  global_batch_size if self.by_samples else 1,
+                                                  args.empty_unused_memory_level)
+        if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
+            gc.collect()
         state.iteration = iteration
-        state.consumed_samples += args.global_batch_size
+        state.consumed_samples += global_batch_size
         state.skipped_steps = 0 if updated else state.skipped_steps + 1
         return dict(iteration=iteration, loss=loss, grad_norm=grad_norm, lr=lr, skipped=not updated,
-                    consumed_samples=state.consumed_samples)
+                    consumed_samples=state.consumed_samples, global_batch_size=global_batch_size)
 
     def evaluate(self, dataset, name: str) -> Optional[float]:
         """Mean loss over the first --eval-iters global batches of a split: the same samples at every
@@ -181,11 +192,19 @@ class Trainer:
         if len(dataset) < self.args.eval_iters * self.args.global_batch_size:
             raise ValueError(f"the {name} split has {len(dataset)} samples, fewer than --eval-iters "
                              f"{self.args.eval_iters} x --global-batch-size {self.args.global_batch_size}")
+        manual_gc = self.args.manual_gc and self.args.manual_gc_eval
+        if manual_gc:
+            gc.collect()
         losses = []
         for batch_index in range(self.args.eval_iters):
-            iterators, num_micro_batches = self._iterators(dataset, batch_index * self.args.global_batch_size)
+            iterators, num_micro_batches = self._iterators(dataset, batch_index * self.args.global_batch_size,
+                                                           self.args.global_batch_size)
             losses.append(eval_step(iterators, self.chunks, num_micro_batches, self.args.micro_batch_size,
                                     self.args.seq_length))
+            if self.args.empty_unused_memory_level >= 1:
+                torch.cuda.empty_cache()
+        if manual_gc:
+            gc.collect(generation=0)  # what the evaluation made
         loss = sum(losses) / len(losses)
         self.monitor.log_evaluation(self.state.iteration, name, loss)
         return loss
@@ -207,6 +226,10 @@ class Trainer:
     def run(self) -> int:
         """Train to --train-iters (or a graceful exit). Returns the process exit code."""
         args = self.args
+        if args.manual_gc:
+            # Collections at the same steps on every rank, not when each rank's allocations trigger one.
+            gc.disable()
+            gc.collect()
         try:
             while self.state.iteration < args.train_iters:
                 if self.state.iteration + 1 == self.faults.wait_for_signal_before:
@@ -251,6 +274,8 @@ class Trainer:
             return 1
 
     def _finish(self) -> None:
+        if self.args.manual_gc:
+            gc.enable()
         if self.async_queue is not None:
             self.async_queue.maybe_finalize_async_calls(blocking=True, no_dist=False)
             self.async_queue.close()

@@ -1,0 +1,65 @@
+"""The global batch of each step, constant or ramped up (`--rampup-batch-size`), by megatron-core's calculator
+of micro-batches, and the length of training it gives: Megatron-LM's arithmetic, so that a Megatron-LM script
+takes the same steps here."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional, Sequence
+
+from megatron.core.num_microbatches_calculator import (
+    ConstantNumMicroBatchesCalculator,
+    RampupBatchsizeNumMicroBatchesCalculator,
+)
+
+
+class BatchSchedule:
+    """The global batch after `consumed_samples` samples: --global-batch-size, or during a ramp-up START plus
+    INCREMENT for each whole share of SAMPLES / ((global - START) / INCREMENT) consumed. A function of the
+    consumed samples alone, so a resumed run continues the ramp-up exactly."""
+
+    def __init__(self, global_batch_size: int, micro_batch_size: int, data_parallel_size: int,
+                 rampup: Optional[Sequence[int]] = None, rank: int = 0):
+        if rampup is None:
+            self.calculator = ConstantNumMicroBatchesCalculator(global_batch_size, micro_batch_size,
+                                                                data_parallel_size, False, rank)
+        else:
+            self.calculator = RampupBatchsizeNumMicroBatchesCalculator(global_batch_size, micro_batch_size,
+                                                                       data_parallel_size, False, rank, *rampup)
+
+    def global_batch_size(self, consumed_samples: int) -> int:
+        self.calculator.update(consumed_samples, consistency_check=True)
+        return self.calculator.get_current_global_batch_size()
+
+
+def ramp(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """[(global batch, steps at it)] of the whole run, in order."""
+    schedule = BatchSchedule(args.global_batch_size, 1, 1, args.rampup_batch_size, rank=1)
+    steps, consumed, done = [], 0, 0
+    while done < args.train_iters:
+        size = schedule.global_batch_size(consumed)
+        # Once at --global-batch-size, the batch stays there: the remaining steps at once.
+        count = args.train_iters - done if size == args.global_batch_size else 1
+        consumed, done = consumed + size * count, done + count
+        if steps and steps[-1][0] == size:
+            steps[-1] = (size, steps[-1][1] + count)
+        else:
+            steps.append((size, count))
+    return steps
+
+
+def set_train_iters(args: argparse.Namespace) -> None:
+    """--train-iters of a run given --train-samples with a ramp-up (Megatron-LM's `update_train_iters`): the
+    ramp-up's steps while at most SAMPLES (and --train-samples) are consumed, then whole global batches; the
+    samples of a last, partial batch are left out. Without a ramp-up the parser has set it."""
+    if args.rampup_batch_size is None:
+        return
+    # Counted with one micro-batch on one rank: the batches do not depend on the layout.
+    schedule = BatchSchedule(args.global_batch_size, 1, 1, args.rampup_batch_size, rank=1)
+    iterations = consumed = 0
+    while consumed <= args.rampup_batch_size[2] and consumed <= args.train_samples:
+        consumed += schedule.global_batch_size(consumed)
+        iterations += 1
+    if args.train_samples > consumed:
+        iterations += (args.train_samples - consumed) // args.global_batch_size
+    args.train_iters = iterations

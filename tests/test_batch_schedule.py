@@ -1,0 +1,101 @@
+"""Runs counted in samples, as Megatron-LM counts them: --train-samples, the schedule in samples
+(--lr-decay-samples, --lr-warmup-samples) and the batch ramp-up (--rampup-batch-size). The expected values are
+worked out here from Megatron-LM's rules (megatron/training/training.py: update_train_iters,
+get_optimizer_param_scheduler; megatron-core's OptimizerParamScheduler.get_lr), not read from the code."""
+
+import math
+
+import pytest
+from test_optimizer import tiny_chunks
+
+from angpt.config.arguments import parse_args
+from angpt.training.batch_schedule import BatchSchedule, ramp, set_train_iters
+from angpt.training.optimizer import build_optimizer
+
+MOCK = ["--mock-data", "--vocab-size", "64", "--micro-batch-size", "1", "--global-batch-size", "8"]
+
+
+def parsed(*argv, world_size=2):
+    return parse_args([*MOCK, *argv], world_size=world_size)
+
+
+def test_a_ramp_up_grows_the_batch_in_equal_shares_of_its_samples_then_trains_whole_batches():
+    """START 2, INCREMENT 2 to 8: 3 increments, one per 16/3 samples consumed; the ramp-up ends once more
+    than 16 samples are consumed: consumed 0, 2, 4 -> 2; 6, 10 -> 4; 14 -> 6; 20 -> 8. Then (45 - 20) // 8 = 3
+    whole batches; the last sample is left out."""
+    args = parsed("--train-samples", "45", "--rampup-batch-size", "2", "2", "16")
+    set_train_iters(args)
+    assert args.train_iters == 9
+    assert ramp(args) == [(2, 3), (4, 2), (6, 1), (8, 3)]
+    schedule = BatchSchedule(8, 1, 2, [2, 2, 16])
+    assert [schedule.global_batch_size(consumed) for consumed in (0, 4, 5, 6, 10, 11, 16, 17, 1000)] == \
+        [2, 2, 2, 4, 4, 6, 8, 8, 8]
+    assert BatchSchedule(8, 1, 2).global_batch_size(123) == 8
+
+
+@pytest.mark.parametrize("samples,iterations", [(8, 1), (15, 1), (16, 2)])
+def test_train_samples_trains_whole_global_batches(samples, iterations):
+    assert parsed("--train-samples", str(samples)).train_iters == iterations
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--train-iters", "10", "--lr-decay-samples", "40"],
+     "--lr-decay-samples needs --train-samples (this run gives --train-iters: use --lr-decay-iters)"),
+    (["--train-iters", "10", "--lr-warmup-samples", "8"], "--lr-warmup-samples needs --train-samples"),
+    (["--train-samples", "80", "--lr-decay-iters", "5"],
+     "--lr-decay-iters needs --train-iters (this run gives --train-samples: use --lr-decay-samples)"),
+    (["--train-samples", "80", "--lr-warmup-iters", "1"], "--lr-warmup-iters needs --train-iters"),
+    (["--train-samples", "80", "--lr-warmup-samples", "8", "--lr-warmup-fraction", "0.1"],
+     "give one of --lr-warmup-fraction and --lr-warmup-samples"),
+    (["--train-samples", "80", "--lr-decay-style", "WSD"], "--lr-decay-style WSD needs --lr-wsd-decay-samples"),
+    (["--train-iters", "10", "--rampup-batch-size", "2", "2", "16"],
+     "--rampup-batch-size 2 2 16 needs --train-samples"),
+    # At the boundaries: START equal to the global batch (megatron-core would divide by zero), START not
+    # reaching it in whole increments, a batch that does not split over the 2 data-parallel ranks.
+    (["--train-samples", "80", "--rampup-batch-size", "8", "2", "16"], "START must be below --global-batch-size 8"),
+    (["--train-samples", "80", "--rampup-batch-size", "2", "4", "16"], "reach it in whole INCREMENTs"),
+    (["--train-samples", "80", "--rampup-batch-size", "3", "1", "16"],
+     "START and INCREMENT must be multiples of --micro-batch-size 1 x data-parallel size 2"),
+    (["--train-samples", "80", "--rampup-batch-size", "2", "2", "-1"], "--rampup-batch-size -1 cannot be negative"),
+    (["--train-samples", "80", "--rampup-batch-size", "2", "2", "0"],
+     "START, INCREMENT and SAMPLES must be at least 1"),
+    (["--train-samples", "7"], "--train-samples 7 is less than one --global-batch-size 8"),
+])
+def test_mixing_iterations_and_samples_or_an_impossible_ramp_up_is_refused(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parsed(*argv)
+    assert message in capsys.readouterr().err
+
+
+def test_the_ramp_up_just_inside_the_limits_is_accepted():
+    args = parsed("--train-samples", "80", "--rampup-batch-size", "6", "2", "1")
+    set_train_iters(args)
+    # SAMPLES 1: one increment per sample; only the first step (0 consumed) is at START, then 6 > 1.
+    assert ramp(args) == [(6, 1), (8, 9)]
+
+
+def megatron_lr(step_samples, lr, min_lr, warmup, decay):
+    """megatron-core's OptimizerParamScheduler.get_lr, cosine, from init lr 0."""
+    if warmup > 0 and step_samples <= warmup:
+        return lr * step_samples / warmup
+    if step_samples > decay:
+        return min_lr
+    ratio = (step_samples - warmup) / (decay - warmup)
+    return min_lr + 0.5 * (math.cos(math.pi * ratio) + 1.0) * (lr - min_lr)
+
+
+@pytest.mark.parametrize("family,warmup_flags,warmup", [
+    ("angpt", dict(lr_warmup_samples=12), 12),
+    # GPT+'s recipe warms up over 1% of the decay, in samples and not rounded, as Megatron-LM's fraction.
+    ("gptplus", {}, 0.01 * 60),
+])
+def test_a_schedule_in_samples_steps_by_each_global_batch_as_megatron_lms(family, warmup_flags, warmup, seeded):
+    chunks = tiny_chunks(family)
+    optimizer, scheduler = build_optimizer(chunks, family, lr=1e-3, min_lr=1e-4, train_iters=None,
+                                           train_samples=80, lr_decay_samples=60, **warmup_flags)
+    consumed = 0
+    for batch_size in (2, 2, 4, 6, 8, 8, 8, 8, 8, 8, 8):
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(megatron_lr(consumed, 1e-3, 1e-4, warmup, 60),
+                                                                rel=1e-12, abs=1e-15)
+        scheduler.step(increment=batch_size)
+        consumed += batch_size

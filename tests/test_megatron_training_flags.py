@@ -1,0 +1,106 @@
+"""Megatron-LM's training flags with its meaning: --decoupled-lr and --decoupled-min-lr, --grad-reduce-in-bf16
+and --ddp-bucket-size, --manual-gc (with --manual-gc-interval, --no-manual-gc-eval), --empty-unused-memory-level,
+--no-mmap-bin-files."""
+
+import gc
+import math
+
+import pytest
+import torch
+from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
+from test_gpt_datasets import two_prefixes  # noqa: F401 (a fixture)
+from test_optimizer import batch, tiny_chunks
+
+from angpt.config.arguments import parse_args
+from angpt.data.gpt_datasets import DataArguments, build_datasets, dataset_vocabulary
+from angpt.training import step as step_module
+from angpt.training.config_from_args import ddp_config_from_args
+from angpt.training.optimizer import build_optimizer
+
+from conftest import in_process_trainer
+
+MOCK = ["--mock-data", "--vocab-size", "64", "--train-iters", "4"]
+
+
+def test_decoupled_lr_gives_the_input_and_output_layers_their_own_max_and_min_lr(seeded):
+    """megatron-core's param groups: the embedding and the output head follow the schedule between
+    --decoupled-lr and --decoupled-min-lr, every other weight between --lr and --min-lr (cosine, no warm-up)."""
+    chunks = tiny_chunks("gptplus")
+    optimizer, scheduler = build_optimizer(chunks, "gptplus", lr=1e-3, min_lr=1e-4, train_iters=10,
+                                           lr_warmup_iters=0, decoupled_lr=5e-3, decoupled_min_lr=5e-4)
+    decoupled = {id(chunks[0].module.embedding.word_embeddings.weight), id(chunks[0].module.output_layer.weight)}
+    for step in range(12):
+        coefficient = 0.5 * (math.cos(math.pi * min(step, 10) / 10) + 1)
+        for group in optimizer.param_groups:
+            params = {id(p) for p in group["params"]}
+            assert params <= decoupled or not params & decoupled
+            top, bottom = (5e-3, 5e-4) if params <= decoupled else (1e-3, 1e-4)
+            assert group["lr"] == pytest.approx(bottom + coefficient * (top - bottom), rel=1e-12)
+        assert get_canonical_lr_for_logging(optimizer.param_groups) == pytest.approx(
+            1e-4 + coefficient * (1e-3 - 1e-4), rel=1e-12)
+        scheduler.step(increment=1)
+    assert decoupled <= {id(p) for group in optimizer.param_groups for p in group["params"]}
+
+
+def test_gradients_reduce_in_fp32_unless_grad_reduce_in_bf16_and_the_bucket_size_reaches_ddp():
+    default = ddp_config_from_args(parse_args(MOCK, world_size=1))
+    assert default.grad_reduce_in_fp32 and default.bucket_size is None
+    bf16 = parse_args([*MOCK, "--bf16", "--use-distributed-optimizer", "--grad-reduce-in-bf16", "--ddp-bucket-size",
+                       "1000000"], world_size=1)
+    assert not ddp_config_from_args(bf16).grad_reduce_in_fp32 and ddp_config_from_args(bf16).bucket_size == 1000000
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 needs --bf16"),
+    (["--decoupled-min-lr", "1e-4"], "--decoupled-min-lr needs --decoupled-lr"),
+    (["--manual-gc-interval", "2"], "--manual-gc-interval needs --manual-gc"),
+    (["--no-manual-gc-eval"], "--no-manual-gc-eval needs --manual-gc"),
+    (["--empty-unused-memory-level", "3"], "invalid choice: 3"),
+    (["--ddp-bucket-size", "0"], "--ddp-bucket-size 0 must be at least 1"),
+])
+def test_these_flags_alone_or_out_of_range_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args([*MOCK, *argv], world_size=1)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("level,releases", [(0, 0), (1, 1), (2, 2)])
+def test_empty_unused_memory_level_releases_the_cache_after_the_backward_and_the_step(level, releases, seeded,
+                                                                                     monkeypatch):
+    calls = []
+    monkeypatch.setattr(step_module.torch.cuda, "empty_cache", lambda: calls.append(1))
+    chunks = tiny_chunks("angpt")
+    optimizer, scheduler = build_optimizer(chunks, "angpt", lr=1e-3, train_iters=10)
+    step_module.train_step(iter([batch()]), chunks, optimizer, scheduler, 1, 2, 16, 1, level)
+    assert len(calls) == releases
+
+
+def test_manual_gc_collects_at_the_interval_and_around_evaluations_with_the_collector_off(tmp_path, monkeypatch):
+    collections = []
+    real_collect = gc.collect
+
+    def collect(generation=2):
+        collections.append((generation, gc.isenabled()))
+        return real_collect(generation)
+
+    trainer = in_process_trainer([*MOCK, "--num-layers", "1", "--hidden-size", "32", "--seq-length", "16",
+                                  "--micro-batch-size", "2", "--global-batch-size", "2", "--eval-interval", "2",
+                                  "--eval-iters", "1", "--manual-gc", "--manual-gc-interval", "3"])
+    monkeypatch.setattr(gc, "collect", collect)
+    assert trainer.run() == 0
+    assert gc.isenabled()
+    # At the start; evaluations at 2 and 4 (before: all generations, after: the youngest); the interval at 3;
+    # the test split's evaluation at the end.
+    full, young = (2, False), (0, False)
+    assert collections == [full, full, young, full, full, young, full, young]
+
+
+def test_bin_files_read_without_a_memory_map_give_the_same_samples(two_prefixes, tmp_path, single_process):  # noqa: F811
+    samples = []
+    for mmap in (True, False):
+        data = DataArguments(train_data_path=[two_prefixes[0]], data_cache_path=str(tmp_path / "cache"),
+                             mmap_bin_files=mmap)
+        train, _, _ = build_datasets(data, dataset_vocabulary(data), 16, 1234, [32, 0, 0])
+        samples.append(torch.stack([train[i]["tokens"] for i in range(32)]))
+    assert torch.equal(*samples)
+    assert not parse_args([*MOCK, "--no-mmap-bin-files"], world_size=1).mmap_bin_files
