@@ -123,6 +123,7 @@ def single_process():
             torch.cuda.set_device(0)
             backend = "cpu:gloo,cuda:nccl"
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    destroy_model_parallel()  # the groups an in-process trainer of an earlier test left (in_process_trainer)
     distributed.initialize()
     yield
     destroy_model_parallel()

@@ -96,6 +96,11 @@ def test_implied_flags_are_accepted_and_the_replaced_norm_flags_are_said_once():
     assert megatron_lm.notes(angpt) == ["--normalization RMSNorm, --apply-layernorm-1p, --qk-layernorm, "
                                         "--norm-epsilon 1e-06: replaced by anGPT's own normalization (docs/model.md)"]
     assert megatron_lm.notes(parse_args([*BASE, "--norm-epsilon", "1e-5"], world_size=1)) == []
+    # As Megatron-LM: sequence parallelism without tensor parallelism is turned off, and said.
+    alone = parse_args([*BASE, "--model-family", "gptplus", "--sequence-parallel"], world_size=1)
+    assert not alone.sequence_parallel
+    assert megatron_lm.notes(alone) == ["--sequence-parallel: off, as in Megatron-LM, with "
+                                        "--tensor-model-parallel-size 1"]
 
 
 def test_a_refused_flag_in_a_config_file_is_refused_and_megatron_lms_default_accepted(tmp_path, capsys):

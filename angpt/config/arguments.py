@@ -43,12 +43,10 @@ NUMERIC_RANGES = (
     ("cannot be negative", lambda value: value >= 0, (
         "angpt_alpha_init", "min_lr", "lr_warmup_iters", "lr_warmup_samples", "lr_warmup_init", "weight_decay",
         "clip_grad", "seed", "fp8_margin", "eval_iters", "max_skipped_steps", "dry_run", "cuda_graph_warmup_steps",
-        "megatron_local_rank", "rampup_batch_size", "manual_gc_interval", "decoupled_min_lr",
-        "empty_unused_memory_level")),
+        "megatron_local_rank", "rampup_batch_size", "manual_gc_interval", "empty_unused_memory_level")),
     ("must be positive", lambda value: value > 0, (
         "init_method_std", "norm_epsilon", "angpt_constant_factor_multiplier", "angpt_nu_alpha_multiplier",
-        "distributed_timeout_minutes", "lr", "adam_eps", "exit_duration_in_mins", "megatron_rotary_percent",
-        "decoupled_lr")),
+        "distributed_timeout_minutes", "lr", "adam_eps", "exit_duration_in_mins", "megatron_rotary_percent")),
     ("must be in [0, 1)", lambda value: 0 <= value < 1, (
         "attention_dropout", "hidden_dropout", "lr_warmup_fraction", "adam_beta1", "adam_beta2")),
 )
@@ -187,10 +185,6 @@ def build_parser() -> argparse.ArgumentParser:
     lr.add_argument("--lr-wsd-decay-samples", type=int, help="with --train-samples: length of WSD's final decay")
     lr.add_argument("--lr-wsd-decay-style", choices=WSD_DECAY_STYLES, default="exponential")
     lr.add_argument("--weight-decay", type=float, help="default: the family's (0; 0.1 for GPT+)")
-    lr.add_argument("--decoupled-lr", type=float, help="max lr of the input and output layers (the embedding and "
-                    "the output head), decoupled from --lr; the same schedule")
-    lr.add_argument("--decoupled-min-lr", type=float, help="min lr of the input and output layers (with "
-                    "--decoupled-lr; default --min-lr's)")
     lr.add_argument("--clip-grad", type=float, default=1.0)
     lr.add_argument("--adam-beta1", type=float, default=0.9)
     lr.add_argument("--adam-beta2", type=float, default=0.95)
@@ -457,12 +451,14 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
         parser.error(f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
                      f"{args.micro_batch_size} x data-parallel size {dp}")
     if args.sequence_parallel and tp == 1:
-        parser.error("--sequence-parallel needs --tensor-model-parallel-size > 1")
+        # As Megatron-LM: sequence parallelism is within the tensor-parallel group, and off without one
+        # (said in one line, angpt.config.megatron_lm.notes).
+        args.sequence_parallel, args.sequence_parallel_disabled = False, True
     if args.bf16 and not args.use_distributed_optimizer:
         # Its state-dict mapping skips fp32 parameters inside a bf16 model, which the learnable scales are.
         parser.error("--bf16 needs --use-distributed-optimizer (megatron-core's other bf16 optimizer cannot "
                      "checkpoint the fp32 learnable scales)")
-    for flag, needs in (("decoupled_min_lr", "decoupled_lr"), ("grad_reduce_in_bf16", "bf16"),
+    for flag, needs in (("grad_reduce_in_bf16", "bf16"),
                         ("manual_gc_interval", "manual_gc")):
         if getattr(args, flag) and not getattr(args, needs):
             parser.error(f"--{flag.replace('_', '-')} needs --{needs.replace('_', '-')}")

@@ -233,6 +233,10 @@ FLAGS: dict[str, Decision] = {
     "--end-weight-decay": refused(f"weight-decay schedules are {NOT_YET}: --weight-decay is constant"),
     "--weight-decay-incr-style": refused(f"weight-decay schedules are {NOT_YET}: --weight-decay is constant"),
     "--warmup": refused("deprecated in Megatron-LM: use --lr-warmup-iters or --lr-warmup-fraction"),
+    # megatron-core's decoupled param groups do not come back from a checkpoint as they were saved (a resumed
+    # run's steps differ, or the load fails with the plain optimizer).
+    "--decoupled-lr": refused(f"{NOT_YET}: a run with it does not resume exactly yet"),
+    "--decoupled-min-lr": refused(f"{NOT_YET}: a run with it does not resume exactly yet"),
     # -- checkpointing
     "--save-wgrads-interval": refused(f"{NOT_YET}"),
     "--save-dgrads-interval": refused(f"{NOT_YET}"),
@@ -551,12 +555,15 @@ NORM_EPSILON = 1e-5  # Megatron-LM's default of --norm-epsilon, and angpt's
 
 
 def notes(args: argparse.Namespace) -> list[str]:
-    """The lines a run logs once about Megatron-LM flags the family replaced."""
+    """The lines a run logs once about Megatron-LM flags the family replaced, or that Megatron-LM turns off."""
+    lines = []
+    if getattr(args, "sequence_parallel_disabled", False):
+        lines.append("--sequence-parallel: off, as in Megatron-LM, with --tensor-model-parallel-size 1")
     given = [(dest, getattr(args, dest, None)) for dest in NORM_FLAGS]
     given = [(dest, value) for dest, value in given
              if value not in (None, False) and not (dest == "norm_epsilon" and value == NORM_EPSILON)]
     if args.model_family == "gptplus" or not given:
-        return []
+        return lines
     shown = ", ".join("--" + dest.removeprefix("megatron_").replace("_", "-") + ("" if value is True else f" {value}")
                       for dest, value in given)
-    return [f"{shown}: replaced by {FAMILY_NAMES[args.model_family]}'s own normalization (docs/model.md)"]
+    return [*lines, f"{shown}: replaced by {FAMILY_NAMES[args.model_family]}'s own normalization (docs/model.md)"]

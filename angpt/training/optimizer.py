@@ -132,8 +132,6 @@ def build_optimizer(
     lr_decay_iters: Optional[int] = None,
     lr_wsd_decay_iters: Optional[int] = None,
     lr_wsd_decay_style: str = "exponential",
-    decoupled_lr: Optional[float] = None,
-    decoupled_min_lr: Optional[float] = None,
     train_samples: Optional[int] = None,
     lr_decay_samples: Optional[int] = None,
     lr_warmup_samples: Optional[int] = None,
@@ -179,9 +177,6 @@ def build_optimizer(
         adam_beta2=adam_beta2,
         adam_eps=adam_eps,
         clip_grad=clip_grad,
-        # The embedding and output head's own max and min lr (megatron-core's param groups).
-        decoupled_lr=decoupled_lr,
-        decoupled_min_lr=decoupled_min_lr,
         bf16=bf16,
         use_distributed_optimizer=use_distributed_optimizer,
     )

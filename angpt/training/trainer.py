@@ -108,7 +108,6 @@ class Trainer:
             lr_warmup_fraction=args.lr_warmup_fraction, lr_warmup_init=args.lr_warmup_init,
             lr_decay_style=args.lr_decay_style, lr_decay_iters=args.lr_decay_iters,
             lr_wsd_decay_iters=args.lr_wsd_decay_iters, lr_wsd_decay_style=args.lr_wsd_decay_style,
-            decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
             train_samples=args.train_samples, lr_decay_samples=args.lr_decay_samples,
             lr_warmup_samples=args.lr_warmup_samples, lr_wsd_decay_samples=args.lr_wsd_decay_samples,
             clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
@@ -170,7 +169,7 @@ class Trainer:
         global_batch_size = self.batches.global_batch_size(state.consumed_samples)
         iterators, num_micro_batches = self._iterators(self.data.train, state.consumed_samples, global_batch_size,
                                                        poison=iteration in self.faults.nan_iterations)
-        lr = get_canonical_lr_for_logging(self.optimizer.param_groups)  # --lr's, not --decoupled-lr's
+        lr = get_canonical_lr_for_logging(self.optimizer.param_groups)  # --lr's group (megatron-core's choice)
         with self.monitor.step(iteration):
             loss, grad_norm, updated = train_step(iterators, self.chunks, self.optimizer, self.scheduler,
                                                   num_micro_batches, args.micro_batch_size, args.seq_length,

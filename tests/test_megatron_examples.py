@@ -1,0 +1,147 @@
+"""Megatron-LM's own example scripts (core_v0.16.1) as a user brings them: their argument lists, shapes shrunk
+and --model-family added, train on two CPU processes on a dataset written by megatron-core's
+IndexedDatasetBuilder with no .json (as Megatron-LM's tools/preprocess_data.py writes it), and a run resumed
+from the middle equals the uninterrupted one, checkpoint tensor for tensor.
+
+Each line that differs from the script says why; the rest is the script's."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+from test_tokenizers import bytes_to_unicode
+from test_trainer import checkpoint_tensors, copy_checkpoint, losses, records
+
+pytestmark = pytest.mark.multiprocess
+
+from test_trainer import environment  # noqa: E402
+
+from launch import launch  # noqa: E402
+
+
+def llama3_8b(data: str, vocab_size: int, save: str) -> list[str]:
+    """examples/llama/train_llama3_8b_h100_fp8.sh with DTYPE=bf16 (FP8 needs Transformer Engine on a GPU), its
+    real-data branch given NullTokenizer ids, TP_SIZE=2 over the two processes."""
+    return [
+        # GPT_MODEL_ARGS
+        "--use-mcore-models", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "224",
+        "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "16",
+        "--seq-length", "32", "--max-position-embeddings", "32", "--position-embedding-type", "rope",
+        "--rotary-base", "1000000", "--rotary-percent", "1.0", "--attention-dropout", "0.0", "--hidden-dropout",
+        "0.0", "--swiglu", "--init-method-std", "0.0134", "--attention-backend", "fused", "--apply-layernorm-1p",
+        "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+        # TRAINING_ARGS (samples shrunk: 6 iterations of 8)
+        "--micro-batch-size", "1", "--global-batch-size", "8", "--train-samples", "48", "--lr-decay-samples", "40",
+        "--lr-warmup-samples", "8", "--lr", "0.00015", "--min-lr", "0.00001",
+        # Left out: --decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5 (refused until a run with them resumes exactly).
+        "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--weight-decay", "0.1",
+        "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--bf16", "--grad-reduce-in-bf16",
+        "--cross-entropy-loss-fusion", "--calculate-per-token-loss", "--manual-gc", "--empty-unused-memory-level",
+        "1", "--exit-duration-in-mins", "235",
+        # MODEL_PARALLEL_ARGS and DDP_ARGS
+        "--tensor-model-parallel-size", "2", "--context-parallel-size", "1", "--sequence-parallel",
+        "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+        # DATA_ARGS_LIST (the real-data branch; NullTokenizer's ids as the mock branch names them).
+        # Left out: --num-workers 1 (DataLoader workers are not built yet).
+        "--data-path", data, "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab_size),
+        "--data-cache-path", f"{save}/cache", "--tiktoken-pattern", "v2", "--split", "99,1,0",
+        "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files",
+        # EVAL_AND_LOGGING_ARGS (intervals shrunk). Left out: --profile --profile-step-start 4 --profile-step-end 6
+        # (profiling ranges are not built yet).
+        "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "3", "--save-interval", "3",
+        "--log-throughput", "--ckpt-format", "torch_dist", "--distributed-timeout-minutes", "60", "--save", save,
+        "--load", save, "--tensorboard-dir", f"{save}/tensorboard",
+    ]
+
+
+def gpt3_175b(data: str, vocab_file: str, merge_file: str, save: str) -> list[str]:
+    """examples/gpt3/train_gpt3_175b_distributed.sh, pipeline-parallel over the two processes."""
+    return [
+        # GPT_MODEL_ARGS
+        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--max-position-embeddings", "32", "--attention-backend", "auto",
+        # TRAINING_ARGS (ramp-up and iterations shrunk; --train-iters becomes --train-samples, which Megatron-LM
+        # requires with --rampup-batch-size too). Left out: --fp16 (loss scaling is not built yet: fp32 here).
+        "--micro-batch-size", "1", "--global-batch-size", "8", "--rampup-batch-size", "2", "2", "16",
+        "--train-samples", "45", "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+        "--init-method-std", "0.006", "--clip-grad", "1.0", "--lr", "6.0e-5", "--lr-decay-style", "cosine",
+        "--min-lr", "6.0e-6", "--lr-warmup-fraction", ".001", "--lr-decay-samples", "40",
+        # MODEL_PARALLEL_ARGS
+        "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
+        # DATA_ARGS. Added: --tokenizer-type GPT2BPETokenizer, which Megatron-LM 0.16 needs too (its
+        # build_tokenizer has no default type).
+        "--data-path", data, "--vocab-file", vocab_file, "--merge-file", merge_file, "--tokenizer-type",
+        "GPT2BPETokenizer", "--split", "949,50,1", "--data-cache-path", f"{save}/cache",
+        # EVAL_AND_LOGGING_ARGS (intervals shrunk)
+        "--log-interval", "1", "--save-interval", "4", "--eval-interval", "4", "--save", save, "--load", save,
+        "--eval-iters", "1", "--tensorboard-dir", f"{save}/tensorboard",
+    ]
+
+
+def megatron_dataset(prefix: str, vocab_size: int, eod: int) -> str:
+    """Documents of random ids below vocab_size, each ending in the end-of-document id, as Megatron-LM's
+    tools/preprocess_data.py writes them with --append-eod: a .bin/.idx pair and nothing else."""
+    rng = np.random.default_rng(0)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    for length in rng.integers(8, 40, size=2000):  # enough documents for the 1/1000 test split of 949,50,1
+        builder.add_document(torch.from_numpy(np.append(rng.integers(0, vocab_size, length), eod)), [length + 1])
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def gpt2_files(directory) -> tuple[str, str]:
+    """A GPT-2-format vocab.json and merges.txt: the 256 byte symbols, two merges and <|endoftext|> (260)."""
+    symbols = bytes_to_unicode()
+    vocab = {symbols[byte]: byte for byte in range(256)}
+    vocab.update({"he": 256, "Ġt": 257, "<|endoftext|>": 258})
+    (directory / "vocab.json").write_text(json.dumps(vocab))
+    (directory / "merges.txt").write_text("#version: 0.2\nh e\nĠ t\n")
+    return str(directory / "vocab.json"), str(directory / "merges.txt")
+
+
+def train(argv: list[str], family: str) -> str:
+    done = launch(["-m", "angpt.pretrain", *argv, "--model-family", family], nproc=2, env=environment(),
+                  timeout=600)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    return output
+
+
+def check_resume(argv_for, uninterrupted, resumed, at: int, last: int, family: str) -> None:
+    """A run from `uninterrupted`'s checkpoint at `at` to `last` equals it: losses and every tensor."""
+    copy_checkpoint(uninterrupted, at, resumed)
+    train(argv_for(str(resumed)), family)
+    assert {i: loss for i, loss in losses(resumed).items() if i > at} == \
+        {i: loss for i, loss in losses(uninterrupted).items() if i > at}
+    final, expected = checkpoint_tensors(resumed, last), checkpoint_tensors(uninterrupted, last)
+    assert final.keys() == expected.keys() and any(key.startswith("optimizer.") for key in final)
+    assert [key for key in final if not torch.equal(final[key], expected[key])] == []
+
+
+def test_megatron_lms_llama3_script_trains_an_angpt_and_resumes_exactly(tmp_path, single_process):
+    data = megatron_dataset(str(tmp_path / "corpus_text_document"), vocab_size=500, eod=500)
+    run = tmp_path / "run"
+    output = train(llama3_8b(data, 500, str(run)), "angpt")
+    assert "--normalization" not in output  # nothing said of a norm flag the script does not give
+    assert "--apply-layernorm-1p: replaced by anGPT's own normalization" in output
+    assert "--weight-decay 0.1 departs from anGPT's recipe, no weight decay" in output
+    assert [r["iteration"] for r in records(run)] == [1, 2, 3, 4, 5, 6]
+    assert all(np.isfinite(r["lm_loss"]) for r in records(run))
+    check_resume(lambda save: llama3_8b(data, 500, save), run, tmp_path / "resumed", 3, 6, "angpt")
+
+
+def test_megatron_lms_gpt3_script_ramps_up_its_batch_and_resumes_exactly_in_the_ramp(tmp_path, single_process):
+    vocab_file, merge_file = gpt2_files(tmp_path)
+    data = megatron_dataset(str(tmp_path / "corpus_text_document"), vocab_size=258, eod=258)
+    run = tmp_path / "run"
+    train(gpt3_175b(data, vocab_file, merge_file, str(run)), "gptplus")
+    # The ramp-up (START 2, INCREMENT 2, 16 samples; tests/test_batch_schedule.py): 2, 2, 2, 4, 4, 6, then 8.
+    assert [r["global_batch_size"] for r in records(run)] == [2, 2, 2, 4, 4, 6, 8, 8, 8]
+    assert [r["consumed_samples"] for r in records(run)] == [2, 4, 6, 10, 14, 20, 28, 36, 44]
+    # Resumed at iteration 4, in the middle of the ramp-up.
+    check_resume(lambda save: gpt3_175b(data, vocab_file, merge_file, save), run, tmp_path / "resumed", 4, 9,
+                 "gptplus")
