@@ -41,7 +41,8 @@ TRAINING_ARGS=(
     --adam-beta2 0.95
     --init-method-std 0.006
     --clip-grad 1.0
-    --bf16 --use-distributed-optimizer  # was --fp16: fp16 loss scaling is not built yet
+    --fp16
+    --use-distributed-optimizer  # added: angpt's fp16 and bf16 keep the fp32 learnable scales in its checkpoints
     --lr 6.0e-5
     --lr-decay-style cosine
     --min-lr 6.0e-6

@@ -54,7 +54,8 @@ def test_docs_megatron_md_is_what_the_parser_and_the_table_say():
     (["--num-experts", "8"], "argument --num-experts: not supported: mixture of experts"),
     (["--context-parallel-size", "2"], "argument --context-parallel-size: not supported: context parallelism"),
     (["--rl-use-sequence-packing"], "not supported: reinforcement learning"),
-    (["--fp16"], "argument --fp16: not supported: --fp16 is not built yet: use --bf16"),
+    (["--use-torch-fsdp2"], "argument --use-torch-fsdp2: not supported: FSDP is not built: use "
+                            "--use-distributed-optimizer"),
 ])
 def test_a_refused_flag_stops_the_parse_in_one_line_saying_why(argv, message, capsys):
     line = parse_error(argv, capsys)

@@ -82,3 +82,50 @@ def test_bin_files_read_without_a_memory_map_give_the_same_samples(two_prefixes,
         samples.append(torch.stack([train[i]["tokens"] for i in range(32)]))
     assert torch.equal(*samples)
     assert not parse_args([*MOCK, "--no-mmap-bin-files"], world_size=1).mmap_bin_files
+
+
+def _loss_and_grads(chunks, batches):
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    loss = step_module._mean_loss_over_global_batch(iter(batches), chunks, len(batches), 2, 16, forward_only=False)
+    return loss, {name: p.main_grad.clone() for name, p in chunks[0].named_parameters()}
+
+
+def test_calculate_per_token_loss_weighs_each_micro_batch_by_its_tokens(seeded):
+    """Micro-batch A counts 24 tokens (8 masked), B all 32: per token, the loss is (sum_A + sum_B) / 56 and the
+    gradient (24 g_A + 32 g_B) / 56, where g_A and g_B are each micro-batch's own mean gradient; without the
+    flag, (mean_A + mean_B) / 2 and (g_A + g_B) / 2 (Megatron-LM's two losses)."""
+    per_token = tiny_chunks("angpt", calculate_per_token_loss=True)
+    mean = tiny_chunks("angpt")
+    mean[0].load_state_dict(per_token[0].state_dict())
+    a, b = batch(0), batch(1)
+    a["loss_mask"][:, :4] = 0
+    with torch.no_grad():
+        sums = [(mean[0](x["tokens"], x["position_ids"], None, labels=x["labels"]) * x["loss_mask"]).sum().item()
+                for x in (a, b)]
+    loss_a, grads_a = _loss_and_grads(mean, [a])
+    loss_b, grads_b = _loss_and_grads(mean, [b])
+    assert (loss_a, loss_b) == pytest.approx((sums[0] / 24, sums[1] / 32), rel=1e-6)
+    loss, grads = _loss_and_grads(per_token, [a, b])
+    assert loss == pytest.approx((sums[0] + sums[1]) / 56, rel=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, (24 * grads_a[name] + 32 * grads_b[name]) / 56, rtol=1e-5, atol=1e-7)
+    loss, grads = _loss_and_grads(mean, [a, b])
+    assert loss == pytest.approx((sums[0] / 24 + sums[1] / 32) / 2, rel=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, (grads_a[name] + grads_b[name]) / 2, rtol=1e-5, atol=1e-7)
+
+
+def test_eod_mask_loss_leaves_the_end_of_document_tokens_out_of_the_loss(two_prefixes, tmp_path,  # noqa: F811
+                                                                         single_process):
+    masks = []
+    for eod_mask_loss in (False, True):
+        data = DataArguments(train_data_path=[two_prefixes[0]], data_cache_path=str(tmp_path / "cache"),
+                             eod_mask_loss=eod_mask_loss)
+        vocabulary = dataset_vocabulary(data)
+        train, _, _ = build_datasets(data, vocabulary, 16, 1234, [32, 0, 0])
+        samples = [train[i] for i in range(32)]
+        masks.append(torch.stack([s["loss_mask"] for s in samples]))
+    tokens = torch.stack([s["tokens"] for s in samples])
+    assert (masks[0] == 1).all() and (tokens == vocabulary.eod).any()
+    assert torch.equal(masks[1], (tokens != vocabulary.eod).float())

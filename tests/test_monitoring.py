@@ -129,12 +129,13 @@ def test_tensorboard_has_the_scalars(tmp_path):
 
 def test_log_line():
     record = {"kind": "train", "iteration": 10, "train_iters": 100, "consumed_tokens": 40960, "lm_loss": 5.1234,
-              "lr": 3e-3, "grad_norm": 0.5123, "ms_per_step": 812.34, "tokens_per_s_per_device": 2521.4,
-              "mfu": 0.4123, "memory_max_allocated_gib": 1.234, "skipped": 0, "health/rows_at_bound": 1.0}
+              "global_batch_size": 32, "lr": 3e-3, "loss_scale": 65536.0, "grad_norm": 0.5123, "ms_per_step": 812.34,
+              "tokens_per_s_per_device": 2521.4, "mfu": 0.4123, "memory_max_allocated_gib": 1.234, "skipped": 0,
+              "health/rows_at_bound": 1.0}
     assert format_log_line(record) == (
-        " iteration       10/     100 | consumed tokens: 40960 | lm loss: 5.1234E+00 | learning rate: 3.000E-03"
-        " | grad norm: 0.512 | ms per step: 812.3 | tokens/s/device: 2521 | MFU: 41.2% | mem: 1.23 GiB"
-        " | skipped: 0"
+        " iteration       10/     100 | consumed tokens: 40960 | global batch size: 32 | lm loss: 5.1234E+00"
+        " | learning rate: 3.000E-03 | loss scale: 65536.0 | grad norm: 0.512 | ms per step: 812.3"
+        " | tokens/s/device: 2521 | MFU: 41.2% | mem: 1.23 GiB | skipped: 0"
     )
     # Unknown MFU, a skipped step's missing grad norm, memory as RSS.
     del record["mfu"], record["memory_max_allocated_gib"]

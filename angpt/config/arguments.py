@@ -39,14 +39,16 @@ NUMERIC_RANGES = (
         "global_batch_size", "train_iters", "train_samples", "lr_decay_iters", "lr_wsd_decay_iters",
         "lr_decay_samples", "lr_wsd_decay_samples",
         "fp8_amax_history_len", "vocab_size", "make_vocab_size_divisible_by", "save_interval",
-        "keep_last_n_checkpoints", "eval_interval", "log_interval", "exit_interval", "ddp_bucket_size")),
+        "keep_last_n_checkpoints", "eval_interval", "log_interval", "exit_interval", "ddp_bucket_size",
+        "loss_scale_window", "hysteresis")),
     ("cannot be negative", lambda value: value >= 0, (
         "angpt_alpha_init", "min_lr", "lr_warmup_iters", "lr_warmup_samples", "lr_warmup_init", "weight_decay",
         "clip_grad", "seed", "fp8_margin", "eval_iters", "max_skipped_steps", "dry_run", "cuda_graph_warmup_steps",
         "megatron_local_rank", "rampup_batch_size", "manual_gc_interval", "empty_unused_memory_level")),
     ("must be positive", lambda value: value > 0, (
         "init_method_std", "norm_epsilon", "angpt_constant_factor_multiplier", "angpt_nu_alpha_multiplier",
-        "distributed_timeout_minutes", "lr", "adam_eps", "exit_duration_in_mins", "megatron_rotary_percent")),
+        "distributed_timeout_minutes", "lr", "adam_eps", "exit_duration_in_mins", "megatron_rotary_percent",
+        "loss_scale", "initial_loss_scale", "min_loss_scale")),
     ("must be in [0, 1)", lambda value: 0 <= value < 1, (
         "attention_dropout", "hidden_dropout", "lr_warmup_fraction", "adam_beta1", "adam_beta2")),
 )
@@ -185,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     lr.add_argument("--lr-wsd-decay-samples", type=int, help="with --train-samples: length of WSD's final decay")
     lr.add_argument("--lr-wsd-decay-style", choices=WSD_DECAY_STYLES, default="exponential")
     lr.add_argument("--weight-decay", type=float, help="default: the family's (0; 0.1 for GPT+)")
+    lr.add_argument("--calculate-per-token-loss", action="store_true", help="the loss and its gradients as the mean "
+                    "over all the tokens of the global batch, not the mean of each micro-batch's mean (they differ "
+                    "when micro-batches count different tokens, e.g. with --eod-mask-loss)")
     lr.add_argument("--clip-grad", type=float, default=1.0)
     lr.add_argument("--adam-beta1", type=float, default=0.9)
     lr.add_argument("--adam-beta2", type=float, default=0.95)
@@ -195,6 +200,17 @@ def build_parser() -> argparse.ArgumentParser:
     precision.add_argument("--bf16", action=SWITCH, default=False,
                            help="bf16 weights and activations, fp32 main weights in the optimizer (learnable scales "
                            "stay fp32)")
+    precision.add_argument("--fp16", action="store_true", help="fp16 weights and activations, fp32 main weights in "
+                           "the optimizer (learnable scales stay fp32), the loss scaled (dynamically unless "
+                           "--loss-scale); a step whose gradients overflow is skipped and the scale lowered")
+    precision.add_argument("--loss-scale", type=float, help="with --fp16: a constant loss scale (default: dynamic)")
+    precision.add_argument("--initial-loss-scale", type=float, default=2.0**32,
+                           help="with --fp16: the dynamic scale's start")
+    precision.add_argument("--min-loss-scale", type=float, default=1.0, help="with --fp16: the dynamic scale's floor")
+    precision.add_argument("--loss-scale-window", type=int, default=1000,
+                           help="with --fp16: steps without overflow before the dynamic scale doubles")
+    precision.add_argument("--hysteresis", type=int, default=2,
+                           help="with --fp16: overflows in a row before the dynamic scale halves")
     precision.add_argument("--grad-reduce-in-bf16", action="store_true", help="with --bf16: accumulate and "
                            "reduce gradients in bf16 (default fp32, as Megatron-LM's)")
     precision.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default="local",
@@ -247,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--test-data-path", nargs="+")
     data.add_argument("--data-cache-path", help="where GPTDataset caches its indices")
     data.add_argument("--mock-data", action="store_true", help="megatron-core's synthetic sequences")
+    data.add_argument("--eod-mask-loss", action="store_true", help="leave the end-of-document tokens out of the "
+                      "loss (megatron-core's GPTDataset masks them)")
     data.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",
                       help="read the .bin files by file reads rather than through a memory map")
     data.add_argument("--vocab-size", type=int, help="vocabulary of --mock-data, or NullTokenizer's ids (its "
@@ -454,10 +472,18 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
         # As Megatron-LM: sequence parallelism is within the tensor-parallel group, and off without one
         # (said in one line, angpt.config.megatron_lm.notes).
         args.sequence_parallel, args.sequence_parallel_disabled = False, True
-    if args.bf16 and not args.use_distributed_optimizer:
-        # Its state-dict mapping skips fp32 parameters inside a bf16 model, which the learnable scales are.
-        parser.error("--bf16 needs --use-distributed-optimizer (megatron-core's other bf16 optimizer cannot "
-                     "checkpoint the fp32 learnable scales)")
+    for half in ("bf16", "fp16"):
+        if getattr(args, half) and not args.use_distributed_optimizer:
+            # Its state-dict mapping skips fp32 parameters inside a 16-bit model, which the learnable scales are.
+            parser.error(f"--{half} needs --use-distributed-optimizer (megatron-core's other 16-bit optimizer "
+                         "cannot checkpoint the fp32 learnable scales)")
+    if args.bf16 and args.fp16:
+        parser.error("give one of --bf16 and --fp16")
+    if not args.fp16:
+        for flag, default in (("loss_scale", None), ("initial_loss_scale", 2.0**32), ("min_loss_scale", 1.0),
+                              ("loss_scale_window", 1000), ("hysteresis", 2)):
+            if getattr(args, flag) != default:
+                parser.error(f"--{flag.replace('_', '-')} needs --fp16 (loss scaling is for fp16)")
     for flag, needs in (("grad_reduce_in_bf16", "bf16"),
                         ("manual_gc_interval", "manual_gc")):
         if getattr(args, flag) and not getattr(args, needs):

@@ -57,8 +57,6 @@ def _gptplus_refuses(why: str):
 NOT_YET = "not built yet"
 NORM_REPLACED = "anGPT and nGPT replace it by their own normalization (one log line says so); "
 FSDP = "FSDP is not built: use --use-distributed-optimizer (megatron-core's ZeRO-1 sharding of the optimizer)"
-FP16 = f"--fp16 is {NOT_YET}: use --bf16"
-LOSS_SCALE = f"loss scaling is for --fp16, which is {NOT_YET}: use --bf16"
 OFFLOAD = "CPU offloading is not built"
 TE_OVERLAP = "Transformer Engine's userbuffer overlap of tensor-parallel communication is not built"
 PROFILE = f"profiling ranges are {NOT_YET}"
@@ -86,7 +84,6 @@ FLAGS: dict[str, Decision] = {
                                    "the model; skipping it is not built"),
     "--use-cpu-initialization": implied("weights are initialized on the CPU where there is no GPU, on the GPU "
                                         "otherwise (megatron-core's choice)", only(False, "not built on a GPU")),
-    "--fp16": refused(FP16),
     "--deterministic-mode": refused(f"{NOT_YET}: CPU runs are deterministic; on GPUs, kernels choose"),
     "--no-async-tensor-model-parallel-allreduce": refused("megatron-core 0.16 always overlaps it"),
     "--tp-comm-overlap-rs-dgrad": refused(TE_OVERLAP),
@@ -119,8 +116,6 @@ FLAGS: dict[str, Decision] = {
     "--qk-l2-norm": implied("GPT+ refuses it (RMSNorm on q and k); " + NORM_REPLACED.rstrip("; "),
                             _gptplus_refuses("GPT+ normalizes q and k with RMSNorm, not an L2 norm")),
     "--attention-output-gate": refused(ATTENTION),
-    "--calculate-per-token-loss": implied("every token of a micro-batch counts (there is no --eod-mask-loss), so the "
-                                          "mean of the micro-batches' mean losses is the mean over all tokens"),
     "--multi-latent-attention": refused(ATTENTION),
     "--experimental-attention-variant": refused(ATTENTION),
     "--embedding-init-method-std": refused(f"{NOT_YET}: the embedding is initialized as the other weights "
@@ -266,15 +261,10 @@ FLAGS: dict[str, Decision] = {
     "--dist-ckpt-format": refused("deprecated in Megatron-LM: use --ckpt-format torch_dist"),
     "--ckpt-fully-parallel-save": implied("deprecated in Megatron-LM, where it is the default"),
     # -- mixed precision
-    "--loss-scale": refused(LOSS_SCALE),
-    "--initial-loss-scale": refused(LOSS_SCALE),
-    "--min-loss-scale": refused(LOSS_SCALE),
-    "--loss-scale-window": refused(LOSS_SCALE),
-    "--hysteresis": refused(LOSS_SCALE),
     "--attention-softmax-in-fp32": implied("the softmax runs in fp32 in FlashAttention and in megatron-core's "
                                            "unfused attention under --bf16"),
     "--accumulate-allreduce-grads-in-fp32": implied("gradients are accumulated and reduced in fp32"),
-    "--fp16-lm-cross-entropy": refused(FP16),
+    "--fp16-lm-cross-entropy": refused(f"{NOT_YET}: the cross-entropy runs in fp32 from the fp16 logits"),
     "--reuse-grad-buf-for-mxfp8-param-ag": refused("FP8 parameters are not built (docs/fp8.md)"),
     "--fp8-param-gather": refused("FP8 parameters are not built: anGPT's weights are projected onto the unit ball "
                                   "in fp32 at initialization and after every step, which FP8 parameters would need "
@@ -340,7 +330,6 @@ FLAGS: dict[str, Decision] = {
     "--num-workers": refused(DATALOADER),
     "--reset-position-ids": refused(f"{NOT_YET}"),
     "--reset-attention-mask": refused(f"{NOT_YET}"),
-    "--eod-mask-loss": refused(f"{NOT_YET}"),
     "--no-create-attention-mask-in-dataloader": implied("the dataset never builds an attention mask here: every "
                                                         "attention backend is causal by construction"),
     "--num-dataset-builder-threads": refused(f"{NOT_YET}"),
@@ -372,7 +361,7 @@ FLAGS: dict[str, Decision] = {
     "--tensorboard-log-interval": refused(f"{NOT_YET}: TensorBoard gets every --log-interval"),
     "--tensorboard-queue-size": refused(f"{NOT_YET}"),
     "--log-timers-to-tensorboard": refused(f"timers are {NOT_YET}"),
-    "--no-log-loss-scale-to-tensorboard": refused(LOSS_SCALE),
+    "--no-log-loss-scale-to-tensorboard": refused(f"{NOT_YET}: with --fp16 the loss scale is always logged"),
     "--log-validation-ppl-to-tensorboard": refused(f"{NOT_YET}"),
     "--log-memory-to-tensorboard": refused(f"{NOT_YET}"),
     "--log-memory-interval": refused(f"{NOT_YET}"),

@@ -45,6 +45,7 @@ class DataArguments:
     vocab_file: Optional[str] = None
     merge_file: Optional[str] = None
     mmap_bin_files: bool = True  # read the .bin files through a memory map (else by file reads)
+    eod_mask_loss: bool = False  # the end-of-document tokens out of the loss
 
     def prefixes(self) -> list[str]:
         paths = [self.data_path, self.train_data_path, self.valid_data_path, self.test_data_path]
@@ -163,7 +164,7 @@ def build_datasets(data: DataArguments, vocabulary, seq_length: int, seed: int, 
         tokenizer=vocabulary,
         reset_position_ids=False,
         reset_attention_mask=False,
-        eod_mask_loss=False,
+        eod_mask_loss=data.eod_mask_loss,
         # The model builds its causal mask itself.
         create_attention_mask=False,
     )

@@ -3,7 +3,7 @@ line and the progress bar on the console (angpt.telemetry.metrics_reader reads m
 
 The trainer assembles one record per logged iteration (and per evaluation):
 
-    record = {"kind": "train", "iteration": 10, "train_iters": 100, "consumed_tokens": 40960,
+    record = {"kind": "train", "iteration": 10, "train_iters": 100, "consumed_tokens": 40960, "global_batch_size": 32,
               "lm_loss": 5.12, "lr": 3e-3, "grad_norm": 0.51, "ms_per_step": 812.3,
               "tokens_per_s_per_device": 2521.0, "mfu": 0.412, "skipped": 0,
               **memory_stats(), **telemetry.read(), **probe.summary()}
@@ -111,9 +111,11 @@ class MetricsLogger:
 # left out. Memory is the GPU's peak allocation, or the process RSS on CPU.
 _LOG_LINE_FIGURES = (
     ("consumed_tokens", "consumed tokens", lambda v: f"{int(v)}"),
+    ("global_batch_size", "global batch size", lambda v: f"{int(v)}"),
     ("lm_loss", "lm loss", "{:.4E}".format),
     ("lm_loss_ppl", "lm loss PPL", "{:.4E}".format),
     ("lr", "learning rate", "{:.3E}".format),
+    ("loss_scale", "loss scale", "{:.1f}".format),
     ("grad_norm", "grad norm", "{:.3f}".format),
     ("ms_per_step", "ms per step", "{:.1f}".format),
     ("tokens_per_s_per_device", "tokens/s/device", "{:.0f}".format),

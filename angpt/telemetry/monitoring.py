@@ -85,6 +85,7 @@ class TrainingMonitor:
             "consumed_samples": step["consumed_samples"],
             "consumed_tokens": step["consumed_samples"] * self.args.seq_length,
             "global_batch_size": step["global_batch_size"],
+            **({"loss_scale": step["loss_scale"]} if "loss_scale" in step else {}),
             "lm_loss": (sum(self.window_losses) / len(self.window_losses)) if self.window_losses else float("nan"),
             "lr": step["lr"],
             "grad_norm": step["grad_norm"] if step["grad_norm"] is not None else float("nan"),

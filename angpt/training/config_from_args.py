@@ -17,6 +17,12 @@ from angpt.data.gpt_datasets import DataArguments
 from angpt.models import AnGPTConfig, model_config
 
 
+def params_dtype(args: argparse.Namespace) -> torch.dtype:
+    if args.bf16:
+        return torch.bfloat16
+    return torch.float16 if getattr(args, "fp16", False) else torch.float32
+
+
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
     """Megatron-LM's padding of the vocabulary, so the head splits evenly over tensor-parallel ranks."""
     multiple = divisible_by * tensor_parallel
@@ -36,10 +42,12 @@ def model_config_from_args(args: argparse.Namespace) -> AnGPTConfig:
         virtual_pipeline_model_parallel_size=virtual_pipeline_stages(args),
         sequence_parallel=args.sequence_parallel,
         bf16=args.bf16,
-        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
-        pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        fp16=getattr(args, "fp16", False),  # not recorded before the flag existed
+        params_dtype=params_dtype(args),
+        pipeline_dtype=params_dtype(args),
         init_method_std=args.init_method_std,
         layernorm_epsilon=getattr(args, "norm_epsilon", 1e-5),  # not recorded before the flag existed
+        calculate_per_token_loss=getattr(args, "calculate_per_token_loss", False),
         post_norm=args.angpt_post_norm,
         nu_p_reading=args.angpt_nu_p,
         alpha_init=args.angpt_alpha_init,
@@ -125,4 +133,5 @@ def data_arguments(args: argparse.Namespace) -> DataArguments:
         data_cache_path=args.data_cache_path, mock_data=args.mock_data, vocab_size=args.vocab_size,
         tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
         merge_file=args.merge_file, mmap_bin_files=getattr(args, "mmap_bin_files", True),
+        eod_mask_loss=getattr(args, "eod_mask_loss", False),
     )

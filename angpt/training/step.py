@@ -12,6 +12,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.enums import ModelType
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
 
 from angpt.models import AnGPTConfig, build_model
 
@@ -51,11 +52,15 @@ def build_model_chunks(
 
 
 def language_model_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
-    """Mean next-token cross-entropy over the unmasked tokens of one micro-batch."""
+    """The next-token cross-entropy summed over the unmasked tokens of one micro-batch, and their count, as
+    Megatron-LM's pretrain_gpt.py returns them: megatron-core's schedule divides the sum by the count (the
+    micro-batch's mean, averaged over the micro-batches), or with calculate_per_token_loss keeps the sum and
+    divides the gradients by the count of the whole global batch."""
     loss_mask = loss_mask.float()
-    loss = (per_token_loss.float() * loss_mask).sum() / loss_mask.sum()
-    # The schedules divide the returned loss in place; report a copy.
-    return loss, {"lm loss": loss.detach().clone()}
+    total = (per_token_loss.float() * loss_mask).sum()
+    count = loss_mask.sum()
+    # The schedule divides the returned sum in place; report a copy.
+    return total, count.to(torch.int), {"lm loss": torch.stack([total.detach().clone(), count])}
 
 
 def forward_step(data_iterator: Iterator[dict], model):
@@ -140,16 +145,24 @@ def _mean_loss_over_global_batch(data_iterators, model_chunks, num_microbatches:
         micro_batch_size=micro_batch_size,
         forward_only=forward_only,
     )
-    return _global_mean_loss(losses)
+    return _global_mean_loss(losses, get_model_config(model_chunks[0]).calculate_per_token_loss)
 
 
-def _global_mean_loss(losses: list[dict]) -> float:
-    """The last pipeline stage holds the micro-batch losses; average them over data-parallel ranks and
-    share the result with every rank."""
+def _global_mean_loss(losses: list[dict], per_token: bool) -> float:
+    """The last pipeline stage holds the micro-batch losses ([sum, tokens] each): the mean over the global
+    batch's tokens (per_token), else the mean of the micro-batches' means, over data-parallel ranks; shared
+    with every rank."""
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        local = torch.stack([entry["lm loss"] for entry in losses]).mean()
-        torch.distributed.all_reduce(local, group=parallel_state.get_data_parallel_group())
-        local /= parallel_state.get_data_parallel_world_size()
+        sums, counts = torch.stack([entry["lm loss"] for entry in losses]).unbind(-1)
+        group = parallel_state.get_data_parallel_group()
+        if per_token:
+            totals = torch.stack([sums.sum(), counts.sum()])
+            torch.distributed.all_reduce(totals, group=group)
+            local = totals[0] / totals[1]
+        else:
+            local = (sums / counts).mean()
+            torch.distributed.all_reduce(local, group=group)
+            local /= parallel_state.get_data_parallel_world_size()
     else:
         local = torch.zeros((), device=torch.cuda.current_device())
     world = parallel_state.get_pipeline_model_parallel_group()

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import math
+import os
 import signal
 import sys
 import time
@@ -18,6 +20,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
+from megatron.core.utils import get_model_config
 
 from angpt.config.arguments import exit_signals
 from angpt.data.gpt_datasets import build_datasets, dataset_vocabulary, micro_batches
@@ -112,7 +115,13 @@ class Trainer:
             lr_warmup_samples=args.lr_warmup_samples, lr_wsd_decay_samples=args.lr_wsd_decay_samples,
             clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
             adam_eps=args.adam_eps, use_distributed_optimizer=args.use_distributed_optimizer, bf16=args.bf16,
+            fp16=dict(loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+                      min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
+                      hysteresis=args.hysteresis) if args.fp16 else None,
         )
+        if args.fp16:
+            # The schedules scale each micro-batch's loss before its backward (Megatron-LM's setup_model_and_optimizer).
+            get_model_config(self.chunks[0]).grad_scale_func = self.optimizer.scale_loss
         self.state = TrainState()
         self.loaded_from: Optional[str] = None  # the checkpoint directory this run starts from
         if args.save and self.rank == 0:
@@ -179,9 +188,16 @@ class Trainer:
             gc.collect()
         state.iteration = iteration
         state.consumed_samples += global_batch_size
-        state.skipped_steps = 0 if updated else state.skipped_steps + 1
-        return dict(iteration=iteration, loss=loss, grad_norm=grad_norm, lr=lr, skipped=not updated,
-                    consumed_samples=state.consumed_samples, global_batch_size=global_batch_size)
+        # A step skipped because fp16 gradients overflowed while the scale can still come down is the loss
+        # scaler finding its scale (2^32 at first), as in Megatron-LM: it does not count towards --max-skipped-steps.
+        calibrating = (args.fp16 and grad_norm is None and math.isfinite(loss)
+                       and self.optimizer.get_loss_scale().item() > args.min_loss_scale)
+        state.skipped_steps = 0 if updated else state.skipped_steps + (not calibrating)
+        record = dict(iteration=iteration, loss=loss, grad_norm=grad_norm, lr=lr, skipped=not updated,
+                      consumed_samples=state.consumed_samples, global_batch_size=global_batch_size)
+        if args.fp16:
+            record.update(loss_scale=self.optimizer.get_loss_scale().item(), calibrating=calibrating)
+        return record
 
     def evaluate(self, dataset, name: str) -> Optional[float]:
         """Mean loss over the first --eval-iters global batches of a split: the same samples at every
@@ -236,7 +252,10 @@ class Trainer:
                 record = self.train_one_step()
                 iteration = record["iteration"]
                 self.monitor.log_step(record)
-                if record["skipped"] and self.rank == 0:
+                if record.get("calibrating") and self.rank == 0:
+                    logger.info("iteration %d: fp16 gradients overflowed: step skipped, loss scale now %g", iteration,
+                                record["loss_scale"])
+                elif record["skipped"] and self.rank == 0:
                     logger.warning("iteration %d: loss %s, grad norm %s: step skipped (%d in a row)", iteration,
                                    record["loss"], record["grad_norm"], self.state.skipped_steps)
                 if self.state.skipped_steps > args.max_skipped_steps:
@@ -288,7 +307,10 @@ def pretrain(args: argparse.Namespace) -> int:
     try:
         trainer = Trainer(args)
     except (ValueError, OSError, checkpointing.CheckpointError) as error:
-        print(f"angpt.pretrain: {error}", file=sys.stderr)
+        # Every rank checks the same flags, data and checkpoint the same way: one line from each node (whose
+        # files may differ from another's), not one per rank; every rank exits non-zero.
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            print(f"angpt.pretrain: {error}", file=sys.stderr)
         return 2
     try:
         code = trainer.run()

@@ -133,7 +133,8 @@ def run_family(family: str, args, layout: dict, world: int) -> dict | None:
         chunk.zero_grad_buffer()
     losses = schedule(forward_step_func=forward_step, data_iterator=iterators(mine), num_microbatches=len(mine),
                       forward_only=False, **run)
-    local_loss = torch.stack([output["lm loss"] for output in losses]).mean() if is_last else None
+    # Each micro-batch's [loss sum, tokens] (angpt.training.step.language_model_loss): the mean of their means.
+    local_loss = torch.stack([o["lm loss"][0] / o["lm loss"][1] for o in losses]).mean() if is_last else None
     all_losses = [None] * world
     dist.all_gather_object(all_losses, (parallel_state.get_data_parallel_rank(),
                                         local_loss.item() if is_last else None))
