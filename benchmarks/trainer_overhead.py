@@ -15,7 +15,10 @@
    (A B, B A, ...); the headline is the median of the per-repeat ratios (each pair ran under the same
    load), next to the ratios of the medians and of the minima. Both losses after the first update are
    printed, to show that the two do the same arithmetic and the ratio is the trainer's cost alone.
-2. The three families at that shape through the trainer path, as ratios to GPT+ next to the paper's
+2. Data loading as the trainer does it, from megatron-core's mock GPTDataset: `--num-workers` DataLoader workers
+   reading ahead (Megatron-LM's --num-workers) against reads in the training process (0), each followed by the
+   trainer's step, interleaved as above; the micro-batches are the same in both.
+3. The three families at that shape through the trainer path, as ratios to GPT+ next to the paper's
    (anGPT +2.75%, nGPT +9.6% on 4x A100): `benchmarks/step_time.py`, run here with the same shape.
 
 On this 2-core CPU the defaults take about two minutes.
@@ -32,6 +35,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from angpt.data.gpt_datasets import DataArguments, TrainingBatches, build_datasets, dataset_vocabulary
 from angpt.models import WEIGHT_CONSTRAINTS, build_model, model_config
 from angpt.models.bounding import project_parameters_
 from angpt.training import distributed
@@ -52,7 +56,8 @@ def parse_args():
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--repeats", type=int, default=10, help="timed steps of each (after one warm-up)")
-    parser.add_argument("--skip-families", action="store_true", help="only the trainer-versus-bare-loop part")
+    parser.add_argument("--num-workers", type=int, default=2, help="DataLoader workers of part 2, against 0")
+    parser.add_argument("--skip-families", action="store_true", help="only parts 1 and 2")
     return parser.parse_args()
 
 
@@ -159,11 +164,39 @@ def measure_overhead(args) -> None:
         print(f"noisy: the slowest step took {spread:.1f}x the fastest of the same path; rerun on a quieter machine")
 
 
+def measure_data_loading(args) -> None:
+    """Part 2: --num-workers against reads in this process, each batch then trained on."""
+    config = model_config(args.model_family, num_layers=args.num_layers, hidden_size=args.hidden_size,
+                          num_attention_heads=args.num_attention_heads)
+    trainer = TrainerPath(args, config)
+    data = DataArguments(mock_data=True, vocab_size=args.vocab_size)
+    samples = (args.repeats + 1) * 2 * args.num_microbatches * args.micro_batch_size
+    train, _, _ = build_datasets(data, dataset_vocabulary(data), args.seq_length, 1234, [samples, 0, 0])
+    loaders = {f"{workers} workers": TrainingBatches(train, 0, args.micro_batch_size, 0, 1, workers, args.vocab_size)
+               for workers in (0, args.num_workers)}
+    times = {name: [] for name in loaders}
+    for repeat in range(args.repeats + 1):  # repeat 0 warms up (and starts the workers)
+        for name in list(loaders) if repeat % 2 == 0 else list(reversed(loaders)):
+            start = time.perf_counter()
+            trainer.step(loaders[name].take(args.num_microbatches))
+            if repeat:
+                times[name].append(time.perf_counter() - start)
+    for loader in loaders.values():
+        loader.close()
+    inline, ahead = times.values()
+    paired = [a / i for a, i in zip(ahead, inline)]
+    print(f"\ndata loading (mock GPTDataset, micro-batch {args.micro_batch_size} x {args.num_microbatches}), "
+          f"step including the reads: 0 workers {statistics.median(inline) * 1e3:.1f} ms, {args.num_workers} "
+          f"workers {statistics.median(ahead) * 1e3:.1f} ms; {args.num_workers} workers / 0: "
+          f"{statistics.median(paired):.3f} (median of {len(paired)} paired ratios)")
+
+
 def main():
     args = parse_args()
     distributed.initialize()  # a gloo (or NCCL) world of one process without torchrun
     try:
         measure_overhead(args)
+        measure_data_loading(args)
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()

@@ -45,11 +45,10 @@ def llama3_8b(data: str, vocab_size: int, save: str) -> list[str]:
         # MODEL_PARALLEL_ARGS and DDP_ARGS
         "--tensor-model-parallel-size", "2", "--context-parallel-size", "1", "--sequence-parallel",
         "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
-        # DATA_ARGS_LIST (the real-data branch; NullTokenizer's ids as the mock branch names them).
-        # Left out: --num-workers 1 (DataLoader workers are not built yet).
+        # DATA_ARGS_LIST (the real-data branch; NullTokenizer's ids as the mock branch names them)
         "--data-path", data, "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab_size),
         "--data-cache-path", f"{save}/cache", "--tiktoken-pattern", "v2", "--split", "99,1,0",
-        "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files",
+        "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers", "1",
         # EVAL_AND_LOGGING_ARGS (intervals shrunk). Left out: --profile --profile-step-start 4 --profile-step-end 6
         # (profiling ranges are not built yet).
         "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "3", "--save-interval", "3",

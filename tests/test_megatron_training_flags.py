@@ -1,4 +1,4 @@
-"""Megatron-LM's training flags with its meaning: --grad-reduce-in-bf16
+"""Megatron-LM's training flags with its meaning: --num-workers, --grad-reduce-in-bf16
 and --ddp-bucket-size, --manual-gc (with --manual-gc-interval, --no-manual-gc-eval), --empty-unused-memory-level,
 --no-mmap-bin-files."""
 
@@ -10,7 +10,7 @@ from test_gpt_datasets import two_prefixes  # noqa: F401 (a fixture)
 from test_optimizer import batch, tiny_chunks
 
 from angpt.config.arguments import parse_args
-from angpt.data.gpt_datasets import DataArguments, build_datasets, dataset_vocabulary
+from angpt.data.gpt_datasets import DataArguments, TrainingBatches, build_datasets, dataset_vocabulary, micro_batches
 from angpt.training import step as step_module
 from angpt.training.config_from_args import ddp_config_from_args
 from angpt.training.optimizer import build_optimizer
@@ -129,3 +129,23 @@ def test_eod_mask_loss_leaves_the_end_of_document_tokens_out_of_the_loss(two_pre
     tokens = torch.stack([s["tokens"] for s in samples])
     assert (masks[0] == 1).all() and (tokens == vocabulary.eod).any()
     assert torch.equal(masks[1], (tokens != vocabulary.eod).float())
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_dataloader_workers_give_the_micro_batches_of_the_inline_reads(num_workers, two_prefixes,  # noqa: F811
+                                                                      tmp_path, single_process):
+    """--num-workers N reads ahead in N processes; the micro-batches are those micro_batches() reads in the
+    training process, in order, from any consumed-samples offset (a resumed run), through a ramp-up's sizes."""
+    data = DataArguments(train_data_path=[two_prefixes[0]], data_cache_path=str(tmp_path / "cache"))
+    vocabulary = dataset_vocabulary(data)
+    train, _, _ = build_datasets(data, vocabulary, 16, 1234, [96, 0, 0])
+    loader = TrainingBatches(train, 6, 1, 1, 2, num_workers, vocabulary.vocab_size)  # rank 1 of 2, from sample 6
+    consumed = 6
+    for global_batch in (2, 4, 4, 8, 8):
+        taken = loader.take(global_batch // 2)
+        expected = micro_batches(train, consumed, global_batch, 1, 1, 2, vocabulary.vocab_size)
+        assert len(taken) == len(expected) == global_batch // 2
+        for got, want in zip(taken, expected):
+            assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        consumed += global_batch
+    loader.close()

@@ -44,7 +44,8 @@ NUMERIC_RANGES = (
     ("cannot be negative", lambda value: value >= 0, (
         "angpt_alpha_init", "min_lr", "lr_warmup_iters", "lr_warmup_samples", "lr_warmup_init", "weight_decay",
         "clip_grad", "seed", "fp8_margin", "eval_iters", "max_skipped_steps", "dry_run", "cuda_graph_warmup_steps",
-        "megatron_local_rank", "rampup_batch_size", "manual_gc_interval", "empty_unused_memory_level")),
+        "megatron_local_rank", "rampup_batch_size", "manual_gc_interval", "empty_unused_memory_level",
+        "num_workers")),
     ("must be positive", lambda value: value > 0, (
         "init_method_std", "norm_epsilon", "angpt_constant_factor_multiplier", "angpt_nu_alpha_multiplier",
         "distributed_timeout_minutes", "lr", "adam_eps", "exit_duration_in_mins", "megatron_rotary_percent",
@@ -263,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--test-data-path", nargs="+")
     data.add_argument("--data-cache-path", help="where GPTDataset caches its indices")
     data.add_argument("--mock-data", action="store_true", help="megatron-core's synthetic sequences")
+    data.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes per rank that read "
+                      "the training samples ahead of the step (0: read in the training process, at each step; "
+                      "Megatron-LM's default is 2); evaluations read in the training process")
     data.add_argument("--eod-mask-loss", action="store_true", help="leave the end-of-document tokens out of the "
                       "loss (megatron-core's GPTDataset masks them)")
     data.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",

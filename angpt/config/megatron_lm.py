@@ -60,7 +60,6 @@ FSDP = "FSDP is not built: use --use-distributed-optimizer (megatron-core's ZeRO
 OFFLOAD = "CPU offloading is not built"
 TE_OVERLAP = "Transformer Engine's userbuffer overlap of tensor-parallel communication is not built"
 PROFILE = f"profiling ranges are {NOT_YET}"
-DATALOADER = f"Megatron-LM's DataLoader workers are {NOT_YET}: samples are read in the training process"
 PIPELINE_SPLIT = f"uneven pipeline stages are {NOT_YET}: --num-layers splits evenly over the stages"
 INFERENCE = "an inference setting: angpt pretrains; generate with the Hugging Face export (tools/convert_to_hf.py)"
 LEGACY = "Megatron-LM's legacy models are not part of angpt; the families are megatron-core models"
@@ -180,7 +179,9 @@ FLAGS: dict[str, Decision] = {
     "--decrease-batch-size-if-needed": refused(f"{NOT_YET} (it goes with --rampup-batch-size)"),
     "--check-weight-hash-across-dp-replicas-interval": refused(f"{NOT_YET}"),
     "--train-sync-interval": refused(f"{NOT_YET}"),
-    "--exit-signal-handler-for-dataloader": refused(DATALOADER),
+    "--exit-signal-handler-for-dataloader": implied("the DataLoader workers inherit the training process's "
+                                                    "handlers of the exit signals: a signal to the group does not "
+                                                    "kill them"),
     "--iterations-to-skip": refused(f"{NOT_YET}"),
     "--batch-size": refused("deprecated in Megatron-LM: use --micro-batch-size"),
     "--recompute-activations": refused(f"selective recompute is {NOT_YET}: use --recompute-granularity full"),
@@ -327,7 +328,6 @@ FLAGS: dict[str, Decision] = {
     "--sample-rate": refused(f"{NOT_YET}"),
     "--mask-prob": refused(f"masked language modelling (BERT): {DENSE}"),
     "--short-seq-prob": refused(f"masked language modelling (BERT): {DENSE}"),
-    "--num-workers": refused(DATALOADER),
     "--reset-position-ids": refused(f"{NOT_YET}"),
     "--reset-attention-mask": refused(f"{NOT_YET}"),
     "--no-create-attention-mask-in-dataloader": implied("the dataset never builds an attention mask here: every "

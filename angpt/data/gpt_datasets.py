@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from torch.utils.data import DataLoader
 
 from angpt.data.blend import parse_blend
 from angpt.data.indexed import IndexedDatasetError, check_indexed_dataset, check_token_ids, metadata_path, read_metadata
@@ -188,33 +189,82 @@ def _check_every_split_has_documents(split: str, split_matrix, prefixes) -> None
                                  f"or 0 to have none")
 
 
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
 def micro_batches(dataset, consumed_samples: int, global_batch_size: int, micro_batch_size: int,
                   dp_rank: int, dp_size: int, vocab_size: Optional[int] = None) -> list[dict]:
     """This rank's micro-batches of the global batch that starts at sample `consumed_samples`, in
     Megatron-LM's order: micro-batch m of data-parallel rank r holds samples
     consumed + m * micro * dp + r * micro + [0, micro). Resuming at `consumed_samples` continues exactly.
     With `vocab_size`, a token id outside [0, vocab_size) is refused, naming the dataset it came from."""
-    step = micro_batch_size * dp_size
     batches = []
-    for start in range(consumed_samples, consumed_samples + global_batch_size, step):
-        first = start + dp_rank * micro_batch_size
-        samples = [dataset[i] for i in range(first, first + micro_batch_size)]
-        batch = {key: torch.stack([s[key] for s in samples])
-                 for key in ("tokens", "labels", "loss_mask", "position_ids")}
+    for indices in MicroBatchIndices(consumed_samples, consumed_samples + global_batch_size, micro_batch_size,
+                                     dp_rank, dp_size):
+        batch = {key: torch.stack([dataset[i][key] for i in indices]) for key in BATCH_KEYS}
         if vocab_size is not None:
-            _check_token_ids(batch, samples, first, dataset, vocab_size)
+            check_batch_token_ids(batch, indices[0], dataset, vocab_size)
         batches.append(batch)
     return batches
 
 
-def _check_token_ids(batch: dict, samples: list, first: int, dataset, vocab_size: int) -> None:
+class MicroBatchIndices:
+    """The sample indices of this rank's micro-batches from `start` to `end`, in micro_batches' order (Megatron-LM's
+    MegatronPretrainingSampler): a batch sampler for a DataLoader."""
+
+    def __init__(self, start: int, end: int, micro_batch_size: int, dp_rank: int, dp_size: int):
+        self.start, self.end, self.micro, self.dp_rank, self.dp_size = start, end, micro_batch_size, dp_rank, dp_size
+
+    def __iter__(self):
+        step = self.micro * self.dp_size
+        for start in range(self.start, self.end - step + 1, step):
+            first = start + self.dp_rank * self.micro
+            yield list(range(first, first + self.micro))
+
+    def __len__(self) -> int:
+        return max(0, (self.end - self.start) // (self.micro * self.dp_size))
+
+
+class TrainingBatches:
+    """This rank's micro-batches of the training split from `consumed_samples` on, in micro_batches' order, read
+    by a torch DataLoader: in `num_workers` worker processes that read ahead of the step (Megatron-LM's
+    --num-workers; pinned memory with CUDA), or in this process (0). The order does not depend on the workers,
+    so a resumed run continues exactly with any number of them."""
+
+    def __init__(self, dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+                 num_workers: int = 0, vocab_size: Optional[int] = None):
+        self.dataset, self.vocab_size = dataset, vocab_size
+        self.indices = iter(MicroBatchIndices(consumed_samples, len(dataset), micro_batch_size, dp_rank, dp_size))
+        loader = DataLoader(dataset, batch_sampler=MicroBatchIndices(consumed_samples, len(dataset),
+                                                                     micro_batch_size, dp_rank, dp_size),
+                            num_workers=num_workers, pin_memory=torch.cuda.is_available())
+        self.batches = iter(loader)
+
+    def take(self, count: int) -> list[dict]:
+        """The next `count` micro-batches (one global batch's share of this rank)."""
+        taken = []
+        for _ in range(count):
+            batch, indices = next(self.batches), next(self.indices)
+            batch = {key: batch[key] for key in BATCH_KEYS}
+            if self.vocab_size is not None:
+                check_batch_token_ids(batch, indices[0], self.dataset, self.vocab_size)
+            taken.append(batch)
+        return taken
+
+    def close(self) -> None:
+        """Ends the worker processes (also at interpreter exit, and by themselves when this process dies)."""
+        self.batches = None
+
+
+def check_batch_token_ids(batch: dict, first: int, dataset, vocab_size: int) -> None:
     """The last guard before the embedding (tens of microseconds per micro-batch, on the host, in numpy,
     which beats torch's reductions on such small tensors): catches a max_token_id in a .json that does not
-    match its .bin, which the check at opening trusts."""
+    match its .bin, which the check at opening trusts. `first`: the micro-batch's first sample."""
     # The labels are the tokens shifted by one: their last column is all they add.
     tokens, last_labels = batch["tokens"].numpy(), batch["labels"][:, -1].numpy()
     if min(tokens.min(), last_labels.min()) >= 0 and max(tokens.max(), last_labels.max()) < vocab_size:
         return
+    samples = [dataset[i] for i in range(first, first + len(tokens))]
     for offset, sample in enumerate(samples):
         bad = [int(i) for key in ("tokens", "labels") for i in sample[key] if not 0 <= i < vocab_size]
         if bad:

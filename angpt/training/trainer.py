@@ -23,7 +23,7 @@ from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 from megatron.core.utils import get_model_config
 
 from angpt.config.arguments import exit_signals
-from angpt.data.gpt_datasets import build_datasets, dataset_vocabulary, micro_batches
+from angpt.data.gpt_datasets import TrainingBatches, build_datasets, dataset_vocabulary, micro_batches
 from angpt.data.indexed import IndexedDatasetError
 from angpt.telemetry.monitoring import TrainingMonitor
 from angpt.training import checkpointing, distributed, faults, save_lock
@@ -148,6 +148,8 @@ class Trainer:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.batches = BatchSchedule(args.global_batch_size, args.micro_batch_size, self.dp_size,
                                      args.rampup_batch_size, self.rank)
+        # Forked after the exit-signal handlers are installed (below): the workers inherit them.
+        self.train_batches = None
         # The schedule counts samples in a run by samples (Megatron-LM's), else iterations (angpt.training.optimizer).
         self.by_samples = args.train_samples is not None
         self.exits = ExitRequests(exit_signals(args), args.exit_duration_in_mins)
@@ -162,9 +164,7 @@ class Trainer:
                         args.pipeline_model_parallel_size, self.dp_size, self.state.iteration, args.train_iters)
 
     # -- data ---------------------------------------------------------------------------------------
-    def _iterators(self, dataset, consumed_samples: int, global_batch_size: int, poison: bool = False):
-        batches = micro_batches(dataset, consumed_samples, global_batch_size, self.args.micro_batch_size,
-                                self.dp_rank, self.dp_size, vocab_size=self.vocabulary.vocab_size)
+    def _iterators(self, batches: list[dict], poison: bool = False):
         if poison:  # fault injection: a NaN loss (and NaN gradients) in this step
             for batch in batches:
                 batch["loss_mask"] = batch["loss_mask"].float() * float("nan")
@@ -176,8 +176,12 @@ class Trainer:
         args, state = self.args, self.state
         iteration = state.iteration + 1
         global_batch_size = self.batches.global_batch_size(state.consumed_samples)
-        iterators, num_micro_batches = self._iterators(self.data.train, state.consumed_samples, global_batch_size,
-                                                       poison=iteration in self.faults.nan_iterations)
+        if self.train_batches is None:
+            self.train_batches = TrainingBatches(self.data.train, state.consumed_samples, args.micro_batch_size,
+                                                 self.dp_rank, self.dp_size, args.num_workers,
+                                                 self.vocabulary.vocab_size)
+        batches = self.train_batches.take(global_batch_size // (args.micro_batch_size * self.dp_size))
+        iterators, num_micro_batches = self._iterators(batches, poison=iteration in self.faults.nan_iterations)
         lr = get_canonical_lr_for_logging(self.optimizer.param_groups)  # --lr's group (megatron-core's choice)
         with self.monitor.step(iteration):
             loss, grad_norm, updated = train_step(iterators, self.chunks, self.optimizer, self.scheduler,
@@ -212,8 +216,10 @@ class Trainer:
             gc.collect()
         losses = []
         for batch_index in range(self.args.eval_iters):
-            iterators, num_micro_batches = self._iterators(dataset, batch_index * self.args.global_batch_size,
-                                                           self.args.global_batch_size)
+            batches = micro_batches(dataset, batch_index * self.args.global_batch_size, self.args.global_batch_size,
+                                    self.args.micro_batch_size, self.dp_rank, self.dp_size,
+                                    vocab_size=self.vocabulary.vocab_size)
+            iterators, num_micro_batches = self._iterators(batches)
             losses.append(eval_step(iterators, self.chunks, num_micro_batches, self.args.micro_batch_size,
                                     self.args.seq_length))
             if self.args.empty_unused_memory_level >= 1:
@@ -292,6 +298,8 @@ class Trainer:
             return 1
 
     def _finish(self) -> None:
+        if self.train_batches is not None:
+            self.train_batches.close()
         if self.args.manual_gc:
             gc.enable()
         if self.async_queue is not None:
