@@ -36,9 +36,8 @@ def llama3_8b(data: str, vocab_size: int, save: str) -> list[str]:
         "--untie-embeddings-and-output-weights", "--disable-bias-linear",
         # TRAINING_ARGS (samples shrunk: 6 iterations of 8)
         "--micro-batch-size", "1", "--global-batch-size", "8", "--train-samples", "48", "--lr-decay-samples", "40",
-        "--lr-warmup-samples", "8", "--lr", "0.00015", "--min-lr", "0.00001",
-        # Left out: --decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5 (refused until a run with them resumes exactly).
-        "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--weight-decay", "0.1",
+        "--lr-warmup-samples", "8", "--lr", "0.00015", "--min-lr", "0.00001", "--decoupled-lr", "5.0e-4",
+        "--decoupled-min-lr", "4.5e-5", "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--weight-decay", "0.1",
         "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--bf16", "--grad-reduce-in-bf16",
         "--cross-entropy-loss-fusion", "--calculate-per-token-loss", "--manual-gc", "--empty-unused-memory-level",
         "1", "--exit-duration-in-mins", "235",

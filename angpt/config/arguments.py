@@ -45,11 +45,11 @@ NUMERIC_RANGES = (
         "angpt_alpha_init", "min_lr", "lr_warmup_iters", "lr_warmup_samples", "lr_warmup_init", "weight_decay",
         "clip_grad", "seed", "fp8_margin", "eval_iters", "max_skipped_steps", "dry_run", "cuda_graph_warmup_steps",
         "megatron_local_rank", "rampup_batch_size", "manual_gc_interval", "empty_unused_memory_level",
-        "num_workers")),
+        "num_workers", "decoupled_min_lr")),
     ("must be positive", lambda value: value > 0, (
         "init_method_std", "norm_epsilon", "angpt_constant_factor_multiplier", "angpt_nu_alpha_multiplier",
         "distributed_timeout_minutes", "lr", "adam_eps", "exit_duration_in_mins", "megatron_rotary_percent",
-        "loss_scale", "initial_loss_scale", "min_loss_scale")),
+        "loss_scale", "initial_loss_scale", "min_loss_scale", "decoupled_lr")),
     ("must be in [0, 1)", lambda value: 0 <= value < 1, (
         "attention_dropout", "hidden_dropout", "lr_warmup_fraction", "adam_beta1", "adam_beta2")),
 )
@@ -188,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     lr.add_argument("--lr-wsd-decay-samples", type=int, help="with --train-samples: length of WSD's final decay")
     lr.add_argument("--lr-wsd-decay-style", choices=WSD_DECAY_STYLES, default="exponential")
     lr.add_argument("--weight-decay", type=float, help="default: the family's (0; 0.1 for GPT+)")
+    lr.add_argument("--decoupled-lr", type=float, help="max lr of the input and output layers (the embedding and "
+                    "the output head), decoupled from --lr; the same schedule")
+    lr.add_argument("--decoupled-min-lr", type=float, help="min lr of the input and output layers (with "
+                    "--decoupled-lr; default --min-lr's)")
     lr.add_argument("--calculate-per-token-loss", action="store_true", help="the loss and its gradients as the mean "
                     "over all the tokens of the global batch, not the mean of each micro-batch's mean (they differ "
                     "when micro-batches count different tokens, e.g. with --eod-mask-loss)")
@@ -488,7 +492,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
                               ("loss_scale_window", 1000), ("hysteresis", 2)):
             if getattr(args, flag) != default:
                 parser.error(f"--{flag.replace('_', '-')} needs --fp16 (loss scaling is for fp16)")
-    for flag, needs in (("grad_reduce_in_bf16", "bf16"),
+    for flag, needs in (("decoupled_min_lr", "decoupled_lr"), ("grad_reduce_in_bf16", "bf16"),
                         ("manual_gc_interval", "manual_gc")):
         if getattr(args, flag) and not getattr(args, needs):
             parser.error(f"--{flag.replace('_', '-')} needs --{needs.replace('_', '-')}")

@@ -229,10 +229,6 @@ FLAGS: dict[str, Decision] = {
     "--end-weight-decay": refused(f"weight-decay schedules are {NOT_YET}: --weight-decay is constant"),
     "--weight-decay-incr-style": refused(f"weight-decay schedules are {NOT_YET}: --weight-decay is constant"),
     "--warmup": refused("deprecated in Megatron-LM: use --lr-warmup-iters or --lr-warmup-fraction"),
-    # megatron-core's decoupled param groups do not come back from a checkpoint as they were saved (a resumed
-    # run's steps differ, or the load fails with the plain optimizer).
-    "--decoupled-lr": refused(f"{NOT_YET}: a run with it does not resume exactly yet"),
-    "--decoupled-min-lr": refused(f"{NOT_YET}: a run with it does not resume exactly yet"),
     # -- checkpointing
     "--save-wgrads-interval": refused(f"{NOT_YET}"),
     "--save-dgrads-interval": refused(f"{NOT_YET}"),

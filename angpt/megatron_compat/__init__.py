@@ -15,6 +15,8 @@ Each workaround, where it is, and what breaks without it under megatron-core 0.1
   behind; the Manager imports torch (2 CPU-s and 300 MB a rank) to unpickle results it only passes on.
 - The distributed optimizer loading torch's Adam (`patches.py`): without apex or Transformer Engine there
   is no sharded state dict to load into, then `KeyError: 'step'`, then Adam's bias correction restarts.
+- The --decoupled-lr groups marked (`patches.py`, `mark_decoupled_lr_groups`): without it their saved state loads
+  into the other weights' group (a resumed run differs; the plain optimizer refuses the load).
 - The grad norm and clipping in foreach ops (`patches.py`, `foreach_l2_norm`): without apex or Transformer
   Engine, megatron's fallback syncs the host once per parameter for the grad norm of every step.
 - A fused RoPE without Transformer Engine (`patches.py`, `angpt.models.attention.fused_rotary_pos_emb`):

@@ -116,6 +116,17 @@ def _load_only_checkpointed_states() -> None:
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states
 
 
+def mark_decoupled_lr_groups(optimizer, max_lr: float, min_lr: float) -> None:
+    """megatron-core 0.16 gives the --decoupled-lr parameters a group of their own (its max_lr and min_lr) but
+    leaves its `is_decoupled_lr` False; a load matches saved groups to the optimizer's by (wd_mult, lr_mult,
+    is_expert_parallel, is_decoupled_lr) and took that group for the other weights' (a resumed run's steps
+    differed; the plain optimizer refused the load). Marked here, so that each group loads its own state."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for group in inner.param_groups:
+            if (group.get("max_lr"), group.get("min_lr")) == (max_lr, min_lr):
+                group["is_decoupled_lr"] = True
+
+
 def unshare_adam_steps(optimizer) -> None:
     """The distributed optimizer restores torch Adam's per-parameter `step` as one tensor shared by
     every parameter, which Adam then increments once per parameter per step (bias correction would

@@ -16,6 +16,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import get_model_config
 
 from angpt.config.choices import FAMILY_NAMES
+from angpt.megatron_compat import patches
 from angpt.models import WEIGHT_CONSTRAINTS
 from angpt.models.bounding import attach_weight_constraint
 
@@ -132,6 +133,8 @@ def build_optimizer(
     lr_decay_iters: Optional[int] = None,
     lr_wsd_decay_iters: Optional[int] = None,
     lr_wsd_decay_style: str = "exponential",
+    decoupled_lr: Optional[float] = None,
+    decoupled_min_lr: Optional[float] = None,
     train_samples: Optional[int] = None,
     lr_decay_samples: Optional[int] = None,
     lr_warmup_samples: Optional[int] = None,
@@ -179,6 +182,9 @@ def build_optimizer(
         adam_beta2=adam_beta2,
         adam_eps=adam_eps,
         clip_grad=clip_grad,
+        # The embedding and output head's own max and min lr (megatron-core's param groups).
+        decoupled_lr=decoupled_lr,
+        decoupled_min_lr=decoupled_min_lr,
         bf16=bf16,
         # fp16: megatron-core's loss scaler (a constant --loss-scale, else dynamic), as Megatron-LM builds it.
         **({} if fp16 is None else dict(fp16=True, **fp16)),
@@ -188,6 +194,12 @@ def build_optimizer(
     log_backends(model_config, recipe_departures(model_family, weight_decay_given, warmup_given, lr_warmup_fraction,
                                                  "samples" if train_samples is not None else "iters"))
     optimizer = get_megatron_optimizer(config, model_chunks)
+    if decoupled_lr is not None:
+        decoupled = (decoupled_lr, min_lr if decoupled_min_lr is None else decoupled_min_lr)
+        if decoupled == (lr, min_lr):
+            raise ValueError(f"--decoupled-lr {decoupled_lr} with the min lr {decoupled[1]} decouples nothing: they "
+                             "are --lr's and --min-lr's; leave them out")
+        patches.mark_decoupled_lr_groups(optimizer, *decoupled)
     if torch.cuda.is_available() if fused_adam is None else fused_adam:
         use_fused_adam(optimizer)
     constraint = WEIGHT_CONSTRAINTS[model_family]

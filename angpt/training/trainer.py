@@ -111,6 +111,7 @@ class Trainer:
             lr_warmup_fraction=args.lr_warmup_fraction, lr_warmup_init=args.lr_warmup_init,
             lr_decay_style=args.lr_decay_style, lr_decay_iters=args.lr_decay_iters,
             lr_wsd_decay_iters=args.lr_wsd_decay_iters, lr_wsd_decay_style=args.lr_wsd_decay_style,
+            decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
             train_samples=args.train_samples, lr_decay_samples=args.lr_decay_samples,
             lr_warmup_samples=args.lr_warmup_samples, lr_wsd_decay_samples=args.lr_wsd_decay_samples,
             clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
