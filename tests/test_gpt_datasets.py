@@ -10,6 +10,7 @@ import torch
 from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
+from angpt.data import indexed
 from angpt.data.gpt_datasets import DataArguments, build_datasets, dataset_vocabulary, micro_batches
 from angpt.data.indexed import IndexedDatasetError
 
@@ -214,3 +215,29 @@ def test_a_hugging_face_tokenizer_gives_the_vocabulary_and_the_description_check
     with pytest.raises(ValueError, match="^--tokenizer-type SentencePieceTokenizer: choose one of "
                                          "HuggingFaceTokenizer, TikTokenizer, GPT2BPETokenizer, NullTokenizer$"):
         dataset_vocabulary(DataArguments(train_data_path=[a], tokenizer_type="SentencePieceTokenizer"))
+
+
+def test_the_scan_of_a_bin_without_metadata_is_cached_until_the_bin_changes(two_prefixes, tmp_path, monkeypatch):
+    """The largest token id of a .json-less dataset is scanned once into --data-cache-path and read back while
+    the .bin keeps its size and modification time; a changed .bin is scanned again; an unwritable cache only
+    costs the scan."""
+    a = without_metadata(two_prefixes[0])
+    cache = tmp_path / "cache"
+    scans = []
+    real_scan = indexed.max_token_id
+    monkeypatch.setattr(indexed, "max_token_id", lambda prefix: scans.append(prefix) or real_scan(prefix))
+    data = null_tokenizer(EOD, train_data_path=[a], data_cache_path=str(cache))
+    for _ in range(2):
+        assert dataset_vocabulary(data).vocab_size == EOD + 1
+    assert scans == [a] and len(list(cache.iterdir())) == 1
+    stat = os.stat(a + ".bin")
+    os.utime(a + ".bin", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # the same size, a newer .bin
+    dataset_vocabulary(data)
+    assert scans == [a, a]
+    # Without --data-cache-path, megatron-core's place for a dataset's caches: <prefix>/cache.
+    dataset_vocabulary(null_tokenizer(EOD, train_data_path=[a]))
+    assert scans == [a, a, a] and len(os.listdir(os.path.join(a, "cache"))) == 1
+    blocked = tmp_path / "not_a_directory"
+    blocked.write_text("")
+    dataset_vocabulary(null_tokenizer(EOD, train_data_path=[a], data_cache_path=str(blocked)))
+    assert scans == [a, a, a, a]

@@ -324,8 +324,9 @@ FLAGS: dict[str, Decision] = {
     "--sample-rate": refused(f"{NOT_YET}"),
     "--mask-prob": refused(f"masked language modelling (BERT): {DENSE}"),
     "--short-seq-prob": refused(f"masked language modelling (BERT): {DENSE}"),
-    "--reset-position-ids": refused(f"{NOT_YET}"),
-    "--reset-attention-mask": refused(f"{NOT_YET}"),
+    "--reset-position-ids": refused(f"{NOT_YET}: RoPE rotates by the position in the sequence here, as megatron-core's "
+                                    "GPTModel does (there, too, position ids do not reach RoPE)"),
+    "--reset-attention-mask": refused(f"{NOT_YET}: every attention backend here is causal over the whole sequence"),
     "--no-create-attention-mask-in-dataloader": implied("the dataset never builds an attention mask here: every "
                                                         "attention backend is causal by construction"),
     "--num-dataset-builder-threads": refused(f"{NOT_YET}"),

@@ -73,14 +73,15 @@ def dataset_vocabulary(data: DataArguments) -> DatasetVocabulary:
         check_indexed_dataset(prefix)
         if os.path.isfile(metadata_path(prefix)):
             metadata[prefix] = read_metadata(prefix)
-            check_token_ids(prefix, metadata[prefix])
+            check_token_ids(prefix, metadata[prefix], cache_dir=data.data_cache_path)
         elif flags is None:
             raise IndexedDatasetError(
                 f"{metadata_path(prefix)}: no dataset metadata: give the tokenizer the dataset was written with "
                 "(--tokenizer-type and --tokenizer-model, --vocab-file/--merge-file, or NullTokenizer with "
                 "--vocab-size), or write it with tools/preprocess_data.py")
         else:
-            check_token_ids(prefix, {"vocab_size": flags.vocab_size}, source=_describe_flags(data))
+            check_token_ids(prefix, {"vocab_size": flags.vocab_size}, source=_describe_flags(data),
+                            cache_dir=data.data_cache_path)
     recorded = {prefix: (meta["vocab_size"], meta["eod"]) for prefix, meta in metadata.items()}
     if len(set(recorded.values())) > 1:
         raise ValueError(f"the datasets were tokenized differently (vocab_size, eod): {recorded}")

@@ -8,6 +8,7 @@ ids beyond the vocabulary, which megatron-core's embedding would index out of ra
 zeros at TP > 1.
 """
 
+import hashlib
 import json
 import os
 import struct
@@ -78,16 +79,44 @@ def max_token_id(prefix: str) -> Optional[int]:
     return int(numpy.memmap(prefix + ".bin", dtype=dtype, mode="r").max())
 
 
-def check_token_ids(prefix: str, metadata: dict, source: Optional[str] = None) -> None:
+def cached_max_token_id(prefix: str, cache_dir: Optional[str] = None) -> Optional[int]:
+    """max_token_id, kept in `cache_dir` (--data-cache-path; default megatron-core's place for a dataset's
+    caches, `<prefix>/cache`) for as long as prefix.bin keeps its size and modification time: a dataset
+    without our .json (Megatron-LM's tool writes none) is scanned once, not at every start. A cache that
+    cannot be written is skipped: the scan's result is the same."""
+    stat = os.stat(prefix + ".bin")
+    key = {"bin": os.path.abspath(prefix + ".bin"), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    name = f"{os.path.basename(prefix)}-{hashlib.sha1(key['bin'].encode()).hexdigest()[:12]}.max_token_id.json"
+    path = os.path.join(cache_dir or os.path.join(prefix, "cache"), name)
+    try:
+        with open(path) as file:
+            cached = json.load(file)
+        if {k: cached.get(k) for k in key} == key:
+            return cached["max_token_id"]
+    except (OSError, ValueError, KeyError, AttributeError):
+        pass  # none yet, another version of the .bin, or unreadable: scan
+    largest = max_token_id(prefix)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        partial = f"{path}.{os.getpid()}.tmp"  # ranks writing at once each rename a whole file
+        with open(partial, "w") as file:
+            json.dump({**key, "max_token_id": largest}, file)
+        os.replace(partial, path)
+    except OSError:
+        pass
+    return largest
+
+
+def check_token_ids(prefix: str, metadata: dict, source: Optional[str] = None, cache_dir: Optional[str] = None):
     """Refuse a dataset whose token ids reach beyond its metadata's vocab_size. The max_token_id that
     tools/preprocess_data.py records is trusted here (read_metadata compares it); a dataset without one has
-    its .bin scanned (per 100M tokens: about 0.05 s from the page cache, 0.2 to 2 s from disk, on every rank).
-    The trainer checks the ids of every batch it reads as well, which catches a max_token_id that does not
-    match the .bin. `source`: where the vocab_size comes from, for a dataset without a .json (the tokenizer
-    flags)."""
+    its .bin scanned (per 100M tokens: about 0.05 s from the page cache, 0.2 to 2 s from disk), once
+    (cached_max_token_id). The trainer checks the ids of every batch it reads as well, which catches a
+    max_token_id that does not match the .bin. `source`: where the vocab_size comes from, for a dataset
+    without a .json (the tokenizer flags)."""
     if "max_token_id" in metadata:
         return
-    largest = max_token_id(prefix)
+    largest = cached_max_token_id(prefix, cache_dir)
     if largest is not None and largest >= metadata["vocab_size"]:
         raise IndexedDatasetError(f"{prefix}.bin holds token id {largest}, outside the vocab_size "
                                   f"{metadata['vocab_size']} of {source or metadata_path(prefix)}")
