@@ -48,8 +48,8 @@ def llama3_8b(data: str, vocab_size: int, save: str) -> list[str]:
         "--data-path", data, "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab_size),
         "--data-cache-path", f"{save}/cache", "--tiktoken-pattern", "v2", "--split", "99,1,0",
         "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers", "1",
-        # EVAL_AND_LOGGING_ARGS (intervals shrunk). Left out: --profile --profile-step-start 4 --profile-step-end 6
-        # (profiling ranges are not built yet).
+        # EVAL_AND_LOGGING_ARGS (intervals shrunk). Left out: --profile --profile-step-start 4 --profile-step-end 6,
+        # an Nsight Systems capture range, which needs CUDA.
         "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "3", "--save-interval", "3",
         "--log-throughput", "--ckpt-format", "torch_dist", "--distributed-timeout-minutes", "60", "--save", save,
         "--load", save, "--tensorboard-dir", f"{save}/tensorboard",

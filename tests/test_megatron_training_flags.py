@@ -4,6 +4,7 @@ and --ddp-bucket-size, --manual-gc (with --manual-gc-interval, --no-manual-gc-ev
 --no-mmap-bin-files."""
 
 import gc
+import json
 import math
 
 import pytest
@@ -47,6 +48,7 @@ def test_decoupled_lr_gives_the_input_and_output_layers_their_own_max_and_min_lr
         build_optimizer(chunks, "gptplus", lr=1e-3, min_lr=1e-4, train_iters=10, decoupled_lr=1e-3)
 
 
+@pytest.mark.slow  # three in-process trainer runs
 def test_a_run_with_decoupled_lr_resumes_exactly(tmp_path, single_process):
     """megatron-core 0.16 matched the saved groups to the optimizer's without telling the decoupled group
     apart: a resumed run's steps differed (the distributed optimizer), or the load failed (this one)."""
@@ -75,6 +77,8 @@ def test_gradients_reduce_in_fp32_unless_grad_reduce_in_bf16_and_the_bucket_size
     (["--no-manual-gc-eval"], "--no-manual-gc-eval needs --manual-gc"),
     (["--empty-unused-memory-level", "3"], "invalid choice: 3"),
     (["--ddp-bucket-size", "0"], "--ddp-bucket-size 0 must be at least 1"),
+    (["--use-pytorch-profiler"], "--use-pytorch-profiler, --profile-ranks, --profile-step-start and "
+                                 "--profile-step-end need --profile"),
 ])
 def test_these_flags_alone_or_out_of_range_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -93,6 +97,7 @@ def test_empty_unused_memory_level_releases_the_cache_after_the_backward_and_the
     assert len(calls) == releases
 
 
+@pytest.mark.slow  # an in-process trainer run
 def test_manual_gc_collects_at_the_interval_and_around_evaluations_with_the_collector_off(tmp_path, monkeypatch):
     collections = []
     real_collect = gc.collect
@@ -189,3 +194,33 @@ def test_dataloader_workers_give_the_micro_batches_of_the_inline_reads(num_worke
             assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
         consumed += global_batch
     loader.close()
+
+
+def test_profile_with_the_pytorch_profiler_traces_the_steps_asked_for(tmp_path, single_process):
+    """Megatron-LM's numbering: --profile-step-start 1 --profile-step-end 3 profiles the 2nd and 3rd steps (the
+    steps that start with 1 and 2 completed), written to the TensorBoard directory as a trace."""
+    trainer = in_process_trainer([*MOCK, "--num-layers", "1", "--hidden-size", "32", "--seq-length", "16",
+                                  "--micro-batch-size", "2", "--global-batch-size", "2", "--eval-iters", "0",
+                                  "--tensorboard-dir", str(tmp_path), "--profile", "--use-pytorch-profiler",
+                                  "--profile-step-start", "1", "--profile-step-end", "3"])
+    assert trainer.run() == 0
+    traces = list(tmp_path.glob("*.pt.trace.json"))
+    assert len(traces) == 1
+    steps = {event["name"] for event in json.load(open(traces[0]))["traceEvents"]
+             if event.get("name", "").startswith("ProfilerStep#")}
+    assert steps == {"ProfilerStep#1", "ProfilerStep#2"}
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--profile"], "--profile without --use-pytorch-profiler opens an Nsight Systems capture range"),
+    (["--profile", "--use-pytorch-profiler", "--profile-step-start", "3", "--profile-step-end", "3"],
+     "--profile-step-end 3 must be above --profile-step-start 3"),
+])
+def test_a_profile_that_cannot_run_here_is_refused_before_training(argv, message, tmp_path, single_process):
+    """A ValueError from the trainer's construction: angpt.pretrain prints it in one line and exits with 2."""
+    if torch.cuda.is_available() and "--use-pytorch-profiler" not in argv:
+        pytest.skip("an Nsight Systems range runs on a GPU")
+    with pytest.raises(ValueError, match=f"^{message}"):
+        in_process_trainer([*MOCK, "--num-layers", "1", "--hidden-size", "32", "--seq-length", "16",
+                            "--micro-batch-size", "2", "--global-batch-size", "2", "--tensorboard-dir", str(tmp_path),
+                            *argv])

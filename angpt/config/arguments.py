@@ -45,7 +45,7 @@ NUMERIC_RANGES = (
         "angpt_alpha_init", "min_lr", "lr_warmup_iters", "lr_warmup_samples", "lr_warmup_init", "weight_decay",
         "clip_grad", "seed", "fp8_margin", "eval_iters", "max_skipped_steps", "dry_run", "cuda_graph_warmup_steps",
         "megatron_local_rank", "rampup_batch_size", "manual_gc_interval", "empty_unused_memory_level",
-        "num_workers", "decoupled_min_lr")),
+        "num_workers", "decoupled_min_lr", "profile_step_start", "profile_step_end", "profile_ranks")),
     ("must be positive", lambda value: value > 0, (
         "init_method_std", "norm_epsilon", "angpt_constant_factor_multiplier", "angpt_nu_alpha_multiplier",
         "distributed_timeout_minutes", "lr", "adam_eps", "exit_duration_in_mins", "megatron_rotary_percent",
@@ -315,6 +315,17 @@ def build_parser() -> argparse.ArgumentParser:
                       help="global batches of the validation split per evaluation (0: no evaluation)")
     logs.add_argument("--log-interval", type=int, default=100)
     logs.add_argument("--tensorboard-dir", help="TensorBoard scalars (default: <save>/tensorboard)")
+    logs.add_argument("--profile", action="store_true", help="profile the steps from --profile-step-start to "
+                      "--profile-step-end on --profile-ranks: an Nsight Systems capture range (run under `nsys "
+                      "profile --capture-range=cudaProfilerApi`; needs CUDA), or with --use-pytorch-profiler "
+                      "PyTorch profiler traces in the TensorBoard directory")
+    logs.add_argument("--profile-step-start", type=int, default=10, help="with --profile: the first step profiled "
+                      "(counted from 0, as Megatron-LM counts it)")
+    logs.add_argument("--profile-step-end", type=int, default=12, help="with --profile: the step the range ends "
+                      "before")
+    logs.add_argument("--use-pytorch-profiler", action="store_true", help="with --profile: the PyTorch profiler")
+    logs.add_argument("--profile-ranks", nargs="+", type=int, default=[0], help="with --profile: the ranks "
+                      "profiled")
     logs.add_argument("--metrics-file", help="JSON lines of every logged figure (default: <save or "
                       "tensorboard dir>/metrics.jsonl)")
     # Megatron-LM's W&B flags (megatron/training/global_vars.py: _set_wandb_writer), with its defaults.
@@ -496,6 +507,10 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
                         ("manual_gc_interval", "manual_gc")):
         if getattr(args, flag) and not getattr(args, needs):
             parser.error(f"--{flag.replace('_', '-')} needs --{needs.replace('_', '-')}")
+    if (args.use_pytorch_profiler or args.profile_ranks != [0] or (args.profile_step_start, args.profile_step_end)
+            != (10, 12)) and not args.profile:
+        parser.error("--use-pytorch-profiler, --profile-ranks, --profile-step-start and --profile-step-end need "
+                     "--profile")
     if not args.manual_gc_eval and not args.manual_gc:
         parser.error("--no-manual-gc-eval needs --manual-gc")
     if args.overlap_param_gather and not args.use_distributed_optimizer:

@@ -59,7 +59,6 @@ NORM_REPLACED = "anGPT and nGPT replace it by their own normalization (one log l
 FSDP = "FSDP is not built: use --use-distributed-optimizer (megatron-core's ZeRO-1 sharding of the optimizer)"
 OFFLOAD = "CPU offloading is not built"
 TE_OVERLAP = "Transformer Engine's userbuffer overlap of tensor-parallel communication is not built"
-PROFILE = f"profiling ranges are {NOT_YET}"
 PIPELINE_SPLIT = f"uneven pipeline stages are {NOT_YET}: --num-layers splits evenly over the stages"
 INFERENCE = "an inference setting: angpt pretrains; generate with the Hugging Face export (tools/convert_to_hf.py)"
 LEGACY = "Megatron-LM's legacy models are not part of angpt; the families are megatron-core models"
@@ -370,13 +369,8 @@ FLAGS: dict[str, Decision] = {
     "--logging-level": refused(f"{NOT_YET}"),
     "--log-energy": refused(f"{NOT_YET}"),
     # -- profiling
-    "--profile": refused(PROFILE),
-    "--profile-step-start": refused(PROFILE),
-    "--profile-step-end": refused(PROFILE),
-    "--use-pytorch-profiler": refused(PROFILE),
-    "--profile-ranks": refused(PROFILE),
-    "--record-memory-history": refused(PROFILE),
-    "--memory-snapshot-path": refused(PROFILE),
+    "--record-memory-history": refused(f"CUDA memory snapshots are {NOT_YET}"),
+    "--memory-snapshot-path": refused(f"CUDA memory snapshots are {NOT_YET}"),
     # -- Transformer Engine, experimental, rerun engine
     "--te-precision-config-file": refused("per-layer precision configs are not built (docs/fp8.md)"),
     "--enable-experimental": refused("Megatron-LM's experimental features are not built"),

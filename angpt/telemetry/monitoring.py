@@ -25,6 +25,7 @@ class TrainingMonitor:
         output_dir = args.save or args.tensorboard_dir
         metrics_file = args.metrics_file or (os.path.join(output_dir, "metrics.jsonl") if output_dir else None)
         tensorboard_dir = args.tensorboard_dir or (os.path.join(args.save, "tensorboard") if args.save else None)
+        self.tensorboard_dir = tensorboard_dir
         wandb_init = None
         if args.wandb_project:
             # As Megatron-LM: every launch is a run of its own, its settings as the run's config; a resumed

@@ -26,6 +26,7 @@ from angpt.config.arguments import exit_signals
 from angpt.data.gpt_datasets import TrainingBatches, build_datasets, dataset_vocabulary, micro_batches
 from angpt.data.indexed import IndexedDatasetError
 from angpt.telemetry.monitoring import TrainingMonitor
+from angpt.telemetry.profiling import StepProfiler
 from angpt.training import checkpointing, distributed, faults, save_lock
 from angpt.training.batch_schedule import BatchSchedule, set_train_iters
 from angpt.training.checkpointing import TrainState
@@ -151,11 +152,15 @@ class Trainer:
                                      args.rampup_batch_size, self.rank)
         # Forked after the exit-signal handlers are installed (below): the workers inherit them.
         self.train_batches = None
+        self.profiler = None  # --profile's (below)
         # The schedule counts samples in a run by samples (Megatron-LM's), else iterations (angpt.training.optimizer).
         self.by_samples = args.train_samples is not None
         self.exits = ExitRequests(exit_signals(args), args.exit_duration_in_mins)
         self.monitor = TrainingMonitor(args, self.config, self.chunks, self.vocab_size, self.rank,
                                        self.state.iteration, self.loaded_from)
+        if args.profile and self.rank in args.profile_ranks:
+            self.profiler = StepProfiler(args.profile_step_start, args.profile_step_end, args.use_pytorch_profiler,
+                                         self.monitor.tensorboard_dir)
         if self.rank == 0:
             parameters = sum(p.numel() for c in self.chunks for p in c.parameters())
             logger.info("%s: %d layers, d=%d, vocabulary %d (padded %d), %d parameters on rank 0; world %d "
@@ -256,8 +261,12 @@ class Trainer:
             while self.state.iteration < args.train_iters:
                 if self.state.iteration + 1 == self.faults.wait_for_signal_before:
                     faults.wait_for_signal(lambda: self.exits.received is not None, self.state.iteration + 1)
+                if self.profiler is not None:
+                    self.profiler.before_step(self.state.iteration)
                 record = self.train_one_step()
                 iteration = record["iteration"]
+                if self.profiler is not None:
+                    self.profiler.after_step(iteration)
                 self.monitor.log_step(record)
                 if record.get("calibrating") and self.rank == 0:
                     logger.info("iteration %d: fp16 gradients overflowed: step skipped, loss scale now %g", iteration,
@@ -299,6 +308,8 @@ class Trainer:
             return 1
 
     def _finish(self) -> None:
+        if self.profiler is not None:
+            self.profiler.close()
         if self.train_batches is not None:
             self.train_batches.close()
         if self.args.manual_gc:
