@@ -145,7 +145,7 @@ def build_optimizer(
     adam_eps: float = 1e-8,
     use_distributed_optimizer: bool = False,
     bf16: bool = False,
-    fp16: Optional[dict] = None,
+    loss_scaling: Optional[dict] = None,
     fused_adam: Optional[bool] = None,
 ):
     """megatron-core's Adam(W) with the family's defaults (each overridable), the family's post-step
@@ -157,8 +157,9 @@ def build_optimizer(
     scheduler by each step's global batch. Otherwise it counts iterations: step it by 1.
 
     Weight decay reaches 2-D weights only: megatron-core exempts 1-D parameters (norms and scales).
-    `fused_adam`: see `use_fused_adam`; default on with CUDA. `fp16`: the loss scaler's settings (OptimizerConfig's
-    loss_scale, initial_loss_scale, min_loss_scale, loss_scale_window, hysteresis) of an fp16 model."""
+    `fused_adam`: see `use_fused_adam`; default on with CUDA. `loss_scaling`: the loss scaler's settings
+    (OptimizerConfig's loss_scale, initial_loss_scale, min_loss_scale, loss_scale_window, hysteresis) of an fp16
+    model."""
     recipe = RECIPES[model_family]
     min_lr = recipe.min_lr_ratio * lr if min_lr is None else min_lr
     weight_decay_given = weight_decay
@@ -187,7 +188,7 @@ def build_optimizer(
         decoupled_min_lr=decoupled_min_lr,
         bf16=bf16,
         # fp16: megatron-core's loss scaler (a constant --loss-scale, else dynamic), as Megatron-LM builds it.
-        **({} if fp16 is None else dict(fp16=True, **fp16)),
+        **({} if loss_scaling is None else dict(fp16=True, **loss_scaling)),
         use_distributed_optimizer=use_distributed_optimizer,
     )
     model_config = get_model_config(model_chunks[0])

@@ -117,9 +117,9 @@ class Trainer:
             lr_warmup_samples=args.lr_warmup_samples, lr_wsd_decay_samples=args.lr_wsd_decay_samples,
             clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
             adam_eps=args.adam_eps, use_distributed_optimizer=args.use_distributed_optimizer, bf16=args.bf16,
-            fp16=dict(loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
-                      min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
-                      hysteresis=args.hysteresis) if args.fp16 else None,
+            loss_scaling=dict(loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+                              min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
+                              hysteresis=args.hysteresis) if args.fp16 else None,
         )
         if args.fp16:
             # The schedules scale each micro-batch's loss before its backward (Megatron-LM's setup_model_and_optimizer).
