@@ -212,9 +212,13 @@ def test_a_hugging_face_tokenizer_gives_the_vocabulary_and_the_description_check
     described = vocabulary.unique_identifiers["tokenizer"]
     assert described["type"] == "HuggingFaceTokenizer"
     assert described["model"]["path"].endswith("tokenizer.json") and len(described["model"]["sha256"]) == 64
-    with pytest.raises(ValueError, match="^--tokenizer-type SentencePieceTokenizer: choose one of "
-                                         "HuggingFaceTokenizer, TikTokenizer, GPT2BPETokenizer, NullTokenizer$"):
+    with pytest.raises(ValueError, match="^--tokenizer-type SentencePieceTokenizer: Megatron-LM's, not built here "
+                                         r"yet \(HuggingFaceTokenizer, TikTokenizer, GPT2BPETokenizer, NullTokenizer "
+                                         r"are\)$"):
         dataset_vocabulary(DataArguments(train_data_path=[a], tokenizer_type="SentencePieceTokenizer"))
+    with pytest.raises(ValueError, match="^--tokenizer-type SentencepieceTokenizer: choose one of "
+                                         "HuggingFaceTokenizer, TikTokenizer, GPT2BPETokenizer, NullTokenizer$"):
+        dataset_vocabulary(DataArguments(train_data_path=[a], tokenizer_type="SentencepieceTokenizer"))
 
 
 def test_the_scan_of_a_bin_without_metadata_is_cached_until_the_bin_changes(two_prefixes, tmp_path, monkeypatch):

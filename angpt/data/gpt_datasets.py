@@ -15,7 +15,13 @@ from torch.utils.data import DataLoader
 
 from angpt.data.blend import parse_blend
 from angpt.data.indexed import IndexedDatasetError, check_indexed_dataset, check_token_ids, metadata_path, read_metadata
-from angpt.data.tokenizers import NULL_TOKENIZER, TOKENIZER_TYPES, build_tokenizer, recorded_tokenizer
+from angpt.data.tokenizers import (
+    MEGATRON_ONLY_TOKENIZER_TYPES,
+    NULL_TOKENIZER,
+    TOKENIZER_TYPES,
+    build_tokenizer,
+    recorded_tokenizer,
+)
 
 
 @dataclass(frozen=True)
@@ -116,8 +122,11 @@ def flag_vocabulary(data: DataArguments) -> Optional[DatasetVocabulary]:
         return DatasetVocabulary(data.vocab_size + 1, data.vocab_size,
                                  {"tokenizer": {"type": NULL_TOKENIZER, "vocab_size": data.vocab_size}})
     if data.tokenizer_type not in TOKENIZER_TYPES:
-        raise ValueError(f"--tokenizer-type {data.tokenizer_type}: choose one of "
-                         f"{', '.join([*TOKENIZER_TYPES, NULL_TOKENIZER])}")
+        built = ", ".join([*TOKENIZER_TYPES, NULL_TOKENIZER])
+        if data.tokenizer_type in MEGATRON_ONLY_TOKENIZER_TYPES:
+            raise ValueError(f"--tokenizer-type {data.tokenizer_type}: Megatron-LM's, not built here yet ({built} "
+                             "are)")
+        raise ValueError(f"--tokenizer-type {data.tokenizer_type}: choose one of {built}")
     tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_file, data.merge_file)
     # Described as a .json describes its tokenizer: checkpoints and the export carry it.
     return DatasetVocabulary(tokenizer.vocab_size, tokenizer.eod, {"tokenizer": tokenizer.description})

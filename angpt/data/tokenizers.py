@@ -29,6 +29,10 @@ TOKENIZER_TYPES = ("HuggingFaceTokenizer", "TikTokenizer", "GPT2BPETokenizer")
 # Megatron-LM's tokenizer of already tokenized data: --vocab-size ids, the end-of-document id after them. The
 # trainer takes it for datasets without a .json; it cannot tokenize text.
 NULL_TOKENIZER = "NullTokenizer"
+# The other choices of Megatron-LM's --tokenizer-type (megatron/training/arguments.py, core_v0.16.1).
+MEGATRON_ONLY_TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer",
+                                 "GPTSentencePieceTokenizer", "Llama2Tokenizer", "MultimodalTokenizer",
+                                 "NullMultimodalTokenizer", "SFTTokenizer")
 
 
 class Tokenizer(Protocol):
