@@ -69,6 +69,9 @@ setup(
         # Tokenization (tools/preprocess_data.py, tools/train_tokenizer.py) and its progress bar.
         "tokenizers>=0.20",
         "tiktoken>=0.7",
+        # Megatron-LM's SentencePieceTokenizer, GPTSentencePieceTokenizer and Llama2Tokenizer (megatron-core's
+        # tokenizer library reads the .model with it).
+        "sentencepiece",
         "tqdm",
         # tools/preprocess_data.py: --split-sentences (Punkt, as Megatron-LM; pure Python, works offline without
         # trained parameters; its sentence-end pattern is linear since 3.6.6, CVE-2021-43854; tested with 3.10)

@@ -6,6 +6,7 @@ import re
 
 import numpy as np
 import pytest
+import sentencepiece
 import torch
 from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
@@ -212,12 +213,12 @@ def test_a_hugging_face_tokenizer_gives_the_vocabulary_and_the_description_check
     described = vocabulary.unique_identifiers["tokenizer"]
     assert described["type"] == "HuggingFaceTokenizer"
     assert described["model"]["path"].endswith("tokenizer.json") and len(described["model"]["sha256"]) == 64
-    with pytest.raises(ValueError, match="^--tokenizer-type SentencePieceTokenizer: Megatron-LM's, not built here "
-                                         r"yet \(HuggingFaceTokenizer, TikTokenizer, GPT2BPETokenizer, NullTokenizer "
-                                         r"are\)$"):
-        dataset_vocabulary(DataArguments(train_data_path=[a], tokenizer_type="SentencePieceTokenizer"))
-    with pytest.raises(ValueError, match="^--tokenizer-type SentencepieceTokenizer: choose one of "
-                                         "HuggingFaceTokenizer, TikTokenizer, GPT2BPETokenizer, NullTokenizer$"):
+    built = ("HuggingFaceTokenizer, TikTokenizer, GPT2BPETokenizer, SentencePieceTokenizer, "
+             "GPTSentencePieceTokenizer, Llama2Tokenizer, NullTokenizer")
+    with pytest.raises(ValueError, match=rf"^--tokenizer-type BertWordPieceCase: Megatron-LM's, not built here yet "
+                                         rf"\({built} are\)$"):
+        dataset_vocabulary(DataArguments(train_data_path=[a], tokenizer_type="BertWordPieceCase"))
+    with pytest.raises(ValueError, match=f"^--tokenizer-type SentencepieceTokenizer: choose one of {built}$"):
         dataset_vocabulary(DataArguments(train_data_path=[a], tokenizer_type="SentencepieceTokenizer"))
 
 
@@ -245,3 +246,42 @@ def test_the_scan_of_a_bin_without_metadata_is_cached_until_the_bin_changes(two_
     blocked.write_text("")
     dataset_vocabulary(null_tokenizer(EOD, train_data_path=[a], data_cache_path=str(blocked)))
     assert scans == [a, a, a, a]
+
+
+@pytest.mark.parametrize("tokenizer_type", ["SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"])
+def test_a_sentencepiece_model_gives_megatron_lms_vocabulary_and_bounds_the_ids(tokenizer_type, tmp_path,
+                                                                               single_process):
+    """Megatron-LM 0.16 reads a SentencePiece model through megatron-core's tokenizer library: its pieces, and
+    its EOS as the end-of-document id (here from sentencepiece itself). A dataset Megatron-LM's tool wrote
+    with it trains; an id at the vocabulary's size is refused."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog {7 * i}" for i in range(300)))
+    sentencepiece.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=100,
+                                             model_type="bpe", minloglevel=2)
+    model = str(tmp_path / "sp.model")
+    processor = sentencepiece.SentencePieceProcessor(model_file=model)
+    size, eos = processor.get_piece_size(), processor.eos_id()
+    prefix = str(tmp_path / "sp_text_document")
+    write_ids(prefix, [processor.encode(line) + [eos] for line in corpus.read_text().splitlines()[:50]])
+    data = DataArguments(train_data_path=[prefix], tokenizer_type=tokenizer_type, tokenizer_model=model,
+                         data_cache_path=str(tmp_path / "cache"))
+    vocabulary = dataset_vocabulary(data)
+    assert (vocabulary.vocab_size, vocabulary.eod) == (size, eos) == (100, 2)
+    assert vocabulary.unique_identifiers["tokenizer"]["type"] == tokenizer_type
+    train, _, _ = build_datasets(data, vocabulary, seq_length=16, seed=1234, samples=[32, 0, 0])
+    assert len(train) >= 32
+    outside = str(tmp_path / "outside_text_document")
+    write_ids(outside, [[1, 2, size]])
+    with pytest.raises(IndexedDatasetError, match=f"holds token id {size}, outside the vocab_size {size}"):
+        dataset_vocabulary(DataArguments(train_data_path=[outside], tokenizer_type=tokenizer_type,
+                                         tokenizer_model=model))
+    with pytest.raises(ValueError, match=f"^{tokenizer_type} needs --tokenizer-model"):
+        dataset_vocabulary(DataArguments(train_data_path=[prefix], tokenizer_type=tokenizer_type))
+
+
+def write_ids(prefix: str, documents: list[list[int]]) -> None:
+    """A .bin/.idx pair of these documents and nothing else, as Megatron-LM's tools/preprocess_data.py writes."""
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    for document in documents:
+        builder.add_document(torch.tensor(document), [len(document)])
+    builder.finalize(prefix + ".idx")

@@ -280,9 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
                       "it records")
     # Megatron-LM's tokenizer flags: the vocabulary of datasets without our .json, as its tools/preprocess_data.py
     # writes them (angpt.data.gpt_datasets.flag_vocabulary); with a .json, they must agree with it.
-    data.add_argument("--tokenizer-type", help="HuggingFaceTokenizer, TikTokenizer, GPT2BPETokenizer or "
-                      "NullTokenizer (with --vocab-size)")
-    data.add_argument("--tokenizer-model", help="tokenizer.json or its directory, or a .tiktoken ranks file")
+    data.add_argument("--tokenizer-type", help="HuggingFaceTokenizer, TikTokenizer, GPT2BPETokenizer, "
+                      "SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer or NullTokenizer (with "
+                      "--vocab-size)")
+    data.add_argument("--tokenizer-model", help="tokenizer.json or its directory, a .tiktoken ranks file, or a "
+                      "SentencePiece .model")
     data.add_argument("--vocab-file", help="GPT2BPETokenizer's vocab.json")
     data.add_argument("--merge-file", help="GPT2BPETokenizer's merges.txt")
     data.add_argument("--make-vocab-size-divisible-by", type=int, default=128,

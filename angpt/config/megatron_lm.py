@@ -344,7 +344,8 @@ FLAGS: dict[str, Decision] = {
                                   f"{value} pattern is {NOT_YET}" if args.tokenizer_type == "TikTokenizer" else None),
     "--tiktoken-num-special-tokens": refused(f"{NOT_YET}"),
     "--tiktoken-special-tokens": refused(f"{NOT_YET}"),
-    "--tokenizer-sentencepiece-legacy": refused(f"SentencePieceTokenizer is {NOT_YET}"),
+    "--tokenizer-sentencepiece-legacy": refused(f"the legacy SentencePiece tokenizer is {NOT_YET}: the tokenizer "
+                                                "library's, Megatron-LM 0.16's default, is"),
     "--tokenizer-hf-use-fast": implied("Hugging Face tokenizers are read with the `tokenizers` library (fast)"),
     "--tokenizer-hf-include-special-tokens": refused(f"{NOT_YET}"),
     "--trust-remote-code": refused("tokenizers are read from tokenizer.json; no remote code is run"),

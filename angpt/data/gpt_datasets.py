@@ -18,9 +18,11 @@ from angpt.data.indexed import IndexedDatasetError, check_indexed_dataset, check
 from angpt.data.tokenizers import (
     MEGATRON_ONLY_TOKENIZER_TYPES,
     NULL_TOKENIZER,
+    SENTENCEPIECE_TYPES,
     TOKENIZER_TYPES,
     build_tokenizer,
     recorded_tokenizer,
+    sentencepiece_vocabulary,
 )
 
 
@@ -121,8 +123,11 @@ def flag_vocabulary(data: DataArguments) -> Optional[DatasetVocabulary]:
             raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
         return DatasetVocabulary(data.vocab_size + 1, data.vocab_size,
                                  {"tokenizer": {"type": NULL_TOKENIZER, "vocab_size": data.vocab_size}})
+    if data.tokenizer_type in SENTENCEPIECE_TYPES:
+        vocab_size, eod, description = sentencepiece_vocabulary(data.tokenizer_type, data.tokenizer_model)
+        return DatasetVocabulary(vocab_size, eod, {"tokenizer": description})
     if data.tokenizer_type not in TOKENIZER_TYPES:
-        built = ", ".join([*TOKENIZER_TYPES, NULL_TOKENIZER])
+        built = ", ".join([*TOKENIZER_TYPES, *SENTENCEPIECE_TYPES, NULL_TOKENIZER])
         if data.tokenizer_type in MEGATRON_ONLY_TOKENIZER_TYPES:
             raise ValueError(f"--tokenizer-type {data.tokenizer_type}: Megatron-LM's, not built here yet ({built} "
                              "are)")

@@ -29,9 +29,12 @@ TOKENIZER_TYPES = ("HuggingFaceTokenizer", "TikTokenizer", "GPT2BPETokenizer")
 # Megatron-LM's tokenizer of already tokenized data: --vocab-size ids, the end-of-document id after them. The
 # trainer takes it for datasets without a .json; it cannot tokenize text.
 NULL_TOKENIZER = "NullTokenizer"
+# Megatron-LM 0.16 reads all three through megatron-core's tokenizer library ("sentencepiece"): the model's
+# pieces, end-of-document id its EOS. The trainer takes them for datasets Megatron-LM's tools wrote;
+# tools/preprocess_data.py does not write them yet.
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 # The other choices of Megatron-LM's --tokenizer-type (megatron/training/arguments.py, core_v0.16.1).
-MEGATRON_ONLY_TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer",
-                                 "GPTSentencePieceTokenizer", "Llama2Tokenizer", "MultimodalTokenizer",
+MEGATRON_ONLY_TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "MultimodalTokenizer",
                                  "NullMultimodalTokenizer", "SFTTokenizer")
 
 
@@ -143,6 +146,21 @@ def load_gpt2_vocab_merges(vocab_file: str, merge_file: str, special_tokens_as_t
     description = {"type": "GPT2BPETokenizer", "vocab_file": describe_file(vocab_file),
                    "merge_file": describe_file(merge_file)}
     return HuggingFaceTokenizer(tokenizer, EOD_TOKEN, description, special_tokens_as_text)
+
+
+def sentencepiece_vocabulary(tokenizer_type: str, tokenizer_model: Optional[str]) -> tuple[int, int, dict]:
+    """(vocab_size, end-of-document id, description) of a SentencePiece model as Megatron-LM 0.16 builds it
+    (megatron-core's tokenizer library, not the legacy one: no added special tokens, EOD the model's EOS)."""
+    if tokenizer_model is None or not os.path.isfile(tokenizer_model):
+        raise ValueError(f"{tokenizer_type} needs --tokenizer-model (a SentencePiece .model file)"
+                         + (f"; there is no {tokenizer_model}" if tokenizer_model else ""))
+    try:
+        from megatron.core.tokenizers import MegatronTokenizer  # noqa: PLC0415 (needs sentencepiece, optional)
+    except ImportError as error:
+        raise ValueError(f"{tokenizer_type} needs sentencepiece ({error}): pip install sentencepiece") from None
+    tokenizer = MegatronTokenizer.from_pretrained(tokenizer_path=tokenizer_model,
+                                                  metadata_path={"library": "sentencepiece"}, legacy=False)
+    return tokenizer.vocab_size, tokenizer.eod, {"type": tokenizer_type, "model": describe_file(tokenizer_model)}
 
 
 def recorded_tokenizer(description) -> Optional[Tokenizer]:
