@@ -500,21 +500,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
                          "cannot checkpoint the fp32 learnable scales)")
     if args.bf16 and args.fp16:
         parser.error("give one of --bf16 and --fp16")
-    if not args.fp16:
-        for flag, default in (("loss_scale", None), ("initial_loss_scale", 2.0**32), ("min_loss_scale", 1.0),
-                              ("loss_scale_window", 1000), ("hysteresis", 2)):
-            if getattr(args, flag) != default:
-                parser.error(f"--{flag.replace('_', '-')} needs --fp16 (loss scaling is for fp16)")
-    for flag, needs in (("decoupled_min_lr", "decoupled_lr"), ("grad_reduce_in_bf16", "bf16"),
-                        ("manual_gc_interval", "manual_gc")):
-        if getattr(args, flag) and not getattr(args, needs):
-            parser.error(f"--{flag.replace('_', '-')} needs --{needs.replace('_', '-')}")
-    if (args.use_pytorch_profiler or args.profile_ranks != [0] or (args.profile_step_start, args.profile_step_end)
-            != (10, 12)) and not args.profile:
-        parser.error("--use-pytorch-profiler, --profile-ranks, --profile-step-start and --profile-step-end need "
-                     "--profile")
-    if not args.manual_gc_eval and not args.manual_gc:
-        parser.error("--no-manual-gc-eval needs --manual-gc")
+    _validate_dependent_flags(parser, args)
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         parser.error("--overlap-param-gather needs --use-distributed-optimizer")
     if args.max_position_embeddings is not None and args.max_position_embeddings < args.seq_length:
@@ -566,6 +552,28 @@ def _validate_dropout(parser, args) -> None:
         # Their layers have no bias-dropout-add; megatron-core would drop out only the embeddings.
         parser.error(f"--hidden-dropout is not supported for --model-family {args.model_family} (its normalized "
                      "residual has no hidden dropout; GPT+ only); use --attention-dropout")
+
+
+# Flags that act only with another (its destination): (their destinations, that one, the error; None: "--FLAG
+# needs --THAT"). Each is refused when given a value other than its default without the one it needs.
+DEPENDENT_FLAGS = (
+    (("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis"), "fp16",
+     "{flag} needs --fp16 (loss scaling is for fp16)"),
+    (("decoupled_min_lr",), "decoupled_lr", None),
+    (("grad_reduce_in_bf16",), "bf16", None),
+    (("manual_gc_interval", "manual_gc_eval"), "manual_gc", None),
+    (("use_pytorch_profiler", "profile_ranks", "profile_step_start", "profile_step_end"), "profile",
+     "--use-pytorch-profiler, --profile-ranks, --profile-step-start and --profile-step-end need --profile"),
+)
+
+
+def _validate_dependent_flags(parser, args) -> None:
+    flags = {action.dest: action.option_strings[0] for action in parser._actions if action.option_strings}
+    declared = build_parser()  # the flags' own defaults: a --config file's values are `parser`'s defaults
+    for dests, needed, error in DEPENDENT_FLAGS:
+        given = [dest for dest in dests if getattr(args, dest) != declared.get_default(dest)]
+        if given and not getattr(args, needed):
+            parser.error((error or "{flag} needs {needed}").format(flag=flags[given[0]], needed=flags[needed]))
 
 
 def _validate_rampup(parser, args, dp: int) -> None:

@@ -249,7 +249,7 @@ class TrainingBatches:
     def __init__(self, dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
                  num_workers: int = 0, vocab_size: Optional[int] = None):
         self.dataset, self.vocab_size = dataset, vocab_size
-        self.indices = iter(MicroBatchIndices(consumed_samples, len(dataset), micro_batch_size, dp_rank, dp_size))
+        self.first, self.step = consumed_samples + dp_rank * micro_batch_size, micro_batch_size * dp_size
         loader = DataLoader(dataset, batch_sampler=MicroBatchIndices(consumed_samples, len(dataset),
                                                                      micro_batch_size, dp_rank, dp_size),
                             num_workers=num_workers, pin_memory=torch.cuda.is_available())
@@ -259,10 +259,10 @@ class TrainingBatches:
         """The next `count` micro-batches (one global batch's share of this rank)."""
         taken = []
         for _ in range(count):
-            batch, indices = next(self.batches), next(self.indices)
-            batch = {key: batch[key] for key in BATCH_KEYS}
+            batch = {key: value for key, value in next(self.batches).items() if key in BATCH_KEYS}
             if self.vocab_size is not None:
-                check_batch_token_ids(batch, indices[0], self.dataset, self.vocab_size)
+                check_batch_token_ids(batch, self.first, self.dataset, self.vocab_size)
+            self.first += self.step  # the next micro-batch's first sample (MicroBatchIndices' order)
             taken.append(batch)
         return taken
 
