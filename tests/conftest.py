@@ -1,3 +1,4 @@
+import base64
 import contextlib
 import json
 import os
@@ -8,9 +9,11 @@ import sys
 from pydoc_data.topics import topics
 
 import pytest
+import sentencepiece
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.tokenizers import MegatronTokenizer
 
 from angpt.config.arguments import parse_args
 from angpt.training import distributed
@@ -182,6 +185,35 @@ def pydoc_corpus(tmp_path_factory):
                     for split in splits]:
         finish(process)
     return root
+
+
+def write_megatron_tiktoken(path, tokens: list) -> str:
+    """A vocabulary as Megatron-LM's TikTokenizer reads it (megatron-core's tiktoken library): a .json list of
+    {rank, token_bytes (base64), token_str}, the 256 single bytes first (rank = byte), then `tokens` (bytes)."""
+    ranked = [bytes([byte]) for byte in range(256)] + list(tokens)
+    with open(path, "w") as file:
+        json.dump([{"rank": rank, "token_bytes": base64.b64encode(token).decode(),
+                    "token_str": token.decode("utf-8", errors="replace")} for rank, token in enumerate(ranked)], file)
+    return str(path)
+
+
+def megatron_tokenizer(library: str, path, **kwargs):
+    """megatron-core's own tokenizer object, for the expected ids of a test: MegatronTokenizer.from_pretrained
+    as Megatron-LM 0.16's build_tokenizer calls it (library "tiktoken": num_special_tokens, special_tokens=None,
+    and pattern and vocab_size when given; "sentencepiece": legacy=False, special_tokens=None)."""
+    return MegatronTokenizer.from_pretrained(tokenizer_path=str(path), metadata_path={"library": library}, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def sentencepiece_model(tmp_path_factory) -> str:
+    """A SentencePiece BPE of 120 pieces (<unk>, <s>, </s> at 0, 1, 2, and a user-defined symbol <sep>)."""
+    directory = tmp_path_factory.mktemp("sentencepiece")
+    corpus = directory / "corpus.txt"
+    corpus.write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog {7 * i}, ünïcødé ✓"
+                                 for i in range(300)))
+    sentencepiece.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(directory / "sp"), vocab_size=120,
+                                             model_type="bpe", user_defined_symbols=["<sep>"], minloglevel=2)
+    return str(directory / "sp.model")
 
 
 # A small model trained by `angpt.pretrain` under torchrun, once per family, at a layout that splits its

@@ -11,9 +11,13 @@ import torch
 from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
+from angpt.config.arguments import parse_args
 from angpt.data import indexed
 from angpt.data.gpt_datasets import DataArguments, build_datasets, dataset_vocabulary, micro_batches
 from angpt.data.indexed import IndexedDatasetError
+from angpt.training.config_from_args import data_arguments
+
+from conftest import megatron_tokenizer, write_megatron_tiktoken
 
 VOCAB, EOD = 500, 499
 
@@ -277,6 +281,34 @@ def test_a_sentencepiece_model_gives_megatron_lms_vocabulary_and_bounds_the_ids(
                                          tokenizer_model=model))
     with pytest.raises(ValueError, match=f"^{tokenizer_type} needs --tokenizer-model"):
         dataset_vocabulary(DataArguments(train_data_path=[prefix], tokenizer_type=tokenizer_type))
+
+
+def test_megatron_tiktoken_gives_vocab_size_ids_and_eod_2_as_angpt_pretrain_parses_its_flags(tmp_path):
+    """A dataset Megatron-LM's tool wrote with TikTokenizer and a .json vocabulary (no .json of ours): --vocab-size
+    ids, </s> (2) the EOD, with --tiktoken-pattern and --tiktoken-num-special-tokens read as Megatron-LM reads
+    them. A --vocab-size beyond the vocabulary is refused; one that cuts a token the data holds bounds its ids."""
+    model = write_megatron_tiktoken(tmp_path / "vocab.json", [b"ab", b"abc"])  # abc: rank 257, id 7 + 257
+    theirs = megatron_tokenizer("tiktoken", model, pattern="v1", vocab_size=265, num_special_tokens=7,
+                                special_tokens=None)
+    prefix = str(tmp_path / "tiktoken_text_document")
+    write_ids(prefix, [theirs.tokenize(text) + [theirs.eod] for text in ["abc ab", "the end</s>here"] * 20])
+    args = parse_args(["--train-iters", "1", "--train-data-path", prefix, "--tokenizer-type", "TikTokenizer",
+                       "--tokenizer-model", model, "--vocab-size", "265", "--tiktoken-pattern", "v1",
+                       "--tiktoken-num-special-tokens", "7", "--data-cache-path", str(tmp_path / "cache")],
+                      world_size=1)
+    vocabulary = dataset_vocabulary(data_arguments(args))
+    assert (vocabulary.vocab_size, vocabulary.eod) == (265, 2)
+    described = vocabulary.unique_identifiers["tokenizer"]
+    assert (described["type"], described["pattern"], described["num_special_tokens"]) == ("TikTokenizer", "v1", 7)
+    flags = dict(train_data_path=[prefix], tokenizer_type="TikTokenizer", tokenizer_model=model,
+                 tiktoken_pattern="v1", tiktoken_num_special_tokens=7, data_cache_path=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match=r"^--vocab-size 266 exceeds --tiktoken-num-special-tokens 7 plus the 258 "
+                                         r"tokens of --tokenizer-model .*vocab.json: give --vocab-size 265 "):
+        dataset_vocabulary(DataArguments(**flags, vocab_size=266))
+    named = f"--tokenizer-type TikTokenizer --tokenizer-model {re.escape(model)} --vocab-size 264"
+    with pytest.raises(IndexedDatasetError, match=rf"holds token id 264, outside the vocab_size 264 of {named} "
+                                                  r"--tiktoken-pattern v1 --tiktoken-num-special-tokens 7$"):
+        dataset_vocabulary(DataArguments(**flags, vocab_size=264))
 
 
 def write_ids(prefix: str, documents: list[list[int]]) -> None:

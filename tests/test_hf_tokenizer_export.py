@@ -22,10 +22,10 @@ from transformers import AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from angpt.data.tokenizers import EOD_TOKEN, build_tokenizer
-from angpt.hf.export import Checkpoint, ExportError, export, save_tokenizer, vocabulary
+from angpt.hf.export import Checkpoint, ExportError, export, save_tokenizer, tokenizer_summary, vocabulary
 from angpt.training import checkpointing
 
-from conftest import ROOT, TRAINED_MODEL, in_process_trainer
+from conftest import ROOT, TRAINED_MODEL, in_process_trainer, megatron_tokenizer, write_megatron_tiktoken
 
 TRICKY = [
     "",
@@ -140,6 +140,31 @@ def test_each_tokenizer_the_trainer_accepts_exports_to_one_that_encodes_as_ours(
     special = [text for text in TEXTS if "<|" in text]
     assert [theirs(text, split_special_tokens=True).input_ids for text in special] == \
         reference(bpe[1], special, special_tokens_as_text=True) == as_text.encode_batch(special)
+
+
+@pytest.mark.parametrize("pattern", ["v1", "v2"])
+def test_megatron_lms_tiktokenizer_exports_to_its_ids_with_its_special_tokens_first(bpe, pattern, tmp_path):
+    """Megatron-LM's TikTokenizer (the fixture's ranks as its .json vocabulary, 1000 special tokens before them)
+    becomes a tokenizer.json that encodes as megatron-core's own tokenize(), split by the same pattern, its
+    special tokens at ids 0..999 and read from the text, </s> (2) the eos token."""
+    (tmp_path / "source").mkdir()
+    ranked = sorted(bpe[1], key=bpe[1].get)
+    model = write_megatron_tiktoken(tmp_path / "source" / "vocab.json", ranked[256:])
+    theirs = megatron_tokenizer("tiktoken", model, pattern=pattern, vocab_size=2000, num_special_tokens=1000,
+                                special_tokens=None)
+    texts = TEXTS + ["a</s>b <s> <SPECIAL_12><SPECIAL_999> <SPECIAL_1000> <unk>x<sep>"]
+    expected = [theirs.tokenize(text) for text in texts]
+    ours = build_tokenizer("TikTokenizer", model, tiktoken_pattern=pattern, vocab_size=2000)
+    vocab, exported = export_tokenizer(ours, tmp_path)
+    assert (vocab.size, vocab.eos_token_id) == (2000, 2) and exported.eos_token == "</s>"
+    assert [exported(text).input_ids for text in texts] == expected
+    assert exported.convert_ids_to_tokens(list(range(1000))) == \
+        ["<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>"] + [f"<SPECIAL_{i}>" for i in range(7, 1000)]
+    assert [exported.decode(ids) for ids in expected[:len(TEXTS)]] == TEXTS
+    checkpoint = Checkpoint(str(tmp_path / "checkpoint" / "iter_0000001"), {}, {})
+    assert tokenizer_summary(checkpoint, vocab).startswith(
+        f"Megatron-LM's TikTokenizer vocabulary (vocab.json; 1000 special tokens first, pattern {pattern}), converted "
+        "to `tokenizer.json`; 2000 tokens, `</s>` (id 2)")
 
 
 def test_a_hugging_face_tokenizer_is_exported_as_it_was(bpe, tmp_path):

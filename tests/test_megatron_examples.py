@@ -75,6 +75,9 @@ def gpt3_175b(data: str, vocab_file: str, merge_file: str, save: str) -> list[st
         # build_tokenizer has no default type).
         "--data-path", data, "--vocab-file", vocab_file, "--merge-file", merge_file, "--tokenizer-type",
         "GPT2BPETokenizer", "--split", "949,50,1", "--data-cache-path", f"{save}/cache",
+        # Added: Megatron-LM's flags of documents on their own (positions from 0, attention within), which this
+        # script does not give, for a multi-process run that carries the documents' masks through the pipeline.
+        "--reset-position-ids", "--reset-attention-mask",
         # EVAL_AND_LOGGING_ARGS (intervals shrunk)
         "--log-interval", "1", "--save-interval", "4", "--eval-interval", "4", "--save", save, "--load", save,
         "--eval-iters", "1", "--tensorboard-dir", f"{save}/tensorboard",

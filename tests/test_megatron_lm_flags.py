@@ -75,8 +75,6 @@ def test_a_refused_flag_given_megatron_lms_default_asks_for_nothing(capsys):
     ("gptplus", ["--normalization", "LayerNorm"], "--normalization LayerNorm with --model-family gptplus: GPT+ "
                                                   "normalizes with RMSNorm"),
     ("gptplus", ["--qk-l2-norm"], "--qk-l2-norm with --model-family gptplus: GPT+ normalizes q and k with RMSNorm"),
-    ("angpt", ["--tokenizer-type", "TikTokenizer", "--tiktoken-pattern", "v2"],
-     "--tiktoken-pattern v2 with --model-family angpt: TikTokenizer splits with GPT-2's pattern here"),
     ("angpt", ["--position-embedding-type", "learned_absolute"],
      "--position-embedding-type learned_absolute with --model-family angpt: every family uses RoPE"),
     ("angpt", ["--rotary-percent", "0.5"], "--rotary-percent 0.5 with --model-family angpt"),

@@ -22,7 +22,7 @@ from angpt.data.gpt_datasets import DataArguments, dataset_vocabulary
 from angpt.data.indexed import IndexedDatasetError, check_indexed_dataset, read_metadata
 from angpt.data.tokenizers import build_tokenizer
 
-from conftest import ROOT
+from conftest import ROOT, megatron_tokenizer, write_megatron_tiktoken
 
 TOOL = os.path.join(ROOT, "tools", "preprocess_data.py")
 GOLDEN_IDX = bytes.fromhex(
@@ -343,6 +343,52 @@ def test_metadata_is_checked_against_the_tokenizer_it_names(dataset, tmp_path):
         file.write("YWI= 257\n")  # a token more: the checkpoints would carry a tokenizer the data never saw
     with pytest.raises(IndexedDatasetError, match=rf"^{dataset}\.json: its tokenizer file {copy} has changed"):
         dataset_vocabulary(data)
+
+
+# Special-token text of both (</s>, <s>, <SPECIAL_9>; SentencePiece's user-defined <sep>), an empty document.
+MEGATRON_TOKENIZER_TEXTS = ["the rain in Spain </s> falls mainly", "", "ünïcødé ✓ a<sep>b <s>", "<SPECIAL_9> the",
+                            "  spaces\tand\nnewlines  "]
+
+
+@pytest.mark.parametrize("tokenizer_type", ["GPTSentencePieceTokenizer", "TikTokenizer"])
+def test_megatron_core_tokenizers_write_what_megatron_lm_writes(tmp_path, tokenizer_type, sentencepiece_model):
+    """Megatron-LM's tools/preprocess_data.py --append-eod by its steps, with megatron-core's own tokenizer: each
+    text's tokenize(), the EOD after a document that has tokens, add_document(ids, lengths) into an
+    IndexedDatasetBuilder of optimal_dtype(vocab_size). The tool writes those bytes (from two forked workers,
+    which inherit its tokenizer) and a .json the trainer rebuilds the tokenizer from."""
+    if tokenizer_type == "TikTokenizer":
+        model = write_megatron_tiktoken(tmp_path / "vocab.json", [b"th", b"the", b" the", b"ai", b"ain"])
+        flags = ["--vocab-size", "1261", "--tiktoken-pattern", "v1"]
+        theirs = megatron_tokenizer("tiktoken", model, pattern="v1", vocab_size=1261, num_special_tokens=1000,
+                                    special_tokens=None)
+    else:
+        model, flags = sentencepiece_model, []
+        theirs = megatron_tokenizer("sentencepiece", model, legacy=False, special_tokens=None)
+    expected = str(tmp_path / "megatron_text_document")
+    builder = IndexedDatasetBuilder(expected + ".bin", dtype=DType.optimal_dtype(theirs.vocab_size))
+    for text in MEGATRON_TOKENIZER_TEXTS * 3:
+        ids = theirs.tokenize(text)
+        builder.add_document(ids + [theirs.eod] if ids else [], [len(ids) + 1] if ids else [])
+    builder.finalize(expected + ".idx")
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"text": text} for text in MEGATRON_TOKENIZER_TEXTS * 3])
+    tool = load_tool()
+    tool.preprocess(tool.parse_args(["--input", corpus, "--output-prefix", str(tmp_path / "out"), "--append-eod",
+                                     "--workers", "2", "--tokenizer-type", tokenizer_type, "--tokenizer-model", model,
+                                     *flags]))
+    prefix = str(tmp_path / "out_text_document")
+    for suffix in (".bin", ".idx"):
+        assert open(prefix + suffix, "rb").read() == open(expected + suffix, "rb").read(), suffix
+    metadata = read_metadata(prefix)
+    assert (metadata["tokenizer"]["type"], metadata["vocab_size"], metadata["eod"]) == \
+        (tokenizer_type, theirs.vocab_size, theirs.eod)
+    flagged = {"tokenizer_type": tokenizer_type, "tokenizer_model": model}
+    if tokenizer_type == "TikTokenizer":
+        assert (metadata["tokenizer"]["pattern"], metadata["tokenizer"]["vocab_size"]) == ("v1", 1261)
+        flagged.update(tiktoken_pattern="v1", vocab_size=1261)
+    # The trainer rebuilds the tokenizer the .json records to check it, and agrees with the same flags.
+    for data in (DataArguments(train_data_path=[prefix]), DataArguments(train_data_path=[prefix], **flagged)):
+        vocabulary = dataset_vocabulary(data)
+        assert (vocabulary.vocab_size, vocabulary.eod) == (theirs.vocab_size, theirs.eod)
 
 
 class CustomLanguageVars(PunktLanguageVars):

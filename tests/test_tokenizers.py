@@ -3,14 +3,15 @@
 import base64
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from angpt.data.tokenizers import build_tokenizer
+from angpt.data.tokenizers import SENTENCEPIECE_TYPES, build_tokenizer, recorded_tokenizer, sha256_of
 
-from conftest import ROOT
+from conftest import ROOT, megatron_tokenizer, write_megatron_tiktoken
 
 TOOLS = os.path.join(ROOT, "tools")
 TEXTS = ["Hello world, hello tokenizers!", "  spaces\tand\nnewlines  ", "ünïcødé ✓ 日本語", "<|endoftext|> in the text"]
@@ -160,3 +161,117 @@ def test_real_gpt2_ranks(gpt2_ranks):
     as_text = build_tokenizer("GPT2BPETokenizer", tokenizer_model=gpt2_ranks, special_tokens_as_text=True)
     assert as_text.encode_batch(["<|endoftext|>"]) == [[27, 91, 437, 1659, 5239, 91, 29]]  # < | end of text | >
     assert tokenizer.decode(tokenizer.encode_batch(TEXTS)[2]) == TEXTS[2]
+
+
+# Merges after the 256 bytes of a Megatron-LM TikTokenizer vocabulary; "aB" is one piece of pattern v1 only (v2
+# splits lower from upper case).
+MERGES = [b"th", b"he", b"the", b" the", b"in", b"ing", b"ab", b"abc", b"aB"]
+MEGATRON_TEXTS = TEXTS + ["the thing in the ring </s> and on", "<s>x<SPECIAL_7> <SPECIAL_999><SPECIAL_1000>",
+                          "abc abd aB 123", "CamelCase HTTPServer don't", ""]
+
+
+@pytest.fixture(scope="module")
+def megatron_json(tmp_path_factory):
+    return write_megatron_tiktoken(tmp_path_factory.mktemp("megatron") / "vocab.json", MERGES)
+
+
+@pytest.mark.parametrize("pattern, special", [(None, 1000), ("v1", 7), ("v2", 1000)])
+def test_megatron_tiktoken_json_encodes_as_megatron_core(megatron_json, pattern, special):
+    """Megatron-LM's TikTokenizer (a .json vocabulary): the ids of megatron-core's own tokenize(), its special
+    tokens first and read from the text ("</s>" is the EOD), ordinary text with special_tokens_as_text; the
+    description rebuilds it."""
+    size = special + 256 + len(MERGES)
+    theirs = megatron_tokenizer("tiktoken", megatron_json, num_special_tokens=special, special_tokens=None,
+                                vocab_size=size, **({"pattern": pattern} if pattern else {}))
+    expected = [theirs.tokenize(text) for text in MEGATRON_TEXTS]
+    ours = build_tokenizer("TikTokenizer", megatron_json, tiktoken_pattern=pattern,
+                           tiktoken_num_special_tokens=special, vocab_size=size)
+    assert (ours.vocab_size, ours.eod) == (theirs.vocab_size, theirs.eod) == (size, 2)
+    assert ours.encode_batch(MEGATRON_TEXTS) == expected
+    assert ours.encode_batch(["a</s>", "aB"]) == [[special + ord("a"), 2],
+                                                  [size - 1] if pattern == "v1" else [special + 97, special + 66]]
+    assert [ours.decode(ids) for ids in expected] == MEGATRON_TEXTS
+    as_text = build_tokenizer("TikTokenizer", megatron_json, special_tokens_as_text=True, tiktoken_pattern=pattern,
+                              tiktoken_num_special_tokens=special, vocab_size=size)
+    special_texts = [text for text in MEGATRON_TEXTS if "</s>" in text or "<s>" in text]
+    ordinary = [theirs._tokenizer.tokenizer.encode_ordinary(text) for text in special_texts]
+    assert as_text.encode_batch(special_texts) == ordinary and all(2 not in ids for ids in ordinary)
+    assert ours.description == {"type": "TikTokenizer", "model": {"path": megatron_json,
+                                                                  "sha256": sha256_of(megatron_json)},
+                                "pattern": pattern or "v2", "num_special_tokens": special, "vocab_size": size,
+                                "eod_token": "</s>"}
+    assert recorded_tokenizer(json.loads(json.dumps(ours.description))).encode_batch(MEGATRON_TEXTS) == expected
+
+
+def test_megatron_tiktoken_flags_are_refused_in_one_line_at_their_boundaries(megatron_json, tmp_path):
+    full = 1000 + 256 + len(MERGES)
+    assert build_tokenizer("TikTokenizer", megatron_json, vocab_size=full).vocab_size == full
+    # Fewer ids cut the vocabulary, as megatron-core reads it: the last merge is gone.
+    cut = build_tokenizer("TikTokenizer", megatron_json, tiktoken_pattern="v1", vocab_size=full - 1)
+    assert cut.vocab_size == full - 1 and cut.encode_batch(["aB"]) == [[1000 + 97, 1000 + 66]]
+    path = re.escape(megatron_json)
+    with pytest.raises(ValueError, match=rf"^--vocab-size {full + 1} exceeds --tiktoken-num-special-tokens 1000 plus "
+                                         rf"the {full - 1000} tokens of --tokenizer-model {path}: give --vocab-size "
+                                         rf"{full} \(or less, to cut the vocabulary\)$"):
+        build_tokenizer("TikTokenizer", megatron_json, vocab_size=full + 1)
+    with pytest.raises(ValueError, match=r"^Megatron-LM's default vocabulary size 131072 exceeds "):
+        build_tokenizer("TikTokenizer", megatron_json)
+    assert build_tokenizer("TikTokenizer", megatron_json, tiktoken_num_special_tokens=7, vocab_size=full - 993).eod == 2
+    assert build_tokenizer("TikTokenizer", megatron_json, tiktoken_num_special_tokens=full - 1,
+                           vocab_size=full).vocab_size == full
+    for special, size in ((6, full - 994), (full, full)):
+        with pytest.raises(ValueError, match=rf"^--tiktoken-num-special-tokens {special}: at least the 7 of <unk> to "
+                                             rf"<sep>, and below --vocab-size {size}$"):
+            build_tokenizer("TikTokenizer", megatron_json, tiktoken_num_special_tokens=special, vocab_size=size)
+    with pytest.raises(ValueError, match=r"^--tiktoken-pattern v3: choose v1 or v2$"):
+        build_tokenizer("TikTokenizer", megatron_json, tiktoken_pattern="v3", vocab_size=full)
+    entries = json.loads(open(megatron_json).read())
+    (tmp_path / "unordered.json").write_text(json.dumps(entries[1:] + entries[:1]))
+    with pytest.raises(ValueError, match=r"unordered.json: not a Megatron-LM tiktoken vocabulary \(a .json list of "
+                                         r"rank, token_bytes and token_str entries in rank order, the 256 single bytes "
+                                         r"first\)$"):
+        build_tokenizer("TikTokenizer", str(tmp_path / "unordered.json"), vocab_size=full)
+    with pytest.raises(ValueError, match=r"^TikTokenizer needs --tokenizer-model \(a Megatron-LM .json vocabulary, "
+                                         r"or a .tiktoken ranks file\)$"):
+        build_tokenizer("TikTokenizer")
+
+
+def test_megatron_tiktoken_flags_with_a_ranks_file_are_refused_unless_they_ask_for_nothing(tmp_path):
+    """angpt's .tiktoken layout has GPT-2's pattern, no special tokens before the ranks and its own size."""
+    path = str(tmp_path / "tiny.tiktoken")
+    with open(path, "w") as file:
+        file.writelines(f"{base64.b64encode(bytes([byte])).decode()} {byte}\n" for byte in range(256))
+    assert build_tokenizer("TikTokenizer", path, tiktoken_num_special_tokens=1000, vocab_size=257).vocab_size == 257
+    only_json = "TikTokenizer reads it only with a Megatron-LM .json vocabulary"
+    for flags, message in (({"tiktoken_pattern": "v2"}, rf"--tiktoken-pattern v2: {only_json}; .*tiny.tiktoken is a "
+                                                        r"ranks file, split with GPT-2's pattern"),
+                           ({"tiktoken_num_special_tokens": 999}, rf"--tiktoken-num-special-tokens 999: {only_json}; "
+                                                                  r".*tiny.tiktoken is a ranks file, <\|endoftext\|> "
+                                                                  "after its last rank"),
+                           ({"vocab_size": 258}, rf"--vocab-size 258: {only_json}; the ranks file .*tiny.tiktoken has "
+                                                 "257 ids")):
+        with pytest.raises(ValueError, match=f"^{message}$"):
+            build_tokenizer("TikTokenizer", path, **flags)
+
+
+@pytest.mark.parametrize("tokenizer_type", SENTENCEPIECE_TYPES)
+def test_sentencepiece_types_encode_as_megatron_core(sentencepiece_model, tokenizer_type, tmp_path):
+    """Megatron-LM 0.16's SentencePiece types (megatron-core's sentencepiece library, legacy=False): the ids of
+    its tokenize(); control symbols never come from text ("</s>" is pieces), the user-defined <sep> does, so
+    special_tokens_as_text changes nothing."""
+    theirs = megatron_tokenizer("sentencepiece", sentencepiece_model, legacy=False, special_tokens=None)
+    texts = TEXTS + ["the fox </s> <s> <unk> jumps", "a<sep>b", "", "  two  spaces  "]
+    expected = [theirs.tokenize(text) for text in texts]
+    ours = build_tokenizer(tokenizer_type, sentencepiece_model)
+    assert (ours.vocab_size, ours.eod) == (theirs.vocab_size, theirs.eod) == (120, 2)
+    assert ours.encode_batch(texts) == expected
+    assert all(2 not in ids for ids in expected) and 3 in expected[-3]  # </s> is 2, <sep> 3
+    assert build_tokenizer(tokenizer_type, sentencepiece_model, special_tokens_as_text=True).encode_batch(texts) == \
+        expected
+    assert [ours.decode(ids) for ids in expected] == [theirs.detokenize(ids) for ids in expected]
+    assert ours.description == {"type": tokenizer_type, "model": {"path": sentencepiece_model,
+                                                                  "sha256": sha256_of(sentencepiece_model)}}
+    assert recorded_tokenizer(ours.description).encode_batch(texts) == expected
+    (tmp_path / "bad.model").write_text("not a model")
+    with pytest.raises(ValueError, match=r"^--tokenizer-model .*bad.model: not a SentencePiece model \([^\n]*\)$"):
+        build_tokenizer(tokenizer_type, str(tmp_path / "bad.model"))

@@ -4,6 +4,10 @@
     python tools/preprocess_data.py --input 'corpus/*.jsonl.gz' --output-prefix data/corpus \\
         --tokenizer-type HuggingFaceTokenizer --tokenizer-model tokenizer.json --append-eod --workers 2
 
+--tokenizer-type takes Megatron-LM's HuggingFaceTokenizer, TikTokenizer (a Megatron-LM .json vocabulary, with
+--tiktoken-pattern, --tiktoken-num-special-tokens and --vocab-size as Megatron-LM reads them; or angpt's
+.tiktoken ranks file), GPT2BPETokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer and Llama2Tokenizer.
+
 Input: JSON lines (`.jsonl`, `.jsonl.gz`; one document per line, its text under each --json-keys key),
 `.txt` files (one document per file) and Parquet files (`.parquet`; one document per row, its text in each
 --json-keys column, read in batches of rows so that memory stays flat however large the file); --input takes
@@ -20,8 +24,9 @@ splits after every abbreviation ("Mr.", "e.g."). The whitespace between sentence
 
 As Megatron-LM's tool, it writes a document of no tokens (an empty text) as a zero-length document (no EOD
 even with --append-eod), and encodes special-token text in a document as that token: a literal
-"<|endoftext|>" becomes the end-of-document token. Web text can hold that string; --special-tokens-as-text
-encodes it as ordinary text, so that only --append-eod ends a document (the .json records the choice).
+"<|endoftext|>" (with Megatron-LM's TikTokenizer, "</s>") becomes the end-of-document token (SentencePiece
+never reads it from text). Web text can hold that string; --special-tokens-as-text encodes it as ordinary text,
+so that only --append-eod ends a document (the .json records the choice).
 
 Documents are tokenized in batches by --workers processes and written in input order while the input streams
 through, so memory stays flat as the corpus grows. --partitions N splits the input into N contiguous parts
@@ -59,7 +64,7 @@ from angpt.data.corpus import (
     iter_records,
     parse_record,
 )
-from angpt.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
+from angpt.data.tokenizers import TIKTOKEN_NUM_SPECIAL_TOKENS, TIKTOKEN_PATTERNS, TOKENIZER_TYPES, build_tokenizer
 from angpt.megatron_compat import quiet_known_warnings
 
 # A batch is ~0.3 s of one core's tokenization: large enough that the tokenizer's threads share it evenly
@@ -441,14 +446,22 @@ def parse_args(argv=None) -> argparse.Namespace:
                             "the end of the sentence before it (as Megatron-LM, ignored without --split-sentences)")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    group.add_argument("--tokenizer-model", help="tokenizer.json (or its directory), or a .tiktoken ranks file")
+    group.add_argument("--tokenizer-model", help="tokenizer.json (or its directory); TikTokenizer's Megatron-LM .json "
+                            "vocabulary or .tiktoken ranks file; or a SentencePiece .model")
+    group.add_argument("--tiktoken-pattern", choices=TIKTOKEN_PATTERNS,
+                       help="TikTokenizer's split pattern with a Megatron-LM .json vocabulary (v2 when not given)")
+    group.add_argument("--tiktoken-num-special-tokens", type=int, default=TIKTOKEN_NUM_SPECIAL_TOKENS,
+                       help="the special tokens before the ranks of TikTokenizer's Megatron-LM .json vocabulary")
+    group.add_argument("--vocab-size", type=int,
+                       help="TikTokenizer's ids with a Megatron-LM .json vocabulary (131072 when not given)")
     group.add_argument("--vocab-file", help="GPT-2 vocab.json (GPT2BPETokenizer)")
     group.add_argument("--merge-file", help="GPT-2 merges.txt (GPT2BPETokenizer)")
     group.add_argument("--append-eod", action="store_true",
                        help="append the end-of-document token to each document (not to an empty one, as Megatron-LM; "
                             "with --split-sentences, to its last sentence)")
     group.add_argument("--special-tokens-as-text", action="store_true",
-                       help="encode special-token text in a document (a literal <|endoftext|>) as ordinary text. "
+                       help="encode special-token text in a document (a literal <|endoftext|>; </s> with Megatron-LM's "
+                            "TikTokenizer) as ordinary text. "
                             "By default it is that special token, as Megatron-LM encodes it, so a document "
                             "holding the string is cut in two by an end-of-document token; use this on "
                             "untrusted (web) text, so that it cannot inject document boundaries and only "
@@ -484,7 +497,9 @@ def preprocess(args: argparse.Namespace) -> dict:
         if is_parquet(path):
             open_parquet(path, args.json_keys)
     tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file,
-                                special_tokens_as_text=args.special_tokens_as_text)
+                                special_tokens_as_text=args.special_tokens_as_text,
+                                tiktoken_pattern=args.tiktoken_pattern, vocab_size=args.vocab_size,
+                                tiktoken_num_special_tokens=args.tiktoken_num_special_tokens)
     splitter = SentenceSplitter(args.keep_newlines) if args.split_sentences else None
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     level = "sentence" if args.split_sentences else "document"  # as Megatron-LM names its outputs

@@ -18,6 +18,7 @@ import yaml
 from angpt.config import megatron_lm, transformer_engine_support
 from angpt.config.choices import FACTOR_MODES, MODEL_FAMILIES, NU_P_READINGS, POST_NORMS, RESIDUALS, TRANSFORMER_IMPLS
 from angpt.data.blend import parse_blend
+from angpt.data.tokenizers import TIKTOKEN_NUM_SPECIAL_TOKENS, TIKTOKEN_PATTERNS
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
@@ -273,18 +274,28 @@ def build_parser() -> argparse.ArgumentParser:
                       "Megatron-LM's default is 2); evaluations read in the training process")
     data.add_argument("--eod-mask-loss", action="store_true", help="leave the end-of-document tokens out of the "
                       "loss (megatron-core's GPTDataset masks them)")
+    data.add_argument("--reset-position-ids", action="store_true", help="restart the position ids after each "
+                      "end-of-document token; RoPE rotates each token by its position id")
+    data.add_argument("--reset-attention-mask", action="store_true", help="attend within each document only (a "
+                      "[seq, seq] mask per sample, from megatron-core's GPTDataset; not with --transformer-impl "
+                      "transformer_engine)")
     data.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",
                       help="read the .bin files by file reads rather than through a memory map")
-    data.add_argument("--vocab-size", type=int, help="vocabulary of --mock-data, or NullTokenizer's ids (its "
-                      "end-of-document id comes after them); with a dataset's .json, it must be the vocab_size "
-                      "it records")
+    data.add_argument("--vocab-size", type=int, help="vocabulary of --mock-data, NullTokenizer's ids (its "
+                      "end-of-document id comes after them), or TikTokenizer's with a Megatron-LM .json vocabulary "
+                      "(default 131072, as Megatron-LM); with a dataset's .json, it must be the vocab_size it "
+                      "records")
     # Megatron-LM's tokenizer flags: the vocabulary of datasets without our .json, as its tools/preprocess_data.py
     # writes them (angpt.data.gpt_datasets.flag_vocabulary); with a .json, they must agree with it.
     data.add_argument("--tokenizer-type", help="HuggingFaceTokenizer, TikTokenizer, GPT2BPETokenizer, "
                       "SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer or NullTokenizer (with "
                       "--vocab-size)")
-    data.add_argument("--tokenizer-model", help="tokenizer.json or its directory, a .tiktoken ranks file, or a "
-                      "SentencePiece .model")
+    data.add_argument("--tokenizer-model", help="tokenizer.json or its directory, a Megatron-LM tiktoken .json "
+                      "vocabulary or a .tiktoken ranks file (TikTokenizer), or a SentencePiece .model")
+    data.add_argument("--tiktoken-pattern", choices=TIKTOKEN_PATTERNS, help="TikTokenizer's split pattern with a "
+                      "Megatron-LM .json vocabulary (v2 when not given, as Megatron-LM)")
+    data.add_argument("--tiktoken-num-special-tokens", type=int, default=TIKTOKEN_NUM_SPECIAL_TOKENS,
+                      help="the special tokens before the ranks of TikTokenizer's Megatron-LM .json vocabulary")
     data.add_argument("--vocab-file", help="GPT2BPETokenizer's vocab.json")
     data.add_argument("--merge-file", help="GPT2BPETokenizer's merges.txt")
     data.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
@@ -703,6 +714,9 @@ def _validate_data(parser, args) -> None:
                      "--valid-data-path and --test-data-path go with --train-data-path")
     if args.mock_data and not args.vocab_size:
         parser.error("--mock-data needs --vocab-size")
+    if args.reset_attention_mask and args.transformer_impl == "transformer_engine":
+        parser.error("--reset-attention-mask: Transformer Engine's attention here is causal by its mask type and "
+                     "takes no document mask; use --transformer-impl local")
     for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         values = getattr(args, flag)
         if not values:

@@ -323,11 +323,10 @@ FLAGS: dict[str, Decision] = {
     "--sample-rate": refused(f"{NOT_YET}"),
     "--mask-prob": refused(f"masked language modelling (BERT): {DENSE}"),
     "--short-seq-prob": refused(f"masked language modelling (BERT): {DENSE}"),
-    "--reset-position-ids": refused(f"{NOT_YET}: RoPE rotates by the position in the sequence here, as megatron-core's "
-                                    "GPTModel does (there, too, position ids do not reach RoPE)"),
-    "--reset-attention-mask": refused(f"{NOT_YET}: every attention backend here is causal over the whole sequence"),
-    "--no-create-attention-mask-in-dataloader": implied("the dataset never builds an attention mask here: every "
-                                                        "attention backend is causal by construction"),
+    "--no-create-attention-mask-in-dataloader": implied(
+        "the dataset builds an attention mask only for --reset-attention-mask: the attention is causal by itself",
+        lambda args, value: "--reset-attention-mask needs the dataset's mask (Megatron-LM would silently not reset "
+        "it)" if args.reset_attention_mask else None),
     "--num-dataset-builder-threads": refused(f"{NOT_YET}"),
     "--object-storage-cache-path": refused(f"object storage is {NOT_YET}"),
     "--mid-level-dataset-surplus": refused(f"{NOT_YET}"),
@@ -338,12 +337,8 @@ FLAGS: dict[str, Decision] = {
     "--tokenizer-metadata": refused(f"{NOT_YET}"),
     "--tokenizer-special-tokens": refused(f"{NOT_YET}"),
     "--legacy-tokenizer": refused(f"{NOT_YET}: angpt's tokenizers give megatron-core's vocabulary and EOD"),
-    "--tiktoken-pattern": implied("read with TikTokenizer only, as in Megatron-LM; angpt's TikTokenizer splits with "
-                                  "GPT-2's pattern, so it is refused there",
-                                  lambda args, value: f"TikTokenizer splits with GPT-2's pattern here; Megatron-LM's "
-                                  f"{value} pattern is {NOT_YET}" if args.tokenizer_type == "TikTokenizer" else None),
-    "--tiktoken-num-special-tokens": refused(f"{NOT_YET}"),
-    "--tiktoken-special-tokens": refused(f"{NOT_YET}"),
+    "--tiktoken-special-tokens": refused("Megatron-LM 0.16's deprecated spelling of --tokenizer-special-tokens "
+                                         f"(its validate_args copies the value there), which is {NOT_YET}"),
     "--tokenizer-sentencepiece-legacy": refused(f"the legacy SentencePiece tokenizer is {NOT_YET}: the tokenizer "
                                                 "library's, Megatron-LM 0.16's default, is"),
     "--tokenizer-hf-use-fast": implied("Hugging Face tokenizers are read with the `tokenizers` library (fast)"),

@@ -18,11 +18,10 @@ from angpt.data.indexed import IndexedDatasetError, check_indexed_dataset, check
 from angpt.data.tokenizers import (
     MEGATRON_ONLY_TOKENIZER_TYPES,
     NULL_TOKENIZER,
-    SENTENCEPIECE_TYPES,
+    TIKTOKEN_NUM_SPECIAL_TOKENS,
     TOKENIZER_TYPES,
     build_tokenizer,
     recorded_tokenizer,
-    sentencepiece_vocabulary,
 )
 
 
@@ -47,14 +46,21 @@ class DataArguments:
     test_data_path: Optional[Sequence[str]] = None
     data_cache_path: Optional[str] = None
     mock_data: bool = False
-    vocab_size: Optional[int] = None  # mock_data's and NullTokenizer's; with a dataset's .json, it must be its
+    # mock_data's, NullTokenizer's and Megatron-LM's TikTokenizer's (.json); with a dataset's .json, it must be its
+    vocab_size: Optional[int] = None
     # The tokenizer of datasets without our .json (as Megatron-LM's tools/preprocess_data.py writes them).
     tokenizer_type: Optional[str] = None
     tokenizer_model: Optional[str] = None
     vocab_file: Optional[str] = None
     merge_file: Optional[str] = None
+    tiktoken_pattern: Optional[str] = None  # Megatron-LM's TikTokenizer's (a .json vocabulary)
+    tiktoken_num_special_tokens: int = TIKTOKEN_NUM_SPECIAL_TOKENS
     mmap_bin_files: bool = True  # read the .bin files through a memory map (else by file reads)
     eod_mask_loss: bool = False  # the end-of-document tokens out of the loss
+    # Megatron-LM's: position ids restart after each end-of-document token (RoPE follows them,
+    # AnGPTConfig.rope_position_ids), and attention stops at it (a [1, s, s] mask per sample).
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
 
     def prefixes(self) -> list[str]:
         paths = [self.data_path, self.train_data_path, self.valid_data_path, self.test_data_path]
@@ -123,16 +129,15 @@ def flag_vocabulary(data: DataArguments) -> Optional[DatasetVocabulary]:
             raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
         return DatasetVocabulary(data.vocab_size + 1, data.vocab_size,
                                  {"tokenizer": {"type": NULL_TOKENIZER, "vocab_size": data.vocab_size}})
-    if data.tokenizer_type in SENTENCEPIECE_TYPES:
-        vocab_size, eod, description = sentencepiece_vocabulary(data.tokenizer_type, data.tokenizer_model)
-        return DatasetVocabulary(vocab_size, eod, {"tokenizer": description})
     if data.tokenizer_type not in TOKENIZER_TYPES:
-        built = ", ".join([*TOKENIZER_TYPES, *SENTENCEPIECE_TYPES, NULL_TOKENIZER])
+        built = ", ".join([*TOKENIZER_TYPES, NULL_TOKENIZER])
         if data.tokenizer_type in MEGATRON_ONLY_TOKENIZER_TYPES:
             raise ValueError(f"--tokenizer-type {data.tokenizer_type}: Megatron-LM's, not built here yet ({built} "
                              "are)")
         raise ValueError(f"--tokenizer-type {data.tokenizer_type}: choose one of {built}")
-    tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_file, data.merge_file)
+    tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_file, data.merge_file,
+                                tiktoken_pattern=data.tiktoken_pattern, vocab_size=data.vocab_size,
+                                tiktoken_num_special_tokens=data.tiktoken_num_special_tokens)
     # Described as a .json describes its tokenizer: checkpoints and the export carry it.
     return DatasetVocabulary(tokenizer.vocab_size, tokenizer.eod, {"tokenizer": tokenizer.description})
 
@@ -143,6 +148,11 @@ def _describe_flags(data: DataArguments) -> str:
                                                   ("--merge-file", data.merge_file)) if path]
     if data.tokenizer_type == NULL_TOKENIZER:
         files = [f"--vocab-size {data.vocab_size}"]
+    if data.tokenizer_type == "TikTokenizer":  # the flags of Megatron-LM's .json vocabulary, where given
+        special = data.tiktoken_num_special_tokens
+        files += [f"{flag} {value}" for flag, value in (
+            ("--vocab-size", data.vocab_size), ("--tiktoken-pattern", data.tiktoken_pattern),
+            ("--tiktoken-num-special-tokens", special if special != TIKTOKEN_NUM_SPECIAL_TOKENS else None)) if value]
     return " ".join([f"--tokenizer-type {data.tokenizer_type}", *files])
 
 
@@ -178,11 +188,11 @@ def build_datasets(data: DataArguments, vocabulary, seq_length: int, seed: int, 
         path_to_cache=data.data_cache_path,
         mmap_bin_files=data.mmap_bin_files,
         tokenizer=vocabulary,
-        reset_position_ids=False,
-        reset_attention_mask=False,
+        reset_position_ids=data.reset_position_ids,
+        reset_attention_mask=data.reset_attention_mask,
         eod_mask_loss=data.eod_mask_loss,
-        # The model builds its causal mask itself.
-        create_attention_mask=False,
+        # The model is causal by itself: a mask is read only where it adds the documents' boundaries.
+        create_attention_mask=data.reset_attention_mask,
     )
     if blend is not None:
         _check_every_split_has_documents(data.split, config.split_matrix, blend[0])
@@ -204,7 +214,8 @@ def _check_every_split_has_documents(split: str, split_matrix, prefixes) -> None
                                  f"or 0 to have none")
 
 
-BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+# attention_mask: only with reset_attention_mask.
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
 
 
 def micro_batches(dataset, consumed_samples: int, global_batch_size: int, micro_batch_size: int,
@@ -216,7 +227,8 @@ def micro_batches(dataset, consumed_samples: int, global_batch_size: int, micro_
     batches = []
     for indices in MicroBatchIndices(consumed_samples, consumed_samples + global_batch_size, micro_batch_size,
                                      dp_rank, dp_size):
-        batch = {key: torch.stack([dataset[i][key] for i in indices]) for key in BATCH_KEYS}
+        samples = [dataset[i] for i in indices]
+        batch = {key: torch.stack([sample[key] for sample in samples]) for key in BATCH_KEYS if key in samples[0]}
         if vocab_size is not None:
             check_batch_token_ids(batch, indices[0], dataset, vocab_size)
         batches.append(batch)

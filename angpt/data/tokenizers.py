@@ -1,18 +1,26 @@
 """Offline tokenizers behind one interface, named as Megatron-LM's `--tokenizer-type` names them.
 
     HuggingFaceTokenizer  --tokenizer-model tokenizer.json, or a directory holding one
-    TikTokenizer          --tokenizer-model file.tiktoken (BPE ranks; GPT-2's split pattern)
+    TikTokenizer          --tokenizer-model vocab.json: Megatron-LM's (megatron-core's tiktoken library:
+                          --tiktoken-num-special-tokens special tokens first, </s> the end of document,
+                          --vocab-size ids, --tiktoken-pattern v1 or v2);
+                          or --tokenizer-model file.tiktoken: angpt's own layout (BPE ranks, GPT-2's split
+                          pattern, <|endoftext|> after the last rank)
     GPT2BPETokenizer      --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt,
                           or --tokenizer-model gpt2.tiktoken (tools/fetch_gpt2_bpe.py)
+    SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer
+                          --tokenizer-model file.model (megatron-core's sentencepiece library, as Megatron-LM)
 
 Special-token text in a document is encoded as Megatron-LM encodes it (megatron-core 0.16's tokenizers):
-a literal "<|endoftext|>" becomes the end-of-document token, as Hugging Face's `tokenize()` and tiktoken's
-`encode(allowed_special="all")` read it. `special_tokens_as_text=True` encodes it as ordinary text instead,
-so that the end-of-document token only ever comes from `--append-eod` (untrusted text cannot end a document).
+a literal "<|endoftext|>" (Megatron-LM's TikTokenizer: "</s>") becomes the end-of-document token, as Hugging
+Face's `tokenize()` and tiktoken's `encode(allowed_special="all")` read it. `special_tokens_as_text=True`
+encodes it as ordinary text instead, so that the end-of-document token only ever comes from `--append-eod`
+(untrusted text cannot end a document). SentencePiece never reads its end of document from text.
 """
 
 import hashlib
 import json
+import logging
 import os
 from typing import Optional, Protocol
 
@@ -25,14 +33,17 @@ from tokenizers import Tokenizer as RustTokenizer
 EOD_TOKEN = "<|endoftext|>"
 # GPT-2's pre-tokenizer regex, which TikTokenizer splits text with (angpt.hf.export gives it to the export).
 GPT2_SPLIT_PATTERN = r50k_pat_str
-TOKENIZER_TYPES = ("HuggingFaceTokenizer", "TikTokenizer", "GPT2BPETokenizer")
+# Megatron-LM 0.16 reads all three through megatron-core's tokenizer library ("sentencepiece"): the model's
+# pieces, end-of-document id its EOS (MegatronCoreTokenizer).
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+# The types build_tokenizer builds: the trainer reads them, tools/preprocess_data.py writes them.
+TOKENIZER_TYPES = ("HuggingFaceTokenizer", "TikTokenizer", "GPT2BPETokenizer", *SENTENCEPIECE_TYPES)
 # Megatron-LM's tokenizer of already tokenized data: --vocab-size ids, the end-of-document id after them. The
 # trainer takes it for datasets without a .json; it cannot tokenize text.
 NULL_TOKENIZER = "NullTokenizer"
-# Megatron-LM 0.16 reads all three through megatron-core's tokenizer library ("sentencepiece"): the model's
-# pieces, end-of-document id its EOS. The trainer takes them for datasets Megatron-LM's tools wrote;
-# tools/preprocess_data.py does not write them yet.
-SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+# Megatron-LM's default of --tiktoken-num-special-tokens.
+TIKTOKEN_NUM_SPECIAL_TOKENS = 1000
+TIKTOKEN_PATTERNS = ("v1", "v2")
 # The other choices of Megatron-LM's --tokenizer-type (megatron/training/arguments.py, core_v0.16.1).
 MEGATRON_ONLY_TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "MultimodalTokenizer",
                                  "NullMultimodalTokenizer", "SFTTokenizer")
@@ -148,19 +159,102 @@ def load_gpt2_vocab_merges(vocab_file: str, merge_file: str, special_tokens_as_t
     return HuggingFaceTokenizer(tokenizer, EOD_TOKEN, description, special_tokens_as_text)
 
 
-def sentencepiece_vocabulary(tokenizer_type: str, tokenizer_model: Optional[str]) -> tuple[int, int, dict]:
-    """(vocab_size, end-of-document id, description) of a SentencePiece model as Megatron-LM 0.16 builds it
-    (megatron-core's tokenizer library, not the legacy one: no added special tokens, EOD the model's EOS)."""
-    if tokenizer_model is None or not os.path.isfile(tokenizer_model):
-        raise ValueError(f"{tokenizer_type} needs --tokenizer-model (a SentencePiece .model file)"
-                         + (f"; there is no {tokenizer_model}" if tokenizer_model else ""))
+class MegatronCoreTokenizer:
+    """A tokenizer of megatron-core's tokenizer library, built with the arguments Megatron-LM 0.16's
+    build_tokenizer gives MegatronTokenizer.from_pretrained (megatron/core/tokenizers/text/utils/
+    build_tokenizer.py): the SENTENCEPIECE_TYPES (library "sentencepiece", legacy=False: the model's pieces, its
+    EOS the end of document), and TikTokenizer with a Megatron-LM .json vocabulary (library "tiktoken": the
+    special tokens <unk>, <s>, </s> (the end of document), <mask>, <pad>, <cls>, <sep>, <SPECIAL_7>, ... up to
+    --tiktoken-num-special-tokens, then the ranks shifted past them; --vocab-size ids, 2**17 without it;
+    --tiktoken-pattern v1 or v2, v2 without it).
+
+    encode_batch gives the ids of its tokenize(text), which Megatron-LM's tools/preprocess_data.py writes,
+    batched on threads by the library underneath:
+    - tiktoken: encode(text, allowed_special="all"): a special token's text ("</s>", "<SPECIAL_7>") is that
+      token, so a literal "</s>" ends a document; with special_tokens_as_text, encode_ordinary: it is text.
+    - sentencepiece: encode_as_ids(text) (legacy=False adds no special tokens of its own), which never reads
+      the model's control symbols (<s>, </s>, <unk>) from text: a literal "</s>" is ordinary pieces, the end of
+      document comes only from --append-eod, and special_tokens_as_text changes nothing. The model's
+      user-defined symbols are read from text, as SentencePiece always reads them.
+    """
+
+    def __init__(self, tokenizer_type: str, path: Optional[str], special_tokens_as_text: bool = False,
+                 tiktoken_pattern: Optional[str] = None, tiktoken_num_special_tokens: int = TIKTOKEN_NUM_SPECIAL_TOKENS,
+                 vocab_size: Optional[int] = None):
+        is_tiktoken = tokenizer_type == "TikTokenizer"
+        if path is None or not os.path.isfile(path):
+            kind = "a Megatron-LM .json vocabulary" if is_tiktoken else "a SentencePiece .model file"
+            raise ValueError(f"{tokenizer_type} needs --tokenizer-model ({kind})"
+                             + (f"; there is no {path}" if path else ""))
+        from megatron.core.tokenizers import MegatronTokenizer  # noqa: PLC0415 (megatron-core takes seconds to import)
+        from megatron.core.tokenizers.text.libraries import tiktoken_tokenizer  # noqa: PLC0415 (as megatron-core)
+
+        # Its INFO lines ("Adding special tokens: ...") would print with every build.
+        logging.getLogger(tiktoken_tokenizer.__name__).setLevel(logging.WARNING)
+        if is_tiktoken:
+            size = vocab_size or tiktoken_tokenizer.DEFAULT_TIKTOKEN_MAX_VOCAB
+            if tiktoken_pattern not in (None, *TIKTOKEN_PATTERNS):
+                raise ValueError(f"--tiktoken-pattern {tiktoken_pattern}: choose v1 or v2")
+            if not len(tiktoken_tokenizer.SPECIAL_TOKENS) <= tiktoken_num_special_tokens < size:
+                raise ValueError(f"--tiktoken-num-special-tokens {tiktoken_num_special_tokens}: at least the "
+                                 f"{len(tiktoken_tokenizer.SPECIAL_TOKENS)} of <unk> to <sep>, and below --vocab-size "
+                                 f"{size}")
+            # As Megatron-LM's build_tokenizer: the pattern and the vocabulary size only when given.
+            kwargs = {name: value for name, value in (("pattern", tiktoken_pattern), ("vocab_size", vocab_size))
+                      if value}
+            kwargs.update(num_special_tokens=tiktoken_num_special_tokens, special_tokens=None)
+            library = "tiktoken"
+        else:
+            kwargs, library = {"legacy": False, "special_tokens": None}, "sentencepiece"
+        try:
+            tokenizer = MegatronTokenizer.from_pretrained(tokenizer_path=path, metadata_path={"library": library},
+                                                          **kwargs)
+        except (AssertionError, ValueError, TypeError, AttributeError, OSError, RuntimeError) as error:
+            if not is_tiktoken:
+                raise ValueError(f"--tokenizer-model {path}: not a SentencePiece model ({error})") from None
+            raise ValueError(_tiktoken_vocabulary_error(path, tiktoken_num_special_tokens, size,
+                                                        given=bool(vocab_size))) from None
+        # The library object underneath (megatron-core keeps it private): tiktoken's Encoding, or sentencepiece's
+        # SentencePieceProcessor, whose batch encodings are the library's own text_to_ids on threads.
+        self.encoder = tokenizer._tokenizer.tokenizer
+        self.is_tiktoken = is_tiktoken
+        self.vocab_size, self.eod = tokenizer.vocab_size, tokenizer.eod
+        self.special_tokens_as_text = special_tokens_as_text
+        self.threads = os.cpu_count()
+        self.description = {"type": tokenizer_type, "model": describe_file(path)}
+        if is_tiktoken:
+            self.description.update(pattern=tiktoken_pattern or "v2", num_special_tokens=tiktoken_num_special_tokens,
+                                    vocab_size=self.vocab_size, eod_token=self.decode([self.eod]))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        if not self.is_tiktoken:
+            return self.encoder.encode(texts, out_type=int, num_threads=self.threads)
+        if self.special_tokens_as_text:
+            return self.encoder.encode_ordinary_batch(texts, num_threads=self.threads)
+        return self.encoder.encode_batch(texts, num_threads=self.threads, allowed_special="all")
+
+    def set_threads(self, threads: int) -> None:
+        self.threads = threads
+
+    def decode(self, ids: list[int]) -> str:
+        return self.encoder.decode(ids)
+
+
+def _tiktoken_vocabulary_error(path: str, num_special_tokens: int, vocab_size: int, given: bool) -> str:
+    """Why megatron-core's tiktoken library refused the vocabulary (it asserts), naming the flags."""
     try:
-        from megatron.core.tokenizers import MegatronTokenizer  # noqa: PLC0415 (needs sentencepiece, optional)
-    except ImportError as error:
-        raise ValueError(f"{tokenizer_type} needs sentencepiece ({error}): pip install sentencepiece") from None
-    tokenizer = MegatronTokenizer.from_pretrained(tokenizer_path=tokenizer_model,
-                                                  metadata_path={"library": "sentencepiece"}, legacy=False)
-    return tokenizer.vocab_size, tokenizer.eod, {"type": tokenizer_type, "model": describe_file(tokenizer_model)}
+        with open(path, encoding="utf-8") as file:
+            entries = json.load(file)
+    except ValueError:
+        entries = None
+    # It reads the first vocab_size - num_special_tokens entries, and asserts that there are as many.
+    if isinstance(entries, list) and vocab_size > num_special_tokens + len(entries):
+        shown = f"--vocab-size {vocab_size}" if given else f"Megatron-LM's default vocabulary size {vocab_size}"
+        return (f"{shown} exceeds --tiktoken-num-special-tokens {num_special_tokens} plus the "
+                f"{len(entries)} tokens of --tokenizer-model {path}: give --vocab-size "
+                f"{num_special_tokens + len(entries)} (or less, to cut the vocabulary)")
+    return (f"--tokenizer-model {path}: not a Megatron-LM tiktoken vocabulary (a .json list of rank, token_bytes "
+            "and token_str entries in rank order, the 256 single bytes first)")
 
 
 def recorded_tokenizer(description) -> Optional[Tokenizer]:
@@ -178,14 +272,26 @@ def recorded_tokenizer(description) -> Optional[Tokenizer]:
     if description["type"] == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(RustTokenizer.from_file(files["model"]), description.get("eod_token", EOD_TOKEN),
                                     description)
+    if description["type"] in SENTENCEPIECE_TYPES:
+        return MegatronCoreTokenizer(description["type"], files["model"])
+    if "num_special_tokens" in description:  # Megatron-LM's TikTokenizer, not angpt's ranks-file layout
+        return MegatronCoreTokenizer(description["type"], files["model"], tiktoken_pattern=description["pattern"],
+                                     tiktoken_num_special_tokens=description["num_special_tokens"],
+                                     vocab_size=description["vocab_size"])
     if "model" in files:
         return TikTokenizer(files["model"], description["type"])
     return load_gpt2_vocab_merges(files["vocab_file"], files["merge_file"])
 
 
 def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None, vocab_file: Optional[str] = None,
-                    merge_file: Optional[str] = None, special_tokens_as_text: bool = False) -> Tokenizer:
-    """The tokenizer the flags name; special_tokens_as_text: special-token text in documents is ordinary text."""
+                    merge_file: Optional[str] = None, special_tokens_as_text: bool = False,
+                    tiktoken_pattern: Optional[str] = None,
+                    tiktoken_num_special_tokens: int = TIKTOKEN_NUM_SPECIAL_TOKENS,
+                    vocab_size: Optional[int] = None) -> Tokenizer:
+    """The tokenizer the flags name; special_tokens_as_text: special-token text in documents is ordinary text.
+    tiktoken_pattern, tiktoken_num_special_tokens and vocab_size (--tiktoken-pattern,
+    --tiktoken-num-special-tokens, --vocab-size) are Megatron-LM's TikTokenizer's: read with TikTokenizer only,
+    as Megatron-LM reads them, and refused with a ranks file when they would ask for something else."""
     for flag, path in (("--tokenizer-model", tokenizer_model), ("--vocab-file", vocab_file),
                        ("--merge-file", merge_file)):
         if path is not None and not os.path.exists(path):
@@ -194,10 +300,27 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None, 
         if tokenizer_model is None:
             raise ValueError("HuggingFaceTokenizer needs --tokenizer-model (tokenizer.json or its directory)")
         return load_huggingface(tokenizer_model, tokenizer_type, special_tokens_as_text)
+    if tokenizer_type in SENTENCEPIECE_TYPES:
+        return MegatronCoreTokenizer(tokenizer_type, tokenizer_model, special_tokens_as_text)
     if tokenizer_type == "TikTokenizer":
         if tokenizer_model is None:
-            raise ValueError("TikTokenizer needs --tokenizer-model (a .tiktoken ranks file)")
-        return TikTokenizer(tokenizer_model, tokenizer_type, special_tokens_as_text)
+            raise ValueError("TikTokenizer needs --tokenizer-model (a Megatron-LM .json vocabulary, or a .tiktoken "
+                             "ranks file)")
+        if tokenizer_model.endswith(".json"):  # Megatron-LM's tiktoken library reads only .json vocabularies
+            return MegatronCoreTokenizer(tokenizer_type, tokenizer_model, special_tokens_as_text, tiktoken_pattern,
+                                         tiktoken_num_special_tokens, vocab_size)
+        only_json = "TikTokenizer reads it only with a Megatron-LM .json vocabulary"
+        if tiktoken_pattern is not None:
+            raise ValueError(f"--tiktoken-pattern {tiktoken_pattern}: {only_json}; {tokenizer_model} is a ranks "
+                             "file, split with GPT-2's pattern")
+        if tiktoken_num_special_tokens != TIKTOKEN_NUM_SPECIAL_TOKENS:
+            raise ValueError(f"--tiktoken-num-special-tokens {tiktoken_num_special_tokens}: {only_json}; "
+                             f"{tokenizer_model} is a ranks file, <|endoftext|> after its last rank")
+        tokenizer = TikTokenizer(tokenizer_model, tokenizer_type, special_tokens_as_text)
+        if vocab_size is not None and vocab_size != tokenizer.vocab_size:
+            raise ValueError(f"--vocab-size {vocab_size}: {only_json}; the ranks file {tokenizer_model} has "
+                             f"{tokenizer.vocab_size} ids")
+        return tokenizer
     if tokenizer_type == "GPT2BPETokenizer":
         if vocab_file is not None and merge_file is not None:
             return load_gpt2_vocab_merges(vocab_file, merge_file, special_tokens_as_text)

@@ -5,8 +5,8 @@ constant normalization factors folded into the scale multipliers and weights; GP
 own `Qwen3ForCausalLM` (the same block: pre-RMSNorm, per-head QK RMSNorm before RoPE, SwiGLU, final
 RMSNorm). The checkpoint is read in one CPU process whatever layout saved it: distributed checkpoints
 store tensors by global name. The tokenizer the checkpoint records becomes a Hugging Face fast tokenizer
-(tokenizer.json: copied, or converted from GPT-2's vocab.json + merges.txt or a tiktoken ranks file), and
-README.md is a model card of what was trained and how to load it.
+(tokenizer.json: copied, or converted from GPT-2's vocab.json + merges.txt, a tiktoken ranks file or
+Megatron-LM's TikTokenizer .json vocabulary), and README.md is a model card of what was trained and how to load it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,13 @@ from transformers import GenerationConfig, Qwen3Config
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
 from angpt.config.choices import EXPORT_DTYPES
-from angpt.data.tokenizers import EOD_TOKEN, GPT2_SPLIT_PATTERN, TikTokenizer, load_gpt2_vocab_merges
+from angpt.data.tokenizers import (
+    EOD_TOKEN,
+    GPT2_SPLIT_PATTERN,
+    MegatronCoreTokenizer,
+    TikTokenizer,
+    load_gpt2_vocab_merges,
+)
 from angpt.hf import configuration_angpt
 from angpt.models.factors import NU_PLAIN_RESIDUAL
 from angpt.models.scales import scale_init
@@ -164,6 +170,24 @@ def tiktoken_tokenizer(path: str, tokenizer_type: str) -> Tokenizer:
     return converted
 
 
+def megatron_tiktoken_tokenizer(path: str, description: dict) -> Tokenizer:
+    """Megatron-LM's TikTokenizer (a .json vocabulary) as a byte-level BPE: transformers' conversion of the ranks
+    tiktoken encodes with (shifted past the special tokens and cut to --vocab-size by megatron-core), split with
+    its pattern, its special tokens at their ids 0..N-1."""
+    ours = MegatronCoreTokenizer(description["type"], path, tiktoken_pattern=description["pattern"],
+                                 tiktoken_num_special_tokens=description["num_special_tokens"],
+                                 vocab_size=description["vocab_size"])
+    encoding = ours.encoder  # tiktoken keeps its ranks, special tokens and pattern private
+    specials = encoding._special_tokens
+    converter = TikTokenConverter(pattern=encoding._pat_str, extra_special_tokens=list(specials))
+    converter.load_tiktoken_bpe = lambda _: encoding._mergeable_ranks  # megatron-core's, not a ranks file's
+    vocab, merges = converter.extract_vocab_merges_from_model(path)
+    # In the BPE's vocabulary, the special tokens keep their ids when added. (A rank spelt as one, which the
+    # merge replaces, is never reached: tiktoken and the export both match the special token first.)
+    converter.extract_vocab_merges_from_model = lambda _: ({**vocab, **specials}, merges)
+    return converter.converted()
+
+
 def vocabulary(checkpoint: Checkpoint) -> Vocabulary:
     description = tokenizer_description(checkpoint)
     if description is None:  # --mock-data: ids 0..vocab_size-1, the last one ending documents
@@ -174,6 +198,10 @@ def vocabulary(checkpoint: Checkpoint) -> Vocabulary:
         path = tokenizer_copy(checkpoint, description, "model")
         tokenizer, converted = Tokenizer.from_file(path), None
         eos = description["eod_token"]
+    elif kind == "TikTokenizer" and "num_special_tokens" in description:  # Megatron-LM's, not a ranks file
+        path, eos = None, description["eod_token"]
+        tokenizer = converted = megatron_tiktoken_tokenizer(tokenizer_copy(checkpoint, description, "model"),
+                                                            description)
     elif kind in ("TikTokenizer", "GPT2BPETokenizer"):  # GPT2BPETokenizer: vocab.json + merges.txt, or ranks
         path, eos = None, EOD_TOKEN
         if "model" in description:
@@ -422,6 +450,9 @@ def tokenizer_summary(checkpoint: Checkpoint, vocab: Vocabulary) -> str:
     source = {"HuggingFaceTokenizer": f"the Hugging Face tokenizer it was trained with ({files}), copied",
               "TikTokenizer": f"tiktoken BPE ranks ({files}) with GPT-2's split pattern, converted",
               }.get(description["type"], f"GPT-2's byte-level BPE ({files}), converted")
+    if "num_special_tokens" in description:
+        source = (f"Megatron-LM's TikTokenizer vocabulary ({files}; {description['num_special_tokens']} special tokens "
+                  f"first, pattern {description['pattern']}), converted")
     return (f"{source} to `tokenizer.json`; {vocab.size} tokens, `{vocab.eos_token}` (id {vocab.eos_token_id}) "
             "ends documents and is the eos token")
 

@@ -40,7 +40,9 @@ def uses_fused_attention(backend: AttnBackend, device: torch.device) -> bool:
 
 class FusedDotProductAttention(DotProductAttention):
     """softmax(scale q k^T + causal mask) v in megatron-core's layout ([s, b, heads, head_dim] in,
-    [s, b, heads * head_dim] out), through torch's fused kernels where `uses_fused_attention` says so."""
+    [s, b, heads * head_dim] out), through torch's fused kernels where `uses_fused_attention` says so. A given
+    attention_mask ([b, 1, s, s], True where masked out, causal itself: megatron-core's GPTDataset's with
+    reset_attention_mask) replaces the causal mask, as in megatron-core's softmax."""
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -65,7 +67,8 @@ class FusedDotProductAttention(DotProductAttention):
         forked = dropout_p > 0 and not self.config.sequence_parallel
         with tensor_parallel.get_cuda_rng_tracker().fork() if forked else contextlib.nullcontext():
             context = F.scaled_dot_product_attention(
-                query, key, value, is_causal=True, scale=self.softmax_scale, dropout_p=dropout_p,
+                query, key, value, attn_mask=None if attention_mask is None else ~attention_mask,
+                is_causal=attention_mask is None, scale=self.softmax_scale, dropout_p=dropout_p,
                 enable_gqa=key.shape[1] != query.shape[1],
             )
         sequence, batch = context.shape[2], context.shape[0]

@@ -43,6 +43,9 @@ class AnGPTConfig(TransformerConfig):
     alpha_abs: bool = False
     # docs/model.md, Attention: RoPE with base 10000.
     rotary_base: int = 10000
+    # RoPE rotates each token by its position id rather than by its index in the sequence (Megatron-LM's
+    # --reset-position-ids: the ids restart at each document; megatron-core's GPTModel rotates by index).
+    rope_position_ids: bool = False
     # docs/model.md, Embedding and logits: embedding and head are untied (our reading, the default).
     share_embeddings_and_output_weights: bool = False
     nu_acf_samples: int = 100_000

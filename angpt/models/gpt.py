@@ -35,7 +35,21 @@ def block_spec(config: AnGPTConfig, vp_stage: int | None = None) -> TransformerB
     )
 
 
-class NormalizedGPTModel(GPTModel):
+class PositionedGPTModel(GPTModel):
+    """megatron-core's GPTModel, whose RoPE rotates each token by its position id when the config says so
+    (rope_position_ids): megatron-core's rotates by the index in the sequence and leaves position ids to
+    learned position embeddings, which none of the families has."""
+
+    def _preprocess(self, input_ids, position_ids, *args, **kwargs):
+        decoder_input, rotary_pos_emb, *rest = super()._preprocess(input_ids, position_ids, *args, **kwargs)
+        if self.config.rope_position_ids and rotary_pos_emb is not None and position_ids is not None:
+            # The angles of index p are those of position p: [s, 1, 1, dim] rows taken per token by its
+            # [b, s] position ids (all below s), giving [s, b, 1, dim], which RoPE broadcasts over heads.
+            rotary_pos_emb = rotary_pos_emb[position_ids.t()].squeeze(2)
+        return decoder_input, rotary_pos_emb, *rest
+
+
+class NormalizedGPTModel(PositionedGPTModel):
     """anGPT and nGPT: GPTModel with the logit scale s_Z, no final norm, and every weight matrix
     initialized on the unit sphere and tagged for the post-step projection."""
 
@@ -78,7 +92,7 @@ def build_model(
     )
     if config.normalized:
         return NormalizedGPTModel(config, vocab_size, **kwargs)
-    return GPTModel(config, block_spec(config, vp_stage), vocab_size, **kwargs)
+    return PositionedGPTModel(config, block_spec(config, vp_stage), vocab_size, **kwargs)
 
 
 def build_model_with_impl(config: AnGPTConfig, vocab_size: int, max_sequence_length: int,

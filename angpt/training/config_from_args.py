@@ -13,7 +13,9 @@ import torch
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.transformer.enums import AttnBackend
 
+from angpt.config import transformer_engine_support
 from angpt.data.gpt_datasets import DataArguments
+from angpt.data.tokenizers import TIKTOKEN_NUM_SPECIAL_TOKENS
 from angpt.models import AnGPTConfig, model_config
 
 
@@ -59,6 +61,7 @@ def model_config_from_args(args: argparse.Namespace) -> AnGPTConfig:
         residual=args.angpt_residual,
         share_embeddings_and_output_weights=args.tie_embeddings_and_output_weights,
         rotary_base=args.rotary_base,
+        rope_position_ids=getattr(args, "reset_position_ids", False),
         # Checkpoints saved before these flags existed record neither.
         attention_dropout=getattr(args, "attention_dropout", 0.0),
         hidden_dropout=getattr(args, "hidden_dropout", 0.0),
@@ -111,6 +114,12 @@ def speed_overrides(args: argparse.Namespace) -> dict:
     cuda_graph_impl = getattr(args, "cuda_graph_impl", "none")
     if cuda_graph_impl != "none" and not on_gpu:
         raise ValueError(f"--cuda-graph-impl {cuda_graph_impl} needs a CUDA device; there is none here")
+    if getattr(args, "reset_position_ids", False) and transformer_engine_support.transformer_engine_error() is None:
+        # Transformer Engine's fused RoPE takes one angle per position ([s, 1, 1, dim]), not one per token.
+        if rope_fusion:
+            raise ValueError("--rope-fusion: Transformer Engine's fused RoPE cannot follow --reset-position-ids "
+                             "(one angle per position, not per token); leave --rope-fusion out")
+        rope_fusion = False
     return dict(
         apply_rope_fusion=on_gpu if rope_fusion is None else rope_fusion,
         # megatron-core's SwiGLU fusion, used by GPT+'s MLP (the normalized families' MLP has its own kernel).
@@ -132,6 +141,10 @@ def data_arguments(args: argparse.Namespace) -> DataArguments:
         valid_data_path=args.valid_data_path, test_data_path=args.test_data_path,
         data_cache_path=args.data_cache_path, mock_data=args.mock_data, vocab_size=args.vocab_size,
         tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model, vocab_file=args.vocab_file,
-        merge_file=args.merge_file, mmap_bin_files=getattr(args, "mmap_bin_files", True),
+        merge_file=args.merge_file, tiktoken_pattern=getattr(args, "tiktoken_pattern", None),
+        tiktoken_num_special_tokens=getattr(args, "tiktoken_num_special_tokens", TIKTOKEN_NUM_SPECIAL_TOKENS),
+        mmap_bin_files=getattr(args, "mmap_bin_files", True),
         eod_mask_loss=getattr(args, "eod_mask_loss", False),
+        reset_position_ids=getattr(args, "reset_position_ids", False),
+        reset_attention_mask=getattr(args, "reset_attention_mask", False),
     )

@@ -64,9 +64,11 @@ def language_model_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
 
 
 def forward_step(data_iterator: Iterator[dict], model):
-    """Batches are dicts with tokens, labels, loss_mask and position_ids, each [batch, sequence]."""
+    """Batches are dicts with tokens, labels, loss_mask and position_ids, each [batch, sequence], and with
+    --reset-attention-mask the attention_mask [batch, 1, sequence, sequence] (True: masked out)."""
     batch = next(data_iterator)
-    per_token_loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    per_token_loss = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                           labels=batch["labels"])
     return per_token_loss, partial(language_model_loss, batch["loss_mask"])
 
 
