@@ -7,9 +7,12 @@ Trainers run in this process (one-process gloo group) on a tiny model; one test 
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
+import pickle
+import random
 import re
 import runpy
 import shutil
@@ -18,12 +21,17 @@ import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
+import numpy as np
 import psutil
 import pytest
+import torch
+from torch.distributed.checkpoint import default_planner
 
 from angpt.hf.export import ExportError, export
 from angpt.hf.importer import import_hf
+from angpt.megatron_compat import checkpoint_unpickling
 from angpt.training import checkpointing, digests, save_lock
 from angpt.training.trainer import Trainer
 
@@ -133,6 +141,92 @@ def test_the_export_verifies_the_checkpoint_it_reads(copy, tmp_path):
     with pytest.raises(ExportError, match=rf"^the checkpoint of iteration 4 is damaged: {re.escape(str(damaged))} "
                                           r"is corrupted"):
         export(str(copy), str(tmp_path / "hf"))
+
+
+class RunsCode:
+    """Unpickled, it makes the directory `marker` (as a crafted checkpoint could run any command)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def plant_code(directory, name: str, marker) -> None:
+    """Rewrite the checkpoint file `name` (common.pt or the distributed checkpoint's .metadata) so that it runs
+    code when unpickled, keeping everything else it holds."""
+    path = directory / name
+    if name == "common.pt":
+        state = torch.load(path, weights_only=True)
+        state["train_state"]["planted"] = RunsCode(marker)
+        torch.save(state, path)
+    else:
+        with open(path, "rb") as file:
+            metadata = pickle.load(file)
+        metadata.planner_data = RunsCode(marker)
+        with open(path, "wb") as file:
+            pickle.dump(metadata, file)
+
+
+def recompute_digest(directory, name: str) -> None:
+    """As someone who crafts a checkpoint would: its digests then vouch for the file."""
+    with open(directory / digests.DIGESTS) as file:
+        recorded = json.load(file)
+    path = str(directory / name)
+    recorded["files"][name] = {"size": os.path.getsize(path), "digest": digests.file_digest(path)}
+    with open(directory / digests.DIGESTS, "w") as file:
+        json.dump(recorded, file)
+
+
+@pytest.mark.parametrize("with_digests", ["recomputed", "removed"])
+@pytest.mark.parametrize("name", ["common.pt", ".metadata"])
+def test_a_checkpoint_that_would_run_code_is_refused_in_one_line_naming_the_file(name, with_digests, copy, tmp_path):
+    """Before: common.pt was refused by torch in paragraphs that suggest weights_only=False; .metadata (a
+    plain pickle.load in torch's FileSystemReader) ran the code. The training load and the export refuse both."""
+    directory, marker = copy / "iter_0000004", tmp_path / "code_ran"
+    plant_code(directory, name, marker)
+    if with_digests == "recomputed":
+        recompute_digest(directory, name)
+    else:
+        os.remove(directory / digests.DIGESTS)
+    with pytest.raises(checkpointing.CheckpointError) as refusal:
+        trainer("--load", str(copy))
+    message = str(refusal.value)
+    print(message)
+    assert "\n" not in message
+    assert message.startswith(f"{directory / name}: refused: loading it would call or build ")
+    assert "posix.mkdir" in message and "checkpoints are loaded as data only" in message
+    if with_digests == "recomputed":
+        with pytest.raises(ExportError, match=rf"^{re.escape(str(directory / name))}: refused: "):
+            export(str(copy), str(tmp_path / "hf"))
+    assert not marker.exists()
+
+
+def test_a_checkpoint_item_that_would_run_code_is_refused(tmp_path):
+    """The distributed checkpoint's non-tensor items (the RNG states) are read weights-only too; NumPy's RNG
+    state, which megatron-core saves, is allowed."""
+    marker = tmp_path / "code_ran"
+    planner = default_planner.DefaultLoadPlanner(flatten_state_dict=False)
+    planner.state_dict = {}
+    item = SimpleNamespace(dest_index=SimpleNamespace(fqn="rng_state/shard_0.0_1.1"))
+
+    def pickled(value) -> io.BytesIO:
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        buffer.seek(0)
+        return buffer
+
+    checkpoint_unpickling.install()
+    state = {"np_rng_state": np.random.get_state(), "random_rng_state": random.getstate(),
+             "torch_rng_state": torch.get_rng_state()}
+    planner.load_bytes(item, pickled(state))
+    assert str(planner.state_dict[item.dest_index.fqn]) == str(state)
+    with pytest.raises(checkpoint_unpickling.UnsafeCheckpointError,
+                       match=r"^the checkpoint's item rng_state/shard_0.0_1.1: refused: loading it would call or "
+                             r"build posix.mkdir"):
+        planner.load_bytes(item, pickled([RunsCode(marker)]))
+    assert not marker.exists()
 
 
 def lock_of(process: psutil.Process, host: str = socket.gethostname()) -> dict:

@@ -35,6 +35,7 @@ from angpt.data.tokenizers import (
     load_gpt2_vocab_merges,
 )
 from angpt.hf import configuration_angpt
+from angpt.megatron_compat import checkpoint_unpickling
 from angpt.models.factors import NU_PLAIN_RESIDUAL
 from angpt.models.scales import scale_init
 from angpt.telemetry.metrics_reader import MetricsError, read_metrics
@@ -105,6 +106,8 @@ def read_checkpoint(load: str, iteration: Optional[int] = None) -> Checkpoint:
     try:
         common = dist_checkpointing.load_common_state_dict(path)
     except Exception as error:  # megatron-core raises several kinds for a directory it cannot read
+        if isinstance(error, checkpoint_unpickling.UnsafeCheckpointError):
+            raise ExportError(str(error)) from None
         raise ExportError(f"{path} is not a readable distributed checkpoint: {error}") from error
     args = common.get("args")
     if not isinstance(args, dict) or "model_family" not in args:
@@ -112,7 +115,14 @@ def read_checkpoint(load: str, iteration: Optional[int] = None) -> Checkpoint:
     if args["model_family"] not in ("angpt", "ngpt", "gptplus"):
         raise ExportError(f"{path}: unknown model family {args['model_family']!r} "
                           "(angpt, ngpt or gptplus can be exported)")
-    loaded = dist_checkpointing.load_plain_tensors(path)
+    try:
+        checkpoint_unpickling.check_metadata(path)
+        loaded = dist_checkpointing.load_plain_tensors(path)
+    except Exception as error:
+        unsafe = checkpoint_unpickling.refusal_in(error)
+        if unsafe is None:
+            raise
+        raise ExportError(str(unsafe)) from None
     tensors = {key: value for key, value in loaded.items()
                if isinstance(value, torch.Tensor) and not key.startswith("optimizer")}
     return Checkpoint(path, args, tensors, common.get("train_state"))

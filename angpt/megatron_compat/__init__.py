@@ -13,6 +13,10 @@ Each workaround, where it is, and what breaks without it under megatron-core 0.1
 - The save's results queue (`results_queue.py`): SIGTERM or SIGINT to torchrun's process group kills the
   queue's Manager, and the save the signal asked for fails; a SIGKILLed training process leaves its Manager
   behind; the Manager imports torch (2 CPU-s and 300 MB a rank) to unpickle results it only passes on.
+- Checkpoints loaded as data (`checkpoint_unpickling.py`): torch's distributed checkpoint unpickles its
+  `.metadata` and its non-tensor items (the RNG states) with Python's unrestricted unpickler, so a crafted
+  checkpoint runs code when `--load` or the export reads it; megatron-core reads `common.pt` weights-only only
+  while `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD` is unset, and torch's refusal is paragraphs that suggest turning it off.
 - The distributed optimizer loading torch's Adam (`patches.py`): without apex or Transformer Engine there
   is no sharded state dict to load into, then `KeyError: 'step'`, then Adam's bias correction restarts.
 - The --decoupled-lr groups marked (`patches.py`, `mark_decoupled_lr_groups`): without it their saved state loads

@@ -40,7 +40,7 @@ from megatron.core.dist_checkpointing.serialization import get_default_save_shar
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from torch.distributed.checkpoint.api import CheckpointException
 
-from angpt.megatron_compat import patches
+from angpt.megatron_compat import checkpoint_unpickling, patches
 from angpt.training import digests
 
 logger = logging.getLogger("angpt.checkpointing")
@@ -429,16 +429,11 @@ def intact_checkpoint(root: str, fallback: bool = False) -> Optional[str]:
     raise CheckpointError(f"no intact checkpoint in {root} (iterations {', '.join(map(str, candidates))} checked)")
 
 
-def _unverified_read(read: Callable, path: str):
-    """A read of a checkpoint without digests: its failure (a truncated or missing file) said in one line."""
-    try:
-        return read()
-    except (Exception, CheckpointException) as error:
-        first_line = (str(error).strip().splitlines() or [""])[0]
-        raise CheckpointError(
-            f"the checkpoint of iteration {_iteration_of(path)} in {path}, which has no digests "
-            f"to name a damaged file, cannot be read: {type(error).__name__}: {first_line}"
-        ) from error
+def _unreadable(error: BaseException, path: str) -> CheckpointError:
+    """A failed read of a checkpoint without digests (a truncated or missing file) said in one line."""
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    return CheckpointError(f"the checkpoint of iteration {_iteration_of(path)} in {path}, which has no digests to "
+                           f"name a damaged file, cannot be read: {type(error).__name__}: {first_line}")
 
 
 def load_checkpoint(
@@ -456,7 +451,15 @@ def load_checkpoint(
     verified = os.path.isfile(os.path.join(path, digests.DIGESTS))
 
     def read(function: Callable):
-        return function() if verified else _unverified_read(function, path)
+        try:
+            return function()
+        except (Exception, CheckpointException) as error:
+            unsafe = checkpoint_unpickling.refusal_in(error)
+            if unsafe is not None:
+                raise CheckpointError(str(unsafe)) from None
+            if verified:
+                raise
+            raise _unreadable(error, path) from error
 
     common = read(lambda: dist_checkpointing.load_common_state_dict(path))
     if finetune:
@@ -474,6 +477,7 @@ def load_checkpoint(
         request["optimizer"] = optimizer.sharded_state_dict(model, is_loading=True, metadata=dict(OPTIMIZER_SHARDING))
     if load_rng:
         request["rng_state"] = _rng_sharded_object(None)
+    read(lambda: checkpoint_unpickling.check_metadata(path))
     loaded = read(lambda: dist_checkpointing.load(request, path))
 
     if len(chunks) == 1:
