@@ -23,7 +23,14 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 from angpt.config.arguments import EXIT_SIGNALS
-from angpt.megatron_compat import KNOWN_WARNINGS, WRITTEN_FOR, patches, quiet_known_warnings, results_queue
+from angpt.megatron_compat import (
+    KNOWN_WARNINGS,
+    WRITTEN_FOR,
+    parent_watch,
+    patches,
+    quiet_known_warnings,
+    results_queue,
+)
 
 from conftest import ROOT
 
@@ -145,7 +152,7 @@ def test_the_results_queue_outlives_exit_signals_but_not_its_process():
     try:
         manager = int(holder.stdout.readline())
         os.kill(manager, signal.SIGTERM)
-        time.sleep(2 * results_queue.PARENT_POLL_INTERVAL)
+        time.sleep(2 * parent_watch.PARENT_POLL_INTERVAL)
         assert not _ended(manager)
         holder.kill()
         holder.wait()

@@ -24,7 +24,7 @@ from megatron.core.transformer.enums import AttnBackend
 
 from angpt.models import build_model, model_config
 from angpt.models.attention import clear_attention_backend_environment
-from angpt.training import checkpointing, faults
+from angpt.training import checkpointing, faults, save_lock
 
 from conftest import ROOT, in_process_trainer
 from launch import launch
@@ -388,6 +388,65 @@ def test_repeated_nans_stop_the_run_with_the_last_good_state(tmp_path, single_pr
     good, saved = checkpoint_tensors(run_dir, 2), checkpoint_tensors(run_dir, 5)
     weights = [key for key in good if not key.startswith("optimizer.")]
     assert weights and all(torch.equal(good[key], saved[key]) for key in weights)
+
+
+def test_a_run_killed_in_an_async_save_leaves_no_process_behind(tmp_path):
+    """SIGKILL of both training processes while their async saves write (the OOM killer, `kill -9`): the
+    save's writer, its write workers and the results queue's Manager of each rank exit by themselves
+    (angpt/megatron_compat/parent_watch.py), and torchrun ends; before, all but torchrun stayed."""
+    process = subprocess.Popen(command("--train-iters", "4", "--save", str(tmp_path), "--save-interval", "2",
+                                       "--async-save"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               start_new_session=True, env=environment(**{faults.PAUSE_IN_WRITER_AT: "2"}))
+    job = psutil.Process(process.pid)
+    try:
+        paused, lines = set(), []
+        while len(paused) < 2:  # each rank's writer says so, with its pid
+            line = process.stdout.readline().decode(errors="replace")
+            assert line, "".join(lines[-50:])
+            lines.append(line)
+            if "pausing in the save's background writer" in line:
+                paused.add(int(line.rsplit("pid ", 1)[1].rstrip(")\n")))
+        workers = job.children()
+        helpers = [helper for worker in workers for helper in worker.children(recursive=True)]
+        assert len(workers) == 2 and paused <= {helper.pid for helper in helpers}
+        # Per rank: the Manager (spawned), the writer (forked), and the resource tracker of multiprocessing.
+        assert len(helpers) >= 4, helpers
+        for worker in workers:
+            worker.kill()
+        gone, alive = psutil.wait_procs([job, *workers, *helpers], timeout=10)
+        assert not alive, [(p.pid, p.name(), p.cmdline()[-3:]) for p in alive]
+    finally:
+        if process.poll() is None:  # a failed check
+            for victim in [*job.children(recursive=True), job]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    victim.kill()
+        process.wait()
+
+
+# Over the suite's budget of 60 s: torchrun's restart is the subject, so the job is a cold torchrun of two ranks
+# that runs twice.
+def test_torchrun_restarts_a_crashed_group_which_resumes_and_ends_as_an_uninterrupted_run(uninterrupted, tmp_path,
+                                                                                         single_process):
+    """`torchrun --max-restarts 1` with --load equal to --save: rank 1 dies (SIGKILL) before iteration 5; torchrun
+    stops rank 0 and starts both again, which resume from iteration 3 and end with the uninterrupted run's
+    checkpoint; the save lock of the dead attempt is taken over, and metrics.jsonl records the restart."""
+    done = subprocess.run(command(*LAYOUTS["tp2"], *ITERS, "--save", str(tmp_path), "--load", str(tmp_path),
+                                  "--save-interval", "3", torchrun=("--standalone", "--max-restarts", "1")),
+                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
+                          env=environment(**{faults.CRASH_AT: "5:1"}))
+    output = done.stdout
+    assert done.returncode == 0, output[-5000:]
+    assert "rank 1 crashes before iteration 5" in output and output.count("crashes before") == 1, output[-5000:]
+    assert f"loaded checkpoint {tmp_path / 'iter_0000003'}" in output, output[-5000:]
+    assert latest(tmp_path) == 6 and not (tmp_path / save_lock.LOCK).exists()
+    assert not [name for name in os.listdir(tmp_path) if name.endswith(checkpointing.INCOMPLETE)]
+    # Iteration 4 was trained twice; the records of the attempt that resumed are the run's.
+    assert [r["iteration"] for r in records(tmp_path)] == [1, 2, 3, 4, 4, 5, 6]
+    assert [r["iteration"] for r in records(tmp_path, "start")] == [0, 3]
+    assert losses(tmp_path) == losses(uninterrupted["tp2"])
+    final, expected = checkpoint_tensors(tmp_path, 6), checkpoint_tensors(uninterrupted["tp2"], 6)
+    assert final.keys() == expected.keys()
+    assert not [key for key in final if not torch.equal(final[key], expected[key])]
 
 
 # Over the suite's budget of 60 s: two cold torchrun agents rendezvous over TCP as two nodes

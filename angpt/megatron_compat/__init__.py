@@ -11,8 +11,11 @@ Each workaround, where it is, and what breaks without it under megatron-core 0.1
 - "Unknown MLP type" log filtered (`patches.py`): `TransformerLayer` logs it once per layer for any MLP
   class but its own (our `ScaledSwiGLUMLP`).
 - The save's results queue (`results_queue.py`): SIGTERM or SIGINT to torchrun's process group kills the
-  queue's Manager, and the save the signal asked for fails; a SIGKILLed training process leaves its Manager
-  behind; the Manager imports torch (2 CPU-s and 300 MB a rank) to unpickle results it only passes on.
+  queue's Manager, and the save the signal asked for fails; the Manager imports torch (2 CPU-s and 300 MB a
+  rank) to unpickle results it only passes on.
+- The save's helper processes end with their parent (`parent_watch.py`): a training process SIGKILLed during
+  a save leaves the results queue's Manager behind for good (it must ignore the exit signals), and the async
+  save's writer and write workers writing a checkpoint nobody will commit.
 - Checkpoints loaded as data (`checkpoint_unpickling.py`): torch's distributed checkpoint unpickles its
   `.metadata` and its non-tensor items (the RNG states) with Python's unrestricted unpickler, so a crafted
   checkpoint runs code when `--load` or the export reads it; megatron-core reads `common.pt` weights-only only

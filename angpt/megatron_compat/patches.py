@@ -16,7 +16,7 @@ from megatron.core.transformer import cuda_graphs
 from megatron.core.utils import local_multi_tensor_l2_norm
 
 from angpt.config.arguments import EXIT_SIGNALS
-from angpt.megatron_compat import WRITTEN_FOR, checkpoint_unpickling, cpu, results_queue
+from angpt.megatron_compat import WRITTEN_FOR, checkpoint_unpickling, cpu, parent_watch, results_queue
 from angpt.models.attention import fused_rotary_pos_emb
 
 logger = logging.getLogger("angpt.megatron_compat")
@@ -34,6 +34,7 @@ def install() -> None:
     logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_OwnMLPFilter())
     filesystem_async._get_write_results_queue = _results_queue_that_outlives_exit_signals
     checkpoint_unpickling.install()
+    parent_watch.install()
     if not HAVE_APEX_OR_TE:
         _load_only_checkpointed_states()
     if clip_grads.l2_norm_impl is local_multi_tensor_l2_norm:

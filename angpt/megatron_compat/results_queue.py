@@ -22,14 +22,11 @@ import os
 import pickle
 import signal
 import sys
-import threading
-import time
 import types
 from multiprocessing import get_context, resource_tracker
 from multiprocessing.managers import SyncManager
 
-# How often the Manager looks for its parent, in seconds.
-PARENT_POLL_INTERVAL = 0.5
+from angpt.megatron_compat.parent_watch import exit_with_parent
 
 
 class PickledQueue:
@@ -60,19 +57,8 @@ def start(exit_signals: tuple[str, ...]) -> tuple[SyncManager, PickledQueue]:
     main = sys.modules["__main__"]
     sys.modules["__main__"] = types.ModuleType("__main__")
     try:
-        manager.start(initializer=_exit_with_parent, initargs=(os.getpid(),))
+        manager.start(initializer=exit_with_parent, initargs=(os.getpid(),))
     finally:
         sys.modules["__main__"] = main
         signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)  # what arrived meanwhile is handled now
     return manager, PickledQueue(manager.Queue())
-
-
-def _exit_with_parent(parent: int) -> None:
-    """In the Manager: end this process once `parent` is no longer its parent (it died, whatever killed it)."""
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(PARENT_POLL_INTERVAL)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()

@@ -299,11 +299,13 @@ def save_checkpoint(
     keep_last: Optional[int] = None,
     async_queue=None,
     before_commit: Optional[Callable[[], None]] = None,
+    before_background_write: Optional[Callable[[], None]] = None,
 ) -> None:
     """Save collectively (every rank calls this). With `async_queue` (megatron-core's AsyncCallsQueue)
     the tensors are written in the background and the checkpoint is committed when the queue finalizes
     the request; otherwise it is committed before this returns. `before_commit` runs on every rank after
-    the files are written and before the commit (tests pause there to kill a save midway). A save that
+    the files are written and before the commit, `before_background_write` in an async save's writer process
+    before it writes (tests pause there to kill a save midway). A save that
     cannot fit in the free space is refused before it writes anything, and one that fills the disk is
     removed; both raise a CheckpointError that says so."""
     iteration = state.iteration  # the state moves on while an async save is being written
@@ -351,6 +353,8 @@ def save_checkpoint(
         _refusing_a_full_disk(commit, root, iteration, needed)()
         return
     request = _refusing_a_full_disk(write, root, iteration, needed)()
+    if before_background_write is not None:
+        request = request._replace(async_fn=_after(before_background_write, request.async_fn))
     steps = [*request.finalize_fns, commit]
 
     def finalize():
@@ -360,6 +364,14 @@ def save_checkpoint(
     # The background writer's errors surface when the queue finalizes the request, on every rank.
     async_queue.schedule_async_request(
         request._replace(finalize_fns=[_refusing_a_full_disk(finalize, root, iteration, needed)]))
+
+
+def _after(first: Callable[[], None], function: Callable) -> Callable:
+    def both(*args, **kwargs):
+        first()
+        return function(*args, **kwargs)
+
+    return both
 
 
 def _iteration_of(path: str) -> int:

@@ -31,15 +31,30 @@ def initialize(
         _default_to_one_process()
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(
-            "nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(minutes=timeout_minutes)
-        )
+        timeout = timedelta(minutes=timeout_minutes)
+        store = _attempt_store(timeout)
+        joined = {} if store is None else dict(store=store, rank=int(os.environ["RANK"]),
+                                                world_size=int(os.environ["WORLD_SIZE"]))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout, **joined)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
     )
     set_random_seed(seed, cuda_graphs)
+
+
+def _attempt_store(timeout: timedelta) -> Optional[dist.Store]:
+    """The store of a restarted torchrun attempt (`--max-restarts`), under a prefix of its own. torchrun 2.11-2.13
+    hands every attempt the agent's store with the keys of the attempts before: the gloo and NCCL groups of a
+    restarted group found the dead processes' addresses there and failed ("Connection refused"). None for a
+    first attempt, which joins through the environment as usual."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"/angpt/attempt_{restart}", store)
 
 
 def _default_to_one_process() -> None:

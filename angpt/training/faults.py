@@ -4,6 +4,11 @@ tests, through the environment of the training processes:
     ANGPT_TEST_NAN_AT_ITERATIONS=5,6      these steps get a NaN loss (and NaN gradients)
     ANGPT_TEST_PAUSE_IN_SAVE_AT=4         the save of this iteration stops, forever, after writing its
                                           files and before committing the checkpoint (to be killed there)
+    ANGPT_TEST_PAUSE_IN_WRITER_AT=4       the async save of this iteration: its background writer stops,
+                                          forever, before writing (the training process goes on)
+    ANGPT_TEST_CRASH_AT=5:1               rank 1 kills itself (SIGKILL, as the OOM killer would) before iteration 5,
+                                          in the first attempt of a torchrun job only (TORCHELASTIC_RESTART_COUNT
+                                          0), so that the restarted attempt gets past it
     ANGPT_TEST_WAIT_FOR_SIGNAL_BEFORE=3   this step starts only once an exit signal has reached the process
                                           (each rank says when it waits), so that a test signals the job
                                           at a known iteration, with saves behind it and a step before the exit
@@ -12,32 +17,49 @@ tests, through the environment of the training processes:
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 NAN_AT_ITERATIONS = "ANGPT_TEST_NAN_AT_ITERATIONS"
 PAUSE_IN_SAVE_AT = "ANGPT_TEST_PAUSE_IN_SAVE_AT"
+PAUSE_IN_WRITER_AT = "ANGPT_TEST_PAUSE_IN_WRITER_AT"
 WAIT_FOR_SIGNAL_BEFORE = "ANGPT_TEST_WAIT_FOR_SIGNAL_BEFORE"
+CRASH_AT = "ANGPT_TEST_CRASH_AT"
 
 
 @dataclass(frozen=True)
 class Faults:
     nan_iterations: frozenset = field(default_factory=frozenset)
     pause_in_save_at: Optional[int] = None
+    pause_in_writer_at: Optional[int] = None
     wait_for_signal_before: Optional[int] = None
+    crash_before: Optional[int] = None  # this rank's, in this attempt
+
+    def crash_if_due(self, iteration: int) -> None:
+        if iteration == self.crash_before:
+            print(f"angpt fault injection: rank {os.environ.get('RANK', '0')} crashes before iteration {iteration}",
+                  flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def from_environment() -> Faults:
     nan = os.environ.get(NAN_AT_ITERATIONS, "")
     pause = os.environ.get(PAUSE_IN_SAVE_AT)
     wait = os.environ.get(WAIT_FOR_SIGNAL_BEFORE)
+    writer = os.environ.get(PAUSE_IN_WRITER_AT)
+    crash = None
+    if os.environ.get(CRASH_AT) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        iteration, rank = os.environ[CRASH_AT].split(":")
+        crash = int(iteration) if int(rank) == int(os.environ.get("RANK", "0")) else None
     return Faults(frozenset(int(i) for i in nan.split(",") if i.strip()), int(pause) if pause else None,
-                  int(wait) if wait else None)
+                  pause_in_writer_at=int(writer) if writer else None,
+                  wait_for_signal_before=int(wait) if wait else None, crash_before=crash)
 
 
-def pause_forever() -> None:
-    print("angpt fault injection: pausing inside the save", flush=True)
+def pause_forever(where: str = "inside the save") -> None:
+    print(f"angpt fault injection: pausing {where} (pid {os.getpid()})", flush=True)
     while True:
         time.sleep(1)
 

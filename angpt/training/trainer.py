@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional
 
 import torch
@@ -241,12 +242,15 @@ class Trainer:
         if not args.save or self.saved_iteration == self.state.iteration:
             return
         self.saved_iteration = self.state.iteration
-        pause = None
+        pause = pause_writer = None
         if self.faults.pause_in_save_at == self.state.iteration:
             pause = faults.pause_forever
+        if self.faults.pause_in_writer_at == self.state.iteration:
+            pause_writer = partial(faults.pause_forever, "in the save's background writer")
         checkpointing.save_checkpoint(
             args.save, self.state, self.chunks, self.optimizer, self.scheduler, vars(args), self.tokenizer,
             keep_last=args.keep_last_n_checkpoints, async_queue=self.async_queue, before_commit=pause,
+            before_background_write=pause_writer,
         )
 
     # -- the loop -----------------------------------------------------------------------------------
@@ -259,6 +263,7 @@ class Trainer:
             gc.collect()
         try:
             while self.state.iteration < args.train_iters:
+                self.faults.crash_if_due(self.state.iteration + 1)
                 if self.state.iteration + 1 == self.faults.wait_for_signal_before:
                     faults.wait_for_signal(lambda: self.exits.received is not None, self.state.iteration + 1)
                 if self.profiler is not None:
