@@ -3,9 +3,11 @@ tests, through the environment of the training processes:
 
     ANGPT_TEST_NAN_AT_ITERATIONS=5,6      these steps get a NaN loss (and NaN gradients)
     ANGPT_TEST_PAUSE_IN_SAVE_AT=4         the save of this iteration stops, forever, after writing its
-                                          files and before committing the checkpoint (to be killed there)
+                                          files and before committing the checkpoint (to be killed there);
+                                          4:2.5 stops it for 2.5 s (a slow save, for a signal to arrive in)
     ANGPT_TEST_PAUSE_IN_WRITER_AT=4       the async save of this iteration: its background writer stops,
-                                          forever, before writing (the training process goes on)
+                                          forever (or 4:2.5: for 2.5 s), before writing (the training process
+                                          goes on)
     ANGPT_TEST_CRASH_AT=5:1               rank 1 kills itself (SIGKILL, as the OOM killer would) before iteration 5,
                                           in the first attempt of a torchrun job only (TORCHELASTIC_RESTART_COUNT
                                           0), so that the restarted attempt gets past it
@@ -16,6 +18,7 @@ tests, through the environment of the training processes:
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -34,6 +37,7 @@ class Faults:
     nan_iterations: frozenset = field(default_factory=frozenset)
     pause_in_save_at: Optional[int] = None
     pause_in_writer_at: Optional[int] = None
+    pause_seconds: float = math.inf  # of either pause
     wait_for_signal_before: Optional[int] = None
     crash_before: Optional[int] = None  # this rank's, in this attempt
 
@@ -44,24 +48,32 @@ class Faults:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _iteration_and_seconds(value: Optional[str]) -> tuple[Optional[int], float]:
+    if not value:
+        return None, math.inf
+    iteration, _, seconds = value.partition(":")
+    return int(iteration), float(seconds) if seconds else math.inf
+
+
 def from_environment() -> Faults:
     nan = os.environ.get(NAN_AT_ITERATIONS, "")
-    pause = os.environ.get(PAUSE_IN_SAVE_AT)
+    pause, pause_seconds = _iteration_and_seconds(os.environ.get(PAUSE_IN_SAVE_AT))
     wait = os.environ.get(WAIT_FOR_SIGNAL_BEFORE)
-    writer = os.environ.get(PAUSE_IN_WRITER_AT)
+    writer, writer_seconds = _iteration_and_seconds(os.environ.get(PAUSE_IN_WRITER_AT))
     crash = None
     if os.environ.get(CRASH_AT) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         iteration, rank = os.environ[CRASH_AT].split(":")
         crash = int(iteration) if int(rank) == int(os.environ.get("RANK", "0")) else None
-    return Faults(frozenset(int(i) for i in nan.split(",") if i.strip()), int(pause) if pause else None,
-                  pause_in_writer_at=int(writer) if writer else None,
-                  wait_for_signal_before=int(wait) if wait else None, crash_before=crash)
+    return Faults(frozenset(int(i) for i in nan.split(",") if i.strip()), pause, pause_in_writer_at=writer,
+                  pause_seconds=min(pause_seconds, writer_seconds), wait_for_signal_before=int(wait) if wait else None,
+                  crash_before=crash)
 
 
-def pause_forever(where: str = "inside the save") -> None:
+def pause(where: str = "inside the save", seconds: float = math.inf) -> None:
     print(f"angpt fault injection: pausing {where} (pid {os.getpid()})", flush=True)
-    while True:
-        time.sleep(1)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(min(1.0, end - time.monotonic()))
 
 
 def wait_for_signal(received: Callable[[], bool], iteration: int) -> None:

@@ -26,6 +26,7 @@ from megatron.core.utils import get_model_config
 from angpt.config.arguments import exit_signals
 from angpt.data.gpt_datasets import TrainingBatches, build_datasets, dataset_vocabulary, micro_batches
 from angpt.data.indexed import IndexedDatasetError
+from angpt.megatron_compat import parent_watch
 from angpt.telemetry.monitoring import TrainingMonitor
 from angpt.telemetry.profiling import StepProfiler
 from angpt.training import checkpointing, distributed, faults, save_lock
@@ -49,12 +50,13 @@ class SkippedStepsError(RuntimeError):
 
 
 class ExitRequests:
-    """Signals that ask the job to save and exit, and the wall-clock limit, agreed on by every rank
-    with one small all-reduce per step (a signal may reach only some ranks, or reach them in different
-    steps)."""
+    """Signals that ask the job to save and exit, the wall-clock limit, and the death of torchrun
+    (parent_watch.watch_launcher), agreed on by every rank with one small all-reduce per step (a signal may
+    reach only some ranks, or reach them in different steps)."""
 
     def __init__(self, signals, duration_minutes: Optional[float]):
         self.received: Optional[str] = None
+        self.launcher_died = False
         self.duration_minutes = duration_minutes
         self.start = time.monotonic()
         for sig in signals:
@@ -63,12 +65,18 @@ class ExitRequests:
     def _handle(self, signum, frame):
         self.received = signal.Signals(signum).name
 
+    def launcher_gone(self) -> None:
+        self.launcher_died = True
+
     def check(self) -> Optional[str]:
         """The reason to exit now, the same on every rank, or None."""
         elapsed = (time.monotonic() - self.start) / 60
-        flags = torch.tensor([float(self.received is not None), elapsed], dtype=torch.float64,
+        flags = torch.tensor([float(self.received is not None), elapsed, float(self.launcher_died)],
+                             dtype=torch.float64,
                              device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[2] > 0:
+            return "torchrun, which started this process, died"
         if flags[0] > 0:
             return f"received {self.received or 'an exit signal (on another rank)'}"
         if self.duration_minutes is not None and flags[1] > self.duration_minutes:
@@ -244,9 +252,9 @@ class Trainer:
         self.saved_iteration = self.state.iteration
         pause = pause_writer = None
         if self.faults.pause_in_save_at == self.state.iteration:
-            pause = faults.pause_forever
+            pause = partial(faults.pause, "inside the save", self.faults.pause_seconds)
         if self.faults.pause_in_writer_at == self.state.iteration:
-            pause_writer = partial(faults.pause_forever, "in the save's background writer")
+            pause_writer = partial(faults.pause, "in the save's background writer", self.faults.pause_seconds)
         checkpointing.save_checkpoint(
             args.save, self.state, self.chunks, self.optimizer, self.scheduler, vars(args), self.tokenizer,
             keep_last=args.keep_last_n_checkpoints, async_queue=self.async_queue, before_commit=pause,
@@ -256,6 +264,13 @@ class Trainer:
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> int:
         """Train to --train-iters (or a graceful exit). Returns the process exit code."""
+        parent_watch.on_launcher_death(self.exits.launcher_gone)
+        try:
+            return self._run()
+        finally:
+            parent_watch.on_launcher_death(None)
+
+    def _run(self) -> int:
         args = self.args
         if args.manual_gc:
             # Collections at the same steps on every rank, not when each rank's allocations trigger one.
