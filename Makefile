@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test test-fast test-long lint quickstart setup clean cuda-check
+.PHONY: test test-fast test-long test-slurm lint quickstart setup clean cuda-check
 
 setup: $(VENV)/.installed
 
@@ -38,6 +38,14 @@ test: setup
 # The long end-to-end checks (minutes each: the convergence benchmark), which CI runs after `make test`.
 test-long: setup
 	$(PY) -m pytest -q -n auto --dist loadgroup -m long --durations=15
+
+# examples/pretrain.slurm under a real one-node Slurm started here (as root: Debian's slurm-wlm and munge are
+# installed first): saved at the time limit's warning, requeued, resumed, ended as an uninterrupted run. Minutes:
+# CI runs it after `make test`.
+test-slurm: setup
+	@command -v slurmctld >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null; }
+	$(PY) tests/slurm/requeue_check.py
 
 # The in-process tests that take seconds each, for iterating: no torchrun jobs, no compiler, no end-to-end
 # scripts (`make test` runs those too).

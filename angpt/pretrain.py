@@ -17,14 +17,16 @@ import os
 import sys
 
 from angpt.config import megatron_lm
-from angpt.config.arguments import parse_args
+from angpt.config.arguments import exit_signals, parse_args
 from angpt.megatron_compat import parent_watch, quiet_known_warnings
+from angpt.training import exits
 
 
 def main(argv=None) -> None:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent is the parent: watched before the slow imports
         parent_watch.watch_launcher(os.getppid())
     args = parse_args(argv)  # before torch and megatron-core are imported: --help and flag errors are instant
+    exits.catch(exit_signals(args))
     quiet_known_warnings()
     from angpt.telemetry.metrics import console_outlives_its_reader  # noqa: PLC0415 (after parsing)
 

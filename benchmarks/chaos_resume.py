@@ -9,8 +9,9 @@ a signal (SIGKILL, or SIGTERM, which asks for a save and a clean exit) and a mom
 synchronous save or an async save (a fault slows the save for a signal to arrive in it); or during the start,
 the checkpoint's load included. SIGTERM to a process that has not yet installed its handler kills it, as it
 would in a real job. After each kill the job is started again with `--load` equal to `--save`; after the
-last, it runs to the end. Then it compares, tensor for tensor, the final checkpoint with an uninterrupted
-run's, and the losses of the iterations (the last record of each in metrics.jsonl) with that run's.
+last, it runs to the end. A run that reaches its end is compared, tensor for tensor, in its final
+checkpoint with an uninterrupted run's, and in the losses of its iterations (the last record of each in
+metrics.jsonl) with that run's; the kills go on with a new run.
 
 It reports the kills by kind, the resumes, the iterations trained again, the differences (target 0), the
 processes still alive 10 s after a job ended (orphans, target 0), the jobs that did not end within 120 s of
@@ -71,6 +72,7 @@ class Soak:
     orphans: list = field(default_factory=list)
     hangs: list = field(default_factory=list)
     differences: list = field(default_factory=list)
+    runs: int = 0  # killed and resumed to their end, each compared with the uninterrupted run
 
 
 class Job:
@@ -232,8 +234,8 @@ def one_kill(save: str, iterations: int, kill: Kill, rng: random.Random, soak: S
     elif kill.moment in ("sync save", "async save"):
         job.wait_for("angpt fault injection: pausing", count=2)
         time.sleep(rng.uniform(0, SLOW_SAVE_SECONDS / 2))
-    else:
-        job.wait_for(f"iteration {rng.randint(resumed_from + 1, iterations):8d}/")
+    else:  # within a few steps of the start: kills that find no later save lose what they trained
+        job.wait_for(f"iteration {rng.randint(resumed_from + 1, min(resumed_from + 3, iterations)):8d}/")
         time.sleep(rng.uniform(0, 0.2))
     job.signal(kill, rng)
     job.end(soak, str(kill))
@@ -253,29 +255,42 @@ def soak_run(kills: int, seed: int, iterations: int, workdir: str, reference: st
         start_seconds = max(1.0, (time.monotonic() - started) / 2)
     else:
         start_seconds = 5.0
-    save = os.path.join(workdir, "killed")
     # Every (target, signal, moment) once in a shuffled order, then again: 32 kills try each.
     plan = list(itertools.product(TARGETS, SIGNALS, MOMENTS))
     rng.shuffle(plan)
+    rounds = 1
+    save = os.path.join(workdir, "killed_1")
     for index in range(kills):
+        if latest(save) >= iterations:  # this round's run is complete: compare it, and start another
+            compare(save, reference, iterations, soak)
+            rounds += 1
+            save = os.path.join(workdir, f"killed_{rounds}")
         kill = Kill(*plan[index % len(plan)])
         before = latest(save)
         one_kill(save, iterations, kill, rng, soak, start_seconds)
-        log(f"kill {index + 1}/{kills}: {kill}; latest checkpoint {before} -> {latest(save)}")
+        log(f"kill {index + 1}/{kills} (run {rounds}): {kill}; latest checkpoint {before} -> {latest(save)}")
     run_to_end(save, iterations, soak, "the final run")
-    soak.differences += [f"tensor {key}" for key in differing_tensors(save, reference, iterations)]
-    ours, theirs = losses(save), losses(reference)
-    soak.differences += [f"loss of iteration {i}: {ours.get(i)} != {theirs[i]}" for i in theirs
-                         if ours.get(i) != theirs[i]]
-    leftovers = [name for name in os.listdir(save) if name.endswith(".incomplete")]
-    soak.differences += [f"{name} left in {save}" for name in leftovers]
+    compare(save, reference, iterations, soak)
+    soak.runs = rounds
     return soak
+
+
+def compare(save: str, reference: str, iterations: int, soak: Soak) -> None:
+    """A killed and resumed run's final checkpoint and losses against the uninterrupted run's."""
+    name = os.path.basename(save)
+    soak.differences += [f"{name}: tensor {key}" for key in differing_tensors(save, reference, iterations)]
+    ours, theirs = losses(save), losses(reference)
+    soak.differences += [f"{name}: loss of iteration {i}: {ours.get(i)} != {theirs[i]}" for i in theirs
+                         if ours.get(i) != theirs[i]]
+    soak.differences += [f"{name}: {leftover} left" for leftover in os.listdir(save)
+                         if leftover.endswith(".incomplete")]
 
 
 def report(soak: Soak, iterations: int, seconds: float) -> str:
     kinds = Counter(str(kill) for kill in soak.kills)
-    lines = [f"{len(soak.kills)} kills of a 2-process torchrun job of {iterations} iterations (saves every "
-             f"{SAVE_INTERVAL}), {soak.resumes} resumes, {soak.trained - iterations} iterations trained again, "
+    lines = [f"{len(soak.kills)} kills of {soak.runs} runs of a 2-process torchrun job of {iterations} iterations "
+             f"(saves every {SAVE_INTERVAL}), each compared with an uninterrupted run at its end: {soak.resumes} "
+             f"resumes, {soak.trained - soak.runs * iterations} iterations trained again, "
              f"{len(soak.differences)} differences, {len(soak.orphans)} orphans, {len(soak.hangs)} hangs, "
              f"{seconds:.0f} s",
              "", "| kill | times |", "|---|---|"]

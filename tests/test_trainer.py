@@ -5,6 +5,7 @@ checkpoints themselves."""
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import logging
 import os
@@ -18,15 +19,16 @@ import time
 import psutil
 import pytest
 import torch
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing import load_plain_tensors
 from megatron.core.transformer.enums import AttnBackend
 
+from angpt.config.arguments import parse_args
 from angpt.models import build_model, model_config
 from angpt.models.attention import clear_attention_backend_environment
-from angpt.training import checkpointing, faults, save_lock
+from angpt.training import checkpointing, distributed, faults, save_lock
 
-from conftest import ROOT, in_process_trainer
+from conftest import ROOT, destroy_model_parallel, in_process_trainer
 from launch import launch
 
 MODEL = ["--num-layers", "4", "--hidden-size", "48", "--num-attention-heads", "4", "--seq-length", "32",
@@ -411,10 +413,12 @@ def test_a_run_killed_in_an_async_save_leaves_no_process_behind(tmp_path):
         assert len(workers) == 2 and paused <= {helper.pid for helper in helpers}
         # Per rank: the Manager (spawned), the writer (forked), and the resource tracker of multiprocessing.
         assert len(helpers) >= 4, helpers
+        killed = time.monotonic()
         for worker in workers:
             worker.kill()
         gone, alive = psutil.wait_procs([job, *workers, *helpers], timeout=10)
         assert not alive, [(p.pid, p.name(), p.cmdline()[-3:]) for p in alive]
+        print(f"{len(helpers)} helpers and torchrun gone {time.monotonic() - killed:.2f} s after the SIGKILL")
     finally:
         if process.poll() is None:  # a failed check
             for victim in [*job.children(recursive=True), job]:
@@ -473,3 +477,41 @@ def test_two_nodes_train_like_one_node(uninterrupted, tmp_path, single_process):
     final, expected = checkpoint_tensors(tmp_path, 6), checkpoint_tensors(uninterrupted["tp2"], 6)
     assert final.keys() == expected.keys()
     assert not [key for key in final if not torch.equal(final[key], expected[key])]
+
+
+def test_a_hang_writes_every_threads_stack_before_the_collective_times_out(tmp_path, single_process, monkeypatch,
+                                                                           capfd):
+    """--hang-timeout-minutes: an iteration that stalls past it writes this rank's stacks to its log (stderr),
+    once per timeout while it lasts, naming where it waits; the run then goes on."""
+    monkeypatch.setenv(faults.STALL_BEFORE, "2:2.5")
+    trainer = in_process_trainer([*MODEL, "--train-iters", "3", "--hang-timeout-minutes", "0.01"])  # 0.6 s
+    assert trainer.run() == 0
+    err = capfd.readouterr().err
+    assert "Timeout (0:00:00.600000)!" in err and "most recent call first" in err, err[-3000:]
+    stack = err[err.index("Timeout"):]
+    assert 'faults.py", line' in stack and "in stall" in stack and "in _run" in stack, stack[:3000]
+    assert err.count("Timeout (0:00:00.600000)!") >= 3  # 2.5 s of stall: a dump every 0.6 s
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--hang-timeout-minutes", "10"], "--hang-timeout-minutes 10.0 must be below --distributed-timeout-minutes 10"),
+    (["--hang-timeout-minutes", "0"], "--hang-timeout-minutes 0.0 must be positive"),
+])
+def test_a_hang_timeout_that_cannot_fire_first_is_refused(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args([*MODEL, *ITERS, *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_every_process_group_times_out_after_distributed_timeout_minutes(single_process):
+    """megatron-core's groups took 30 minutes whatever --distributed-timeout-minutes said."""
+    destroy_model_parallel()
+    try:
+        distributed.initialize(timeout_minutes=7)
+        groups = [parallel_state.get_tensor_model_parallel_group(), parallel_state.get_data_parallel_group(),
+                  parallel_state.get_pipeline_model_parallel_group()]
+        timeouts = {group._get_backend(torch.device("cpu")).options._timeout for group in groups}
+        assert timeouts == {datetime.timedelta(minutes=7)}
+    finally:
+        destroy_model_parallel()
+        distributed.initialize()

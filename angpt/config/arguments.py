@@ -49,8 +49,8 @@ NUMERIC_RANGES = (
         "num_workers", "decoupled_min_lr", "profile_step_start", "profile_step_end", "profile_ranks")),
     ("must be positive", lambda value: value > 0, (
         "init_method_std", "norm_epsilon", "angpt_constant_factor_multiplier", "angpt_nu_alpha_multiplier",
-        "distributed_timeout_minutes", "lr", "adam_eps", "exit_duration_in_mins", "megatron_rotary_percent",
-        "loss_scale", "initial_loss_scale", "min_loss_scale", "decoupled_lr")),
+        "distributed_timeout_minutes", "hang_timeout_minutes", "lr", "adam_eps", "exit_duration_in_mins",
+        "megatron_rotary_percent", "loss_scale", "initial_loss_scale", "min_loss_scale", "decoupled_lr")),
     ("must be in [0, 1)", lambda value: 0 <= value < 1, (
         "attention_dropout", "hidden_dropout", "lr_warmup_fraction", "adam_beta1", "adam_beta2")),
 )
@@ -153,7 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     parallel.add_argument("--use-distributed-optimizer", action=SWITCH, default=False)
     parallel.add_argument("--overlap-grad-reduce", action=SWITCH, default=False)
     parallel.add_argument("--overlap-param-gather", action=SWITCH, default=False)
-    parallel.add_argument("--distributed-timeout-minutes", type=float, default=10)
+    parallel.add_argument("--distributed-timeout-minutes", type=float, default=10, help="how long a collective "
+                          "waits for the other ranks before the job fails (every process group)")
+    parallel.add_argument("--hang-timeout-minutes", type=float, help="angpt's: when one iteration (its step, "
+                          "evaluation and save) runs longer than this, every thread's Python stack of each rank is "
+                          "written to its log, again each time it passes, so that a hang shows where each rank waits "
+                          "before --distributed-timeout-minutes ends the job (default: off)")
     parallel.add_argument("--ddp-bucket-size", type=int, help="elements per gradient bucket of data-parallel "
                           "reduction (default: megatron-core's, at least 40M and 1M per data-parallel rank)")
 
@@ -522,6 +527,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
     _validate_schedule(parser, args, dp)
     _validate_precision(parser, args)
     _validate_checkpoints(parser, args)
+    _validate_hang_timeout(parser, args)
     _validate_data(parser, args)
     _validate_wandb(parser, args)
 
@@ -675,6 +681,12 @@ def _validate_precision(parser, args) -> None:
             problem = transformer_engine_support.fp8_recipe_problem(args.fp8_recipe)
             if problem:
                 parser.error(f"--fp8-recipe {args.fp8_recipe}: {problem}")
+
+
+def _validate_hang_timeout(parser, args) -> None:
+    if args.hang_timeout_minutes is not None and args.hang_timeout_minutes >= args.distributed_timeout_minutes:
+        parser.error(f"--hang-timeout-minutes {args.hang_timeout_minutes} must be below --distributed-timeout-minutes "
+                     f"{args.distributed_timeout_minutes}: the stacks are for before the collective times out")
 
 
 def _validate_checkpoints(parser, args) -> None:

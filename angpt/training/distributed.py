@@ -40,6 +40,7 @@ def initialize(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        distributed_timeout_minutes=timeout_minutes,  # megatron-core's groups default to 30 minutes
     )
     set_random_seed(seed, cuda_graphs)
 

@@ -11,6 +11,9 @@ tests, through the environment of the training processes:
     ANGPT_TEST_CRASH_AT=5:1               rank 1 kills itself (SIGKILL, as the OOM killer would) before iteration 5,
                                           in the first attempt of a torchrun job only (TORCHELASTIC_RESTART_COUNT
                                           0), so that the restarted attempt gets past it
+    ANGPT_TEST_STEP_SECONDS=0.05          every step lasts at least this long, so that a small job lives until a
+                                          scheduler's signal (tests/slurm)
+    ANGPT_TEST_STALL_BEFORE=3:2.5         before iteration 3, this process stalls for 2.5 s (a hang that ends)
     ANGPT_TEST_WAIT_FOR_SIGNAL_BEFORE=3   this step starts only once an exit signal has reached the process
                                           (each rank says when it waits), so that a test signals the job
                                           at a known iteration, with saves behind it and a step before the exit
@@ -30,6 +33,8 @@ PAUSE_IN_SAVE_AT = "ANGPT_TEST_PAUSE_IN_SAVE_AT"
 PAUSE_IN_WRITER_AT = "ANGPT_TEST_PAUSE_IN_WRITER_AT"
 WAIT_FOR_SIGNAL_BEFORE = "ANGPT_TEST_WAIT_FOR_SIGNAL_BEFORE"
 CRASH_AT = "ANGPT_TEST_CRASH_AT"
+STEP_SECONDS = "ANGPT_TEST_STEP_SECONDS"
+STALL_BEFORE = "ANGPT_TEST_STALL_BEFORE"
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,13 @@ class Faults:
     pause_seconds: float = math.inf  # of either pause
     wait_for_signal_before: Optional[int] = None
     crash_before: Optional[int] = None  # this rank's, in this attempt
+    step_seconds: float = 0.0
+    stall_before: Optional[int] = None
+    stall_seconds: float = 0.0
+
+    def stall_if_due(self, iteration: int) -> None:
+        if iteration == self.stall_before:
+            stall(self.stall_seconds)
 
     def crash_if_due(self, iteration: int) -> None:
         if iteration == self.crash_before:
@@ -60,13 +72,20 @@ def from_environment() -> Faults:
     pause, pause_seconds = _iteration_and_seconds(os.environ.get(PAUSE_IN_SAVE_AT))
     wait = os.environ.get(WAIT_FOR_SIGNAL_BEFORE)
     writer, writer_seconds = _iteration_and_seconds(os.environ.get(PAUSE_IN_WRITER_AT))
+    stall_before, stall_seconds = _iteration_and_seconds(os.environ.get(STALL_BEFORE))
     crash = None
     if os.environ.get(CRASH_AT) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         iteration, rank = os.environ[CRASH_AT].split(":")
         crash = int(iteration) if int(rank) == int(os.environ.get("RANK", "0")) else None
     return Faults(frozenset(int(i) for i in nan.split(",") if i.strip()), pause, pause_in_writer_at=writer,
                   pause_seconds=min(pause_seconds, writer_seconds), wait_for_signal_before=int(wait) if wait else None,
-                  crash_before=crash)
+                  crash_before=crash, step_seconds=float(os.environ.get(STEP_SECONDS, 0)),
+                  stall_before=stall_before, stall_seconds=stall_seconds)
+
+
+def stall(seconds: float) -> None:
+    print(f"angpt fault injection: stalling for {seconds} s", flush=True)
+    time.sleep(seconds)
 
 
 def pause(where: str = "inside the save", seconds: float = math.inf) -> None:

@@ -5,11 +5,11 @@ and what users watch. `angpt.pretrain` parses the flags and calls `pretrain(args
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import logging
 import math
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -39,6 +39,7 @@ from angpt.training.config_from_args import (
     padded_vocab_size,
     virtual_pipeline_stages,
 )
+from angpt.training.exits import ExitRequests
 from angpt.training.optimizer import build_optimizer
 from angpt.training.step import build_model_chunks, eval_step, train_step
 
@@ -47,41 +48,6 @@ logger = logging.getLogger("angpt.trainer")
 
 class SkippedStepsError(RuntimeError):
     """More than --max-skipped-steps consecutive steps had a NaN or Inf loss or gradient norm."""
-
-
-class ExitRequests:
-    """Signals that ask the job to save and exit, the wall-clock limit, and the death of torchrun
-    (parent_watch.watch_launcher), agreed on by every rank with one small all-reduce per step (a signal may
-    reach only some ranks, or reach them in different steps)."""
-
-    def __init__(self, signals, duration_minutes: Optional[float]):
-        self.received: Optional[str] = None
-        self.launcher_died = False
-        self.duration_minutes = duration_minutes
-        self.start = time.monotonic()
-        for sig in signals:
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.received = signal.Signals(signum).name
-
-    def launcher_gone(self) -> None:
-        self.launcher_died = True
-
-    def check(self) -> Optional[str]:
-        """The reason to exit now, the same on every rank, or None."""
-        elapsed = (time.monotonic() - self.start) / 60
-        flags = torch.tensor([float(self.received is not None), elapsed, float(self.launcher_died)],
-                             dtype=torch.float64,
-                             device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        if flags[2] > 0:
-            return "torchrun, which started this process, died"
-        if flags[0] > 0:
-            return f"received {self.received or 'an exit signal (on another rank)'}"
-        if self.duration_minutes is not None and flags[1] > self.duration_minutes:
-            return f"ran {flags[1].item():.1f} min, past --exit-duration-in-mins {self.duration_minutes}"
-        return None
 
 
 @dataclass
@@ -269,6 +235,7 @@ class Trainer:
             return self._run()
         finally:
             parent_watch.on_launcher_death(None)
+            faulthandler.cancel_dump_traceback_later()
 
     def _run(self) -> int:
         args = self.args
@@ -278,12 +245,18 @@ class Trainer:
             gc.collect()
         try:
             while self.state.iteration < args.train_iters:
+                if args.hang_timeout_minutes:  # re-armed each iteration; cancelled after the loop
+                    faulthandler.dump_traceback_later(args.hang_timeout_minutes * 60, repeat=True)
                 self.faults.crash_if_due(self.state.iteration + 1)
+                self.faults.stall_if_due(self.state.iteration + 1)
                 if self.state.iteration + 1 == self.faults.wait_for_signal_before:
                     faults.wait_for_signal(lambda: self.exits.received is not None, self.state.iteration + 1)
                 if self.profiler is not None:
                     self.profiler.before_step(self.state.iteration)
+                started = time.monotonic()
                 record = self.train_one_step()
+                if self.faults.step_seconds:
+                    time.sleep(max(0.0, self.faults.step_seconds - (time.monotonic() - started)))
                 iteration = record["iteration"]
                 if self.profiler is not None:
                     self.profiler.after_step(iteration)
