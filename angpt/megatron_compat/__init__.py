@@ -62,6 +62,12 @@ KNOWN_WARNINGS = (
     (UserWarning, "full scope is deprecated"),  # TransformerConfig's cuda_graph_scope default
     (FutureWarning, "`load_state_dict` is deprecated"),  # dist_checkpointing's torch strategy
     (FutureWarning, "Please use DTensor instead and we are deprecating ShardedTensor"),
+    # torch 2.13's deprecations of the collectives the distributed optimizer calls, at its every step.
+    (FutureWarning, "`torch.distributed.reduce_scatter_tensor` is deprecated"),
+    (FutureWarning, "`torch.distributed.all_gather_into_tensor` is deprecated"),
+    # The distributed optimizer's zero_grad reads .grad of its fp32 shards, views (megatron-core's own comment:
+    # "throws grad-access warning"), at the first step.
+    (UserWarning, "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed"),
 )
 
 
