@@ -75,9 +75,10 @@ def gpt3_175b(data: str, vocab_file: str, merge_file: str, save: str) -> list[st
         # build_tokenizer has no default type).
         "--data-path", data, "--vocab-file", vocab_file, "--merge-file", merge_file, "--tokenizer-type",
         "GPT2BPETokenizer", "--split", "949,50,1", "--data-cache-path", f"{save}/cache",
-        # Added: Megatron-LM's flags of documents on their own (positions from 0, attention within), which this
-        # script does not give, for a multi-process run that carries the documents' masks through the pipeline.
-        "--reset-position-ids", "--reset-attention-mask",
+        # Added: Megatron-LM's flags of documents on their own (positions from 0, attention within) and of its
+        # timers, which this script does not give, for a multi-process run that carries the documents' masks
+        # through the pipeline and gathers timers that only some stages run.
+        "--reset-position-ids", "--reset-attention-mask", "--timing-log-level", "2", "--timing-log-option", "all",
         # EVAL_AND_LOGGING_ARGS (intervals shrunk)
         "--log-interval", "1", "--save-interval", "4", "--eval-interval", "4", "--save", save, "--load", save,
         "--eval-iters", "1", "--tensorboard-dir", f"{save}/tensorboard",
@@ -150,6 +151,10 @@ def test_megatron_lms_gpt3_script_ramps_up_its_batch_and_resumes_exactly_in_the_
     # The ramp-up (START 2, INCREMENT 2, 16 samples; tests/test_batch_schedule.py): 2, 2, 2, 4, 4, 6, then 8.
     assert [r["global_batch_size"] for r in records(run)] == [2, 2, 2, 4, 4, 6, 8, 8, 8]
     assert [r["consumed_samples"] for r in records(run)] == [2, 4, 6, 10, 14, 20, 28, 36, 44]
+    # Every rank's time (--timing-log-option all): both stages compute, and each receives from the other.
+    timers = records(run)[-1]["timers_ms"]
+    assert timers["forward-compute"][0] > 0 and timers["forward-compute"][1] > 0
+    assert "forward-recv" in timers and "backward-recv" in timers
     # Resumed at iteration 4, in the middle of the ramp-up.
     check_resume(lambda save: gpt3_175b(data, vocab_file, merge_file, save), run, tmp_path / "resumed", 4, 9,
                  "gptplus")

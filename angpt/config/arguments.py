@@ -332,6 +332,17 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--eval-iters", type=int, default=100,
                       help="global batches of the validation split per evaluation (0: no evaluation)")
     logs.add_argument("--log-interval", type=int, default=100)
+    logs.add_argument("--timing-log-level", type=int, choices=(0, 1, 2), default=0, help="megatron-core's timers, "
+                      "per step in the log line and metrics.jsonl every --log-interval: 0 saves and loads, 1 also the "
+                      "forward-backward pass, the optimizer (and its parts, anGPT's bounding), evaluation, gradient "
+                      "reductions; 2 also data reads and each micro-batch's forward and backward")
+    logs.add_argument("--timing-log-option", choices=("max", "minmax", "all"), default="minmax",
+                      help="each timer over the ranks: the slowest, the fastest and slowest, or every rank's")
+    logs.add_argument("--log-timers-to-tensorboard", action="store_true",
+                      help="the timers (the slowest rank's) as TensorBoard scalars timers/<name>-time")
+    logs.add_argument("--no-barrier-with-level-1-timing", dest="barrier_with_l1_time", action="store_false",
+                      help="start the forward-backward and optimizer timers without a barrier (which makes them "
+                      "time the step, not the wait for the slowest rank)")
     logs.add_argument("--tensorboard-dir", help="TensorBoard scalars (default: <save>/tensorboard)")
     logs.add_argument("--profile", action="store_true", help="profile the steps from --profile-step-start to "
                       "--profile-step-end on --profile-ranks: an Nsight Systems capture range (run under `nsys "

@@ -165,7 +165,14 @@ def attach_weight_constraint(optimizer, mode: str) -> None:
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
 
         def project_after_step(torch_optimizer, args, kwargs, inner=inner):
+            # Timed as "bounding" when the optimizer's config holds megatron-core's Timers (--timing-log-level 1).
+            timers = getattr(inner.config, "timers", None)
+            projection = timers("bounding", log_level=1) if timers is not None else None
+            if projection is not None:
+                projection.start()
             params, pieces, data_parallel_group = _optimizer_pieces(inner)
             _project(params, pieces, mode, data_parallel_group)
+            if projection is not None:
+                projection.stop()
 
         inner.optimizer.register_step_post_hook(project_after_step)

@@ -53,7 +53,8 @@ class MetricsLogger:
     Disabled (`enabled=False`, e.g. on ranks other than 0), it does nothing."""
 
     def __init__(self, path_jsonl: Optional[str], tensorboard_dir: Optional[str], enabled: bool = True,
-                 wandb_init: Optional[dict] = None):
+                 wandb_init: Optional[dict] = None, timers_to_tensorboard: bool = False):
+        self.timers_to_tensorboard = timers_to_tensorboard
         self._file = None
         self._writer = None
         self._wandb_run = None
@@ -88,6 +89,9 @@ class MetricsLogger:
             value = _number(value)
             if name not in _NOT_SCALARS and isinstance(value, (int, float)) and not isinstance(value, bool):
                 scalars[f"{group}/{name}"] = value
+        if self.timers_to_tensorboard:  # Megatron-LM's tags: the slowest rank's time
+            for name, value in record.get("timers_ms", {}).items():
+                scalars[f"timers/{name}-time"] = max(value) if isinstance(value, list) else value
         if self._writer is not None:
             for tag, value in scalars.items():
                 self._writer.add_scalar(tag, value, record["iteration"])
@@ -141,6 +145,10 @@ def format_log_line(record: dict) -> str:
         value = record.get(field)
         if value is not None:
             parts.append(f"{label}: {fmt(_number(value))}")
+    if record.get("timers_ms"):  # per step: the max over the ranks, min/max, or every rank's a/b/...
+        shown = ", ".join(f"{name} {'/'.join(f'{v:.1f}' for v in value) if isinstance(value, list) else f'{value:.1f}'}"
+                          for name, value in record["timers_ms"].items())
+        parts.append(f"timers (ms): {shown}")
     return " | ".join(parts)
 
 

@@ -15,12 +15,14 @@ import torch.distributed as dist
 from angpt.telemetry.health import HealthProbe
 from angpt.telemetry.metrics import MetricsLogger, ProgressBar, format_log_line
 from angpt.telemetry.performance import DeviceTelemetry, memory_stats, model_flops_per_token, peak_flops_per_device
+from angpt.telemetry.timers import per_step_ms
 
 
 class TrainingMonitor:
     def __init__(self, args, config, chunks, vocab_size: int, rank: int, start_iteration: int,
-                 loaded_from: Optional[str] = None):
+                 loaded_from: Optional[str] = None, timers=None):
         self.args = args
+        self.timers = timers  # megatron-core's Timers of the run (angpt.telemetry.timers), or None
         self.is_reporting_rank = rank == 0
         output_dir = args.save or args.tensorboard_dir
         metrics_file = args.metrics_file or (os.path.join(output_dir, "metrics.jsonl") if output_dir else None)
@@ -33,7 +35,8 @@ class TrainingMonitor:
             wandb_init = dict(project=args.wandb_project, name=args.wandb_exp_name, entity=args.wandb_entity,
                               dir=args.wandb_save_dir or os.path.join(args.save, "wandb"), config=vars(args))
         self.metrics = MetricsLogger(metrics_file, tensorboard_dir, enabled=self.is_reporting_rank,
-                                     wandb_init=wandb_init)
+                                     wandb_init=wandb_init,
+                                     timers_to_tensorboard=getattr(args, "log_timers_to_tensorboard", False))
         self.health = HealthProbe(chunks)
         self.telemetry = DeviceTelemetry()
         self.flops_per_token = model_flops_per_token(config, args.seq_length, vocab_size)
@@ -99,6 +102,10 @@ class TrainingMonitor:
         record.update(memory_stats())
         record.update(self.telemetry.read())
         record.update(self.health.summary())
+        if self.timers is not None:
+            timed = per_step_ms(self.timers, max(self.window_steps, 1))
+            if timed:
+                record["timers_ms"] = timed
         self._reset_window()
         if self.is_reporting_rank:
             self.metrics.log(record)

@@ -15,6 +15,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
 from angpt.models import AnGPTConfig, build_model
+from angpt.telemetry.timers import timer
 
 
 def build_model_chunks(
@@ -82,11 +83,16 @@ def train_step(
     seq_length: int,
     schedule_increment: int = 1,
     empty_unused_memory_level: int = 0,
+    timers=None,
+    barrier_with_l1_time: bool = True,
 ):
     """Forward and backward over the global batch, then one optimizer step unless the loss or the
     gradient norm is not finite, and the lr schedule advanced by `schedule_increment` (1 for a schedule in
     iterations, the global batch for one in samples). `empty_unused_memory_level` (Megatron-LM's): release the
-    CUDA caching allocator's unused memory after the forward-backward (1) and also after the step (2).
+    CUDA caching allocator's unused memory after the forward-backward (1) and also after the step (2). `timers`
+    (megatron-core's Timers, or None): the optimizer's step, started after a barrier unless not
+    `barrier_with_l1_time` (Megatron-LM's --no-barrier-with-level-1-timing); megatron-core's schedule times the
+    forward-backward pass itself, with the Timers of the model's config.
 
     Returns (loss averaged over the global batch, available on every rank; grad norm; whether the
     optimizer applied the update)."""
@@ -97,7 +103,9 @@ def train_step(
                                         seq_length, forward_only=False)
     if empty_unused_memory_level >= 1:
         torch.cuda.empty_cache()
+    timer(timers, "optimizer").start(barrier=barrier_with_l1_time)
     updated, grad_norm = step_unless_not_finite(optimizer, loss)
+    timer(timers, "optimizer").stop()
     if empty_unused_memory_level >= 2:
         torch.cuda.empty_cache()
     if updated:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
+from megatron.core.timers import Timers
 from megatron.core.utils import get_model_config
 
 from angpt.config.arguments import exit_signals
@@ -29,6 +30,7 @@ from angpt.data.indexed import IndexedDatasetError
 from angpt.megatron_compat import parent_watch
 from angpt.telemetry.monitoring import TrainingMonitor
 from angpt.telemetry.profiling import StepProfiler
+from angpt.telemetry.timers import timer
 from angpt.training import checkpointing, distributed, faults, save_lock
 from angpt.training.batch_schedule import BatchSchedule, set_train_iters
 from angpt.training.checkpointing import TrainState
@@ -99,6 +101,11 @@ class Trainer:
         if args.fp16:
             # The schedules scale each micro-batch's loss before its backward (Megatron-LM's setup_model_and_optimizer).
             get_model_config(self.chunks[0]).grad_scale_func = self.optimizer.scale_loss
+        # megatron-core times its schedules and optimizer with the Timers its configs hold (as Megatron-LM sets them).
+        self.timers = Timers(args.timing_log_level, args.timing_log_option)
+        for config in [get_model_config(self.chunks[0]),
+                       *(inner.config for inner in getattr(self.optimizer, "chained_optimizers", [self.optimizer]))]:
+            config.timers, config.barrier_with_L1_time = self.timers, args.barrier_with_l1_time
         self.state = TrainState()
         self.loaded_from: Optional[str] = None  # the checkpoint directory this run starts from
         if args.save and self.rank == 0:
@@ -106,10 +113,12 @@ class Trainer:
         if args.load:
             self.loaded_from = checkpointing.intact_checkpoint(args.load, fallback=args.load_fallback_to_intact)
         if self.loaded_from is not None:
+            timer(self.timers, "load-checkpoint").start()
             self.state = checkpointing.load_checkpoint(
                 self.loaded_from, self.chunks, self.optimizer, self.scheduler, load_optimizer=not args.no_load_optim,
                 load_rng=not args.no_load_rng, finetune=args.finetune,
             )
+            timer(self.timers, "load-checkpoint").stop()
         # Nothing to save before the first step of this run (a resumed state is in its checkpoint).
         self.saved_iteration = self.state.iteration
         self.async_queue = None
@@ -132,7 +141,7 @@ class Trainer:
         self.by_samples = args.train_samples is not None
         self.exits = ExitRequests(exit_signals(args), args.exit_duration_in_mins)
         self.monitor = TrainingMonitor(args, self.config, self.chunks, self.vocab_size, self.rank,
-                                       self.state.iteration, self.loaded_from)
+                                       self.state.iteration, self.loaded_from, self.timers)
         if args.profile and self.rank in args.profile_ranks:
             self.profiler = StepProfiler(args.profile_step_start, args.profile_step_end, args.use_pytorch_profiler,
                                          self.monitor.tensorboard_dir)
@@ -161,14 +170,17 @@ class Trainer:
             self.train_batches = TrainingBatches(self.data.train, state.consumed_samples, args.micro_batch_size,
                                                  self.dp_rank, self.dp_size, args.num_workers,
                                                  self.vocabulary.vocab_size)
+        timer(self.timers, "batch-generator").start()
         batches = self.train_batches.take(global_batch_size // (args.micro_batch_size * self.dp_size))
+        timer(self.timers, "batch-generator").stop()
         iterators, num_micro_batches = self._iterators(batches, poison=iteration in self.faults.nan_iterations)
         lr = get_canonical_lr_for_logging(self.optimizer.param_groups)  # --lr's group (megatron-core's choice)
         with self.monitor.step(iteration):
             loss, grad_norm, updated = train_step(iterators, self.chunks, self.optimizer, self.scheduler,
                                                   num_micro_batches, args.micro_batch_size, args.seq_length,
                                                   global_batch_size if self.by_samples else 1,
-                                                  args.empty_unused_memory_level)
+                                                  args.empty_unused_memory_level, self.timers,
+                                                  args.barrier_with_l1_time)
         if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
             gc.collect()
         state.iteration = iteration
@@ -196,6 +208,7 @@ class Trainer:
         if manual_gc:
             gc.collect()
         losses = []
+        timer(self.timers, "evaluate").start()
         for batch_index in range(self.args.eval_iters):
             batches = micro_batches(dataset, batch_index * self.args.global_batch_size, self.args.global_batch_size,
                                     self.args.micro_batch_size, self.dp_rank, self.dp_size,
@@ -205,6 +218,7 @@ class Trainer:
                                     self.args.seq_length))
             if self.args.empty_unused_memory_level >= 1:
                 torch.cuda.empty_cache()
+        timer(self.timers, "evaluate").stop()
         if manual_gc:
             gc.collect(generation=0)  # what the evaluation made
         loss = sum(losses) / len(losses)
@@ -221,11 +235,13 @@ class Trainer:
             pause = partial(faults.pause, "inside the save", self.faults.pause_seconds)
         if self.faults.pause_in_writer_at == self.state.iteration:
             pause_writer = partial(faults.pause, "in the save's background writer", self.faults.pause_seconds)
+        timer(self.timers, "save-checkpoint").start(barrier=True)  # as Megatron-LM: the ranks' time together
         checkpointing.save_checkpoint(
             args.save, self.state, self.chunks, self.optimizer, self.scheduler, vars(args), self.tokenizer,
             keep_last=args.keep_last_n_checkpoints, async_queue=self.async_queue, before_commit=pause,
             before_background_write=pause_writer,
         )
+        timer(self.timers, "save-checkpoint").stop(barrier=True)
 
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> int:
