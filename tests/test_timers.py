@@ -11,8 +11,9 @@ from angpt.telemetry.metrics import format_log_line
 from conftest import in_process_trainer
 
 MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-         "--micro-batch-size", "2", "--global-batch-size", "4", "--mock-data", "--vocab-size", "128", "--eval-iters", "1",
-         "--eval-interval", "2", "--train-iters", "4", "--log-interval", "2", "--save-interval", "2"]
+         "--micro-batch-size", "2", "--global-batch-size", "4", "--mock-data", "--vocab-size", "128",
+         "--eval-iters", "1", "--eval-interval", "2", "--train-iters", "4", "--log-interval", "2",
+         "--save-interval", "2"]
 
 
 def train_records(run_dir) -> list[dict]:

@@ -17,7 +17,8 @@ LEVELS = {"save-checkpoint": 0, "load-checkpoint": 0, "optimizer": 1, "bounding"
           "batch-generator": 2}
 # What megatron-core times itself, as Megatron-LM's training_log lists it.
 MEGATRON_CORE_TIMERS = (
-    "forward-backward", "forward-compute", "backward-compute", "forward-recv", "forward-send", "backward-recv", "backward-send",
+    "forward-backward", "forward-compute", "backward-compute", "forward-recv", "forward-send", "backward-recv",
+    "backward-send",
     "forward-send-forward-recv", "forward-send-backward-recv", "backward-send-forward-recv",
     "backward-send-backward-recv", "forward-backward-send-forward-backward-recv", "layernorm-grads-all-reduce",
     "embedding-grads-all-reduce", "all-grads-sync", "params-all-gather", "optimizer-copy-to-main-grad",
