@@ -15,7 +15,7 @@ from typing import Optional
 
 import yaml
 
-from angpt.config import megatron_lm, transformer_engine_support
+from angpt.config import megatron_lm, pipeline_split, transformer_engine_support
 from angpt.config.choices import FACTOR_MODES, MODEL_FAMILIES, NU_P_READINGS, POST_NORMS, RESIDUALS, TRANSFORMER_IMPLS
 from angpt.data.blend import parse_blend
 from angpt.data.tokenizers import TIKTOKEN_NUM_SPECIAL_TOKENS, TIKTOKEN_PATTERNS
@@ -36,7 +36,8 @@ NUMERIC_RANGES = (
     ("must be at least 1", lambda value: value >= 1, (
         "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "kv_channels",
         "seq_length", "max_position_embeddings", "rotary_base", "recompute_num_layers", "tensor_model_parallel_size",
-        "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage", "micro_batch_size",
+        "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
+        "decoder_last_pipeline_num_layers", "micro_batch_size",
         "global_batch_size", "train_iters", "train_samples", "lr_decay_iters", "lr_wsd_decay_iters",
         "lr_decay_samples", "lr_wsd_decay_samples",
         "fp8_amax_history_len", "vocab_size", "make_vocab_size_divisible_by", "save_interval",
@@ -149,6 +150,16 @@ def build_parser() -> argparse.ArgumentParser:
     parallel.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parallel.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     parallel.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
+    parallel.add_argument("--decoder-first-pipeline-num-layers", type=int, help="layers of the first pipeline "
+                          "stage (the rest split evenly over the others; angpt.config.pipeline_split)")
+    parallel.add_argument("--decoder-last-pipeline-num-layers", type=int, help="layers of the last pipeline stage")
+    parallel.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                          help="count the embedding as a layer of the first stage when splitting the layers")
+    parallel.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                          help="count the output layer and loss as a layer of the last stage")
+    parallel.add_argument("--pipeline-model-parallel-layout", help="each stage's layers, as Megatron-LM writes "
+                          "them: E the embedding, t a layer, L the loss, | between stages (\"Et|tt|ttL\"; "
+                          "(tt|)*3 repeats)")
     parallel.add_argument("--sequence-parallel", action=SWITCH, default=False)
     parallel.add_argument("--use-distributed-optimizer", action=SWITCH, default=False)
     parallel.add_argument("--overlap-grad-reduce", action=SWITCH, default=False)
@@ -505,8 +516,10 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
     if args.num_query_groups and (args.num_attention_heads % args.num_query_groups or args.num_query_groups % tp):
         parser.error(f"--num-query-groups {args.num_query_groups} must divide --num-attention-heads "
                      f"{args.num_attention_heads} and be divisible by --tensor-model-parallel-size {tp}")
-    if args.num_layers % pp:
-        parser.error(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    try:
+        pipeline_split.stage_layers(args)
+    except ValueError as error:
+        parser.error(str(error))
     if args.num_layers_per_virtual_pipeline_stage:
         if pp == 1:
             parser.error("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")

@@ -59,7 +59,6 @@ NORM_REPLACED = "anGPT and nGPT replace it by their own normalization (one log l
 FSDP = "FSDP is not built: use --use-distributed-optimizer (megatron-core's ZeRO-1 sharding of the optimizer)"
 OFFLOAD = "CPU offloading is not built"
 TE_OVERLAP = "Transformer Engine's userbuffer overlap of tensor-parallel communication is not built"
-PIPELINE_SPLIT = f"uneven pipeline stages are {NOT_YET}: --num-layers splits evenly over the stages"
 INFERENCE = "an inference setting: angpt pretrains; generate with the Hugging Face export (tools/convert_to_hf.py)"
 LEGACY = "Megatron-LM's legacy models are not part of angpt; the families are megatron-core models"
 DENSE = "angpt trains dense GPTs of its three families"
@@ -96,8 +95,6 @@ FLAGS: dict[str, Decision] = {
                                                         "default"),
     "--microbatch-group-size-per-virtual-pipeline-stage": refused(f"{NOT_YET}: the interleaved schedule groups "
                                                                   "--pipeline-model-parallel-size micro-batches"),
-    "--account-for-embedding-in-pipeline-split": refused(PIPELINE_SPLIT),
-    "--account-for-loss-in-pipeline-split": refused(PIPELINE_SPLIT),
     "--softmax-type": refused(ATTENTION),
     "--fp32-residual-connection": refused(f"{NOT_YET}: the residual stream is in the parameters' precision"),
     "--apply-residual-connection-post-layernorm": refused("the families' residual connections are fixed by "
@@ -267,9 +264,6 @@ FLAGS: dict[str, Decision] = {
                                   "on their high-precision copies (docs/fp8.md); leave it out (the FP8 casts then "
                                   "happen in each GEMM)"),
     # -- distributed
-    "--decoder-first-pipeline-num-layers": refused(PIPELINE_SPLIT),
-    "--decoder-last-pipeline-num-layers": refused(PIPELINE_SPLIT),
-    "--pipeline-model-parallel-layout": refused(PIPELINE_SPLIT),
     "--model-parallel-size": refused("deprecated in Megatron-LM: use --tensor-model-parallel-size"),
     "--num-virtual-stages-per-pipeline-rank": refused("use --num-layers-per-virtual-pipeline-stage"),
     "--no-overlap-p2p-communication": refused(f"{NOT_YET}"),

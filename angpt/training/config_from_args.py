@@ -61,6 +61,13 @@ def model_config_from_args(args: argparse.Namespace) -> AnGPTConfig:
         residual=args.angpt_residual,
         share_embeddings_and_output_weights=args.tie_embeddings_and_output_weights,
         rotary_base=args.rotary_base,
+        # Megatron-LM's uneven pipeline splits (angpt.config.pipeline_split); getattr: checkpoints saved before
+        # these flags existed record none of them.
+        num_layers_in_first_pipeline_stage=getattr(args, "decoder_first_pipeline_num_layers", None),
+        num_layers_in_last_pipeline_stage=getattr(args, "decoder_last_pipeline_num_layers", None),
+        account_for_embedding_in_pipeline_split=getattr(args, "account_for_embedding_in_pipeline_split", False),
+        account_for_loss_in_pipeline_split=getattr(args, "account_for_loss_in_pipeline_split", False),
+        pipeline_model_parallel_layout=getattr(args, "pipeline_model_parallel_layout", None),
         rope_position_ids=getattr(args, "reset_position_ids", False),
         # Checkpoints saved before these flags existed record neither.
         attention_dropout=getattr(args, "attention_dropout", 0.0),

@@ -13,6 +13,7 @@ import torch
 from megatron.core import tensor_parallel
 
 from angpt import kernels
+from angpt.config.pipeline_split import stage_layers, stage_of_layer, uneven
 from angpt.data.gpt_datasets import dataset_vocabulary
 from angpt.data.indexed import check_indexed_dataset
 from angpt.models.gpt import build_model
@@ -29,21 +30,21 @@ _TENSOR_PARALLEL_MODULES = (tensor_parallel.ColumnParallelLinear, tensor_paralle
                             tensor_parallel.VocabParallelEmbedding)
 
 
-def parameters_by_stage(model: torch.nn.Module, num_layers: int, pipeline_stages: int) -> dict:
+def parameters_by_stage(model: torch.nn.Module, layer_split: list[int]) -> dict:
     """{stage: (tensor-parallel parameters, replicated parameters)} of a whole model built without
-    parallelism: the embedding on the first stage, the layers split evenly, the final norm and head on the
-    last. Tensor-parallel: the weights of megatron-core's parallel linear layers and embedding, and the
-    vectors split with them (our scales mark themselves `tensor_model_parallel`)."""
+    parallelism: the embedding on the first stage, `layer_split[s]` layers on stage s (angpt.config.pipeline_split),
+    the final norm and head on the last. Tensor-parallel: the weights of megatron-core's parallel linear layers
+    and embedding, and the vectors split with them (our scales mark themselves `tensor_model_parallel`)."""
+    pipeline_stages = len(layer_split)
     split_params = set()
     for module in model.modules():
         if isinstance(module, _TENSOR_PARALLEL_MODULES):
             split_params.update(id(p) for p in module.parameters(recurse=False))
     counts = defaultdict(lambda: [0, 0])
-    per_stage = num_layers // pipeline_stages
     for name, param in model.named_parameters():
         parts = name.split(".")
         if parts[:2] == ["decoder", "layers"]:
-            stage = int(parts[2]) // per_stage
+            stage = stage_of_layer(layer_split, int(parts[2]))
         elif parts[0] == "embedding":
             stage = 0
         else:  # the final norm, the output layer and its logit scale
@@ -85,13 +86,17 @@ def describe(args: argparse.Namespace, world_size: int) -> str:
     distributed.initialize()  # one process: the model is built whole, on the meta device
     config = dataclasses.replace(model_config_from_args(args), tensor_model_parallel_size=1,
                                  pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
+                                 num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
+                                 account_for_embedding_in_pipeline_split=False,
+                                 account_for_loss_in_pipeline_split=False, pipeline_model_parallel_layout=None,
                                  sequence_parallel=False, use_cpu_initialization=True, perform_initialization=False)
     with torch.device("meta"), kernels.reference_only():  # no fused kernel for tensors without data
         model = build_model(config, vocab_size, args.seq_length)
     total = sum(p.numel() for p in model.parameters())
     embedding = model.embedding.word_embeddings.weight.numel()
     head = 0 if config.share_embeddings_and_output_weights else model.output_layer.weight.numel()
-    stages = parameters_by_stage(model, args.num_layers, pp)
+    layer_split = stage_layers(args)
+    stages = parameters_by_stage(model, layer_split)
     per_rank = {stage: split / tp + replicated for stage, (split, replicated) in stages.items()}
     largest = max(per_rank, key=per_rank.get)
     model_bytes = per_rank[largest] * bytes_per_parameter(args.bf16, args.use_distributed_optimizer, dp)
@@ -103,7 +108,9 @@ def describe(args: argparse.Namespace, world_size: int) -> str:
         f"  tensor parallel {tp} x pipeline parallel {pp} x data parallel {dp} = {world_size} processes"
         + (f"; {vp} virtual stages per pipeline rank" if vp else "")
         + ("; sequence parallel" if args.sequence_parallel else ""),
-        f"  {args.num_layers} layers: {args.num_layers // pp} per pipeline stage"
+        f"  {args.num_layers} layers: "
+        + (f"{layer_split[0]} per pipeline stage" if len(set(layer_split)) == 1 else
+           "by pipeline stage " + ", ".join(map(str, layer_split)) + f" ({', '.join(uneven(args))})")
         + (f", {args.num_layers // pp // vp} per virtual stage" if vp else ""),
         "",
         "batch",

@@ -36,6 +36,9 @@ LAYOUTS = {
     "tp2_sequence_parallel": dict(tensor_model_parallel_size=2, sequence_parallel=True),
     "pp2": dict(pipeline_model_parallel_size=2),
     "pp2_interleaved": dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+    # Uneven splits of the 4 layers: 1 + 3, and the layout string's 3 + 1.
+    "pp2_uneven": dict(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=1),
+    "pp2_layout": dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ettt|tL"),
     "dp2": dict(),
     "dp2_distributed_optimizer": dict(distributed_optimizer=True),
 }

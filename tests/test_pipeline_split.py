@@ -1,0 +1,73 @@
+"""Megatron-LM's uneven pipeline splits (angpt.config.pipeline_split): each stage's layers, worked out by hand from
+megatron-core's rules, and the splits that cannot work refused in one line naming the flags, at their edges."""
+
+import pytest
+
+from angpt.config.arguments import parse_args
+from angpt.config.pipeline_split import stage_layers
+from angpt.training import distributed
+
+from conftest import destroy_model_parallel
+
+BASE = ["--mock-data", "--vocab-size", "64", "--hidden-size", "32", "--num-attention-heads", "4", "--train-iters", "2"]
+
+
+def split(num_layers: int, stages: int, *flags: str) -> list[int]:
+    args = parse_args([*BASE, "--num-layers", str(num_layers), "--pipeline-model-parallel-size", str(stages), *flags],
+                      world_size=stages)
+    return stage_layers(args)
+
+
+@pytest.mark.parametrize("num_layers,stages,flags,expected", [
+    (8, 4, [], [2, 2, 2, 2]),
+    (4, 2, ["--decoder-first-pipeline-num-layers", "1"], [1, 3]),
+    (7, 3, ["--decoder-first-pipeline-num-layers", "1"], [1, 3, 3]),
+    (7, 3, ["--decoder-last-pipeline-num-layers", "1"], [3, 3, 1]),
+    (8, 4, ["--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "3"], [1, 2, 2, 3]),
+    (2, 2, ["--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "1"], [1, 1]),
+    # The embedding and the loss count as a layer each: 6 + 2 = 8 over 4 stages.
+    (6, 4, ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"], [1, 2, 2, 1]),
+    (7, 4, ["--account-for-embedding-in-pipeline-split"], [1, 2, 2, 2]),
+    (5, 3, ["--pipeline-model-parallel-layout", "Et|tt|ttL"], [1, 2, 2]),
+    (6, 2, ["--pipeline-model-parallel-layout", "E(t)*4|ttL"], [4, 2]),
+])
+def test_each_stage_gets_the_layers_megatron_core_gives_it(num_layers, stages, flags, expected):
+    assert split(num_layers, stages, *flags) == expected
+    assert sum(expected) == num_layers
+
+
+@pytest.mark.parametrize("num_layers,stages,flags,message", [
+    (4, 3, [], "--num-layers: 4 layers do not split evenly over --pipeline-model-parallel-size 3"),
+    # First and last take every layer: the middle stage would have none.
+    (4, 3, ["--decoder-first-pipeline-num-layers", "2", "--decoder-last-pipeline-num-layers", "2"],
+     "leaves 0 layers after --decoder-first-pipeline-num-layers and --decoder-last-pipeline-num-layers"),
+    (8, 3, ["--decoder-first-pipeline-num-layers", "1"], "leaves 7 layers after --decoder-first-pipeline-num-layers"),
+    (4, 2, ["--decoder-first-pipeline-num-layers", "0"], "--decoder-first-pipeline-num-layers 0 must be at least 1"),
+    (4, 1, ["--decoder-first-pipeline-num-layers", "4"], "need --pipeline-model-parallel-size > 1"),
+    (6, 4, ["--account-for-embedding-in-pipeline-split"],
+     "--num-layers with --account-for-embedding-in-pipeline-split: 7 layers do not split evenly"),
+    (4, 2, ["--decoder-first-pipeline-num-layers", "1", "--account-for-loss-in-pipeline-split"],
+     "two ways to unbalance the stages"),
+    (4, 2, ["--pipeline-model-parallel-layout", "Ett|tL"], "--pipeline-model-parallel-layout 'Ett|tL': "),
+    (4, 2, ["--pipeline-model-parallel-layout", "Et|t|t|tL"], "has 2 virtual stages per pipeline rank"),
+    (8, 2, ["--decoder-first-pipeline-num-layers", "2", "--num-layers-per-virtual-pipeline-stage", "2"],
+     "virtual stages of an uneven split are not built yet"),
+])
+def test_a_split_that_cannot_work_is_refused_naming_the_flags(num_layers, stages, flags, message, capsys):
+    with pytest.raises(SystemExit):
+        split(num_layers, stages, *flags)
+    assert message in capsys.readouterr().err
+
+
+def test_the_dry_run_follows_the_split(single_process):
+    from angpt.training.dry_run import describe  # noqa: PLC0415 (builds a model on the meta device)
+
+    args = parse_args([*BASE, "--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                       "--decoder-first-pipeline-num-layers", "1"], world_size=2)
+    destroy_model_parallel()  # describe builds its own one-process groups
+    try:
+        report = describe(args, 2)
+    finally:
+        destroy_model_parallel()
+        distributed.initialize()
+    assert "  4 layers: by pipeline stage 1, 3 (--decoder-first-pipeline-num-layers)" in report
