@@ -37,7 +37,7 @@ def test_each_stage_gets_the_layers_megatron_core_gives_it(num_layers, stages, f
 
 
 @pytest.mark.parametrize("num_layers,stages,flags,message", [
-    (4, 3, [], "--num-layers: 4 layers do not split evenly over --pipeline-model-parallel-size 3"),
+    (4, 3, [], "--num-layers 4 is not divisible by --pipeline-model-parallel-size 3"),
     # First and last take every layer: the middle stage would have none.
     (4, 3, ["--decoder-first-pipeline-num-layers", "2", "--decoder-last-pipeline-num-layers", "2"],
      "leaves 0 layers after --decoder-first-pipeline-num-layers and --decoder-last-pipeline-num-layers"),

@@ -53,8 +53,10 @@ def stage_layers(args) -> list[int]:
         return [*([first] if first else []), *middle, *([last] if last else [])]
     total = layers + bool(embedding) + bool(loss)
     if total % stages:
-        counted = " with ".join(["--num-layers", *given]) if given else "--num-layers"
-        raise ValueError(f"{counted}: {total} layers do not split evenly over --pipeline-model-parallel-size {stages}")
+        if not given:
+            raise ValueError(f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size {stages}")
+        raise ValueError(f"--num-layers with {' and '.join(given)}: {total} layers do not split evenly over "
+                         f"--pipeline-model-parallel-size {stages}")
     split = [total // stages] * stages
     split[0] -= bool(embedding)
     split[-1] -= bool(loss)
