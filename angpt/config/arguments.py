@@ -44,7 +44,8 @@ NUMERIC_RANGES = (
         "keep_last_n_checkpoints", "eval_interval", "log_interval", "exit_interval", "ddp_bucket_size",
         "loss_scale_window", "hysteresis", "tiktoken_num_special_tokens")),
     ("cannot be negative", lambda value: value >= 0, (
-        "angpt_alpha_init", "min_lr", "lr_warmup_iters", "lr_warmup_samples", "lr_warmup_init", "weight_decay",
+        "angpt_alpha_init", "timing_log_level", "min_lr", "lr_warmup_iters", "lr_warmup_samples", "lr_warmup_init",
+        "weight_decay",
         "clip_grad", "seed", "fp8_margin", "eval_iters", "max_skipped_steps", "dry_run", "cuda_graph_warmup_steps",
         "megatron_local_rank", "rampup_batch_size", "manual_gc_interval", "empty_unused_memory_level",
         "num_workers", "decoupled_min_lr", "profile_step_start", "profile_step_end", "profile_ranks")),
