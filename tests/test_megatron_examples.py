@@ -53,6 +53,8 @@ def llama3_8b(data: str, vocab_size: int, save: str) -> list[str]:
         "--log-interval", "1", "--eval-iters", "1", "--eval-interval", "3", "--save-interval", "3",
         "--log-throughput", "--ckpt-format", "torch_dist", "--distributed-timeout-minutes", "60", "--save", save,
         "--load", save, "--tensorboard-dir", f"{save}/tensorboard",
+        # Added (Megatron-LM's, not in this script): the weights' norm over tensor-parallel ranks and duplicates.
+        "--log-params-norm",
     ]
 
 
@@ -79,6 +81,7 @@ def gpt3_175b(data: str, vocab_file: str, merge_file: str, save: str) -> list[st
         # timers, which this script does not give, for a multi-process run that carries the documents' masks
         # through the pipeline and gathers timers that only some stages run.
         "--reset-position-ids", "--reset-attention-mask", "--timing-log-level", "2", "--timing-log-option", "all",
+        "--log-params-norm", "--log-num-zeros-in-grad",
         # EVAL_AND_LOGGING_ARGS (intervals shrunk)
         "--log-interval", "1", "--save-interval", "4", "--eval-interval", "4", "--save", save, "--load", save,
         "--eval-iters", "1", "--tensorboard-dir", f"{save}/tensorboard",
@@ -104,6 +107,12 @@ def gpt2_files(directory) -> tuple[str, str]:
     (directory / "vocab.json").write_text(json.dumps(vocab))
     (directory / "merges.txt").write_text("#version: 0.2\nh e\nĠ t\n")
     return str(directory / "vocab.json"), str(directory / "merges.txt")
+
+
+def weights_norm(run, iteration: int) -> float:
+    """The L2 norm of all the model's weights in a checkpoint (whole tensors, whatever the layout that saved it)."""
+    weights = [tensor for key, tensor in checkpoint_tensors(run, iteration).items() if not key.startswith("optimizer.")]
+    return torch.cat([tensor.double().flatten() for tensor in weights]).norm().item()
 
 
 def launch_clean(argv: list[str]):
@@ -140,6 +149,8 @@ def test_megatron_lms_llama3_script_trains_an_angpt_and_resumes_exactly(tmp_path
     assert "--weight-decay 0.1 departs from anGPT's recipe, no weight decay" in output
     assert [r["iteration"] for r in records(run)] == [1, 2, 3, 4, 5, 6]
     assert all(np.isfinite(r["lm_loss"]) for r in records(run))
+    # bf16 weights, their norm summed in fp32 over the ranks: the checkpoint's weights' norm to bf16's precision.
+    assert records(run)[-1]["params_norm"] == pytest.approx(weights_norm(run, 6), rel=1e-2)
     check_resume(lambda save: llama3_8b(data, 500, save), run, tmp_path / "resumed", 3, 6, "angpt")
 
 
@@ -151,6 +162,9 @@ def test_megatron_lms_gpt3_script_ramps_up_its_batch_and_resumes_exactly_in_the_
     # The ramp-up (START 2, INCREMENT 2, 16 samples; tests/test_batch_schedule.py): 2, 2, 2, 4, 4, 6, then 8.
     assert [r["global_batch_size"] for r in records(run)] == [2, 2, 2, 4, 4, 6, 8, 8, 8]
     assert [r["consumed_samples"] for r in records(run)] == [2, 4, 6, 10, 14, 20, 28, 36, 44]
+    # fp32 weights: the norm of the final checkpoint's, up to the order of the sums.
+    assert records(run)[-1]["params_norm"] == pytest.approx(weights_norm(run, 9), rel=1e-6)
+    assert records(run)[-1]["num_zeros"] > 0  # the embedding rows of the tokens not in the last batch
     # Every rank's time (--timing-log-option all): both stages compute, and each receives from the other.
     timers = records(run)[-1]["timers_ms"]
     assert timers["forward-compute"][0] > 0 and timers["forward-compute"][1] > 0

@@ -344,6 +344,10 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--eval-iters", type=int, default=100,
                       help="global batches of the validation split per evaluation (0: no evaluation)")
     logs.add_argument("--log-interval", type=int, default=100)
+    logs.add_argument("--log-params-norm", action="store_true", help="the L2 norm of all the weights in the log "
+                      "line and metrics.jsonl (each weight once over the tensor and pipeline ranks, as Megatron-LM)")
+    logs.add_argument("--log-num-zeros-in-grad", action="store_true", help="the number of zero gradient elements "
+                      "of the logged step, over the model")
     logs.add_argument("--timing-log-level", type=int, choices=(0, 1, 2), default=0, help="megatron-core's timers, "
                       "per step in the log line and metrics.jsonl every --log-interval: 0 saves and loads, 1 also the "
                       "forward-backward pass, the optimizer (and its parts, anGPT's bounding), evaluation, gradient "

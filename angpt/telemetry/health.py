@@ -189,3 +189,16 @@ class HealthProbe:
         return {f"health/{name}": figures[name] for name in sorted(figures)}
 
 
+
+
+def params_l2_norm(chunks) -> float:
+    """Collective over the model-parallel group: the L2 norm of all the model's weights, as Megatron-LM's
+    calc_params_l2_norm sums it (--log-params-norm): each weight once (a tensor-parallel duplicate on its first
+    rank only, a weight shared between stages once), in fp32."""
+    squares = torch.zeros((), dtype=torch.float64, device=next(chunks[0].parameters()).device)
+    for chunk in chunks:
+        for param in chunk.parameters():
+            if param_is_not_tensor_parallel_duplicate(param) and not getattr(param, "shared", False):
+                squares += param.detach().float().square().sum().double()
+    dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
+    return squares.sqrt().item()

@@ -121,6 +121,8 @@ _LOG_LINE_FIGURES = (
     ("lr", "learning rate", "{:.3E}".format),
     ("loss_scale", "loss scale", "{:.1f}".format),
     ("grad_norm", "grad norm", "{:.3f}".format),
+    ("num_zeros", "num zeros", lambda v: f"{int(v)}"),
+    ("params_norm", "params norm", "{:.3f}".format),
     ("ms_per_step", "ms per step", "{:.1f}".format),
     ("tokens_per_s_per_device", "tokens/s/device", "{:.0f}".format),
     ("mfu", "MFU", lambda v: f"{100 * v:.1f}%"),

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from angpt.telemetry.health import HealthProbe
+from angpt.telemetry.health import HealthProbe, params_l2_norm
 from angpt.telemetry.metrics import MetricsLogger, ProgressBar, format_log_line
 from angpt.telemetry.performance import DeviceTelemetry, memory_stats, model_flops_per_token, peak_flops_per_device
 from angpt.telemetry.timers import per_step_ms
@@ -20,8 +20,9 @@ from angpt.telemetry.timers import per_step_ms
 
 class TrainingMonitor:
     def __init__(self, args, config, chunks, vocab_size: int, rank: int, start_iteration: int,
-                 loaded_from: Optional[str] = None, timers=None):
+                 loaded_from: Optional[str] = None, timers=None, optimizer=None):
         self.args = args
+        self.chunks, self.optimizer = chunks, optimizer  # for --log-params-norm and --log-num-zeros-in-grad
         self.timers = timers  # megatron-core's Timers of the run (angpt.telemetry.timers), or None
         self.is_reporting_rank = rank == 0
         output_dir = args.save or args.tensorboard_dir
@@ -102,6 +103,11 @@ class TrainingMonitor:
         record.update(memory_stats())
         record.update(self.telemetry.read())
         record.update(self.health.summary())
+        if getattr(self.args, "log_params_norm", False):
+            record["params_norm"] = params_l2_norm(self.chunks)
+        if getattr(self.args, "log_num_zeros_in_grad", False) and self.optimizer is not None:
+            # The last step's gradients (clipped, as Megatron-LM counts them; clipping keeps zeros), over the model.
+            record["num_zeros"] = int(self.optimizer.count_zeros())
         if self.timers is not None:
             timed = per_step_ms(self.timers, max(self.window_steps, 1))
             if timed:

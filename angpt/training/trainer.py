@@ -141,7 +141,7 @@ class Trainer:
         self.by_samples = args.train_samples is not None
         self.exits = ExitRequests(exit_signals(args), args.exit_duration_in_mins)
         self.monitor = TrainingMonitor(args, self.config, self.chunks, self.vocab_size, self.rank,
-                                       self.state.iteration, self.loaded_from, self.timers)
+                                       self.state.iteration, self.loaded_from, self.timers, self.optimizer)
         if args.profile and self.rank in args.profile_ranks:
             self.profiler = StepProfiler(args.profile_step_start, args.profile_step_end, args.use_pytorch_profiler,
                                          self.monitor.tensorboard_dir)

@@ -1,9 +1,11 @@
 """Megatron-LM's timers (--timing-log-level, --timing-log-option, --log-timers-to-tensorboard) through megatron-core's
-Timers: which timers each level turns on, per step in metrics.jsonl, the log line and TensorBoard."""
+Timers: which timers each level turns on, per step in metrics.jsonl, the log line and TensorBoard; and its
+--log-params-norm and --log-num-zeros-in-grad."""
 
 import json
 
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from angpt.telemetry.metrics import format_log_line
@@ -54,3 +56,20 @@ def test_timers_in_metrics_the_log_line_and_tensorboard(tmp_path, single_process
     events.Reload()
     assert {"timers/forward-backward-time", "timers/optimizer-time"} <= set(events.Tags()["scalars"])
     assert events.Scalars("timers/forward-backward-time")[0].value == pytest.approx(timers["forward-backward"][1])
+
+
+def test_params_norm_and_zero_gradients_are_those_of_the_model(tmp_path, single_process):
+    """--log-params-norm and --log-num-zeros-in-grad against the model itself after the logged step: the norm of
+    all its weights, and the zeros of its gradients (the embedding rows of tokens not in the batch among them)."""
+    run_dir = tmp_path / "run"
+    trainer = in_process_trainer([*MODEL, "--save", str(run_dir), "--log-params-norm", "--log-num-zeros-in-grad",
+                                  "--train-iters", "2", "--eval-iters", "0"])
+    assert trainer.run() == 0
+    record = train_records(run_dir)[-1]
+    params = [param for chunk in trainer.chunks for param in chunk.parameters()]
+    expected_norm = torch.cat([param.detach().double().flatten() for param in params]).norm().item()
+    assert record["params_norm"] == pytest.approx(expected_norm, rel=1e-6)
+    zeros = sum(int((param.main_grad == 0).sum()) for param in params)
+    assert record["num_zeros"] == zeros > 0
+    line = format_log_line(record)
+    assert f"| num zeros: {zeros} | params norm: {record['params_norm']:.3f} |" in line
