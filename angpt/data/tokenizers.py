@@ -118,15 +118,21 @@ class TikTokenizer:
         self.description = {"type": tokenizer_type, "model": describe_file(path), "eod_token": EOD_TOKEN}
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        if self.special_tokens_as_text:
-            return self.encoding.encode_ordinary_batch(texts, num_threads=self.threads)
-        return self.encoding.encode_batch(texts, num_threads=self.threads, allowed_special="all")
+        return _tiktoken_batch(self.encoding, texts, self.threads, self.special_tokens_as_text)
 
     def set_threads(self, threads: int) -> None:
         self.threads = threads
 
     def decode(self, ids: list[int]) -> str:
         return self.encoding.decode(ids)
+
+
+def _tiktoken_batch(encoding, texts: list[str], threads: int, special_tokens_as_text: bool) -> list[list[int]]:
+    """A tiktoken Encoding's ids of `texts` on `threads` threads: special-token text as those tokens, as
+    Megatron-LM's TikTokenizer reads it (allowed_special="all"), or as ordinary text."""
+    if special_tokens_as_text:
+        return encoding.encode_ordinary_batch(texts, num_threads=threads)
+    return encoding.encode_batch(texts, num_threads=threads, allowed_special="all")
 
 
 def load_huggingface(path: str, tokenizer_type: str, special_tokens_as_text: bool = False) -> HuggingFaceTokenizer:
@@ -229,9 +235,7 @@ class MegatronCoreTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         if not self.is_tiktoken:
             return self.encoder.encode(texts, out_type=int, num_threads=self.threads)
-        if self.special_tokens_as_text:
-            return self.encoder.encode_ordinary_batch(texts, num_threads=self.threads)
-        return self.encoder.encode_batch(texts, num_threads=self.threads, allowed_special="all")
+        return _tiktoken_batch(self.encoder, texts, self.threads, self.special_tokens_as_text)
 
     def set_threads(self, threads: int) -> None:
         self.threads = threads

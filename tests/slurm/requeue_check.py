@@ -23,12 +23,13 @@ import sys
 import tempfile
 import time
 
-import numpy as np
 import torch
-from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-VOCAB, EOD = 500, 499
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+from test_gpt_datasets import write_dataset  # noqa: E402 (random ids below 499, 499 ending each document)
+
 ITERATIONS = 1200
 # The model and run shrunk from examples/configs/angpt_0.5b.yaml, as flags after the script override it.
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--kv-channels", "16",
@@ -100,20 +101,6 @@ class Cluster:
         return dict(re.findall(r"(\w+)=(\S*)", shown))
 
 
-def write_dataset(prefix: str) -> None:
-    rng = np.random.default_rng(0)
-    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
-    tokens = 0
-    for _ in range(400):
-        document = np.append(rng.integers(0, EOD, size=int(rng.integers(20, 120))), EOD)
-        builder.add_document(torch.from_numpy(document), [len(document)])
-        tokens += len(document)
-    builder.finalize(prefix + ".idx")
-    with open(prefix + ".json", "w") as file:
-        json.dump({"tokenizer": {"type": "random ids"}, "vocab_size": VOCAB, "eod": EOD, "append_eod": True,
-                   "documents": 400, "tokens": tokens, "max_token_id": EOD, "empty_documents": 0}, file)
-
-
 def losses(run: str) -> dict[int, float]:
     with open(os.path.join(run, "metrics.jsonl")) as file:
         return {r["iteration"]: r["lm_loss"] for r in map(json.loads, file) if r["kind"] == "train"}
@@ -143,7 +130,7 @@ def main() -> int:
            "PYTHONWARNINGS": "ignore", "SIZE": "0.5b", "DATA_PATH": os.path.join(work, "data_text_document"),
            "DATA_CACHE_PATH": os.path.join(work, "cache"), "GPUS_PER_NODE": "2"}
     try:
-        write_dataset(env["DATA_PATH"])
+        write_dataset(env["DATA_PATH"], documents=400, seed=0)
         reference = os.path.join(work, "uninterrupted")
         log("the uninterrupted run (torchrun, the example's flags)")
         subprocess.run(["bash", "examples/pretrain_multi_node.sh", "--exit-signal-handler", "--exit-signal", "SIGUSR1",
