@@ -18,7 +18,7 @@ import sys
 
 from angpt.config import megatron_lm
 from angpt.config.arguments import exit_signals, parse_args
-from angpt.megatron_compat import parent_watch, quiet_known_warnings
+from angpt.megatron_compat import parent_watch, quiet_known_warnings, skip_wandb_import
 from angpt.training import exits
 
 
@@ -28,6 +28,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)  # before torch and megatron-core are imported: --help and flag errors are instant
     exits.catch(exit_signals(args))
     quiet_known_warnings()
+    if not args.wandb_project:
+        skip_wandb_import()
     from angpt.telemetry.metrics import console_outlives_its_reader  # noqa: PLC0415 (after parsing)
 
     console_outlives_its_reader()

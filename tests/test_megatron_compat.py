@@ -75,6 +75,17 @@ def test_the_package_itself_imports_neither_torch_nor_megatron():
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "[]"
 
 
+@pytest.mark.slow  # a process that imports megatron-core
+def test_a_run_without_wandb_skips_megatron_cores_import_of_it():
+    """wandb is installed (for --wandb-project); megatron-core imported it in every process, for 1.2 CPU-s."""
+    code = ("import sys; from angpt.megatron_compat import skip_wandb_import; skip_wandb_import(); "
+            "from megatron.core.inference.contexts import dynamic_context; "
+            "print(dynamic_context.HAVE_WANDB, sys.modules['wandb'])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ,
+                                                                                              "PYTHONPATH": ROOT})
+    assert done.stdout.strip() == "False None", done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("pinned", ["setup.py", "requirements/cpu.txt"])
 def test_the_pins_name_the_version_the_workarounds_were_written_for(pinned):
     assert f"megatron-core=={WRITTEN_FOR}" in open(f"{ROOT}/{pinned}").read()

@@ -6,6 +6,8 @@ Another megatron-core version may have fixed what a workaround fixes, or moved w
 Each workaround, where it is, and what breaks without it under megatron-core 0.16.1:
 - CUDA device calls sent to the CPU (`cpu.py`): on a machine without CUDA, building a model, the optimizer
   or a schedule raises "Torch not compiled with CUDA enabled", and model-parallel RNG is never seeded.
+- wandb's import skipped in runs that do not log to W&B (`skip_wandb_import` below): 1.2 CPU-s at each
+  process's start, which megatron-core spends importing it for its inference logging.
 - Known warnings ignored (`quiet_known_warnings` below): six `UserWarning`s at every start and first save,
   `FutureWarning`s at every load, in every process.
 - "Unknown MLP type" log filtered (`patches.py`): `TransformerLayer` logs it once per layer for any MLP
@@ -48,6 +50,7 @@ import them, so that `--help` stays instant and import-time warnings are caught.
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 WRITTEN_FOR = "0.16.1"
@@ -75,3 +78,10 @@ def quiet_known_warnings() -> None:
     """Ignore KNOWN_WARNINGS in this process; called by each entry point before it imports megatron-core."""
     for category, message in KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
+
+
+def skip_wandb_import() -> None:
+    """megatron-core imports wandb when it is installed, for its inference engine's and its timers' W&B logging
+    (1.2 CPU-s a process here): a run that does not log to W&B calls this before it imports megatron-core, and
+    the import fails as if wandb were not installed (megatron-core then goes without)."""
+    sys.modules.setdefault("wandb", None)
