@@ -49,7 +49,7 @@ SAVE_INTERVAL = 2
 TARGETS = ("one rank", "all ranks", "torchrun", "everything")
 MOMENTS = ("step", "sync save", "async save", "start and load")
 SIGNALS = (signal.SIGKILL, signal.SIGTERM)
-SLOW_SAVE_SECONDS = 2.0  # how long the fault holds a save open for the kill
+SLOW_SAVE_SECONDS = 1.0  # how long the fault holds a save open for the kill
 JOB_END_TIMEOUT = 120
 ORPHAN_GRACE = 10
 

@@ -24,11 +24,11 @@ pytestmark = pytest.mark.multiprocess
 # uninterrupted run (which starts warm) is a cold torchrun job of two ranks.
 def test_five_kills_and_resumes_end_as_the_uninterrupted_run_with_nothing_left_behind(tmp_path):
     reference = str(tmp_path / "uninterrupted")
-    done = launch(["-m", "angpt.pretrain", *chaos_resume.MODEL, "--train-iters", "6", "--save", reference,
+    done = launch(["-m", "angpt.pretrain", *chaos_resume.MODEL, "--train-iters", "4", "--save", reference,
                    "--save-interval", str(chaos_resume.SAVE_INTERVAL)], nproc=2, env=environment())
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    soak = chaos_resume.soak_run(kills=5, seed=144, iterations=6, workdir=str(tmp_path), reference=reference)
-    print(chaos_resume.report(soak, 6, 0))
+    soak = chaos_resume.soak_run(kills=5, seed=144, iterations=4, workdir=str(tmp_path), reference=reference)
+    print(chaos_resume.report(soak, 4, 0))
     assert len(soak.kills) == 5 and soak.resumes == 5
     assert soak.differences == [] and soak.orphans == [] and soak.hangs == []
     # The seed draws every moment, both signals, SIGKILL of torchrun (its training processes then save and exit)
