@@ -42,7 +42,8 @@ class Faults:
     nan_iterations: frozenset = field(default_factory=frozenset)
     pause_in_save_at: Optional[int] = None
     pause_in_writer_at: Optional[int] = None
-    pause_seconds: float = math.inf  # of either pause
+    pause_in_save_seconds: float = math.inf
+    pause_in_writer_seconds: float = math.inf
     wait_for_signal_before: Optional[int] = None
     crash_before: Optional[int] = None  # this rank's, in this attempt
     step_seconds: float = 0.0
@@ -78,7 +79,8 @@ def from_environment() -> Faults:
         iteration, rank = os.environ[CRASH_AT].split(":")
         crash = int(iteration) if int(rank) == int(os.environ.get("RANK", "0")) else None
     return Faults(frozenset(int(i) for i in nan.split(",") if i.strip()), pause, pause_in_writer_at=writer,
-                  pause_seconds=min(pause_seconds, writer_seconds), wait_for_signal_before=int(wait) if wait else None,
+                  pause_in_save_seconds=pause_seconds, pause_in_writer_seconds=writer_seconds,
+                  wait_for_signal_before=int(wait) if wait else None,
                   crash_before=crash, step_seconds=float(os.environ.get(STEP_SECONDS, 0)),
                   stall_before=stall_before, stall_seconds=stall_seconds)
 

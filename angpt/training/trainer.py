@@ -232,9 +232,10 @@ class Trainer:
         self.saved_iteration = self.state.iteration
         pause = pause_writer = None
         if self.faults.pause_in_save_at == self.state.iteration:
-            pause = partial(faults.pause, "inside the save", self.faults.pause_seconds)
+            pause = partial(faults.pause, "inside the save", self.faults.pause_in_save_seconds)
         if self.faults.pause_in_writer_at == self.state.iteration:
-            pause_writer = partial(faults.pause, "in the save's background writer", self.faults.pause_seconds)
+            pause_writer = partial(faults.pause, "in the save's background writer",
+                                   self.faults.pause_in_writer_seconds)
         timer(self.timers, "save-checkpoint").start(barrier=True)  # as Megatron-LM: the ranks' time together
         checkpointing.save_checkpoint(
             args.save, self.state, self.chunks, self.optimizer, self.scheduler, vars(args), self.tokenizer,
