@@ -2,10 +2,13 @@
 as without recompute for every choice in every family, dropout masks replayed, and the recomputed parts no
 longer kept for the backward pass (saved-tensor hooks). In-process, tiny fp32 models on the CPU path."""
 
+import importlib.util
 import itertools
+import os
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from angpt.config.arguments import parse_args
 from angpt.config.choices import RECOMPUTE_MODULES, recompute_module_refusal
@@ -13,6 +16,8 @@ from angpt.models import build_model, model_config
 from angpt.models.config import RECOMPUTE_MODULES as MODEL_RECOMPUTE_MODULES
 from angpt.training import distributed
 from angpt.training.config_from_args import model_config_from_args
+
+from conftest import ROOT
 
 FAMILIES = ("gptplus", "angpt", "ngpt")
 HIDDEN, HEADS, VOCAB, SEQ, BATCH = 32, 4, 64, 16, 2
@@ -219,3 +224,41 @@ def test_each_combination_keeps_less_than_its_parts(seeded):
         totals[recompute] = saved(build("angpt", recompute, num_layers=1))[0]
     assert totals[("core_attn", "mlp")] < min(totals[("core_attn",)], totals[("mlp",)])
     assert all(total < totals[()] for recompute, total in totals.items() if recompute)
+
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location("activation_memory",
+                                                  os.path.join(ROOT, "benchmarks", "activation_memory.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_benchmarks_recompute_flops_hold_the_layers_matmuls(seeded, family):
+    # torch's own count of one layer's forward matmuls (2-layer model minus 1-layer model) against the
+    # benchmark's formula for full recompute, which adds the elementwise work (a few FLOPs per element) on top.
+    counts = []
+    for layers in (2, 1):
+        model = build(family, num_layers=layers)
+        with FlopCounterMode(display=False) as counter:
+            with torch.no_grad():
+                loss(model)
+        counts.append(counter.get_total_flops())
+    matmuls = counts[0] - counts[1]
+    assert matmuls == 2 * TOKENS * HIDDEN * 4 * HIDDEN + 4 * TOKENS * SEQ * HIDDEN + 6 * TOKENS * HIDDEN * FFN
+    formula = load_benchmark().recompute_flops(family, "full", TOKENS, SEQ, HIDDEN, HEADS)
+    elementwise = formula - matmuls
+    assert 0 < elementwise < 0.1 * matmuls
+
+
+@pytest.mark.slow  # eager, every family and setting at a tiny shape: about 15 s
+def test_the_benchmark_reports_each_setting(single_process, capsys):
+    results = load_benchmark().main(["--recompute", "--modes", "eager", "--hidden-size", "32", "--seq-length", "16",
+                                     "--micro-batch-size", "2", "--vocab-size", "64"])
+    for family in FAMILIES:
+        kept = {key[2]: value[0] for key, value in results.items() if key[:2] == (family, "eager") and len(key) == 3}
+        assert results[(family, "eager")] == kept["none"]  # the first table's figure
+        assert kept["full"] == pytest.approx(1.0)  # the layer's input
+        assert all(units < kept["none"] for label, units in kept.items() if label != "none")
+    assert "| angpt | core_attn,mlp |" in capsys.readouterr().out
