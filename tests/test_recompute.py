@@ -136,8 +136,8 @@ def assert_equal(got: dict, reference: dict, recompute) -> None:
 
 @pytest.mark.parametrize("family", ["gptplus", "angpt"])
 def test_the_recomputation_replays_the_dropout_masks(seeded, family):
-    # core_attn and full recompute attention's dropout (and GPT+'s hidden dropout, mlp): the masks of the first
-    # forward pass must be drawn again, from megatron-core's RNG tracker as it was then.
+    # core_attn and full recompute attention's dropout, full also GPT+'s hidden dropout (in its bias-dropout-add):
+    # the masks of the first forward pass must be drawn again, from megatron-core's RNG tracker as it was then.
     dropout = dict(attention_dropout=0.3, hidden_dropout=0.3 if family == "gptplus" else 0.0)
     reference = gradients(family, **dropout)
     other_masks = gradients(family, seed=1, **dropout)
