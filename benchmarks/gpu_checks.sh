@@ -142,7 +142,7 @@ if [ $recompute -eq 1 ]; then
     recompute_run=("$PY" benchmarks/gpu_throughput.py --shapes $small --precisions bf16 --kernels on "${step_model[@]}"
                    --micro-batch-size "${sizes[-1]}" --profile-steps 0 --variant "none=$base")
     selective="$base --recompute-activations --recompute-modules"
-    stage recompute-$small 300 "${recompute_run[@]}" --families "${families[@]}" \
+    stage recompute-$small 270 "${recompute_run[@]}" --families "${families[@]}" \
         --variant "core_attn=$base --recompute-activations" --variant "mlp=$selective mlp" \
         --variant "core_attn,mlp=$selective core_attn mlp" --variant "qk_norm=$selective qk_norm" \
         --variant "full=$base --recompute-granularity full" \
@@ -160,7 +160,7 @@ if [ $recompute -eq 1 ]; then
         --variant "residual_update=$selective residual_update" \
         --variant "qk_norm,residual_update=$selective qk_norm residual_update" \
         --output "$out/recompute-norms.json" --markdown "$out/recompute-norms.md")")
-    stage recompute-norms 240 bash -c "status=0; $(printf '%s || status=$?; ' "${norms[@]}") exit \$status"
+    stage recompute-norms 150 bash -c "status=0; $(printf '%s || status=$?; ' "${norms[@]}") exit \$status"
 fi
 if [ $recompute -eq 0 ]; then
 gpu_tests=$(grep -l "pytest.mark.gpu" tests/test_*.py)
