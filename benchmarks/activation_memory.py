@@ -13,6 +13,26 @@ embedding, the head and the loss drop out. "compiled" runs the fused chains the 
 they save), with megatron-core's SwiGLU and RoPE fusions on, as on a GPU by default. "eager" is the CPU path.
 The figures are in units of one [tokens, hidden] tensor of the activations' dtype (fp32 here; the ratios
 carry over to BF16), with the attention's own buffers included.
+
+    python benchmarks/activation_memory.py --recompute [--modes eager] [--markdown table.md]
+
+adds, for each family, what a layer keeps with each activation recompute setting (docs/guide.md, Activation
+recompute): none, each `--recompute-modules` choice the family has alone, core_attn+mlp, the cheap norms alone
+(layernorm+qk_norm for GPT+, qk_norm+residual_update for anGPT and nGPT), all of the family's choices, and
+`--recompute-granularity full` (uniform, 1 layer). Kept: measured as above, in units and in MiB for the given
+sizes (a storage that CheckpointWithoutOutput frees after use counts as freed). Recomputed: FLOPs per layer
+counted from the shapes (T = micro-batch x sequence tokens, s the sequence, d hidden, f ffn hidden = 4d; a
+multiply-add is 2 FLOPs, an elementwise op 1 per element, and a whole attention matrix counted as the unfused
+kernel computes it, causal half included):
+    core_attn        4 T s d (q k^T and the context) + 5 T s h (scale, mask, softmax: max, exp, sum, divide)
+                     + for anGPT and nGPT the QK normalization inside it (qk_norm below)
+    mlp              6 T d f (fc1, 2f wide, and fc2) + 6 T f (SwiGLU: SiLU 4, product, scales)
+    layernorm        2 x 4 T d (GPT+'s two pre-RMSNorms: square, sum, scale, weight)
+    qk_norm          anGPT/nGPT: 2 x 8 T d (q and k: RoPE 3, L2 norm 4, s_qk 1); GPT+: 2 x 4 T d (RMSNorm)
+    residual_update  2 x 8 T d (two updates: post-norm 4, LERP 4; anGPT's and nGPT's)
+    full             the layer's whole forward pass: 2 T d (3d + d) for W_qkv and W_p + core_attn + mlp + the
+                     norms and updates of the family (layernorm + qk_norm, or qk_norm + residual_update)
+The last column puts that against a layer's forward and backward pass without recompute, 3 x (full).
 """
 
 import argparse
@@ -21,43 +41,89 @@ import os
 import sys
 
 import torch
+from megatron.core import parallel_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from angpt import kernels  # noqa: E402
+from angpt.config.choices import RECOMPUTE_MODULES, recompute_module_refusal  # noqa: E402
 from angpt.megatron_compat import patches  # noqa: E402
 from angpt.models import build_model, model_config  # noqa: E402
 from angpt.training import distributed  # noqa: E402
 
 FAMILIES = ("gptplus", "angpt", "ngpt")
+FULL = "full"
 
 
 def saved_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int:
-    """Bytes of the distinct storages autograd saves during one forward pass of `model` (then a backward
-    pass, so that compiled functions are exercised the way training runs them)."""
-    storages: dict[int, int] = {}
+    """Bytes of the distinct storages autograd saves during one forward pass of `model`, their sizes read
+    after it (CheckpointWithoutOutput frees the outputs it recomputes); then a backward pass, so that compiled
+    functions are exercised the way training runs them."""
+    storages: dict[int, torch.UntypedStorage] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
+        storages[storage.data_ptr()] = storage
         return tensor
 
     positions = torch.arange(tokens.shape[1] - 1).unsqueeze(0).expand(tokens.shape[0], -1)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         loss = model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).mean()
+    kept = sum(storage.nbytes() for storage in storages.values())
     loss.backward()
-    return sum(storages.values())
+    return kept
 
 
-def per_layer(family: str, mode: str, args) -> float:
+def recompute_settings(family: str) -> dict[str, object]:
+    """label -> FULL, or the tuple of --recompute-modules (() for no recompute)."""
+    own = tuple(module for module in RECOMPUTE_MODULES if recompute_module_refusal(module, family) is None)
+    norms = ("layernorm", "qk_norm") if family == "gptplus" else ("qk_norm", "residual_update")
+    settings = {"none": (), **{module: (module,) for module in own}}
+    for modules in (("core_attn", "mlp"), norms, own):
+        settings[",".join(modules)] = modules
+    settings[FULL] = FULL
+    return settings
+
+
+def recompute_overrides(setting) -> dict:
+    if setting == FULL:
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if setting:
+        return dict(recompute_granularity="selective", recompute_modules=list(setting))
+    return {}
+
+
+def recompute_flops(family: str, setting, tokens: int, seq: int, hidden: int, heads: int) -> int:
+    """FLOPs one layer recomputes in the backward pass (the formulas of the module docstring)."""
+    ffn = 4 * hidden
+    norm_per_element = 4 if family == "gptplus" else 8
+    parts = {
+        "core_attn": 4 * tokens * seq * hidden + 5 * tokens * seq * heads,
+        "mlp": 6 * tokens * hidden * ffn + 6 * tokens * ffn,
+        "layernorm": 2 * 4 * tokens * hidden,
+        "qk_norm": 2 * norm_per_element * tokens * hidden,
+        "residual_update": 2 * 8 * tokens * hidden,
+    }
+    if family != "gptplus":  # the QK normalization is inside core attention there
+        parts["core_attn"] += parts["qk_norm"]
+    if setting == FULL:
+        norms = ("layernorm", "qk_norm") if family == "gptplus" else ("residual_update",)  # qk_norm: in core_attn
+        return 2 * tokens * hidden * 4 * hidden + parts["core_attn"] + parts["mlp"] + sum(parts[n] for n in norms)
+    modules = set(setting)
+    if family != "gptplus" and "core_attn" in modules:
+        modules.discard("qk_norm")  # recomputed once, with core attention
+    return sum(parts[module] for module in modules)
+
+
+def per_layer(family: str, mode: str, args, recompute=()) -> float:
     """Saved [tokens, hidden] tensors per layer: the 2-layer model's bytes minus the 1-layer model's."""
     fusions = dict(apply_rope_fusion=True, bias_activation_fusion=True) if mode == "compiled" else {}
     counts = []
     for layers in (2, 1):
         distributed.set_random_seed(0)
         config = model_config(family, num_layers=layers, hidden_size=args.hidden_size,
-                              num_attention_heads=args.num_attention_heads, **fusions)
+                              num_attention_heads=args.num_attention_heads, **fusions, **recompute_overrides(recompute))
         model = build_model(config, args.vocab_size, args.seq_length)
         tokens = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1),
                                generator=torch.Generator().manual_seed(0))
@@ -76,8 +142,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--vocab-size", type=int, default=256)
     parser.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     parser.add_argument("--modes", nargs="+", choices=("eager", "compiled"), default=["eager", "compiled"])
+    parser.add_argument("--recompute", action="store_true", help="also each activation recompute setting of each "
+                        "family: kept per layer and recompute FLOPs (module docstring)")
+    parser.add_argument("--markdown", help="with --recompute: write its table here too")
     args = parser.parse_args(argv)
-    distributed.initialize()
+    if not parallel_state.model_parallel_is_initialized():  # a test may have built the groups
+        distributed.initialize()
     patches.install()
     results = {}
     print(f"saved for backward per layer, in [tokens, hidden] tensors (d={args.hidden_size}, "
@@ -91,6 +161,39 @@ def main(argv=None) -> dict:
             print(f"  {'':8}  vs GPT+: " + ", ".join(
                 f"{family} {results[(family, mode)] / results[('gptplus', mode)]:.3f}"
                 for family in args.families if family != "gptplus"))
+    if args.recompute:
+        results.update(recompute_table(args))
+    return results
+
+
+def recompute_table(args) -> dict:
+    """(family, mode, setting label) -> (kept units per layer, recompute FLOPs per layer), printed as a table."""
+    tokens = args.micro_batch_size * args.seq_length
+    unit_mib = tokens * args.hidden_size * 4 / 2**20
+    shape = (tokens, args.seq_length, args.hidden_size, args.num_attention_heads)
+    rows, results = [], {}
+    for family in args.families:
+        layer_flops = 3 * recompute_flops(family, FULL, *shape)
+        for label, setting in recompute_settings(family).items():
+            flops = recompute_flops(family, setting, *shape)
+            kept = []
+            for mode in args.modes:
+                units = per_layer(family, mode, args, setting)
+                results[(family, mode, label)] = (units, flops)
+                kept.append(f"{units:.2f} ({units * unit_mib:.2f} MiB)")
+            rows.append(f"| {family} | {label} | " + " | ".join(kept)
+                        + f" | {flops / 1e6:.1f} | {100 * flops / layer_flops:.1f}% |")
+            print(rows[-1], flush=True)
+    header = ("| family | recompute | " + " | ".join(f"kept per layer, {mode}: units (MiB)" for mode in args.modes)
+              + " | recomputed MFLOP per layer | of a layer's forward+backward |\n|---|---|"
+              + "---:|" * (len(args.modes) + 2))
+    table = "\n".join([f"one layer, d={args.hidden_size}, {args.num_attention_heads} heads, "
+                       f"{args.micro_batch_size} x {args.seq_length} tokens, fp32 (a unit: one [tokens, hidden] "
+                       f"tensor, {unit_mib:.2f} MiB)", "", header, *rows])
+    print(table)
+    if args.markdown:
+        with open(args.markdown, "w") as file:
+            file.write(table + "\n")
     return results
 
 

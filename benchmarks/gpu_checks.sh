@@ -7,13 +7,20 @@
 # fraction, kernels per step, the top kernels). FAMILIES="gptplus angpt" limits the families. Logs, JSON and Markdown go
 # to OUTPUT_DIR (default $OUT, which the device tool returns, else gpu-results/); a summary ends the output.
 #
-#   bash benchmarks/gpu_checks.sh [--no-gpu] [--te] [OUTPUT_DIR]
+#   bash benchmarks/gpu_checks.sh [--no-gpu] [--te | --recompute] [OUTPUT_DIR]
 #
 # --te checks Transformer Engine and FP8 instead (issue 14): it installs Transformer Engine from a bundle in .whl/
 # (tools/te_bundle.py; the compiled transformer_engine_torch wheel is kept in OUTPUT_DIR/te-wheel, and a copy
 # of it put beside the bundle is reused next time) unless it is installed, builds the kernels, runs the
 # Transformer Engine `gpu` tests, BF16 against FP8 on a real corpus (benchmarks/fp8_training.py on
 # data/shakespeare, carried along) and the throughput rows of both precisions, 0.5B and 1B, every family.
+#
+# --recompute measures activation recompute instead (issue 30): after the build, step time and peak memory of
+# 0.5B at its largest micro-batch, every family, with no recompute, each family-neutral selective choice
+# (--recompute-activations: core_attn; mlp; core_attn,mlp; qk_norm) and --recompute-granularity full (stage
+# recompute-0.5b), then the choices of one family (GPT+'s layernorm; anGPT's and nGPT's residual_update and
+# qk_norm,residual_update) beside none (stage recompute-norms). The kept bytes and recompute FLOPs per layer are
+# benchmarks/activation_memory.py --recompute's (docs/results.md).
 #
 # --no-gpu runs the same stages on a CPU (no CUDA build; the `gpu` tests skip; a tiny model stands in for
 # 0.5B and 1B), to check this script. Missing prerequisites stop it at once (exit 2). Each stage has a time
@@ -23,14 +30,16 @@
 # (megatron-core, for one) in .whl/ first; they are installed into /tmp/site.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-gpu=1 te=0
+gpu=1 te=0 recompute=0
 while [ $# -gt 0 ]; do
     case $1 in
         --no-gpu) gpu=0; shift ;;
         --te) te=1; shift ;;
+        --recompute) recompute=1; shift ;;
         *) break ;;
     esac
 done
+[ $te -eq 0 ] || [ $recompute -eq 0 ] || { echo "gpu_checks.sh: give one of --te and --recompute" >&2; exit 2; }
 out=${1:-${OUT:-gpu-results}}
 mkdir -p "$out"
 PY=${PYTHON:-python3}
@@ -120,11 +129,40 @@ if [ $gpu -eq 1 ]; then
     stage build 150 bash -c "'$PY' setup.py build_ext --inplace && '$PY' -c \"import torch; from angpt import kernels; \
 assert kernels.extension(torch.device('cuda')) is not None, 'the extension has no CUDA kernels'; print('CUDA kernels load')\""
     model=(--seq-length 2048 --warmup 2 --steps 5 --global-batch-size 128 --global-steps 1)
+    step_model=(--seq-length 2048 --warmup 2 --steps 5)
     small=0.5b large=1b sizes=(4 16) large_sizes=(4 8)
 else
     model=(--device cpu --seq-length 32 --vocab-size 256 --warmup 1 --steps 2 --global-batch-size 16 --global-steps 1)
+    step_model=(--device cpu --seq-length 32 --vocab-size 256 --warmup 1 --steps 2)
     small=tiny large=tiny sizes=(2 8) large_sizes=(2 4)
 fi
+if [ $recompute -eq 1 ]; then
+    # One-micro-batch steps at the largest micro-batch (where activations dominate the peak), no profile.
+    base=${after# }
+    recompute_run=("$PY" benchmarks/gpu_throughput.py --shapes $small --precisions bf16 --kernels on "${step_model[@]}"
+                   --micro-batch-size "${sizes[-1]}" --profile-steps 0 --variant "none=$base")
+    selective="$base --recompute-activations --recompute-modules"
+    stage recompute-$small 270 "${recompute_run[@]}" --families "${families[@]}" \
+        --variant "core_attn=$base --recompute-activations" --variant "mlp=$selective mlp" \
+        --variant "core_attn,mlp=$selective core_attn mlp" --variant "qk_norm=$selective qk_norm" \
+        --variant "full=$base --recompute-granularity full" \
+        --output "$out/recompute-$small.json" --markdown "$out/recompute-$small.md"
+    # The choices only some families have, one run each (a variant's flags apply to every family it runs).
+    normalized=() gptplus=()
+    for family in "${families[@]}"; do
+        if [ "$family" = gptplus ]; then gptplus=(gptplus); else normalized+=("$family"); fi
+    done
+    norms=()
+    [ ${#gptplus[@]} -eq 0 ] || norms+=("$(printf '%q ' "${recompute_run[@]}" --families gptplus \
+        --variant "layernorm=$selective layernorm" --variant "layernorm,qk_norm=$selective layernorm qk_norm" \
+        --output "$out/recompute-norms-gptplus.json" --markdown "$out/recompute-norms-gptplus.md")")
+    [ ${#normalized[@]} -eq 0 ] || norms+=("$(printf '%q ' "${recompute_run[@]}" --families "${normalized[@]}" \
+        --variant "residual_update=$selective residual_update" \
+        --variant "qk_norm,residual_update=$selective qk_norm residual_update" \
+        --output "$out/recompute-norms.json" --markdown "$out/recompute-norms.md")")
+    stage recompute-norms 150 bash -c "status=0; $(printf '%s || status=$?; ' "${norms[@]}") exit \$status"
+fi
+if [ $recompute -eq 0 ]; then
 gpu_tests=$(grep -l "pytest.mark.gpu" tests/test_*.py)
 [ $te -eq 0 ] || gpu_tests=tests/test_transformer_engine.py
 # shellcheck disable=SC2086  # one argument per file
@@ -160,15 +198,19 @@ stage throughput-1b 150 "$PY" benchmarks/gpu_throughput.py --shapes $large --fam
     --precisions "${precisions[@]}" --kernels on "${model[@]}" --micro-batch-size "${large_sizes[@]}" \
     --global-micro-batch-size "${large_sizes[-1]}" "${large_variants[@]}" --profile-steps 1 \
     --profile "$out/profile-1b.txt" --output "$out/throughput-1b.json" --markdown "$out/throughput-1b.md"
+fi
 
 echo
 echo "==================== summary ($SECONDS s) ===================="
 grep -h "" "$out/machine.log" 2> /dev/null | tail -n 1
-echo "compared: ${variants[*]}"
+[ $recompute -eq 1 ] || echo "compared: ${variants[*]}"
 echo "speed-related flags in angpt.pretrain --help: ${other_features:-none}"
 printf '%s\n' "${summary[@]}"
 [ -f "$out/tests.log" ] && echo "gpu tests: $(grep -E "passed|failed|error|skipped|no tests ran" "$out/tests.log" | tail -n 1)"
 [ -f "$out/fp8-training/fp8_training.md" ] && { echo; echo "BF16 against FP8 on data/shakespeare"; cat "$out/fp8-training/fp8_training.md"; }
+for name in recompute-$small recompute-norms-gptplus recompute-norms; do
+    [ -f "$out/$name.md" ] && { echo; echo "activation recompute: $name"; cat "$out/$name.md"; }
+done
 for name in 0.5b 1b; do
     if [ -f "$out/throughput-$name.md" ]; then
         echo; echo "throughput $name ($(grep -m1 "fused kernels" "$out/throughput-$name.log" | sed 's/.*fused kernels/fused kernels/'))"

@@ -10,9 +10,10 @@ a GPU only CUDA tensors count, and `torch.cuda.set_sync_debug_mode("error")` add
 (which also sees syncs inside C++ and CUDA code). The optimizer step reads the loss (the NaN skip) and is left
 out on purpose.
 
-Two reads look like syncs on the CPU and are not on a GPU, and the mode lets them pass: megatron-core's RNG
-tracker compares CPU generator states in fork() (HOST_TENSOR_READS), and `x[mask] = number` (megatron-core's
-vocab-parallel cross entropy) becomes masked_fill_, as ATen does for CUDA tensors.
+Three reads look like syncs on the CPU and are not on a GPU, and the mode lets them pass: megatron-core's RNG
+tracker compares CPU generator states in fork(), its core_attn recompute reads a CPU tensor (HOST_TENSOR_READS),
+and `x[mask] = number` (megatron-core's vocab-parallel cross entropy) becomes masked_fill_, as ATen does for CUDA
+tensors.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ HOST_COPIES = {torch.Tensor.tolist: ".tolist()", torch.Tensor.numpy: ".numpy()",
 HOST_TENSOR_READS = {
     ("megatron/core/tensor_parallel/random.py", "torch.get_rng_state()"):
         "the RNG tracker's fork() compares two CPU generator states (torch.get_rng_state() is a CPU tensor)",
+    ("megatron/core/transformer/attention.py", "attn_mask_type.item()"):
+        "selective recompute of core attention hands the mask type over as a CPU tensor (torch.tensor([value]))",
 }
 # Frames that only pass a call on: torch itself and the CPU adapter's device mode; and the modes below.
 PASS_THROUGH = (os.path.dirname(torch.__file__) + os.sep, os.path.abspath(cpu_adapter.__file__))
@@ -286,6 +289,11 @@ CASES = {
     "ngpt bf16": ("ngpt", BF16),
     "angpt recompute full": ("angpt", dict(recompute_granularity="full", recompute_method="uniform",
                                            recompute_num_layers=1)),
+    "angpt recompute selective": ("angpt", dict(recompute_granularity="selective",
+                                                recompute_modules=["mlp", "qk_norm", "residual_update"])),
+    "angpt recompute core_attn": ("angpt", dict(recompute_granularity="selective", recompute_modules=["core_attn"])),
+    "gptplus recompute selective": ("gptplus", dict(recompute_granularity="selective",
+                                                    recompute_modules=["core_attn", "mlp", "layernorm", "qk_norm"])),
 }
 
 

@@ -13,7 +13,7 @@ from conftest import run_workers
 FAMILIES = ["angpt", "gptplus", "ngpt"]
 LR = 1e-2  # the worker's learning rate
 LAYOUTS = ["tp2", "tp2_sequence_parallel", "pp2", "pp2_interleaved", "pp2_uneven", "pp2_layout", "dp2",
-           "dp2_distributed_optimizer"]
+           "dp2_distributed_optimizer", "tp2_sequence_parallel_recompute"]
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:

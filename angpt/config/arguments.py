@@ -16,7 +16,16 @@ from typing import Optional
 import yaml
 
 from angpt.config import megatron_lm, pipeline_split, transformer_engine_support
-from angpt.config.choices import FACTOR_MODES, MODEL_FAMILIES, NU_P_READINGS, POST_NORMS, RESIDUALS, TRANSFORMER_IMPLS
+from angpt.config.choices import (
+    FACTOR_MODES,
+    MODEL_FAMILIES,
+    NU_P_READINGS,
+    POST_NORMS,
+    RECOMPUTE_MODULES,
+    RESIDUALS,
+    TRANSFORMER_IMPLS,
+    recompute_module_refusal,
+)
 from angpt.data.blend import parse_blend
 from angpt.data.tokenizers import TIKTOKEN_NUM_SPECIAL_TOKENS, TIKTOKEN_PATTERNS
 
@@ -137,10 +146,18 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--hidden-dropout", type=float, default=0.0, help="dropout on the embeddings and on "
                        "each sub-block output before its residual add, GPT+ only (default 0: no dropout, as in "
                        "the paper; Megatron-LM's is 0.1)")
-    model.add_argument("--recompute-granularity", choices=("full",), help="recompute activations in the "
-                       "backward pass")
-    model.add_argument("--recompute-method", choices=("uniform", "block"), default="uniform")
-    model.add_argument("--recompute-num-layers", type=int, default=1)
+    model.add_argument("--recompute-granularity", choices=("full", "selective"), help="recompute activations in "
+                       "the backward pass: whole layers (full, with --recompute-method and --recompute-num-layers) or "
+                       "the parts named by --recompute-modules (selective); docs/guide.md, Activation recompute")
+    model.add_argument("--recompute-method", choices=("uniform", "block"), default="uniform",
+                       help="full recompute only")
+    model.add_argument("--recompute-num-layers", type=int, default=1, help="full recompute only")
+    model.add_argument("--recompute-modules", nargs="+", choices=RECOMPUTE_MODULES, help="what --recompute-granularity "
+                       "selective recomputes (default: core_attn, as Megatron-LM): core_attn, mlp, layernorm (GPT+'s "
+                       "pre-norms), qk_norm (the normalization of q and k), residual_update (anGPT's and nGPT's "
+                       "normalized residual update)")
+    model.add_argument("--recompute-activations", action="store_true", help="Megatron-LM's alias of "
+                       "--recompute-granularity selective")
 
     switches = parser.add_argument_group("anGPT switches (docs/model.md, Families and switches)")
     switches.add_argument("--angpt-post-norm", choices=POST_NORMS, default="l2")
@@ -558,6 +575,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
         parser.error(f"--max-position-embeddings {args.max_position_embeddings} is below --seq-length "
                      f"{args.seq_length}")
     _validate_dropout(parser, args)
+    _validate_recompute(parser, args)
     _validate_switches(parser, args)
     _validate_schedule(parser, args, dp)
     _validate_precision(parser, args)
@@ -605,6 +623,28 @@ def _validate_dropout(parser, args) -> None:
         # Their layers have no bias-dropout-add; megatron-core would drop out only the embeddings.
         parser.error(f"--hidden-dropout is not supported for --model-family {args.model_family} (its normalized "
                      "residual has no hidden dropout; GPT+ only); use --attention-dropout")
+
+
+def _validate_recompute(parser, args) -> None:
+    """--recompute-activations becomes --recompute-granularity selective (Megatron-LM's alias); each flag of the
+    other granularity is refused, and each module the family or implementation lacks."""
+    if args.recompute_activations:
+        if args.recompute_granularity == "full":
+            parser.error("--recompute-activations is --recompute-granularity selective: give one of them")
+        args.recompute_granularity = "selective"
+    declared = build_parser()
+    if args.recompute_granularity != "full":
+        for dest in ("recompute_method", "recompute_num_layers"):
+            if getattr(args, dest) != declared.get_default(dest):
+                parser.error(f"--{dest.replace('_', '-')} needs --recompute-granularity full")
+    if args.recompute_granularity != "selective":
+        if args.recompute_modules is not None:
+            parser.error("--recompute-modules needs --recompute-granularity selective (or --recompute-activations)")
+        return
+    for module in args.recompute_modules or ["core_attn"]:
+        refusal = recompute_module_refusal(module, args.model_family, args.transformer_impl)
+        if refusal:
+            parser.error(f"--recompute-modules {module} with --model-family {args.model_family}: {refusal}")
 
 
 # Flags that act only with another (its destination): (their destinations, that one, the error; None: "--FLAG
@@ -678,6 +718,10 @@ def _validate_precision(parser, args) -> None:
     if args.cuda_graph_impl == "local" and args.recompute_granularity == "full":
         parser.error("--cuda-graph-impl local cannot capture layers that --recompute-granularity full recomputes "
                      "(megatron-core supports that only for whole-iteration graphs); drop one of them")
+    if args.cuda_graph_impl == "local" and args.recompute_granularity == "selective":
+        parser.error("--cuda-graph-impl local with --recompute-granularity selective is not built: the recomputed "
+                     "parts run inside each layer's captured graph, which no test has checked on a GPU; drop one of "
+                     "them")
     if args.cross_entropy_loss_fusion and not args.bf16:
         parser.error("--cross-entropy-loss-fusion needs --bf16 (the fused cross-entropy rounds the logits' gradient "
                      "to bf16; in fp32 the unfused one is exact)")

@@ -15,3 +15,24 @@ RESIDUALS = ("lerp", "plain")
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 # The weights' dtype of a Hugging Face export (tools/convert_to_hf.py).
 EXPORT_DTYPES = ("float32", "bfloat16")
+# --recompute-modules of --recompute-granularity selective (docs/guide.md, Activation recompute): megatron-core's
+# names (core attention, the MLP sublayer, GPT+'s pre-norms), then ours (the QK normalization, the normalized
+# residual update of anGPT and nGPT). angpt/models/config.py hands megatron-core only its own.
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "qk_norm", "residual_update")
+MEGATRON_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
+
+
+def recompute_module_refusal(module: str, model_family: str, transformer_impl: str = "local") -> str | None:
+    """Why `module` cannot be recomputed selectively in this family and implementation, or None if it can."""
+    if module not in RECOMPUTE_MODULES:
+        return f"{module!r} is not one of {', '.join(RECOMPUTE_MODULES)}"
+    if module == "layernorm" and model_family != "gptplus":
+        return (f"{FAMILY_NAMES[model_family]} has no pre-norms (input_layernorm, pre_mlp_layernorm); its norms are "
+                "qk_norm and residual_update")
+    if module == "layernorm" and transformer_impl == "transformer_engine":
+        return "Transformer Engine fuses GPT+'s pre-norms into the QKV and fc1 GEMMs: there is no norm output to drop"
+    if module == "qk_norm" and model_family == "gptplus" and transformer_impl == "transformer_engine":
+        return "GPT+'s QK-norm on Transformer Engine is megatron-core's TENorm, which angpt does not wrap"
+    if module == "residual_update" and model_family == "gptplus":
+        return "GPT+'s residual is a plain add, which keeps nothing for its backward pass"
+    return None

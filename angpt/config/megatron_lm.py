@@ -120,7 +120,6 @@ FLAGS: dict[str, Decision] = {
     "--disable-bf16-reduced-precision-matmul": refused(f"{NOT_YET}"),
     "--use-fused-weighted-squared-relu": refused("the families use SwiGLU"),
     "--distribute-saved-activations": refused(f"{NOT_YET} (full recompute keeps each layer's input whole)"),
-    "--recompute-modules": refused(f"selective recompute is {NOT_YET}: use --recompute-granularity full"),
     "--fp8-quantizer-factory": refused("custom FP8 quantizers are not built (docs/fp8.md)"),
     "--fp8-interval": refused("deprecated in Megatron-LM and without effect there"),
     "--no-fp8-wgrad": refused(f"{NOT_YET} (docs/fp8.md)"),
@@ -180,7 +179,6 @@ FLAGS: dict[str, Decision] = {
                                                     "kill them"),
     "--iterations-to-skip": refused(f"{NOT_YET}"),
     "--batch-size": refused("deprecated in Megatron-LM: use --micro-batch-size"),
-    "--recompute-activations": refused(f"selective recompute is {NOT_YET}: use --recompute-granularity full"),
     "--checkpoint-activations": refused("deprecated in Megatron-LM: use --recompute-granularity full"),
     "--no-check-for-nan-in-loss-and-grad": refused("a step with a NaN or Inf loss or grad norm is always skipped "
                                                    "(--max-skipped-steps bounds how many in a row)"),

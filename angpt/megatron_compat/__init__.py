@@ -34,6 +34,9 @@ Each workaround, where it is, and what breaks without it under megatron-core 0.1
 - A graph's input buffer kept for its backward (`patches.py`, `_insert_unless_saved_for_backward`): with
   `--cuda-graph-impl local`, the last layer's replayed backward overwrites the first layer's saved input, so
   the first layer's gradients (and, after a pre-norm, the embedding's) are wrong from the second step on.
+- CheckpointWithoutOutput without Transformer Engine (`patches.py`, `_checkpoint_without_output_without_fp8`):
+  selective recompute of GPT+'s `layernorm` raises NameError: FP8GlobalStateManager (its default fp8=False
+  takes Transformer Engine's FP8 path).
 - CUDA graphs freed (`patches.py`, `delete_cuda_graphs`): megatron-core's own keeps every graph's input and
   output buffers alive, so a second micro-batch shape or model in the same process runs out of memory.
 - The optimizer step composed from its parts (`angpt/training/step.py`, `step_unless_not_finite`): `optimizer.step()`

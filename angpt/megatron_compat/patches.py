@@ -12,6 +12,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.optimizer import clip_grads
 from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
+from megatron.core.tensor_parallel import random as mp_random
 from megatron.core.transformer import cuda_graphs
 from megatron.core.utils import local_multi_tensor_l2_norm
 
@@ -43,6 +44,21 @@ def install() -> None:
     if rope_utils.fused_apply_rotary_pos_emb is None:  # Transformer Engine's, where it is installed
         rope_utils.fused_apply_rotary_pos_emb = fused_rotary_pos_emb
     cuda_graphs.TensorReusePool.insert = _insert_unless_saved_for_backward
+    if not mp_random.HAVE_TE:
+        mp_random.CheckpointWithoutOutput.__init__ = _checkpoint_without_output_without_fp8(
+            mp_random.CheckpointWithoutOutput.__init__)
+
+
+def _checkpoint_without_output_without_fp8(init):
+    """CheckpointWithoutOutput's `fp8 is not None` makes its default fp8=False mean FP8, deliberately upstream
+    (Transformer Engine then books FP8 scales); without Transformer Engine there is no FP8, and that path
+    raises NameError (FP8GlobalStateManager), so GPT+'s `layernorm` recompute would fail."""
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.fp8 = False
+
+    return __init__
 
 
 def check_version(installed: str) -> bool:

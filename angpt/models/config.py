@@ -3,6 +3,20 @@
 Each choice made where the paper is silent and each ablation the paper measured is one field here
 (docs/model.md, Families and switches); `model_config` fills in what each family fixes (GPT+, anGPT,
 nGPT) so the three share one config type.
+
+Selective activation recompute (`recompute_granularity="selective"`, docs/guide.md, Activation recompute): the
+choices of `recompute_modules` are RECOMPUTE_MODULES (angpt.config.choices, imported here for the dry run's
+memory model):
+- core_attn (megatron-core's): core attention, scores, softmax and context, recomputed from q, k and v; in
+  anGPT and nGPT it includes their QK normalization (and RoPE), which sits inside core attention there.
+- mlp (megatron-core's): the whole MLP sublayer, recomputed from its input (which the caller keeps).
+- layernorm (megatron-core's): GPT+'s input_layernorm and pre_mlp_layernorm, their outputs dropped after use
+  and recomputed from the residual stream (local spec only; anGPT and nGPT have no pre-norms).
+- qk_norm (ours): the normalization of queries and keys, RoPE included where it is fused into it: anGPT's
+  and nGPT's s_qk Norm(RoPE(q)), their outputs dropped after attention used them; GPT+'s per-head RMSNorm.
+- residual_update (ours): anGPT's and nGPT's h <- Norm-based LERP update with its post-norm, recomputed from
+  h and the sub-block output (refused for GPT+, whose residual is a plain add).
+megatron-core checks `recompute_modules` against its own names only, so it is shown only those while it checks.
 """
 
 from __future__ import annotations
@@ -14,7 +28,17 @@ from typing import Optional
 import torch
 from megatron.core.transformer import TransformerConfig
 
-from angpt.config.choices import FACTOR_MODES, MODEL_FAMILIES, NU_P_READINGS, POST_NORMS, RESIDUALS, TRANSFORMER_IMPLS
+from angpt.config.choices import (
+    FACTOR_MODES,
+    MEGATRON_RECOMPUTE_MODULES,
+    MODEL_FAMILIES,
+    NU_P_READINGS,
+    POST_NORMS,
+    RECOMPUTE_MODULES,
+    RESIDUALS,
+    TRANSFORMER_IMPLS,
+    recompute_module_refusal,
+)
 from angpt.models.factors import NormalizationFactors, derive_factors
 
 
@@ -67,7 +91,24 @@ class AnGPTConfig(TransformerConfig):
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.fp8 and self.transformer_impl != "transformer_engine":
             raise ValueError("fp8 needs transformer_impl='transformer_engine' (FP8 GEMMs are Transformer Engine's)")
+        modules = self.recompute_modules
+        if self.recompute_granularity == "selective":
+            for module in ["core_attn"] if modules is None else modules:  # megatron-core's default
+                refusal = recompute_module_refusal(module, self.model_family, self.transformer_impl)
+                if refusal:
+                    raise ValueError(f"recompute_modules: {refusal}")
+        if modules is not None:
+            # megatron-core asserts that each name is one of its own and elsewhere only asks whether its names
+            # are in the list: it checks its part, and the whole list stays (RECOMPUTE_MODULES).
+            self.recompute_modules = [module for module in modules if module in MEGATRON_RECOMPUTE_MODULES]
         super().__post_init__()
+        if modules is not None:
+            self.recompute_modules = list(modules)
+
+    def recomputes(self, module: str) -> bool:
+        """Whether selective recompute covers `module` (one of RECOMPUTE_MODULES)."""
+        assert module in RECOMPUTE_MODULES, module
+        return self.recompute_granularity == "selective" and module in self.recompute_modules
 
     @property
     def normalized(self) -> bool:

@@ -9,6 +9,7 @@ intermediate), every learnable scale is a `LearnableScale`, and the layer reads 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -331,17 +332,35 @@ class QKNormalization:
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **kwargs):
+        # Selective recompute of qk_norm (core_attn recomputes this whole forward, QK-norm included): the
+        # normalized q and k, which attention keeps, are dropped once it ran and recomputed from q and k (views
+        # of the QKV projection's output, which attention keeps for v) when its gradient arrives, as
+        # megatron-core recomputes GPT+'s pre-norms. fp8 as the config's: CheckpointWithoutOutput's default
+        # (False) would take Transformer Engine's FP8 path.
+        recompute = (self.config.recomputes("qk_norm") and not self.config.recomputes("core_attn")
+                     and torch.is_grad_enabled())
+        if recompute:
+            checkpoint = tensor_parallel.CheckpointWithoutOutput(fp8=self.config.fp8)
+            query, key = checkpoint.checkpoint(functools.partial(self._normalize, self.rotary_pos_emb), query, key)
+        else:
+            query, key = self._normalize(self.rotary_pos_emb, query, key)
+        output = super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
+                                 packed_seq_params, **kwargs)
+        if recompute:
+            checkpoint.discard_output_and_register_recompute(output)
+        return output
+
+    def _normalize(self, rotary_pos_emb, query, key):
+        """(s_qk Norm(q), s_qk Norm(k)), after RoPE by `rotary_pos_emb` (q's and k's angles) unless None."""
         # query, key: [s, b, heads, h] in both implementations (TE's "sbhd").
         s_qk = self.s_qk().view(-1, query.shape[-1]).to(query.dtype)  # [heads or 1, h]
-        if self.rotary_pos_emb is None:
-            query = scaled_l2_normalize(query, s_qk)
-            key = scaled_l2_normalize(key, s_qk)
-        else:  # RoPE, handed over by NormalizedSelfAttention, then the normalization: one kernel each
-            q_freqs, k_freqs = self.rotary_pos_emb
-            query = rotary_scaled_l2_normalize(query, q_freqs, s_qk, self.config.rotary_interleaved)
-            key = rotary_scaled_l2_normalize(key, k_freqs, s_qk, self.config.rotary_interleaved)
-        return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
-                               packed_seq_params, **kwargs)
+        if rotary_pos_emb is None:
+            return scaled_l2_normalize(query, s_qk), scaled_l2_normalize(key, s_qk)
+        # RoPE, handed over by NormalizedSelfAttention, then the normalization: one kernel each
+        q_freqs, k_freqs = rotary_pos_emb
+        interleaved = self.config.rotary_interleaved
+        return (rotary_scaled_l2_normalize(query, q_freqs, s_qk, interleaved),
+                rotary_scaled_l2_normalize(key, k_freqs, s_qk, interleaved))
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         # The core attention checkpoints only its own softmax offset (or TE's extra state).
@@ -368,6 +387,24 @@ class NormalizedSelfAttention(SelfAttention):
             return super().forward(hidden_states, attention_mask, *args, rotary_pos_emb=rotary_pos_emb, **kwargs)
         finally:
             core.rotary_pos_emb = None
+
+    def _checkpointed_attention_forward(self, query, key, value, attention_mask, rotary_pos_emb=None,
+                                        attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+        """megatron-core's selective recompute of core attention (core_attn), with the RoPE angles that forward()
+        handed to the core attention handed over again for the recomputation: by the backward pass forward() has
+        taken them back (and another micro-batch may have handed over its own)."""
+        core, handed_over = self.core_attention, self.core_attention.rotary_pos_emb
+        mask_type = attn_mask_type or self.attn_mask_type
+
+        def attention(query, key, value, attention_mask):
+            core.rotary_pos_emb = handed_over
+            try:
+                return core(query, key, value, attention_mask, attn_mask_type=mask_type,
+                            attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+            finally:
+                core.rotary_pos_emb = None
+
+        return tensor_parallel.checkpoint(attention, False, query, key, value, attention_mask)
 
 
 class NormalizedDotProductAttention(QKNormalization, FusedDotProductAttention):
@@ -422,10 +459,28 @@ class NormalizedTransformerLayer(TransformerLayer):
             packed_seq_params=packed_seq_params,
             sequence_len_offset=sequence_len_offset,
         )
-        h = self.attention_residual(h, h_attention)
-        h_mlp, _ = self.mlp(h)
-        h = self.mlp_residual(h, h_mlp)
+        h = self._residual(self.attention_residual, h, h_attention)
+        h_mlp, _ = self._mlp(h)
+        h = self._residual(self.mlp_residual, h, h_mlp)
         return h, context
+
+    def _mlp(self, h):
+        """The MLP, recomputed in the backward pass under selective recompute of mlp (TransformerLayer sets
+        recompute_mlp), as TransformerLayer runs it: Transformer Engine's checkpoint under FP8."""
+        if not self.recompute_mlp:
+            return self.mlp(h)
+        if self.config.fp8:
+            from megatron.core.extensions.transformer_engine import te_checkpoint  # noqa: PLC0415 (optional: TE)
+
+            return te_checkpoint(self.mlp, False, tensor_parallel.random.get_cuda_rng_tracker, self.pg_collection.tp, h)
+        return tensor_parallel.checkpoint(self.mlp, False, h)
+
+    def _residual(self, residual: NormalizedResidual, h, x):
+        """h <- the residual update, recomputed in the backward pass from h and x under selective recompute of
+        residual_update (it then keeps h, which the next linear layer keeps anyway, and x)."""
+        if self.config.recomputes("residual_update") and torch.is_grad_enabled():
+            return tensor_parallel.checkpoint(residual, False, h, x)
+        return residual(h, x)
 
 
 class ScaledOutputLayer(tensor_parallel.ColumnParallelLinear):

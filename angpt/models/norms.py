@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from megatron.core import tensor_parallel
 
 from angpt.kernels import fused_on_gpu
 from angpt.models.config import AnGPTConfig
@@ -25,13 +26,22 @@ class RMSNorm(torch.nn.RMSNorm):
 
     megatron-core's torch fallback (WrappedTorchNorm) refuses sequence_parallel; all a norm needs for it
     is that its weight is tagged, so that finalize_model_grads sums the weight's partial gradients over
-    the tensor-parallel group."""
+    the tensor-parallel group.
 
-    def __init__(self, config: AnGPTConfig, hidden_size: int, eps: float = 1e-5, **kwargs):
+    `qk_norm`: GPT+'s per-head QK-norm, recomputed in the backward pass under selective recompute of qk_norm
+    (it then keeps only its input, a view of the QKV projection's output that attention keeps for v)."""
+
+    def __init__(self, config: AnGPTConfig, hidden_size: int, eps: float = 1e-5, qk_norm: bool = False, **kwargs):
         # On the GPU from the start, as megatron-core's own layers are (DDP moves only what its buffers hold).
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         super().__init__(hidden_size, eps=eps, dtype=config.params_dtype, device=device)
         self.weight.sequence_parallel = config.sequence_parallel
+        self.recompute = qk_norm and config.recomputes("qk_norm")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            return tensor_parallel.checkpoint(self._normalize, False, x)
+        return self._normalize(x)
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)

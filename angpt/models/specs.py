@@ -72,7 +72,8 @@ def gptplus_layer_spec() -> ModuleSpec:
     spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
     spec.submodules.input_layernorm = RMSNorm
     spec.submodules.pre_mlp_layernorm = RMSNorm
-    spec.submodules.self_attention.submodules.q_layernorm = RMSNorm
-    spec.submodules.self_attention.submodules.k_layernorm = RMSNorm
+    qk_norm = ModuleSpec(module=RMSNorm, params={"qk_norm": True})
+    spec.submodules.self_attention.submodules.q_layernorm = qk_norm
+    spec.submodules.self_attention.submodules.k_layernorm = qk_norm
     spec.submodules.self_attention.submodules.core_attention = FusedDotProductAttention
     return spec

@@ -92,9 +92,11 @@ def model_config_from_args(args: argparse.Namespace) -> AnGPTConfig:
         overrides.update(fp8=args.fp8_format, fp8_recipe=args.fp8_recipe, fp8_margin=args.fp8_margin,
                          fp8_amax_history_len=args.fp8_amax_history_len,
                          fp8_amax_compute_algo=args.fp8_amax_compute_algo)
-    if args.recompute_granularity:
-        overrides.update(recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+    if args.recompute_granularity == "full":
+        overrides.update(recompute_granularity="full", recompute_method=args.recompute_method,
                          recompute_num_layers=args.recompute_num_layers)
+    elif args.recompute_granularity == "selective":
+        overrides.update(recompute_granularity="selective", recompute_modules=args.recompute_modules)
     if not torch.cuda.is_available():
         # The interleaved schedule's batched p2p gives wrong gradients on gloo at PP=2.
         overrides.update(batch_p2p_comm=False, batch_p2p_sync=False)

@@ -41,7 +41,15 @@ LAYOUTS = {
     "pp2_layout": dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ettt|tL"),
     "dp2": dict(),
     "dp2_distributed_optimizer": dict(distributed_optimizer=True),
+    # Selective recompute of the parts that touch TP-sharded or sequence-parallel tensors, with the family's
+    # own choice (recompute_modules filled in by run_family).
+    "tp2_sequence_parallel_recompute": dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                                            recompute_granularity="selective"),
 }
+# What the recompute layout recomputes: mlp, qk_norm and the family's own norms (core_attn is megatron-core's,
+# checked in tests/test_recompute.py, and would recompute anGPT's QK normalization in its stead).
+RECOMPUTED = {"gptplus": ["mlp", "qk_norm", "layernorm"], "angpt": ["mlp", "qk_norm", "residual_update"],
+              "ngpt": ["mlp", "qk_norm", "residual_update"]}
 
 
 def logits_step(data_iterator, model):
@@ -91,6 +99,8 @@ def describe_shards(optimizer) -> dict:
 def run_family(family: str, args, layout: dict, world: int) -> dict | None:
     layout = dict(layout)
     distributed_optimizer = layout.pop("distributed_optimizer", False)
+    if layout.get("recompute_granularity") == "selective":
+        layout["recompute_modules"] = RECOMPUTED[family]
     config = small_config(family, **layout)
     dp = world // (config.tensor_model_parallel_size * config.pipeline_model_parallel_size)
     distributed.initialize(
