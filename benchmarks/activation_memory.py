@@ -11,8 +11,12 @@ layer and the residual update keep, counts once), for a model of 2 layers minus 
 embedding, the head and the loss drop out. "compiled" runs the fused chains the way a GPU does: every
 `fused_on_gpu` function compiled (angpt.kernels.compiled_everywhere; torch.compile's partitioner decides what
 they save), with megatron-core's SwiGLU and RoPE fusions on, as on a GPU by default. "eager" is the CPU path.
-The figures are in units of one [tokens, hidden] tensor of the activations' dtype (fp32 here; the ratios
-carry over to BF16), with the attention's own buffers included.
+Core attention runs as on a GPU (--attention-backend flash: torch's SDPA keeps its inputs, output and
+log-sum-exp, not the [s, s] scores; unfused is megatron-core's local attention, the CPU's default). The
+figures are in units of one [tokens, hidden] tensor of the activations' dtype (fp32 here; the ratios carry
+over to BF16); the weights linear layers save are the parameters themselves and are not counted. Beside
+the compiled figures stands the dry run's estimate (angpt.models.activation_memory), which
+tests/test_memory_estimate.py holds within 10% of them.
 
     python benchmarks/activation_memory.py --recompute [--modes eager] [--markdown table.md]
 
@@ -42,6 +46,7 @@ import sys
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.transformer.enums import AttnBackend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -50,6 +55,8 @@ from angpt import kernels  # noqa: E402
 from angpt.config.choices import RECOMPUTE_MODULES, recompute_module_refusal  # noqa: E402
 from angpt.megatron_compat import patches  # noqa: E402
 from angpt.models import build_model, model_config  # noqa: E402
+from angpt.models.activation_memory import layer_bytes  # noqa: E402
+from angpt.models.attention import clear_attention_backend_environment  # noqa: E402
 from angpt.training import distributed  # noqa: E402
 
 FAMILIES = ("gptplus", "angpt", "ngpt")
@@ -61,10 +68,14 @@ def saved_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int:
     after it (CheckpointWithoutOutput frees the outputs it recomputes); then a backward pass, so that compiled
     functions are exercised the way training runs them."""
     storages: dict[int, torch.UntypedStorage] = {}
+    # The weights a linear layer saves are the parameters themselves (BF16 on a GPU), counted as the model's
+    # weights, not as activations.
+    weights = {param.untyped_storage().data_ptr() for param in model.parameters()}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        storages[storage.data_ptr()] = storage
+        if storage.data_ptr() not in weights:
+            storages[storage.data_ptr()] = storage
         return tensor
 
     positions = torch.arange(tokens.shape[1] - 1).unsqueeze(0).expand(tokens.shape[0], -1)
@@ -116,14 +127,20 @@ def recompute_flops(family: str, setting, tokens: int, seq: int, hidden: int, he
     return sum(parts[module] for module in modules)
 
 
+def layer_config(family: str, args, **overrides):
+    return model_config(family, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+                        num_query_groups=args.num_query_groups, attention_backend=AttnBackend[args.attention_backend],
+                        **overrides)
+
+
 def per_layer(family: str, mode: str, args, recompute=()) -> float:
     """Saved [tokens, hidden] tensors per layer: the 2-layer model's bytes minus the 1-layer model's."""
     fusions = dict(apply_rope_fusion=True, bias_activation_fusion=True) if mode == "compiled" else {}
     counts = []
     for layers in (2, 1):
         distributed.set_random_seed(0)
-        config = model_config(family, num_layers=layers, hidden_size=args.hidden_size,
-                              num_attention_heads=args.num_attention_heads, **fusions, **recompute_overrides(recompute))
+        clear_attention_backend_environment()
+        config = layer_config(family, args, num_layers=layers, **fusions, **recompute_overrides(recompute))
         model = build_model(config, args.vocab_size, args.seq_length)
         tokens = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1),
                                generator=torch.Generator().manual_seed(0))
@@ -133,10 +150,24 @@ def per_layer(family: str, mode: str, args, recompute=()) -> float:
     return (counts[0] - counts[1]) / unit
 
 
+def estimated(family: str, args, recompute=()) -> float:
+    """The dry run's estimate of the same (angpt.models.activation_memory, the GPU's code path), in units."""
+    if recompute == FULL:
+        return 1.0  # the layer's input; the rest is recomputed
+    tokens = args.micro_batch_size * args.seq_length
+    kept = layer_bytes(layer_config(family, args, num_layers=1), tokens, recompute_modules=tuple(recompute),
+                       bytes_per_element=4)
+    return kept / (tokens * args.hidden_size * 4)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--num-attention-heads", type=int, default=4)
+    parser.add_argument("--num-query-groups", type=int, help="key-value heads (default: as many as the heads)")
+    parser.add_argument("--attention-backend", choices=("flash", "unfused"), default="flash",
+                        help="flash: torch's SDPA, as a GPU runs core attention (no [s, s] scores kept); unfused: "
+                        "megatron-core's local attention, the CPU's default")
     parser.add_argument("--seq-length", type=int, default=256)
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--vocab-size", type=int, default=256)
@@ -157,6 +188,9 @@ def main(argv=None) -> dict:
             results[(family, mode)] = per_layer(family, mode, args)
         ratios = ", ".join(f"{family} {results[(family, mode)]:.2f}" for family in args.families)
         print(f"  {mode:8}: {ratios}")
+        if mode == "compiled" and args.attention_backend == "flash":
+            print(f"  {'':8}  the dry run's estimate / measured: " + ", ".join(
+                f"{family} {estimated(family, args) / results[(family, mode)]:.3f}" for family in args.families))
         if "gptplus" in args.families:
             print(f"  {'':8}  vs GPT+: " + ", ".join(
                 f"{family} {results[(family, mode)] / results[('gptplus', mode)]:.3f}"
@@ -181,13 +215,16 @@ def recompute_table(args) -> dict:
                 units = per_layer(family, mode, args, setting)
                 results[(family, mode, label)] = (units, flops)
                 kept.append(f"{units:.2f} ({units * unit_mib:.2f} MiB)")
+            estimate = estimated(family, args, setting)
+            results[(family, "estimate", label)] = (estimate, flops)
             rows.append(f"| {family} | {label} | " + " | ".join(kept)
-                        + f" | {flops / 1e6:.1f} | {100 * flops / layer_flops:.1f}% |")
+                        + f" | {estimate:.2f} | {flops / 1e6:.1f} | {100 * flops / layer_flops:.1f}% |")
             print(rows[-1], flush=True)
     header = ("| family | recompute | " + " | ".join(f"kept per layer, {mode}: units (MiB)" for mode in args.modes)
-              + " | recomputed MFLOP per layer | of a layer's forward+backward |\n|---|---|"
-              + "---:|" * (len(args.modes) + 2))
-    table = "\n".join([f"one layer, d={args.hidden_size}, {args.num_attention_heads} heads, "
+              + " | the dry run's estimate (units) | recomputed MFLOP per layer | of a layer's forward+backward |"
+              + "\n|---|---|" + "---:|" * (len(args.modes) + 3))
+    table = "\n".join([f"one layer, d={args.hidden_size}, {args.num_attention_heads} heads, {args.attention_backend} "
+                       "attention, "
                        f"{args.micro_batch_size} x {args.seq_length} tokens, fp32 (a unit: one [tokens, hidden] "
                        f"tensor, {unit_mib:.2f} MiB)", "", header, *rows])
     print(table)

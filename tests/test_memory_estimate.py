@@ -1,6 +1,7 @@
 """The dry run's memory estimate (angpt.training.memory_estimate) and layout search (angpt.training.layout_search)
 against what the H200 measured, Megatron-LM's own schedule arithmetic, and the boundaries of their verdicts."""
 
+import importlib.util
 import json
 import os
 
@@ -115,3 +116,26 @@ def test_every_candidate_layout_is_one_megatron_core_runs():
         assert 4096 % (2 * x.context_parallel) == 0 and 512 % x.data_parallel == 0
         assert x.sequence_parallel == (x.tensor_parallel > 1)
     assert {x.tensor_parallel for x in layouts} == {1, 2, 4}  # 8 does not divide the 4 key-value groups
+
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location("activation_memory",
+                                                  os.path.join(ROOT, "benchmarks", "activation_memory.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.long  # torch.compile of 12 small models: 50 s of CPU, so with the long checks (make test-long)
+@pytest.mark.parametrize("family,groups,recompute", [
+    ("gptplus", None, ()), ("gptplus", None, ("core_attn", "mlp", "layernorm", "qk_norm")),
+    ("angpt", 2, ()), ("angpt", None, ("qk_norm", "residual_update")),
+    ("ngpt", None, ()), ("ngpt", None, ("residual_update", "mlp")),
+])
+def test_the_layer_estimate_is_within_10_percent_of_what_the_benchmark_measures(single_process, family, groups,
+                                                                                 recompute):
+    benchmark = load_benchmark()
+    args = benchmark.argparse.Namespace(hidden_size=64, num_attention_heads=4, num_query_groups=groups,
+                                        seq_length=32, micro_batch_size=2, vocab_size=64, attention_backend="flash")
+    measured = benchmark.per_layer(family, "compiled", args, recompute)
+    assert benchmark.estimated(family, args, recompute) == pytest.approx(measured, rel=0.1)

@@ -15,14 +15,13 @@ Where each tensor lives decides how parallelism divides it:
 - Context parallelism splits every token dimension over the CP ranks, except the keys and values core
   attention keeps after all-gathering them over the CP group (the whole sequence on every CP rank).
 
-`recompute` names the `--recompute-modules` choice that discards a tensor: the region recomputes it in the
-backward pass from inputs that are kept anyway.
+The list was read off the saved-tensor hooks of `benchmarks/activation_memory.py` (compiled, FlashAttention),
+module by module, and each entry says why it is kept.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from angpt.models.config import AnGPTConfig
 
@@ -34,48 +33,53 @@ class Saved:
     region: str  # "hidden" or "tensor" (above)
     fp32: bool = False  # kept in fp32 whatever the training precision
     whole_sequence: bool = False  # gathered over the context-parallel group
-    context_parallel_only: bool = False  # exists only with context parallelism
-    recompute: Optional[str] = None
 
 
-def layer_saved(config: AnGPTConfig) -> list[Saved]:
-    """The tensors one layer of `config`'s family keeps for backward (module docstring)."""
+def layer_saved(config: AnGPTConfig, context_parallel: int = 1, recompute_modules: tuple[str, ...] = ()
+                ) -> list[Saved]:
+    """The tensors one layer of `config`'s family keeps for backward (module docstring), with the regions of
+    `--recompute-granularity selective --recompute-modules` recomputed. A recomputed region keeps its inputs
+    (megatron-core's checkpoint), so it frees only what it makes inside: GPT+'s QK-norm and RoPE precede
+    core attention, whose recompute then frees only the log-sum-exp; anGPT's and nGPT's QK normalization
+    and RoPE run inside it, so `core_attn` (or `qk_norm`) frees the normalized queries and keys."""
+    recomputes = set(recompute_modules)
     h = config.hidden_size
     head_dim = config.kv_channels or h // config.num_attention_heads
     q = config.num_attention_heads * head_dim
     kv = (config.num_query_groups or config.num_attention_heads) * head_dim
     ffn = config.ffn_hidden_size
-    saved = [
-        Saved("the QKV projection's input", h, "hidden", recompute="layernorm" if not config.normalized else None),
-        Saved("the QKV projection's output (input of the QK normalization and RoPE)", q + 2 * kv, "tensor",
-              recompute="qk_norm"),
-        Saved("queries, normalized and rotated", q, "tensor", recompute="core_attn"),
-        Saved("keys, normalized and rotated", kv, "tensor", whole_sequence=True, recompute="core_attn"),
-        # Without context parallelism the values are a view of the QKV output; with it, a gathered copy.
-        Saved("values, gathered over the context-parallel group", kv, "tensor", whole_sequence=True,
-              context_parallel_only=True, recompute="core_attn"),
+    gathered = context_parallel > 1 and "core_attn" not in recomputes
+    kept = [
+        Saved("the QKV projection's output (the QK normalization's input; the values are a view of it)", q + 2 * kv,
+              "tensor"),
         Saved("core attention's output (the output projection's input)", q, "tensor"),
-        Saved("the softmax's log-sum-exp per head", config.num_attention_heads, "tensor", fp32=True,
-              recompute="core_attn"),
-        Saved("the MLP's first projection's input", h, "hidden", recompute="layernorm" if not config.normalized
-              else None),
-        Saved("the MLP's first projection's output", (2 if config.gated_linear_unit else 1) * ffn, "tensor",
-              recompute="mlp"),
-        Saved("the MLP's second projection's input (the activation's output)", ffn, "tensor", recompute="mlp"),
     ]
-    if kv < q:
-        # Grouped keys and values: megatron-core copies the queries out of the grouped QKV layout.
-        saved.append(Saved("queries, copied out of the grouped QKV layout", q, "tensor", recompute="qk_norm"))
+    if "core_attn" not in recomputes:
+        kept.append(Saved("the softmax's log-sum-exp per head", config.num_attention_heads, "tensor", fp32=True))
+    if not (config.normalized and recomputes & {"core_attn", "qk_norm"}):
+        kept.append(Saved("queries, normalized and rotated", q, "tensor"))
+        if not gathered:
+            kept.append(Saved("keys, normalized and rotated", kv, "tensor"))
+    if gathered:  # all-gathered in core attention: the whole sequence's keys and values on every CP rank
+        kept.append(Saved("keys and values, gathered over the context-parallel group", 2 * kv, "tensor",
+                          whole_sequence=True))
+    if kv < q:  # grouped keys and values: megatron-core copies the queries out of the grouped QKV layout
+        kept.append(Saved("queries, copied out of the grouped QKV layout", q, "tensor"))
+    if "mlp" not in recomputes:
+        kept.append(Saved("the MLP's first projection's output", (2 if config.gated_linear_unit else 1) * ffn,
+                          "tensor"))
+        kept.append(Saved("the MLP's second projection's input (the activation's output)", ffn, "tensor"))
     if config.normalized:
-        # anGPT keeps one [tokens, h] tensor per residual update, nGPT (exact normalization) two.
-        per_update = 2 if config.model_family == "ngpt" else 1
-        for sublayer in ("attention", "MLP"):
-            saved.append(Saved(f"the {sublayer} residual update's inputs", per_update * h, "hidden",
-                               recompute="residual_update"))
+        kept.append(Saved("the QKV projection's input (the residual stream)", h, "hidden"))
+        kept.append(Saved("the MLP's first projection's input (the residual stream)", h, "hidden"))
+        kept.append(Saved("the two residual updates' inputs", 2 * h, "hidden"))
+        if config.model_family == "ngpt" and "residual_update" not in recomputes:
+            kept.append(Saved("the exact normalizations' intermediates, one per update", 2 * h, "hidden"))
     else:
-        for norm in ("input", "pre-MLP"):
-            saved.append(Saved(f"the {norm} RMSNorm's input", h, "hidden"))
-    return saved
+        kept.append(Saved("the input and pre-MLP RMSNorms' inputs", 2 * h, "hidden"))
+        if "layernorm" not in recomputes:
+            kept.append(Saved("the QKV and MLP projections' inputs (the RMSNorms' outputs)", 2 * h, "hidden"))
+    return kept
 
 
 def layer_bytes(config: AnGPTConfig, tokens: int, tensor_parallel: int = 1, sequence_parallel: bool = False,
@@ -84,9 +88,7 @@ def layer_bytes(config: AnGPTConfig, tokens: int, tensor_parallel: int = 1, sequ
     """Bytes one layer keeps on one rank for a micro-batch of `tokens` tokens (micro-batch x sequence length,
     before the context-parallel split), activations of `bytes_per_element` bytes (2 for BF16/FP16)."""
     total = 0.0
-    for saved in layer_saved(config):
-        if saved.recompute in recompute_modules or (saved.context_parallel_only and context_parallel == 1):
-            continue
+    for saved in layer_saved(config, context_parallel, recompute_modules):
         elements = saved.elements * tokens / (1 if saved.whole_sequence else context_parallel)
         if saved.region == "tensor" or sequence_parallel:
             elements /= tensor_parallel

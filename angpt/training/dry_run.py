@@ -161,8 +161,9 @@ def describe(args: argparse.Namespace, world_size: int) -> str:
 def layout_from_args(args: argparse.Namespace, world_size: int) -> Layout:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     cp = getattr(args, "context_parallel_size", 1)
+    selective = args.recompute_granularity == "selective"
     return Layout(tp, pp, cp, world_size // (tp * pp * cp), virtual_pipeline_stages(args), args.sequence_parallel,
-                  args.recompute_granularity, tuple(getattr(args, "recompute_modules", None) or ()),
+                  args.recompute_granularity, tuple(args.recompute_modules or ("core_attn",)) if selective else (),
                   args.recompute_method, args.recompute_num_layers)
 
 
