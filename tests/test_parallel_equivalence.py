@@ -13,7 +13,9 @@ from conftest import run_workers
 FAMILIES = ["angpt", "gptplus", "ngpt"]
 LR = 1e-2  # the worker's learning rate
 LAYOUTS = ["tp2", "tp2_sequence_parallel", "pp2", "pp2_interleaved", "pp2_uneven", "pp2_layout", "dp2",
-           "dp2_distributed_optimizer"]
+           "dp2_distributed_optimizer", "cp2"]
+# Context parallelism with the other splits: one launch of four processes.
+LAYOUTS_4 = ["tp2_cp2", "cp2_pp2", "cp4"]
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -35,9 +37,17 @@ def layouts(reference, tmp_path_factory):
     return out
 
 
-@pytest.fixture(params=LAYOUTS)
-def layout(request, layouts):
-    return request.param, layouts
+@pytest.fixture(scope="session")
+def layouts_4(reference, tmp_path_factory):
+    out = tmp_path_factory.mktemp("layouts_4")
+    run_workers("equivalence_worker.py", "--layouts", ",".join(LAYOUTS_4), "--reference-dir", str(reference),
+                "--out", str(out), nproc=4)
+    return out
+
+
+@pytest.fixture(params=LAYOUTS + LAYOUTS_4)
+def layout(request):
+    return request.param, request.getfixturevalue("layouts_4" if request.param in LAYOUTS_4 else "layouts")
 
 
 @pytest.mark.multiprocess
