@@ -72,9 +72,9 @@ def _count(n: float) -> str:
 
 def describe(args: argparse.Namespace, world_size: int) -> str:
     """The report; `args` were validated for `world_size` by angpt.config.arguments.parse_args."""
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     vp = virtual_pipeline_stages(args)
-    dp = world_size // (tp * pp)
+    dp = world_size // (tp * pp * cp)
     micro_batches = args.global_batch_size // (args.micro_batch_size * dp)
     set_train_iters(args)
     steps = ramp(args)
@@ -89,7 +89,8 @@ def describe(args: argparse.Namespace, world_size: int) -> str:
                                  num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
                                  account_for_embedding_in_pipeline_split=False,
                                  account_for_loss_in_pipeline_split=False, pipeline_model_parallel_layout=None,
-                                 sequence_parallel=False, use_cpu_initialization=True, perform_initialization=False)
+                                 sequence_parallel=False, context_parallel_size=1, use_cpu_initialization=True,
+                                 perform_initialization=False)
     with torch.device("meta"), kernels.reference_only():  # no fused kernel for tensors without data
         model = build_model(config, vocab_size, args.seq_length)
     total = sum(p.numel() for p in model.parameters())
@@ -99,15 +100,19 @@ def describe(args: argparse.Namespace, world_size: int) -> str:
     stages = parameters_by_stage(model, layer_split)
     per_rank = {stage: split / tp + replicated for stage, (split, replicated) in stages.items()}
     largest = max(per_rank, key=per_rank.get)
-    model_bytes = per_rank[largest] * bytes_per_parameter(args.bf16, args.use_distributed_optimizer, dp)
+    # The distributed optimizer shards its state over the data x context-parallel group (megatron-core's).
+    model_bytes = per_rank[largest] * bytes_per_parameter(args.bf16, args.use_distributed_optimizer, dp * cp)
 
     lines = [
         f"dry run of --model-family {args.model_family} on {world_size} processes: the configuration is valid",
         "",
         "layout",
-        f"  tensor parallel {tp} x pipeline parallel {pp} x data parallel {dp} = {world_size} processes"
+        f"  tensor parallel {tp} x pipeline parallel {pp} x context parallel {cp} x data parallel {dp} = "
+        f"{world_size} processes"
         + (f"; {vp} virtual stages per pipeline rank" if vp else "")
-        + ("; sequence parallel" if args.sequence_parallel else ""),
+        + ("; sequence parallel" if args.sequence_parallel else "")
+        + (f"; each sequence in {2 * cp} chunks of {args.seq_length // (2 * cp)} tokens, 2 per context-parallel rank "
+           f"(--cp-comm-type {' '.join(args.cp_comm_type)})" if cp > 1 else ""),
         f"  {args.num_layers} layers: "
         + (f"{layer_split[0]} per pipeline stage" if len(set(layer_split)) == 1 else
            "by pipeline stage " + ", ".join(map(str, layer_split)) + f" ({', '.join(uneven(args))})")
@@ -151,7 +156,8 @@ def describe(args: argparse.Namespace, world_size: int) -> str:
         + f", the rest {_count(total - embedding - head)}",
         "  per process, by pipeline stage: " + ", ".join(f"stage {s} {_count(n)}" for s, n in per_rank.items()),
         f"  weights, gradients and optimizer state: about {model_bytes / 2**30:.1f} GiB on a process of stage "
-        f"{largest} (Megatron-LM's count of {bytes_per_parameter(args.bf16, args.use_distributed_optimizer, dp):.3g} "
+        f"{largest} (Megatron-LM's count of "
+        f"{bytes_per_parameter(args.bf16, args.use_distributed_optimizer, dp * cp):.3g} "
         "bytes per parameter; activations not included)",
         "",
         "nothing was started (--dry-run)",
