@@ -92,3 +92,17 @@ def test_parallel_bounding_equals_single_process_exactly(family, layout, referen
         # The main-parameter shards cut weight rows, so partial row norms were reduced across ranks.
         assert par["optimizer"] == "DistributedOptimizer"
         assert par["rows_cut_by_shards"] > 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", ["cp2", "cp4"])
+def test_context_parallel_attention_paths_match_cp1(family, name, request):
+    """Under CP, torch's SDPA (causal, lower-right aligned per chunk) and megatron-core's softmax with documents
+    (--reset-attention-mask rows, --reset-position-ids angles) give CP 1's logits; the documents change them,
+    so the masks and positions are not vacuous."""
+    out = request.getfixturevalue("layouts_4" if name in LAYOUTS_4 else "layouts")
+    par = torch.load(out / f"{family}_{name}.pt")
+    for path in ("sdpa", "documents"):
+        assert relative(par["cp_logits"][path], par["cp1_logits"][path]) < 1e-5, path
+    assert relative(par["cp1_logits"]["documents"], par["cp1_logits"]["sdpa"]) > 1e-2

@@ -20,9 +20,11 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.utils import get_batch_on_this_cp_rank
 
 from angpt.models import WEIGHT_CONSTRAINTS
+from angpt.models.attention import clear_attention_backend_environment
 from angpt.models.bounding import _optimizer_pieces, project_parameters_
 from angpt.training import distributed
 from angpt.training.optimizer import build_optimizer
@@ -73,6 +75,42 @@ def in_sequence_order(local: torch.Tensor) -> torch.Tensor:
     for rank, part in enumerate(parts):
         chunks[rank], chunks[2 * size - 1 - rank] = part.chunk(2, dim=1)
     return torch.cat(chunks, dim=1)
+
+
+def document_batch() -> dict:
+    """The first micro-batch cut into documents, as megatron-core's GPTDataset writes them with
+    --reset-position-ids and --reset-attention-mask: positions restart and attention stays inside each
+    document. The boundaries (5 and 11) fall inside CP chunks."""
+    batch = dict(fixed_batches()[0])
+    document = torch.zeros(MICRO_BATCH, S, dtype=torch.long)
+    document[0, 5:], document[1, 11:] = 1, 1
+    index = torch.arange(S)
+    starts = torch.where(document == 1, torch.tensor([5, 11]).unsqueeze(1), 0)
+    batch["position_ids"] = index - starts
+    causal = index.unsqueeze(0) > index.unsqueeze(1)
+    batch["attention_mask"] = (causal | (document.unsqueeze(2) != document.unsqueeze(1))).unsqueeze(1)
+    return batch
+
+
+def context_parallel_logits(family: str, layout: dict, init: dict, cp: int) -> dict:
+    """Logits of the whole micro-batch at context-parallel size `cp` (other splits as `layout`): causal through
+    torch's SDPA (attention_backend flash), and with documents (attention mask and position ids)."""
+    layout = {**layout, "context_parallel_size": cp}
+    logits = {}
+    for name, backend, batch, settings in (("sdpa", AttnBackend.flash, fixed_batches()[0], {}),
+                                           ("documents", AttnBackend.auto, document_batch(),
+                                            dict(rope_position_ids=True))):
+        distributed.initialize(context_parallel_size=cp)
+        clear_attention_backend_environment()
+        chunks = build_model_chunks(small_config(family, **layout, attention_backend=backend, **settings), V, S)
+        load_full(chunks, init)
+        mine = get_batch_on_this_cp_rank(dict(batch))
+        with torch.no_grad():
+            output = unwrap(chunks[0])(mine["tokens"], mine["position_ids"], mine.get("attention_mask"))
+        logits[name] = in_sequence_order(gather_from_tensor_model_parallel_region(output))
+        parallel_state.destroy_model_parallel()
+    clear_attention_backend_environment()
+    return logits
 
 
 def from_last_stage(value):
@@ -201,6 +239,11 @@ def run_family(family: str, args, layout: dict, world: int) -> dict | None:
             project_parameters_([unwrap(c) for c in chunks], constraint)  # idempotent: a second pass changes nothing
             result["projected_twice"] = gather_full(chunks)
     parallel_state.destroy_model_parallel()
+    if cp > 1 and config.pipeline_model_parallel_size == config.tensor_model_parallel_size == 1:
+        # The same at CP 1 (data parallel instead) in this job: the reference runs neither. CP alone (cp2, cp4):
+        # the attention paths do not meet the other splits.
+        result["cp_logits"] = context_parallel_logits(family, layout, init, cp)
+        result["cp1_logits"] = context_parallel_logits(family, layout, init, 1)
     return result if dist.get_rank() == 0 else None
 
 
