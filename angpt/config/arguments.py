@@ -169,8 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "many ranks (Megatron-LM's 2 x CP chunks, rank i holding chunks i and 2 CP - 1 - i); "
                           "world size = TP x PP x CP x DP")
     parallel.add_argument("--cp-comm-type", nargs="+", choices=CP_COMM_TYPES, default=["p2p"],
-                          help="how attention exchanges keys and values under context parallelism, one value or one "
-                          "per layer: all_gather on --transformer-impl local (the only one built there); p2p, "
+                          help="how attention exchanges keys and values under context parallelism (one value for "
+                          "all layers): all_gather on --transformer-impl local (the only one built there); p2p, "
                           "all_gather or a2a on Transformer Engine")
     parallel.add_argument("--use-distributed-optimizer", action=SWITCH, default=False)
     parallel.add_argument("--overlap-grad-reduce", action=SWITCH, default=False)
@@ -585,11 +585,14 @@ def _validate_context_parallel(parser, args) -> None:
         parser.error(f"--sequence-parallel: --seq-length {args.seq_length} / --context-parallel-size {cp} is not "
                      f"divisible by --tensor-model-parallel-size {tp}")
     kinds = args.cp_comm_type
-    if len(kinds) not in (1, args.num_layers):
-        parser.error(f"--cp-comm-type takes one value or one per layer ({args.num_layers}), got {len(kinds)}")
-    if args.transformer_impl == "local" and set(kinds) != {"all_gather"}:
-        parser.error(f"--cp-comm-type {' '.join(kinds)}: context parallelism on --transformer-impl local is "
-                     "all_gather only: pass --cp-comm-type all_gather (or use --transformer-impl transformer_engine)")
+    if len(kinds) > 1:
+        # Megatron-LM's per-layer form: megatron-core 0.16.1 reads the list at the 1-based layer number, so each
+        # layer would take the next layer's value and the last one none.
+        parser.error(f"--cp-comm-type takes one value here (got {len(kinds)}): megatron-core 0.16.1 misreads a list "
+                     "of one per layer")
+    if args.transformer_impl == "local" and kinds != ["all_gather"]:
+        parser.error(f"--cp-comm-type {kinds[0]}: context parallelism on --transformer-impl local is all_gather "
+                     "only: pass --cp-comm-type all_gather (or use --transformer-impl transformer_engine)")
 
 
 def _validate_ranges(parser, args) -> None:

@@ -31,12 +31,6 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) 
     return -(-vocab_size // multiple) * multiple
 
 
-def cp_comm_type(args: argparse.Namespace):
-    """--cp-comm-type as megatron-core's config takes it (Megatron-LM's): one value, or a list of one per layer."""
-    kinds = getattr(args, "cp_comm_type", ["p2p"])
-    return kinds[0] if len(kinds) == 1 else list(kinds)
-
-
 def model_config_from_args(args: argparse.Namespace) -> AnGPTConfig:
     """The model config the flags describe (Megatron-LM's `core_transformer_config_from_args`). Also reads
     the flags a checkpoint recorded (angpt.hf), from before some flags existed."""
@@ -49,10 +43,9 @@ def model_config_from_args(args: argparse.Namespace) -> AnGPTConfig:
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=virtual_pipeline_stages(args),
         sequence_parallel=args.sequence_parallel,
-        # Checkpoints saved before these flags existed record neither; megatron-core's layers take one exchange
-        # for all or a list of one per layer.
+        # Checkpoints saved before these flags existed record neither; one exchange for all layers (validated).
         context_parallel_size=getattr(args, "context_parallel_size", 1),
-        cp_comm_type=cp_comm_type(args),
+        cp_comm_type=getattr(args, "cp_comm_type", ["p2p"])[0],
         bf16=args.bf16,
         fp16=getattr(args, "fp16", False),  # not recorded before the flag existed
         params_dtype=params_dtype(args),
