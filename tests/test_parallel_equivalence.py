@@ -14,8 +14,13 @@ FAMILIES = ["angpt", "gptplus", "ngpt"]
 LR = 1e-2  # the worker's learning rate
 LAYOUTS = ["tp2", "tp2_sequence_parallel", "pp2", "pp2_interleaved", "pp2_uneven", "pp2_layout", "dp2",
            "dp2_distributed_optimizer", "cp2"]
-# Context parallelism with the other splits: one launch of four processes.
+# Context parallelism with the other splits: one launch of four processes, 75 s on the 2 cores of the test
+# machine, so with the long checks (make test-long).
 LAYOUTS_4 = ["tp2_cp2", "cp2_pp2", "cp4"]
+
+
+def params(names: list[str]) -> list:
+    return [pytest.param(name, marks=pytest.mark.long) if name in LAYOUTS_4 else name for name in names]
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -45,7 +50,7 @@ def layouts_4(reference, tmp_path_factory):
     return out
 
 
-@pytest.fixture(params=LAYOUTS + LAYOUTS_4)
+@pytest.fixture(params=params(LAYOUTS + LAYOUTS_4))
 def layout(request):
     return request.param, request.getfixturevalue("layouts_4" if request.param in LAYOUTS_4 else "layouts")
 
@@ -96,7 +101,7 @@ def test_parallel_bounding_equals_single_process_exactly(family, layout, referen
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("name", ["cp2", "cp4"])
+@pytest.mark.parametrize("name", params(["cp2", "cp4"]))
 def test_context_parallel_attention_paths_match_cp1(family, name, request):
     """Under CP, torch's SDPA (causal, lower-right aligned per chunk) and megatron-core's softmax with documents
     (--reset-attention-mask rows, --reset-position-ids angles) give CP 1's logits; the documents change them,
