@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -238,7 +239,7 @@ def test_dry_run_of_the_1b_config_on_64_processes_resolves_its_layout_and_counts
     done = dry_run("--config", "examples/configs/angpt_1b.yaml", "--model-family", "gptplus", "--mock-data",
                    "--vocab-size", "50277", "--save", str(tmp_path / "run"), "--pipeline-model-parallel-size", "4",
                    "--num-layers-per-virtual-pipeline-stage", "3", "--context-parallel-size", "2",
-                   "--cp-comm-type", "all_gather", world_size=64)
+                   "--cp-comm-type", "all_gather", "--suggest-layout", world_size=64)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     # GPT+ from its definition: d 1280, f 5120, 36 layers, heads of 64, the vocabulary padded to a multiple of
@@ -256,6 +257,16 @@ def test_dry_run_of_the_1b_config_on_64_processes_resolves_its_layout_and_counts
     assert f"{1024 * 2048:,} tokens per step" in out and "pipeline bubble (p - 1) / (m x v) = 0.8%" in out
     first = vocab * d / 2 + 9 * (split / 2 + replicated)
     assert f"stage 0 {first / 1e6:.2f}M" in out and f"stage 3 {(first + d) / 1e6:.2f}M" in out
+    # Memory: Megatron-LM's interleaved schedule holds 1 + (p - 1) / (p v) of the layers' micro-batches on the
+    # first stage (p 4, v 3: 5 micro-batches of its layers; the last stage 3); an estimate that fits 80 GiB.
+    table = out[out.index("memory per GPU"):]
+    for stage, held in ((0, 5), (3, 3)):
+        assert re.search(rf"\n\s+{stage}\s+\S+ GiB\s+\S+ GiB\s+{held}\s", table), (stage, table)
+    assert "the fullest GPU (stage 0) needs" in table and "80 GiB assumed" in table and ": fits," in table
+    # --suggest-layout: every layout of 64 GPUs listed fits, fastest first.
+    ranked = [line.split() for line in out[out.index("the fastest by the estimate"):].splitlines()[2:12]]
+    assert len(ranked) == 10 and all(float(row[-3]) <= 80 for row in ranked)
+    assert [float(row[-2]) for row in ranked] == sorted(float(row[-2]) for row in ranked)
     assert out.rstrip().endswith("nothing was started (--dry-run)") and not done.stderr.strip()
     assert not (tmp_path / "run").exists()
 

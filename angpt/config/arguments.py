@@ -55,7 +55,8 @@ NUMERIC_RANGES = (
     ("must be positive", lambda value: value > 0, (
         "init_method_std", "norm_epsilon", "angpt_constant_factor_multiplier", "angpt_nu_alpha_multiplier",
         "distributed_timeout_minutes", "hang_timeout_minutes", "lr", "adam_eps", "exit_duration_in_mins",
-        "megatron_rotary_percent", "loss_scale", "initial_loss_scale", "min_loss_scale", "decoupled_lr")),
+        "megatron_rotary_percent", "loss_scale", "initial_loss_scale", "min_loss_scale", "decoupled_lr",
+        "gpu_memory_gib")),
     ("must be in [0, 1)", lambda value: 0 <= value < 1, (
         "attention_dropout", "hidden_dropout", "lr_warmup_fraction", "adam_beta1", "adam_beta2")),
 )
@@ -106,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="check the configuration for WORLD_SIZE processes (default: $WORLD_SIZE, else 1) and "
                         "its data, print the parallel layout, batch arithmetic and parameter count, and exit "
                         "without training")
+    parser.add_argument("--gpu-memory-gib", type=float, help="with --dry-run: the memory of one GPU the estimate "
+                        "is checked against (default: this machine's GPU, else 80)")
+    parser.add_argument("--suggest-layout", action="store_true", help="with --dry-run WORLD_SIZE: rank the "
+                        "tensor, pipeline, context and data parallel sizes and recompute choices that fit the GPU's "
+                        "memory by an estimate of step time (docs/scaling.md)")
 
     model = parser.add_argument_group("model")
     model.add_argument("--model-family", choices=MODEL_FAMILIES, default="angpt")
@@ -568,6 +574,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
     _validate_precision(parser, args)
     _validate_checkpoints(parser, args)
     _validate_hang_timeout(parser, args)
+    _validate_dry_run(parser, args)
     _validate_data(parser, args)
     _validate_wandb(parser, args)
 
@@ -744,6 +751,12 @@ def _validate_precision(parser, args) -> None:
             problem = transformer_engine_support.fp8_recipe_problem(args.fp8_recipe)
             if problem:
                 parser.error(f"--fp8-recipe {args.fp8_recipe}: {problem}")
+
+
+def _validate_dry_run(parser, args) -> None:
+    for flag in ("suggest_layout", "gpu_memory_gib"):
+        if getattr(args, flag) not in (None, False) and args.dry_run is None:
+            parser.error(f"--{flag.replace('_', '-')} is part of the dry run's report: add --dry-run WORLD_SIZE")
 
 
 def _validate_hang_timeout(parser, args) -> None:

@@ -59,8 +59,9 @@ def nu_acf_monte_carlo(hidden_size: int, ffn_hidden_size: int, samples: int = 10
     total_norm, done = 0.0, 0
     while done < samples:
         n = min(chunk, samples - done)
-        u = torch.randn(n, ffn_hidden_size, generator=generator)
-        z = torch.randn(n, ffn_hidden_size, generator=generator)
+        # On the CPU explicitly: models are also built under `torch.device("meta")` (the dry run).
+        u = torch.randn(n, ffn_hidden_size, generator=generator, device="cpu")
+        z = torch.randn(n, ffn_hidden_size, generator=generator, device="cpu")
         u = u / u.norm(dim=1, keepdim=True)
         z = math.sqrt(hidden_size) * z / z.norm(dim=1, keepdim=True)
         total_norm += (u * torch.nn.functional.silu(z)).norm(dim=1).double().sum().item()

@@ -1,6 +1,9 @@
 """`python -m angpt.pretrain ... --dry-run [WORLD_SIZE]`: the configuration checked for a world size and
 resolved, without starting training: the parallel layout, the batch arithmetic, the data, and the
 parameters counted on a model built on the meta device (no memory, no initialization) in this one process.
+
+With a world size it also estimates the memory of each pipeline stage's GPUs (angpt.training.memory_estimate)
+and, with --suggest-layout, ranks the layouts that fit (angpt.training.layout_search).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from angpt.config.pipeline_split import stage_layers, stage_of_layer, uneven
 from angpt.data.gpt_datasets import dataset_vocabulary
 from angpt.data.indexed import check_indexed_dataset
 from angpt.models.gpt import build_model
+from angpt.telemetry.performance import peak_flops_per_device
 from angpt.training import distributed
 from angpt.training.batch_schedule import ramp, set_train_iters
 from angpt.training.config_from_args import (
@@ -25,7 +29,10 @@ from angpt.training.config_from_args import (
     padded_vocab_size,
     virtual_pipeline_stages,
 )
+from angpt.training.layout_search import Estimate, candidate_layouts, describe_ranking, step_seconds
+from angpt.training.memory_estimate import CUDA_CONTEXT_BYTES, GIB, Layout, stage_memory
 
+H100_BF16_FLOPS = 989.5e12  # the dense BF16 peak --suggest-layout assumes without a GPU here
 _TENSOR_PARALLEL_MODULES = (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear,
                             tensor_parallel.VocabParallelEmbedding)
 
@@ -52,15 +59,6 @@ def parameters_by_stage(model: torch.nn.Module, layer_split: list[int]) -> dict:
         split = id(param) in split_params or getattr(param, "tensor_model_parallel", False)
         counts[stage][0 if split else 1] += param.numel()
     return {stage: tuple(counts[stage]) for stage in range(pipeline_stages)}
-
-
-def bytes_per_parameter(bf16: bool, distributed_optimizer: bool, data_parallel: int) -> float:
-    """Weights, gradients and Adam's state per parameter, as Megatron-LM's theoretical memory report
-    counts them: bf16 weights, fp32 gradients, fp32 main weights and two moments (12 bytes) sharded over
-    the data-parallel ranks by the distributed optimizer; fp32 training has no main copy."""
-    if bf16:
-        return 6 + 12 / data_parallel if distributed_optimizer else 18
-    return 8 + 8 / data_parallel if distributed_optimizer else 16
 
 
 def _count(n: float) -> str:
@@ -99,10 +97,6 @@ def describe(args: argparse.Namespace, world_size: int) -> str:
     layer_split = stage_layers(args)
     stages = parameters_by_stage(model, layer_split)
     per_rank = {stage: split / tp + replicated for stage, (split, replicated) in stages.items()}
-    largest = max(per_rank, key=per_rank.get)
-    # The distributed optimizer shards its state over the data x context-parallel group (megatron-core's).
-    model_bytes = per_rank[largest] * bytes_per_parameter(args.bf16, args.use_distributed_optimizer, dp * cp)
-
     lines = [
         f"dry run of --model-family {args.model_family} on {world_size} processes: the configuration is valid",
         "",
@@ -155,11 +149,82 @@ def describe(args: argparse.Namespace, world_size: int) -> str:
         + (f", output layer {_count(head)}" if head else " (tied to the output layer)")
         + f", the rest {_count(total - embedding - head)}",
         "  per process, by pipeline stage: " + ", ".join(f"stage {s} {_count(n)}" for s, n in per_rank.items()),
-        f"  weights, gradients and optimizer state: about {model_bytes / 2**30:.1f} GiB on a process of stage "
-        f"{largest} (Megatron-LM's count of "
-        f"{bytes_per_parameter(args.bf16, args.use_distributed_optimizer, dp * cp):.3g} "
-        "bytes per parameter; activations not included)",
-        "",
-        "nothing was started (--dry-run)",
     ]
+    layout = layout_from_args(args, world_size)
+    gpu_bytes, gpu = gpu_memory(args)
+    memory = stage_memory(config, layout, stages, layer_split, vocab_size, args.seq_length, args.micro_batch_size,
+                          micro_batches, args.bf16, args.use_distributed_optimizer)
+    lines += ["", *memory_report(memory, layout, args, gpu_bytes - CUDA_CONTEXT_BYTES, gpu)]
+    if args.suggest_layout:
+        lines += ["", f"layouts of {world_size} GPUs (--suggest-layout; the model of time: docs/scaling.md)",
+                  *suggest(model, config, args, world_size, vocab_size, gpu_bytes - CUDA_CONTEXT_BYTES)]
+    lines += ["", "nothing was started (--dry-run)"]
     return "\n".join(lines)
+
+
+def layout_from_args(args: argparse.Namespace, world_size: int) -> Layout:
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    cp = getattr(args, "context_parallel_size", 1)
+    return Layout(tp, pp, cp, world_size // (tp * pp * cp), virtual_pipeline_stages(args), args.sequence_parallel,
+                  args.recompute_granularity, tuple(getattr(args, "recompute_modules", None) or ()),
+                  args.recompute_method, args.recompute_num_layers)
+
+
+def gpu_memory(args: argparse.Namespace) -> tuple[float, str]:
+    """The bytes of one GPU the estimate is held against, and where that figure comes from."""
+    if args.gpu_memory_gib:
+        return args.gpu_memory_gib * GIB, "--gpu-memory-gib"
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name()
+    return 80 * GIB, "no GPU here: 80 GiB assumed, set --gpu-memory-gib"
+
+
+def memory_report(memory: list, layout: Layout, args: argparse.Namespace, usable: float, gpu: str) -> list[str]:
+    """The table of stages and its verdict against `usable` bytes (the GPU's less the CUDA context)."""
+    precision = "BF16" if args.bf16 else "FP16" if getattr(args, "fp16", False) else "FP32"
+    lines = [f"memory per GPU, estimated ({precision} activations of the GPU's code path, "
+             f"{layout.describe()}; docs/scaling.md)",
+             f"  {'stage':>5} {'weights, grads, optimizer':>26} {'activations':>12} {'micro-batches held':>19} "
+             f"{'total':>10}"]
+    shown = memory if len(memory) <= 8 else sorted({memory[0], memory[1], memory[-1],
+                                                    max(memory, key=lambda m: m.total)}, key=lambda m: m.stage)
+    for stage in shown:
+        lines.append(f"  {stage.stage:>5} {stage.model_bytes / GIB:>22.1f} GiB "
+                     f"{stage.activation_bytes / GIB:>8.1f} GiB {stage.micro_batches_in_flight:>19.3g} "
+                     f"{stage.total / GIB:>6.1f} GiB")
+    fullest = max(memory, key=lambda m: m.total)
+    verdict = (f"fits, {(usable - fullest.total) / GIB:.1f} GiB to spare" if fullest.total <= usable else
+               "does NOT fit: more tensor, pipeline or context parallelism, recompute (--recompute-granularity), "
+               "or a smaller --micro-batch-size; --suggest-layout ranks the layouts that fit")
+    lines.append(f"  the fullest GPU (stage {fullest.stage}) needs {fullest.total / GIB:.1f} GiB of "
+                 f"{usable / GIB:.1f} GiB ({gpu}, less {CUDA_CONTEXT_BYTES / GIB:g} GiB for the CUDA context): "
+                 f"{verdict}")
+    lines.append("  not counted: the allocator's fragmentation, kernels' transient workspaces")
+    return lines
+
+
+def suggest(model: torch.nn.Module, config, args: argparse.Namespace, world_size: int, vocab_size: int,
+            usable: float) -> list[str]:
+    """The layouts that fit, fastest first (angpt.training.layout_search)."""
+    elementwise = ("qk_norm", "residual_update") if config.normalized else ("layernorm", "qk_norm")
+    recompute_choices = [(None, ()), ("selective", elementwise), ("selective", (*elementwise, "mlp")),
+                         ("full", ())]
+    peak = peak_flops_per_device(torch.bfloat16) or H100_BF16_FLOPS
+    by_pipeline = {}
+    estimates = []
+    for layout in candidate_layouts(config, world_size, args.seq_length, args.global_batch_size,
+                                    args.micro_batch_size, recompute_choices):
+        pp = layout.pipeline_parallel
+        split = [config.num_layers // pp] * pp
+        if pp not in by_pipeline:
+            by_pipeline[pp] = parameters_by_stage(model, split)
+        stages = by_pipeline[pp]
+        micro_batches = args.global_batch_size // (args.micro_batch_size * layout.data_parallel)
+        memory = stage_memory(config, layout, stages, split, vocab_size, args.seq_length, args.micro_batch_size,
+                              micro_batches, args.bf16, args.use_distributed_optimizer)
+        seconds = step_seconds(config, layout, vocab_size, args.seq_length, args.global_batch_size,
+                               args.micro_batch_size, max(m.parameters for m in memory), peak,
+                               args.overlap_grad_reduce, args.overlap_param_gather,
+                               2 if args.grad_reduce_in_bf16 else 4)
+        estimates.append(Estimate(layout, memory, seconds))
+    return describe_ranking(estimates, usable)

@@ -1,0 +1,134 @@
+"""Memory per GPU before launching: weights, gradients and optimizer state, and the activations each pipeline
+stage keeps, for `--dry-run WORLD_SIZE` (angpt.training.dry_run) and `--suggest-layout`
+(angpt.training.layout_search).
+
+Activations: one layer's saved tensors (angpt.models.activation_memory, the GPU's code path) times the layers
+a stage holds times the micro-batches its schedule keeps in flight (megatron-core's 1F1B: stage s of p holds
+min(p - s, m); interleaved: the warm-up micro-batch chunks plus one, as schedules.py counts them), plus the
+embedding's output on the first stage and the output layer's input and logits on the last. The logits cost
+10 bytes per vocabulary entry and token: the BF16 logits, the FP32 probabilities megatron-core's vocab-parallel
+cross entropy keeps, and their FP32 gradient in the backward pass (measured: H200 rows, docs/scaling.md).
+Not counted in a stage's total: the CUDA context and libraries (about 0.5-1 GiB outside torch's allocator, so
+the verdicts hold the totals against the GPU's memory less CUDA_CONTEXT_BYTES), the allocator's
+fragmentation, transient workspaces of single kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from angpt.models.activation_memory import layer_bytes
+from angpt.models.config import AnGPTConfig
+
+GIB = 2**30
+LOGIT_BYTES = 2 + 4 + 4  # per vocabulary entry and token (module docstring)
+CUDA_CONTEXT_BYTES = GIB
+
+
+@dataclass(frozen=True)
+class Layout:
+    tensor_parallel: int
+    pipeline_parallel: int
+    context_parallel: int
+    data_parallel: int
+    virtual_stages: int | None = None  # interleaved schedule: model chunks per pipeline rank
+    sequence_parallel: bool = False
+    recompute_granularity: str | None = None  # None, "selective" or "full"
+    recompute_modules: tuple[str, ...] = ()  # with "selective"
+    recompute_method: str = "uniform"  # with "full": "uniform" or "block"
+    recompute_num_layers: int = 1
+
+    def describe(self) -> str:
+        text = (f"TP {self.tensor_parallel} x PP {self.pipeline_parallel} x CP {self.context_parallel} x "
+                f"DP {self.data_parallel}" + (f" (VP {self.virtual_stages})" if self.virtual_stages else "")
+                + (", SP" if self.sequence_parallel else ""))
+        if self.recompute_granularity == "full":
+            return text + f", full recompute ({self.recompute_method}, {self.recompute_num_layers})"
+        if self.recompute_granularity == "selective":
+            return text + ", recompute " + ",".join(self.recompute_modules)
+        return text
+
+
+def bytes_per_parameter(bf16: bool, distributed_optimizer: bool, data_parallel: int) -> float:
+    """Weights, gradients and Adam's state per parameter, as Megatron-LM's theoretical memory report counts
+    them: bf16 weights, fp32 gradients, fp32 main weights and two moments (12 bytes) sharded over the
+    data-parallel ranks by the distributed optimizer; fp32 training has no main copy. With context
+    parallelism the distributed optimizer shards over the data x context group."""
+    if bf16:
+        return 6 + 12 / data_parallel if distributed_optimizer else 18
+    return 8 + 8 / data_parallel if distributed_optimizer else 16
+
+
+def in_flight(stage: int, pipeline_parallel: int, micro_batches: int, virtual_stages: int | None) -> float:
+    """Micro-batches whose activations stage `stage` holds at its peak, in units of its whole set of layers
+    (an interleaved schedule holds chunks of 1 / virtual_stages of them)."""
+    if pipeline_parallel == 1:
+        return 1
+    if not virtual_stages:
+        return min(pipeline_parallel - stage, micro_batches)
+    chunks = min((pipeline_parallel - stage - 1) * 2 + (virtual_stages - 1) * pipeline_parallel + 1,
+                 micro_batches * virtual_stages)
+    return chunks / virtual_stages
+
+
+def layers_activation_bytes(config: AnGPTConfig, layers: int, tokens: int, layout: Layout,
+                            bytes_per_element: int) -> float:
+    """What `layers` layers keep for one micro-batch of `tokens` tokens on one rank. Full recompute keeps each
+    recomputed group's input (one [tokens, h] tensor) and, during the backward pass, one group's activations."""
+    def one(modules=()):
+        return layer_bytes(config, tokens, layout.tensor_parallel, layout.sequence_parallel,
+                           layout.context_parallel, modules, bytes_per_element)
+
+    if layout.recompute_granularity == "selective":
+        return layers * one(layout.recompute_modules)
+    if layout.recompute_granularity != "full":
+        return layers * one()
+    split = layout.tensor_parallel if layout.sequence_parallel else 1
+    layer_input = tokens / layout.context_parallel * config.hidden_size / split * bytes_per_element
+    group = min(layout.recompute_num_layers, layers)
+    if layout.recompute_method == "block":  # the first `group` layers recompute, the rest keep everything
+        return group * layer_input + (layers - group) * one() + (one() if group else 0)
+    return math.ceil(layers / group) * layer_input + group * one()
+
+
+@dataclass
+class StageMemory:
+    stage: int
+    parameters: float  # on one rank of this stage
+    model_bytes: float  # weights, gradients, optimizer state
+    activation_bytes: float
+    micro_batches_in_flight: float
+
+    @property
+    def total(self) -> float:
+        return self.model_bytes + self.activation_bytes
+
+
+def stage_memory(config: AnGPTConfig, layout: Layout, stage_parameters: dict[int, tuple[int, int]],
+                 layer_split: list[int], vocab_size: int, seq_length: int, micro_batch_size: int,
+                 micro_batches: int, bf16: bool, distributed_optimizer: bool) -> list[StageMemory]:
+    """Per pipeline stage, one rank's bytes. `stage_parameters`: {stage: (tensor-parallel, replicated)}
+    parameter counts of the whole model (angpt.training.dry_run.parameters_by_stage)."""
+    tp, cp = layout.tensor_parallel, layout.context_parallel
+    bytes_per_element = 2 if bf16 or config.fp16 else 4
+    tokens = micro_batch_size * seq_length
+    local_tokens = tokens / cp
+    hidden_split = tp if layout.sequence_parallel else 1
+    shard_over = layout.data_parallel * cp
+    rows = []
+    for stage, layers in enumerate(layer_split):
+        split, replicated = stage_parameters[stage]
+        parameters = split / tp + replicated
+        activations = layers_activation_bytes(config, layers, tokens, layout, bytes_per_element)
+        if stage == 0:  # the embedding's output and the token ids
+            activations += local_tokens * (config.hidden_size / hidden_split * bytes_per_element + 8)
+        flight = in_flight(stage, layout.pipeline_parallel, micro_batches, layout.virtual_stages)
+        activations *= flight
+        if stage == len(layer_split) - 1:  # the final norm's and output layer's inputs, the logits (1 in flight)
+            activations += local_tokens * (2 * config.hidden_size / hidden_split * bytes_per_element
+                                           + LOGIT_BYTES * vocab_size / tp)
+        rows.append(StageMemory(stage, parameters,
+                                parameters * bytes_per_parameter(bf16, distributed_optimizer, shard_over),
+                                activations, flight))
+    return rows
