@@ -47,7 +47,8 @@ LAYOUTS = {
     # Context parallelism: each rank holds 2 of the 2 x CP chunks of every sequence (Megatron-LM's all_gather).
     "cp2": dict(context_parallel_size=2, cp_comm_type="all_gather"),
     # Four processes (tests/test_parallel_equivalence.py, one launch of its own).
-    "tp2_cp2": dict(tensor_model_parallel_size=2, context_parallel_size=2, cp_comm_type="all_gather"),
+    "tp2_sequence_parallel_cp2": dict(tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2,
+                                      cp_comm_type="all_gather"),
     "cp2_pp2": dict(pipeline_model_parallel_size=2, context_parallel_size=2, cp_comm_type="all_gather"),
     "cp4": dict(context_parallel_size=4, cp_comm_type="all_gather"),
 }
