@@ -14,7 +14,7 @@ FAMILIES = ["angpt", "gptplus", "ngpt"]
 LR = 1e-2  # the worker's learning rate
 LAYOUTS = ["tp2", "tp2_sequence_parallel", "pp2", "pp2_interleaved", "pp2_uneven", "pp2_layout", "dp2",
            "dp2_distributed_optimizer", "cp2"]
-# Context parallelism with the other splits: one launch of four processes, 75 s on the 2 cores of the test
+# Context parallelism with the other splits: one launch of four processes, 75-115 s on the 2 cores of the test
 # machine, so with the long checks (make test-long).
 LAYOUTS_4 = ["tp2_sequence_parallel_cp2", "cp2_pp2", "cp4"]
 
