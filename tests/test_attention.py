@@ -5,7 +5,7 @@ from unittest import mock
 import pytest
 import torch
 from megatron.core.transformer.attention import SelfAttention
-from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 
 from angpt.models import attention, build_model, layers, model_config
 from angpt.models.attention import (
@@ -218,3 +218,13 @@ def test_normalized_attention_applies_rope_in_its_core_attention(family, seeded)
     assert torch.equal(loss, loss_megatron)
     for name, grad in grads_megatron.items():
         assert torch.equal(grads[name], grad), name
+
+
+@pytest.mark.parametrize("cp_comm_type", [None, "p2p", "a2a"])
+def test_local_attention_under_context_parallelism_is_all_gather_only(cp_comm_type):
+    """megatron-core's default exchange (p2p) is Transformer Engine's: the local spec refuses it by name."""
+    config = model_config("angpt", num_layers=1, hidden_size=32, num_attention_heads=2, context_parallel_size=2,
+                          cp_comm_type=cp_comm_type)
+    with pytest.raises(ValueError, match="pass --cp-comm-type all_gather, or use --transformer-impl"):
+        FusedDotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
+                                 cp_comm_type=cp_comm_type)

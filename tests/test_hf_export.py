@@ -26,8 +26,17 @@ from huggingface_hub import ModelCard
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
+from angpt.config.arguments import parse_args
 from angpt.data.tokenizers import EOD_TOKEN, build_tokenizer
-from angpt.hf.export import LAYER, Checkpoint, ExportError, export, read_checkpoint, recorded_losses
+from angpt.hf.export import (
+    LAYER,
+    Checkpoint,
+    ExportError,
+    export,
+    read_checkpoint,
+    recorded_losses,
+    single_process_args,
+)
 from angpt.hf.importer import import_hf, qwen3_args
 from angpt.hf.verify import (
     FP32_LOGIT_TOLERANCE,
@@ -40,6 +49,7 @@ from angpt.hf.verify import (
     megatron_logits,
     near_argmax,
 )
+from angpt.training.config_from_args import model_config_from_args
 
 from conftest import PYDOC_VOCAB_SIZE, ROOT, TRAINED_ITERS, TRAINED_MODEL, TRAINED_RUNS, in_process_trainer
 from launch import launch
@@ -466,3 +476,13 @@ def test_a_qwen3_models_rms_norm_epsilon_is_imported_as_norm_epsilon(epsilon):
     config = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, max_position_embeddings=32, rope_theta=10000, rms_norm_eps=epsilon)
     assert qwen3_args(config)["norm_epsilon"] == epsilon
+
+
+def test_a_context_parallel_run_is_exported_at_one_process():
+    """The export builds the model whole in one process: a run's --context-parallel-size does not reach it."""
+    args = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+                       "--micro-batch-size", "2", "--global-batch-size", "4", "--mock-data", "--vocab-size", "256",
+                       "--train-iters", "1", "--context-parallel-size", "2", "--cp-comm-type", "all_gather"],
+                      world_size=2)
+    assert model_config_from_args(args).context_parallel_size == 2
+    assert model_config_from_args(single_process_args(vars(args))).context_parallel_size == 1

@@ -52,7 +52,8 @@ def test_docs_megatron_md_is_what_the_parser_and_the_table_say():
     (["--use-legacy-models"], "argument --use-legacy-models: not supported: Megatron-LM's legacy models"),
     (["--moe-router-topk", "4"], "argument --moe-router-topk: not supported: mixture of experts"),
     (["--num-experts", "8"], "argument --num-experts: not supported: mixture of experts"),
-    (["--context-parallel-size", "2"], "argument --context-parallel-size: not supported: context parallelism"),
+    (["--hierarchical-context-parallel-sizes", "2", "2"], "argument --hierarchical-context-parallel-sizes: not "
+     "supported: hierarchical context parallelism"),
     (["--rl-use-sequence-packing"], "not supported: reinforcement learning"),
     (["--use-torch-fsdp2"], "argument --use-torch-fsdp2: not supported: FSDP is not built: use "
                             "--use-distributed-optimizer"),
@@ -64,11 +65,9 @@ def test_a_refused_flag_stops_the_parse_in_one_line_saying_why(argv, message, ca
 
 def test_a_refused_flag_given_megatron_lms_default_asks_for_nothing(capsys):
     """At the boundary: Megatron-LM's default is accepted, the next value is not."""
-    parse_args([*BASE, "--context-parallel-size", "1", "--expert-model-parallel-size", "1",
-                "--distributed-backend", "nccl", "--cp-comm-type", "p2p"], world_size=1)
-    assert "--context-parallel-size" in parse_error(["--context-parallel-size", "2"], capsys)
+    parse_args([*BASE, "--expert-model-parallel-size", "1", "--distributed-backend", "nccl"], world_size=1)
+    assert "--expert-model-parallel-size" in parse_error(["--expert-model-parallel-size", "2"], capsys)
     assert "--distributed-backend" in parse_error(["--distributed-backend", "gloo"], capsys)
-    assert "--cp-comm-type" in parse_error(["--cp-comm-type", "a2a"], capsys)
 
 
 @pytest.mark.parametrize("family,argv,message", [
@@ -104,10 +103,10 @@ def test_implied_flags_are_accepted_and_the_replaced_norm_flags_are_said_once():
 
 def test_a_refused_flag_in_a_config_file_is_refused_and_megatron_lms_default_accepted(tmp_path, capsys):
     config = tmp_path / "run.yaml"
-    config.write_text("context-parallel-size: 1\nuse-distributed-optimizer: true\n")
+    config.write_text("expert-model-parallel-size: 1\nuse-distributed-optimizer: true\n")
     assert parse_args([*BASE, "--config", str(config)], world_size=1).use_distributed_optimizer
-    config.write_text("context_parallel_size: 4\n")
-    assert "context_parallel_size: not supported: context parallelism" in parse_error(["--config", str(config)],
+    config.write_text("expert_model_parallel_size: 4\n")
+    assert "expert_model_parallel_size: not supported: expert parallelism" in parse_error(["--config", str(config)],
                                                                                     capsys)
 
 

@@ -13,7 +13,14 @@ from conftest import run_workers
 FAMILIES = ["angpt", "gptplus", "ngpt"]
 LR = 1e-2  # the worker's learning rate
 LAYOUTS = ["tp2", "tp2_sequence_parallel", "pp2", "pp2_interleaved", "pp2_uneven", "pp2_layout", "dp2",
-           "dp2_distributed_optimizer", "tp2_sequence_parallel_recompute"]
+           "dp2_distributed_optimizer", "tp2_sequence_parallel_recompute", "cp2"]
+# Context parallelism with the other splits: one launch of four processes, 75-115 s on the 2 cores of the test
+# machine, so with the long checks (make test-long).
+LAYOUTS_4 = ["tp2_sequence_parallel_cp2", "cp2_pp2", "cp4"]
+
+
+def params(names: list[str]) -> list:
+    return [pytest.param(name, marks=pytest.mark.long) if name in LAYOUTS_4 else name for name in names]
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -35,9 +42,17 @@ def layouts(reference, tmp_path_factory):
     return out
 
 
-@pytest.fixture(params=LAYOUTS)
-def layout(request, layouts):
-    return request.param, layouts
+@pytest.fixture(scope="session")
+def layouts_4(reference, tmp_path_factory):
+    out = tmp_path_factory.mktemp("layouts_4")
+    run_workers("equivalence_worker.py", "--layouts", ",".join(LAYOUTS_4), "--reference-dir", str(reference),
+                "--out", str(out), nproc=4)
+    return out
+
+
+@pytest.fixture(params=params(LAYOUTS + LAYOUTS_4))
+def layout(request):
+    return request.param, request.getfixturevalue("layouts_4" if request.param in LAYOUTS_4 else "layouts")
 
 
 @pytest.mark.multiprocess
@@ -82,3 +97,17 @@ def test_parallel_bounding_equals_single_process_exactly(family, layout, referen
         # The main-parameter shards cut weight rows, so partial row norms were reduced across ranks.
         assert par["optimizer"] == "DistributedOptimizer"
         assert par["rows_cut_by_shards"] > 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", params(["cp2", "cp4"]))
+def test_context_parallel_attention_paths_match_cp1(family, name, request):
+    """Under CP, torch's SDPA (causal, lower-right aligned per chunk) and megatron-core's softmax with documents
+    (--reset-attention-mask rows, --reset-position-ids angles) give CP 1's logits; the documents change them,
+    so the masks and positions are not vacuous."""
+    out = request.getfixturevalue("layouts_4" if name in LAYOUTS_4 else "layouts")
+    par = torch.load(out / f"{family}_{name}.pt")
+    for path in ("sdpa", "documents"):
+        assert relative(par["cp_logits"][path], par["cp1_logits"][path]) < 1e-5, path
+    assert relative(par["cp1_logits"]["documents"], par["cp1_logits"]["sdpa"]) > 1e-2

@@ -235,10 +235,11 @@ def dry_run(*flags, world_size=None):
 
 
 @pytest.mark.slow  # a dry run is a process of its own
-def test_dry_run_of_the_1b_config_on_32_processes_resolves_its_layout_and_counts_its_parameters(tmp_path):
+def test_dry_run_of_the_1b_config_on_64_processes_resolves_its_layout_and_counts_its_parameters(tmp_path):
     done = dry_run("--config", "examples/configs/angpt_1b.yaml", "--model-family", "gptplus", "--mock-data",
                    "--vocab-size", "50277", "--save", str(tmp_path / "run"), "--pipeline-model-parallel-size", "4",
-                   "--num-layers-per-virtual-pipeline-stage", "3", "--suggest-layout", world_size=32)
+                   "--num-layers-per-virtual-pipeline-stage", "3", "--context-parallel-size", "2",
+                   "--cp-comm-type", "all_gather", "--suggest-layout", world_size=64)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     # GPT+ from its definition: d 1280, f 5120, 36 layers, heads of 64, the vocabulary padded to a multiple of
@@ -248,7 +249,9 @@ def test_dry_run_of_the_1b_config_on_32_processes_resolves_its_layout_and_counts
     split, replicated = 4 * d * d + 3 * f * d, 2 * d + 2 * head_dim
     total = 2 * vocab * d + layers * (split + replicated) + d
     assert f"({total:,})" in out
-    assert "tensor parallel 2 x pipeline parallel 4 x data parallel 4 = 32 processes" in out
+    # Context parallelism splits sequences, not batches: the data-parallel size is 64 / (2 x 4 x 2).
+    assert "tensor parallel 2 x pipeline parallel 4 x context parallel 2 x data parallel 4 = 64 processes" in out
+    assert "each sequence in 4 chunks of 512 tokens, 2 per context-parallel rank (--cp-comm-type all_gather)" in out
     assert "36 layers: 9 per pipeline stage, 3 per virtual stage" in out
     assert "micro-batch 2 x 128 micro-batches x data parallel 4" in out
     assert f"{1024 * 2048:,} tokens per step" in out and "pipeline bubble (p - 1) / (m x v) = 0.8%" in out
@@ -260,7 +263,7 @@ def test_dry_run_of_the_1b_config_on_32_processes_resolves_its_layout_and_counts
     for stage, held in ((0, 5), (3, 3)):
         assert re.search(rf"\n\s+{stage}\s+\S+ GiB\s+\S+ GiB\s+{held}\s", table), (stage, table)
     assert "the fullest GPU (stage 0) needs" in table and "80 GiB assumed" in table and ": fits," in table
-    # --suggest-layout: every layout of 32 GPUs listed fits, fastest first.
+    # --suggest-layout: every layout of 64 GPUs listed fits, fastest first.
     ranked = [line.split() for line in out[out.index("the fastest by the estimate"):].splitlines()[2:12]]
     assert len(ranked) == 10 and all(float(row[-3]) <= 80 for row in ranked)
     assert [float(row[-2]) for row in ranked] == sorted(float(row[-2]) for row in ranked)
@@ -298,3 +301,36 @@ def test_a_switch_the_family_ignores_is_refused(family, flags, capsys):
 def test_the_switches_ngpt_reads_reach_its_config(flag, field, value):
     args = parse_args([*FLAGS, *MOCK, "--train-iters", "10", "--model-family", "ngpt", flag, str(value)])
     assert getattr(model_config_from_args(args), field) == value
+
+
+@pytest.mark.parametrize("world_size, flags, message", [
+    (6, ["--context-parallel-size", "4", "--cp-comm-type", "all_gather"],
+     "the world size 6 is not divisible by --tensor-model-parallel-size 1 x --pipeline-model-parallel-size 1 x "
+     "--context-parallel-size 4"),
+    (2, ["--context-parallel-size", "2"], "--cp-comm-type p2p: context parallelism on --transformer-impl local is "
+     "all_gather only: pass --cp-comm-type all_gather"),
+    (2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a"], "--cp-comm-type a2a: context parallelism"),
+    (6, ["--context-parallel-size", "3", "--cp-comm-type", "all_gather"],
+     "--seq-length 64 is not divisible by 2 x --context-parallel-size 3"),
+    (4, ["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "all_gather"],
+     "--cp-comm-type takes one value here (got 2): megatron-core 0.16.1 misreads a list of one per layer"),
+    (2, ["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--global-batch-size", "3",
+         "--micro-batch-size", "2"], "--global-batch-size 3 is not divisible by --micro-batch-size 2 x data-parallel "
+     "size 1"),
+    (4, ["--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "2", "1"],
+     "hierarchical context parallelism (--cp-comm-type a2a+p2p) is not built yet"),
+])
+def test_context_parallel_layouts_are_checked_by_flag(world_size, flags, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args([*FLAGS, *MOCK, "--train-iters", "10", *flags], world_size=world_size)
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message in error
+
+
+def test_context_parallelism_reaches_the_model_config():
+    """World 8 = TP 2 x CP 2 x DP 2: the data-parallel size, and the config megatron-core's layers read."""
+    args = parse_args([*FLAGS, *MOCK, "--train-iters", "10", "--tensor-model-parallel-size", "2",
+                       "--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--global-batch-size", "4",
+                       "--micro-batch-size", "2"], world_size=8)
+    config = model_config_from_args(args)
+    assert (config.context_parallel_size, config.cp_comm_type) == (2, "all_gather")

@@ -186,15 +186,19 @@ def test_an_async_save_writes_what_a_synchronous_one_does(uninterrupted, tmp_pat
         assert all(torch.equal(written[key], expected[key]) for key in written)
 
 
-def test_a_checkpoint_continues_at_another_layout(uninterrupted, tmp_path):
+@pytest.mark.parametrize("layout", [
+    ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"],
+    # The trainer under context parallelism, from a CP=1 checkpoint (and saving at CP=2 at its end).
+    ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"],
+], ids=["pp2_uneven", "cp2"])
+def test_a_checkpoint_continues_at_another_layout(layout, uninterrupted, tmp_path):
     """tp2's checkpoint continued at PP 2 split unevenly (1 layer, then 3): the layers are found by their global
-    numbers whatever the split."""
+    numbers whatever the split; and at CP 2, where each rank holds half of every sequence."""
     run_dir = copy_checkpoint(uninterrupted["tp2"], 3, tmp_path)
-    output = train("--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1", *ITERS,
-                   "--load", run_dir, "--save", run_dir)
+    output = train(*layout, *ITERS, "--load", run_dir, "--save", run_dir)
     assert "RNG states are not restored" in output
     continued, reference = losses(run_dir), losses(uninterrupted["tp2"])
-    print("tp2 -> pp2 (1 + 3 layers)", continued, reference)
+    print("tp2 ->", " ".join(layout), continued, reference)
     assert sorted(continued) == [4, 5, 6]
     for iteration in continued:
         assert continued[iteration] == pytest.approx(reference[iteration], rel=1e-5)

@@ -420,11 +420,11 @@ FP8_STEPS, CURVE_WINDOW, CURVE_ABS, CURVE_REL = 200, 20, 0.1, 0.05
 MAIN_EPS = 1e-6
 
 
-def run_gpu_worker(task: str) -> dict:
+def run_gpu_worker(task: str, nproc: int = 1) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
            "PYTHONWARNINGS": "ignore"}
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", __file__, task],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__, task],
         capture_output=True, text=True, timeout=900, env=env, cwd=ROOT,
     )
     output = done.stdout + done.stderr
@@ -474,7 +474,21 @@ def test_bounding_holds_on_the_fp32_main_weights_under_fp8(fp8_and_bf16_runs):
     assert run["fp8_layers"] > 0  # the GEMMs did run in FP8
 
 
-# -- the GPU worker (torchrun, one process) ----------------------------------------------------------
+@pytest.mark.gpu
+@needs_te
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="context parallelism over NCCL needs two GPUs")
+def test_te_context_parallelism_gives_the_logits_and_loss_of_cp1():
+    """Transformer Engine's own context parallelism (megatron-core's TEDotProductAttention with the CP group and
+    --cp-comm-type), fed this rank's chunks and RoPE angles: CP 2 against CP 1 on the same weights, BF16."""
+    result = run_gpu_worker("context_parallel", nproc=2)
+    for family in ("angpt", "gptplus", "ngpt"):
+        for kind in ("p2p", "all_gather"):
+            figures = result[family][kind]
+            assert figures["max_diff"] <= LOGIT_TOLERANCE * figures["max_logit"], (family, kind, figures)
+            assert abs(figures["loss"] - figures["loss_cp1"]) <= LOGIT_TOLERANCE * figures["loss_cp1"], figures
+
+
+# -- the GPU worker (torchrun, one process; two for context parallelism) -----------------------------
 
 def _cuda_model(config, impl, vocab, seq):
     model = build_model_with_impl(config, vocab, seq, transformer_impl=impl)
@@ -504,6 +518,52 @@ def _worker_logits() -> dict:
             b = te(tokens, positions, None).float()
         out[family] = dict(max_diff=(a - b).abs().max().item(), max_logit=a.abs().max().item(),
                            missing=list(missing), unexpected=list(unexpected))
+    return out
+
+
+def _worker_context_parallel() -> dict:
+    """Logits (gathered in sequence order) and mean loss of one batch at CP 2 and at CP 1 (two data-parallel
+    ranks computing the same batch), the CP 2 model's weights loaded into the CP 1 model."""
+    from megatron.core import parallel_state  # noqa: PLC0415 (the worker's only use)
+    from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: PLC0415
+
+    vocab, seq, out = 256, 64, {}
+    tokens = torch.randint(0, vocab, (2, seq + 1), generator=torch.Generator().manual_seed(0)).cuda()
+    batch = dict(tokens=tokens[:, :-1], labels=tokens[:, 1:],
+                 position_ids=torch.arange(seq, device="cuda").unsqueeze(0).expand(2, -1))
+    for family in ("angpt", "gptplus", "ngpt"):
+        out[family] = {}
+        for kind in ("p2p", "all_gather"):
+            figures, state = {}, None
+            for cp in (2, 1):
+                parallel_state.destroy_model_parallel()
+                distributed.initialize(context_parallel_size=cp)
+                config = model_config(family, num_layers=2, hidden_size=128, num_attention_heads=2, bf16=True,
+                                      params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
+                                      transformer_impl="transformer_engine", context_parallel_size=cp,
+                                      cp_comm_type=kind)
+                model = _cuda_model(config, "transformer_engine", vocab, seq)
+                if state is None:
+                    state = model.state_dict()
+                else:
+                    model.load_state_dict(state)
+                model.eval()
+                mine = get_batch_on_this_cp_rank(dict(batch))
+                with torch.no_grad():
+                    logits = model(mine["tokens"], mine["position_ids"], None).float()
+                    losses = model(mine["tokens"], mine["position_ids"], None, labels=mine["labels"]).float()
+                group = parallel_state.get_context_parallel_group()
+                parts = [torch.empty_like(logits) for _ in range(cp)]
+                torch.distributed.all_gather(parts, logits.contiguous(), group=group)
+                chunks = [None] * (2 * cp)
+                for rank, part in enumerate(parts):
+                    chunks[rank], chunks[2 * cp - 1 - rank] = part.chunk(2, dim=1)
+                total = losses.sum()
+                torch.distributed.all_reduce(total, group=group)
+                figures[cp] = (torch.cat(chunks, dim=1), (total / (2 * seq)).item())
+            (a, loss), (b, loss_cp1) = figures[2], figures[1]
+            out[family][kind] = dict(max_diff=(a - b).abs().max().item(), max_logit=b.abs().max().item(),
+                                     loss=loss, loss_cp1=loss_cp1)
     return out
 
 
@@ -565,9 +625,12 @@ def _worker(task: str) -> None:
         result = _worker_logits()
     elif task == "fp8":
         result = dict(fp8=_worker_train(fp8=True), bf16=_worker_train(fp8=False))
+    elif task == "context_parallel":
+        result = _worker_context_parallel()
     else:
         raise SystemExit(f"unknown task {task}")
-    print("RESULT " + json.dumps(result), flush=True)
+    if torch.distributed.get_rank() == 0:
+        print("RESULT " + json.dumps(result), flush=True)
     torch.distributed.destroy_process_group()
 
 

@@ -34,6 +34,8 @@ WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 EXIT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
 # On/off settings a --config file may switch on get a --no-... form to switch them off again.
 SWITCH = argparse.BooleanOptionalAction
+# Megatron-LM's; a2a+p2p needs --hierarchical-context-parallel-sizes, which is refused (angpt.config.megatron_lm).
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8")
 FP8_AMAX_ALGOS = ("max", "most_recent")
@@ -45,7 +47,8 @@ NUMERIC_RANGES = (
     ("must be at least 1", lambda value: value >= 1, (
         "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "kv_channels",
         "seq_length", "max_position_embeddings", "rotary_base", "recompute_num_layers", "tensor_model_parallel_size",
-        "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
+        "pipeline_model_parallel_size", "context_parallel_size", "num_layers_per_virtual_pipeline_stage",
+        "decoder_first_pipeline_num_layers",
         "decoder_last_pipeline_num_layers", "micro_batch_size",
         "global_batch_size", "train_iters", "train_samples", "lr_decay_iters", "lr_wsd_decay_iters",
         "lr_decay_samples", "lr_wsd_decay_samples",
@@ -185,6 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "them: E the embedding, t a layer, L the loss, | between stages (\"Et|tt|ttL\"; "
                           "(tt|)*3 repeats)")
     parallel.add_argument("--sequence-parallel", action=SWITCH, default=False)
+    parallel.add_argument("--context-parallel-size", type=int, default=1, help="split each sequence over this "
+                          "many ranks (Megatron-LM's 2 x CP chunks, rank i holding chunks i and 2 CP - 1 - i); "
+                          "world size = TP x PP x CP x DP")
+    parallel.add_argument("--cp-comm-type", nargs="+", choices=CP_COMM_TYPES, default=["p2p"],
+                          help="how attention exchanges keys and values under context parallelism (one value for "
+                          "all layers): all_gather on --transformer-impl local (the only one built there); p2p, "
+                          "all_gather or a2a on Transformer Engine")
     parallel.add_argument("--use-distributed-optimizer", action=SWITCH, default=False)
     parallel.add_argument("--overlap-grad-reduce", action=SWITCH, default=False)
     parallel.add_argument("--overlap-param-gather", action=SWITCH, default=False)
@@ -533,11 +543,12 @@ def settings_to_argv(values: dict) -> list[str]:
 def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_size: int) -> None:
     """Refuse impossible settings before any process-group work, naming the flags."""
     _validate_ranges(parser, args)
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if world_size % (tp * pp):
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    if world_size % (tp * pp * cp):
         parser.error(f"the world size {world_size} is not divisible by --tensor-model-parallel-size {tp} "
-                     f"x --pipeline-model-parallel-size {pp}")
-    dp = world_size // (tp * pp)
+                     f"x --pipeline-model-parallel-size {pp} x --context-parallel-size {cp}")
+    dp = world_size // (tp * pp * cp)
+    _validate_context_parallel(parser, args)
     if args.num_attention_heads % tp:
         parser.error(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
                      f"--tensor-model-parallel-size {tp}")
@@ -584,6 +595,29 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
     _validate_dry_run(parser, args)
     _validate_data(parser, args)
     _validate_wandb(parser, args)
+
+
+def _validate_context_parallel(parser, args) -> None:
+    """Megatron-LM's checks of --context-parallel-size, and the local spec's one exchange (all_gather)."""
+    cp = args.context_parallel_size
+    if cp == 1:
+        return
+    if args.seq_length % (2 * cp):
+        parser.error(f"--seq-length {args.seq_length} is not divisible by 2 x --context-parallel-size {cp} (each "
+                     "rank holds two of 2 x CP chunks)")
+    tp = args.tensor_model_parallel_size
+    if args.sequence_parallel and tp > 1 and (args.seq_length // cp) % tp:
+        parser.error(f"--sequence-parallel: --seq-length {args.seq_length} / --context-parallel-size {cp} is not "
+                     f"divisible by --tensor-model-parallel-size {tp}")
+    kinds = args.cp_comm_type
+    if len(kinds) > 1:
+        # Megatron-LM's per-layer form: megatron-core 0.16.1 reads the list at the 1-based layer number, so each
+        # layer would take the next layer's value and the last one none.
+        parser.error(f"--cp-comm-type takes one value here (got {len(kinds)}): megatron-core 0.16.1 misreads a list "
+                     "of one per layer")
+    if args.transformer_impl == "local" and kinds != ["all_gather"]:
+        parser.error(f"--cp-comm-type {kinds[0]}: context parallelism on --transformer-impl local is all_gather "
+                     "only: pass --cp-comm-type all_gather (or use --transformer-impl transformer_engine)")
 
 
 def _validate_ranges(parser, args) -> None:

@@ -70,11 +70,12 @@ FLAGS: dict[str, Decision] = {
     # -- transformer configuration
     "--pipeline-model-parallel-comm-backend": refused("the pipeline's communication backend follows the device "
                                                       "(NCCL with CUDA, gloo without)"),
-    "--context-parallel-size": refused(f"context parallelism is {NOT_YET}"),
-    "--hierarchical-context-parallel-sizes": refused(f"context parallelism is {NOT_YET}"),
-    "--max-seqlen-per-dp-cp-rank": refused(f"context parallelism is {NOT_YET}"),
-    "--hybrid-context-parallel": refused(f"context parallelism is {NOT_YET}"),
-    "--cp-comm-type": refused(f"context parallelism is {NOT_YET}"),
+    "--hierarchical-context-parallel-sizes": refused(f"hierarchical context parallelism (--cp-comm-type a2a+p2p) is "
+                                                     f"{NOT_YET}: use --context-parallel-size with p2p, all_gather or "
+                                                     "a2a"),
+    "--max-seqlen-per-dp-cp-rank": refused(f"{NOT_YET}: it goes with --hybrid-context-parallel"),
+    "--hybrid-context-parallel": refused(f"hybrid (per-sample) context parallelism is {NOT_YET}; "
+                                         "--context-parallel-size splits every sequence alike"),
     "--expert-model-parallel-size": refused(f"expert parallelism: {DENSE}"),
     "--expert-tensor-parallel-size": refused(f"expert parallelism: {DENSE}"),
     "--no-initialization": refused("the families' initialization (unit-norm rows for anGPT and nGPT) is part of "

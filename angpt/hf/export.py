@@ -129,9 +129,10 @@ def read_checkpoint(load: str, iteration: Optional[int] = None) -> Checkpoint:
 
 
 def single_process_args(args: dict) -> argparse.Namespace:
-    """The saved flags at one process (TP = PP = 1, no virtual stages), in fp32."""
+    """The saved flags at one process (TP = PP = CP = 1, no virtual stages), in fp32."""
     return argparse.Namespace(**{
-        **args, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "sequence_parallel": False,
+        **args, "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
+        "sequence_parallel": False,
         "num_layers_per_virtual_pipeline_stage": None, "bf16": False, "recompute_granularity": None,
     })
 

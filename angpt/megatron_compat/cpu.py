@@ -32,7 +32,8 @@ def _is_cuda(device) -> bool:
 
 class _CudaToCpu(TorchFunctionMode):
     """Sends hard-coded `device="cuda"` (optimizer, grad clipping, grad buffers, schedules) to the CPU,
-    makes `Tensor.cuda()` the identity, and reports CPU tensors' `type()` as the CUDA type, because
+    makes `Tensor.cuda()` the identity, drops `pin_memory=True` (pinned memory needs an accelerator), and
+    reports CPU tensors' `type()` as the CUDA type, because
     megatron's optimizers dispatch on `param.type() == "torch.cuda.FloatTensor"` and raise otherwise."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -41,6 +42,8 @@ class _CudaToCpu(TorchFunctionMode):
             return args[0]
         if _is_cuda(kwargs.get("device")):
             kwargs = {**kwargs, "device": "cpu"}
+        if kwargs.get("pin_memory"):  # CP-aware RoPE's chunk index (get_pos_emb_on_this_cp_rank): no CPU allocator
+            kwargs = {**kwargs, "pin_memory": False}
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
         out = func(*args, **kwargs)

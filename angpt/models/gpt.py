@@ -44,7 +44,12 @@ class PositionedGPTModel(GPTModel):
         decoder_input, rotary_pos_emb, *rest = super()._preprocess(input_ids, position_ids, *args, **kwargs)
         if self.config.rope_position_ids and rotary_pos_emb is not None and position_ids is not None:
             # The angles of index p are those of position p: [s, 1, 1, dim] rows taken per token by its
-            # [b, s] position ids (all below s), giving [s, b, 1, dim], which RoPE broadcasts over heads.
+            # [b, s] position ids (all below s), giving [s, b, 1, dim], which RoPE broadcasts over heads. Under
+            # context parallelism megatron-core's angles are this rank's chunks only, while the position ids
+            # (split alike) count in the whole sequence: their rows come from the whole sequence's angles.
+            cp = self.config.context_parallel_size
+            if cp > 1:
+                rotary_pos_emb = self.rotary_pos_emb.get_emb(rotary_pos_emb.shape[0] * cp)
             rotary_pos_emb = rotary_pos_emb[position_ids.t()].squeeze(2)
         return decoder_input, rotary_pos_emb, *rest
 

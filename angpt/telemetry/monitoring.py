@@ -47,11 +47,11 @@ class TrainingMonitor:
         self._reset_window()
         # Marks where the steps logged after it start: a resumed run logs again the steps its checkpoint
         # did not hold, and readers (angpt.telemetry.metrics_reader.read_metrics) drop the first run's records of them.
-        tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+        tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
         self.metrics.log({"kind": "start", "iteration": start_iteration, "train_iters": args.train_iters,
                           "resumed": start_iteration > 0, "checkpoint": loaded_from, "world_size": self.world_size,
                           "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                          "data_parallel_size": self.world_size // (tp * pp)})
+                          "context_parallel_size": cp, "data_parallel_size": self.world_size // (tp * pp * cp)})
 
     def _reset_window(self) -> None:
         self.window_seconds, self.window_steps, self.window_losses, self.window_skipped = 0.0, 0, [], 0

@@ -13,7 +13,7 @@ before the rename and checked before a load, which refuses a damaged checkpoint 
 newest intact one when asked).
 
 Sharded tensors are stored by their global names and offsets, so a checkpoint loads at another tensor,
-pipeline, virtual-pipeline or data-parallel layout; the distributed optimizer's state is stored per
+pipeline, virtual-pipeline, context-parallel or data-parallel layout; the distributed optimizer's state is stored per
 parameter ("fully_reshardable") for the same reason. RNG states are restored only at the
 layout they were saved at (elsewhere each rank's generator would be some other rank's).
 """
@@ -119,8 +119,15 @@ def _layout() -> dict:
     return {
         "tensor": parallel_state.get_tensor_model_parallel_world_size(),
         "pipeline": parallel_state.get_pipeline_model_parallel_world_size(),
+        "context": parallel_state.get_context_parallel_world_size(),
         "data": parallel_state.get_data_parallel_world_size(),
     }
+
+
+def _saved_layout(common: dict) -> dict | None:
+    """The layout a checkpoint records; those saved before context parallelism existed were at CP 1."""
+    layout = common.get("layout")
+    return None if layout is None else {"context": 1, **layout}
 
 
 def _rng_state() -> dict:
@@ -154,7 +161,7 @@ def _set_rng_state(state: dict) -> None:
 
 def _rng_sharded_object(states: Optional[list]) -> ShardedObject:
     """Every rank's RNG state, as Megatron-LM stores it: one object per (pipeline, tensor) rank holding
-    the states of all data-parallel ranks."""
+    the states of all ranks of its data x context-parallel group (each a replica of the others)."""
     return ShardedObject(
         "rng_state",
         states,
@@ -163,13 +170,14 @@ def _rng_sharded_object(states: Optional[list]) -> ShardedObject:
             parallel_state.get_tensor_model_parallel_world_size(),
         ),
         (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()),
-        replica_id=parallel_state.get_data_parallel_rank(),
+        replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True),
     )
 
 
 def _gathered_rng_states() -> list:
-    states = [None] * parallel_state.get_data_parallel_world_size()
-    dist.all_gather_object(states, _rng_state(), group=parallel_state.get_data_parallel_group())
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    states = [None] * group.size()
+    dist.all_gather_object(states, _rng_state(), group=group)
     return states
 
 
@@ -476,10 +484,10 @@ def load_checkpoint(
     common = read(lambda: dist_checkpointing.load_common_state_dict(path))
     if finetune:
         load_optimizer = load_rng = False
-    same_layout = common.get("layout") == _layout()
+    same_layout = _saved_layout(common) == _layout()
     if load_rng and not same_layout and dist.get_rank() == 0:
         logger.warning("%s was saved at layout %s, this run is %s: RNG states are not restored",
-                       path, common.get("layout"), _layout())
+                       path, _saved_layout(common), _layout())
     load_rng = load_rng and same_layout
 
     model = _model_state(chunks)
@@ -505,7 +513,7 @@ def load_checkpoint(
         # Mixed-precision optimizers keep fp32 copies of the weights: refresh them from the model.
         optimizer.reload_model_params()
     if load_rng:
-        _set_rng_state(loaded["rng_state"][parallel_state.get_data_parallel_rank()])
+        _set_rng_state(loaded["rng_state"][parallel_state.get_data_parallel_rank(with_context_parallel=True)])
     if dist.get_rank() == 0:
         logger.info("loaded checkpoint %s (iteration %d)%s", path, iteration, " for fine-tuning" if finetune else "")
     return TrainState() if finetune else TrainState(**loaded["train_state"])

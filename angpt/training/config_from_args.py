@@ -43,6 +43,9 @@ def model_config_from_args(args: argparse.Namespace) -> AnGPTConfig:
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=virtual_pipeline_stages(args),
         sequence_parallel=args.sequence_parallel,
+        # Checkpoints saved before these flags existed record neither; one exchange for all layers (validated).
+        context_parallel_size=getattr(args, "context_parallel_size", 1),
+        cp_comm_type=getattr(args, "cp_comm_type", ["p2p"])[0],
         bf16=args.bf16,
         fp16=getattr(args, "fp16", False),  # not recorded before the flag existed
         params_dtype=params_dtype(args),

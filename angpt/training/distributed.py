@@ -23,6 +23,7 @@ def initialize(
     seed: int = 1234,
     timeout_minutes: float = 10,
     cuda_graphs: bool = False,
+    context_parallel_size: int = 1,
 ) -> None:
     """Join the torchrun job (if not already joined), build megatron-core's groups and seed every RNG
     (`set_random_seed`)."""
@@ -40,6 +41,7 @@ def initialize(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        context_parallel_size=context_parallel_size,
         distributed_timeout_minutes=timeout_minutes,  # megatron-core's groups default to 30 minutes
     )
     set_random_seed(seed, cuda_graphs)

@@ -70,9 +70,9 @@ def _count(n: float) -> str:
 
 def describe(args: argparse.Namespace, world_size: int) -> str:
     """The report; `args` were validated for `world_size` by angpt.config.arguments.parse_args."""
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     vp = virtual_pipeline_stages(args)
-    dp = world_size // (tp * pp)
+    dp = world_size // (tp * pp * cp)
     micro_batches = args.global_batch_size // (args.micro_batch_size * dp)
     set_train_iters(args)
     steps = ramp(args)
@@ -87,7 +87,8 @@ def describe(args: argparse.Namespace, world_size: int) -> str:
                                  num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
                                  account_for_embedding_in_pipeline_split=False,
                                  account_for_loss_in_pipeline_split=False, pipeline_model_parallel_layout=None,
-                                 sequence_parallel=False, use_cpu_initialization=True, perform_initialization=False)
+                                 sequence_parallel=False, context_parallel_size=1, use_cpu_initialization=True,
+                                 perform_initialization=False)
     with torch.device("meta"), kernels.reference_only():  # no fused kernel for tensors without data
         model = build_model(config, vocab_size, args.seq_length)
     total = sum(p.numel() for p in model.parameters())
@@ -100,9 +101,12 @@ def describe(args: argparse.Namespace, world_size: int) -> str:
         f"dry run of --model-family {args.model_family} on {world_size} processes: the configuration is valid",
         "",
         "layout",
-        f"  tensor parallel {tp} x pipeline parallel {pp} x data parallel {dp} = {world_size} processes"
+        f"  tensor parallel {tp} x pipeline parallel {pp} x context parallel {cp} x data parallel {dp} = "
+        f"{world_size} processes"
         + (f"; {vp} virtual stages per pipeline rank" if vp else "")
-        + ("; sequence parallel" if args.sequence_parallel else ""),
+        + ("; sequence parallel" if args.sequence_parallel else "")
+        + (f"; each sequence in {2 * cp} chunks of {args.seq_length // (2 * cp)} tokens, 2 per context-parallel rank "
+           f"(--cp-comm-type {' '.join(args.cp_comm_type)})" if cp > 1 else ""),
         f"  {args.num_layers} layers: "
         + (f"{layer_split[0]} per pipeline stage" if len(set(layer_split)) == 1 else
            "by pipeline stage " + ", ".join(map(str, layer_split)) + f" ({', '.join(uneven(args))})")
@@ -160,7 +164,7 @@ def describe(args: argparse.Namespace, world_size: int) -> str:
 
 def layout_from_args(args: argparse.Namespace, world_size: int) -> Layout:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    cp = getattr(args, "context_parallel_size", 1)
+    cp = args.context_parallel_size
     selective = args.recompute_granularity == "selective"
     return Layout(tp, pp, cp, world_size // (tp * pp * cp), virtual_pipeline_stages(args), args.sequence_parallel,
                   args.recompute_granularity, tuple(args.recompute_modules or ("core_attn",)) if selective else (),
@@ -224,4 +228,7 @@ def suggest(model: torch.nn.Module, config, args: argparse.Namespace, world_size
                                args.overlap_grad_reduce, args.overlap_param_gather,
                                2 if args.grad_reduce_in_bf16 else 4)
         estimates.append(Estimate(layout, memory, seconds))
-    return describe_ranking(estimates, usable)
+    lines = describe_ranking(estimates, usable)
+    if args.transformer_impl == "local":
+        lines.append("  (context parallelism in the local spec: add --cp-comm-type all_gather)")
+    return lines

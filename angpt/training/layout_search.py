@@ -118,7 +118,8 @@ def step_seconds(config: AnGPTConfig, layout: Layout, vocab_size: int, seq_lengt
 def candidate_layouts(config: AnGPTConfig, world_size: int, seq_length: int, global_batch: int,
                       micro_batch: int, recompute_choices: list[tuple]) -> list[Layout]:
     """Every layout of `world_size` GPUs megatron-core can run for this model: TP within a node dividing the
-    heads and key-value groups, PP dividing the layers evenly, CP splitting the sequence into 2 x CP chunks,
+    heads and key-value groups, PP dividing the layers evenly, CP splitting the sequence into 2 x CP chunks
+    (and each rank's tokens over TP for sequence parallelism),
     DP the rest and dividing the global batch in micro-batches; sequence parallelism with any TP."""
     heads, groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
     layouts = []
@@ -126,7 +127,7 @@ def candidate_layouts(config: AnGPTConfig, world_size: int, seq_length: int, glo
         if tp > GPUS_PER_NODE or heads % tp or groups % tp or world_size % tp:
             continue
         for cp in (1, 2, 4, 8, 16, 32):
-            if (world_size // tp) % cp or (cp > 1 and seq_length % (2 * cp)):
+            if (world_size // tp) % cp or (cp > 1 and seq_length % (2 * cp)) or (seq_length // cp) % tp:
                 continue
             for pp in range(1, config.num_layers + 1):
                 if config.num_layers % pp or (world_size // (tp * cp)) % pp:

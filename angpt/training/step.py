@@ -12,7 +12,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.enums import ModelType
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.utils import get_model_config
+from megatron.core.utils import get_batch_on_this_cp_rank, get_model_config
 
 from angpt.models import AnGPTConfig, build_model
 from angpt.telemetry.timers import timer
@@ -66,8 +66,10 @@ def language_model_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
 
 def forward_step(data_iterator: Iterator[dict], model):
     """Batches are dicts with tokens, labels, loss_mask and position_ids, each [batch, sequence], and with
-    --reset-attention-mask the attention_mask [batch, 1, sequence, sequence] (True: masked out)."""
-    batch = next(data_iterator)
+    --reset-attention-mask the attention_mask [batch, 1, sequence, sequence] (True: masked out). Under
+    context parallelism this rank takes its two of the 2 x CP chunks of each (Megatron-LM's split; the
+    attention mask's rows), from a copy: virtual pipeline stages iterate over the same batches."""
+    batch = get_batch_on_this_cp_rank(dict(next(data_iterator)))
     per_token_loss = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                            labels=batch["labels"])
     return per_token_loss, partial(language_model_loss, batch["loss_mask"])
@@ -159,11 +161,15 @@ def _mean_loss_over_global_batch(data_iterators, model_chunks, num_microbatches:
 
 
 def _global_mean_loss(losses: list[dict], per_token: bool) -> float:
-    """The last pipeline stage holds the micro-batch losses ([sum, tokens] each): the mean over the global
-    batch's tokens (per_token), else the mean of the micro-batches' means, over data-parallel ranks; shared
-    with every rank."""
+    """The last pipeline stage holds the micro-batch losses ([sum, tokens] each, of this rank's part of the
+    sequence under context parallelism, summed over the CP group first): the mean over the global batch's
+    tokens (per_token), else the mean of the micro-batches' means, over data-parallel ranks; shared with
+    every rank."""
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        sums, counts = torch.stack([entry["lm loss"] for entry in losses]).unbind(-1)
+        stacked = torch.stack([entry["lm loss"] for entry in losses])
+        if parallel_state.get_context_parallel_world_size() > 1:
+            torch.distributed.all_reduce(stacked, group=parallel_state.get_context_parallel_group())
+        sums, counts = stacked.unbind(-1)
         group = parallel_state.get_data_parallel_group()
         if per_token:
             totals = torch.stack([sums.sum(), counts.sum()])

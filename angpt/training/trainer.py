@@ -71,7 +71,8 @@ class Trainer:
         self.tokenizer = self.vocabulary.unique_identifiers.get("tokenizer")
         distributed.initialize(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                virtual_pipeline_stages(args), args.seed, args.distributed_timeout_minutes,
-                               cuda_graphs=args.cuda_graph_impl == "local")
+                               cuda_graphs=args.cuda_graph_impl == "local",
+                               context_parallel_size=args.context_parallel_size)
         self.rank = dist.get_rank()
         if args.save:  # one run writes into a --save directory: locked before anything is written there
             save_lock.take(args.save)
@@ -148,10 +149,11 @@ class Trainer:
         if self.rank == 0:
             parameters = sum(p.numel() for c in self.chunks for p in c.parameters())
             logger.info("%s: %d layers, d=%d, vocabulary %d (padded %d), %d parameters on rank 0; world %d "
-                        "(TP %d, PP %d, DP %d); starting at iteration %d of %d",
+                        "(TP %d, PP %d, CP %d, DP %d); starting at iteration %d of %d",
                         args.model_family, args.num_layers, args.hidden_size, self.vocabulary.vocab_size,
                         self.vocab_size, parameters, dist.get_world_size(), args.tensor_model_parallel_size,
-                        args.pipeline_model_parallel_size, self.dp_size, self.state.iteration, args.train_iters)
+                        args.pipeline_model_parallel_size, args.context_parallel_size, self.dp_size,
+                        self.state.iteration, args.train_iters)
 
     # -- data ---------------------------------------------------------------------------------------
     def _iterators(self, batches: list[dict], poison: bool = False):

@@ -20,8 +20,11 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+from megatron.core.transformer.enums import AttnBackend
+from megatron.core.utils import get_batch_on_this_cp_rank
 
 from angpt.models import WEIGHT_CONSTRAINTS
+from angpt.models.attention import clear_attention_backend_environment
 from angpt.models.bounding import _optimizer_pieces, project_parameters_
 from angpt.training import distributed
 from angpt.training.optimizer import build_optimizer
@@ -45,6 +48,13 @@ LAYOUTS = {
     # own choice (recompute_modules filled in by run_family).
     "tp2_sequence_parallel_recompute": dict(tensor_model_parallel_size=2, sequence_parallel=True,
                                             recompute_granularity="selective"),
+    # Context parallelism: each rank holds 2 of the 2 x CP chunks of every sequence (Megatron-LM's all_gather).
+    "cp2": dict(context_parallel_size=2, cp_comm_type="all_gather"),
+    # Four processes (tests/test_parallel_equivalence.py, one launch of its own).
+    "tp2_sequence_parallel_cp2": dict(tensor_model_parallel_size=2, sequence_parallel=True, context_parallel_size=2,
+                                      cp_comm_type="all_gather"),
+    "cp2_pp2": dict(pipeline_model_parallel_size=2, context_parallel_size=2, cp_comm_type="all_gather"),
+    "cp4": dict(context_parallel_size=4, cp_comm_type="all_gather"),
 }
 # What the recompute layout recomputes: mlp, qk_norm and the family's own norms (core_attn is megatron-core's,
 # checked in tests/test_recompute.py, and would recompute anGPT's QK normalization in its stead).
@@ -53,13 +63,63 @@ RECOMPUTED = {"gptplus": ["mlp", "qk_norm", "layernorm"], "angpt": ["mlp", "qk_n
 
 
 def logits_step(data_iterator, model):
-    batch = next(data_iterator)
+    batch = get_batch_on_this_cp_rank(dict(next(data_iterator)))
     logits = model(batch["tokens"], batch["position_ids"], None)
 
     def collect(output, non_loss_data=True):
-        return gather_from_tensor_model_parallel_region(output).detach()
+        return in_sequence_order(gather_from_tensor_model_parallel_region(output).detach())
 
     return logits, collect
+
+
+def in_sequence_order(local: torch.Tensor) -> torch.Tensor:
+    """The whole sequence of [b, s / CP, ...] from the CP group, whose rank r holds chunks r and 2 CP - 1 - r."""
+    group = parallel_state.get_context_parallel_group()
+    size = group.size()
+    if size == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    chunks = [None] * (2 * size)
+    for rank, part in enumerate(parts):
+        chunks[rank], chunks[2 * size - 1 - rank] = part.chunk(2, dim=1)
+    return torch.cat(chunks, dim=1)
+
+
+def document_batch() -> dict:
+    """The first micro-batch cut into documents, as megatron-core's GPTDataset writes them with
+    --reset-position-ids and --reset-attention-mask: positions restart and attention stays inside each
+    document. The boundaries (5 and 11) fall inside CP chunks."""
+    batch = dict(fixed_batches()[0])
+    document = torch.zeros(MICRO_BATCH, S, dtype=torch.long)
+    document[0, 5:], document[1, 11:] = 1, 1
+    index = torch.arange(S)
+    starts = torch.where(document == 1, torch.tensor([5, 11]).unsqueeze(1), 0)
+    batch["position_ids"] = index - starts
+    causal = index.unsqueeze(0) > index.unsqueeze(1)
+    batch["attention_mask"] = (causal | (document.unsqueeze(2) != document.unsqueeze(1))).unsqueeze(1)
+    return batch
+
+
+def context_parallel_logits(family: str, layout: dict, init: dict, cp: int) -> dict:
+    """Logits of the whole micro-batch at context-parallel size `cp` (other splits as `layout`): causal through
+    torch's SDPA (attention_backend flash), and with documents (attention mask and position ids)."""
+    layout = {**layout, "context_parallel_size": cp}
+    logits = {}
+    for name, backend, batch, settings in (("sdpa", AttnBackend.flash, fixed_batches()[0], {}),
+                                           ("documents", AttnBackend.auto, document_batch(),
+                                            dict(rope_position_ids=True))):
+        distributed.initialize(context_parallel_size=cp)
+        clear_attention_backend_environment()
+        chunks = build_model_chunks(small_config(family, **layout, attention_backend=backend, **settings), V, S)
+        load_full(chunks, init)
+        mine = get_batch_on_this_cp_rank(dict(batch))
+        with torch.no_grad():
+            output = unwrap(chunks[0])(mine["tokens"], mine["position_ids"], mine.get("attention_mask"))
+        logits[name] = in_sequence_order(gather_from_tensor_model_parallel_region(output))
+        parallel_state.destroy_model_parallel()
+    clear_attention_backend_environment()
+    return logits
 
 
 def from_last_stage(value):
@@ -102,11 +162,13 @@ def run_family(family: str, args, layout: dict, world: int) -> dict | None:
     if layout.get("recompute_granularity") == "selective":
         layout["recompute_modules"] = RECOMPUTED[family]
     config = small_config(family, **layout)
-    dp = world // (config.tensor_model_parallel_size * config.pipeline_model_parallel_size)
+    cp = config.context_parallel_size
+    dp = world // (config.tensor_model_parallel_size * config.pipeline_model_parallel_size * cp)
     distributed.initialize(
         config.tensor_model_parallel_size,
         config.pipeline_model_parallel_size,
         config.virtual_pipeline_model_parallel_size,
+        context_parallel_size=cp,
     )
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
     if distributed_optimizer:
@@ -146,13 +208,18 @@ def run_family(family: str, args, layout: dict, world: int) -> dict | None:
         chunk.zero_grad_buffer()
     losses = schedule(forward_step_func=forward_step, data_iterator=iterators(mine), num_microbatches=len(mine),
                       forward_only=False, **run)
-    # Each micro-batch's [loss sum, tokens] (angpt.training.step.language_model_loss): the mean of their means.
-    local_loss = torch.stack([o["lm loss"][0] / o["lm loss"][1] for o in losses]).mean() if is_last else None
+    # Each micro-batch's [loss sum, tokens] (angpt.training.step.language_model_loss), of this rank's part of
+    # the sequence under CP, summed over the CP ranks of each data-parallel rank: the mean of their means.
+    local_sums = torch.stack([o["lm loss"] for o in losses]) if is_last else None
     all_losses = [None] * world
     dist.all_gather_object(all_losses, (parallel_state.get_data_parallel_rank(),
-                                        local_loss.item() if is_last else None))
-    per_dp = {rank: loss for rank, loss in all_losses if loss is not None}
-    loss = sum(per_dp.values()) / len(per_dp)
+                                        parallel_state.get_context_parallel_rank(), local_sums))
+    per_dp = {}
+    for dp_rank, cp_rank, sums in all_losses:
+        if sums is not None:
+            per_dp.setdefault(dp_rank, {})[cp_rank] = sums
+    means = [torch.stack(list(by_cp.values())).sum(0) for by_cp in per_dp.values()]
+    loss = sum((m[:, 0] / m[:, 1]).mean().item() for m in means) / len(means)
     # The distributed optimizer reduce-scatters gradients: each rank holds only its shard reduced.
     grads = None if distributed_optimizer else gather_full(chunks, "grad")
     optimizer.step()
@@ -170,7 +237,7 @@ def run_family(family: str, args, layout: dict, world: int) -> dict | None:
         perturbed = perturbed_weights(init, family)
         parallel_state.destroy_model_parallel()
         distributed.initialize(config.tensor_model_parallel_size, config.pipeline_model_parallel_size,
-                               config.virtual_pipeline_model_parallel_size)
+                               config.virtual_pipeline_model_parallel_size, context_parallel_size=cp)
         chunks = build_model_chunks(small_config(family, **layout), V, S, ddp_config)
         load_full(chunks, perturbed)
         optimizer, _ = build_optimizer(chunks, family, lr=0.0, train_iters=1, min_lr=0.0,
@@ -183,6 +250,11 @@ def run_family(family: str, args, layout: dict, world: int) -> dict | None:
             project_parameters_([unwrap(c) for c in chunks], constraint)  # idempotent: a second pass changes nothing
             result["projected_twice"] = gather_full(chunks)
     parallel_state.destroy_model_parallel()
+    if cp > 1 and config.pipeline_model_parallel_size == config.tensor_model_parallel_size == 1:
+        # The same at CP 1 (data parallel instead) in this job: the reference runs neither. CP alone (cp2, cp4):
+        # the attention paths do not meet the other splits.
+        result["cp_logits"] = context_parallel_logits(family, layout, init, cp)
+        result["cp1_logits"] = context_parallel_logits(family, layout, init, 1)
     return result if dist.get_rank() == 0 else None
 
 
