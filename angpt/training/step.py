@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from functools import partial
 from typing import Iterator
 
@@ -15,6 +16,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
 from angpt.models import AnGPTConfig, build_model
+from angpt.telemetry.stragglers import FORWARD_TIMER
 from angpt.telemetry.timers import timer
 
 
@@ -68,8 +70,9 @@ def forward_step(data_iterator: Iterator[dict], model):
     """Batches are dicts with tokens, labels, loss_mask and position_ids, each [batch, sequence], and with
     --reset-attention-mask the attention_mask [batch, 1, sequence, sequence] (True: masked out)."""
     batch = next(data_iterator)
-    per_token_loss = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                           labels=batch["labels"])
+    with FORWARD_TIMER if model.training else nullcontext():  # --log-straggler's: training's forward passes
+        per_token_loss = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                               labels=batch["labels"])
     return per_token_loss, partial(language_model_loss, batch["loss_mask"])
 
 
