@@ -19,6 +19,7 @@ import time
 import psutil
 import pytest
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing import load_plain_tensors
 from megatron.core.transformer.enums import AttnBackend
@@ -519,13 +520,17 @@ def test_a_hang_timeout_that_cannot_fire_first_is_refused(argv, message, capsys)
 
 
 def test_every_process_group_times_out_after_distributed_timeout_minutes(single_process):
-    """megatron-core's groups took 30 minutes whatever --distributed-timeout-minutes said."""
+    """megatron-core's groups took 30 minutes whatever --distributed-timeout-minutes said; given the flag's value,
+    its expert data-parallel gloo groups still did (megatron-core 0.16.1 builds them without it)."""
     destroy_model_parallel()
     try:
         distributed.initialize(timeout_minutes=7)
-        groups = [parallel_state.get_tensor_model_parallel_group(), parallel_state.get_data_parallel_group(),
-                  parallel_state.get_pipeline_model_parallel_group()]
-        timeouts = {group._get_backend(torch.device("cpu")).options._timeout for group in groups}
+        # Every group megatron-core built (its gloo copies, embedding, expert and hierarchical groups among them).
+        groups = {id(group): group for value in vars(parallel_state).values()
+                  for group in (value if isinstance(value, (list, tuple)) else [value])
+                  if isinstance(group, dist.ProcessGroup) and group is not dist.group.WORLD}
+        assert len(groups) >= 10
+        timeouts = {group._get_backend(torch.device("cpu")).options._timeout for group in groups.values()}
         assert timeouts == {datetime.timedelta(minutes=7)}
     finally:
         destroy_model_parallel()

@@ -51,6 +51,12 @@ def initialize(
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         distributed_timeout_minutes=timeout_minutes,  # megatron-core's groups default to 30 minutes
     )
+    # megatron-core 0.16.1 builds its expert data-parallel gloo groups without that timeout (torch's 30 minutes):
+    # idle in a dense model, but held to the flag like every other group.
+    for group in (parallel_state._EXPERT_DATA_PARALLEL_GROUP_GLOO,
+                  parallel_state._INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO):
+        if group is not None:
+            dist.distributed_c10d._set_pg_timeout(timedelta(minutes=timeout_minutes), group)
     set_random_seed(seed, cuda_graphs)
 
 
