@@ -43,6 +43,12 @@ class ForwardTimer:
 
     def configure(self, world: int, rank: int, minmax_count: int, port: int, enabled: bool) -> None:
         if torch.cuda.is_available():
+            try:  # its report reads the GPU's temperature, power, utilization and clock
+                torch.cuda.temperature()
+            except (ModuleNotFoundError, RuntimeError) as error:
+                raise ValueError("--log-straggler on CUDA: megatron-core's StragglerDetector reads the GPU's "
+                                 f"temperature through NVML, which failed ({error}); pip install nvidia-ml-py"
+                                 ) from error
             # A singleton configured once per process, as Megatron-LM's training.py configures it.
             self.detector = StragglerDetector()
             self.detector.configure(world, rank, mmcnt=minmax_count, enabled=enabled, port=port)
@@ -72,8 +78,9 @@ class ForwardTimer:
         return elapsed
 
     def close(self) -> None:
-        """Off (an in-process run after this one starts again from `configure`)."""
-        self.enabled, self.elapsed_ms = False, 0.0
+        """Off (an in-process run after this one starts again from `configure`; megatron-core's detector keeps
+        its first configuration, a singleton)."""
+        self.detector, self.enabled, self.elapsed_ms = None, False, 0.0
 
 
 FORWARD_TIMER = ForwardTimer()
