@@ -243,9 +243,9 @@ class Diagnostic:
 
 @contextlib.contextmanager
 def time_inside(methods):
-    """The CPU time of this thread spent inside `methods` ([(class, name)]) while the block runs, in seconds, in
-    the list it yields (calls nested in one another counted once)."""
-    spent, depth = [0.0], [0]
+    """The CPU time of this thread spent inside `methods` ([(class, name)]) while the block runs, in seconds, by
+    the name of the outermost one called (calls nested in one another counted once), in the dict it yields."""
+    spent, depth = {}, [0]
 
     def timed(method):
         @functools.wraps(method)
@@ -257,7 +257,7 @@ def time_inside(methods):
             finally:
                 depth[0] -= 1
                 if not depth[0]:
-                    spent[0] += time.thread_time() - start
+                    spent[method.__name__] = spent.get(method.__name__, 0.0) + time.thread_time() - start
         return wrapper
 
     originals = [(owner, name, getattr(owner, name)) for owner, name in methods]
@@ -301,16 +301,18 @@ def measure_diagnostics(args) -> None:
                 cpu[diagnostic.name].append(time.thread_time() - start_cpu)
                 wall[diagnostic.name].append(time.perf_counter() - start)
     # Then the time spent inside each diagnostic's own code during a step, measured directly (the paired ratios
-    # above cannot resolve 1% on a shared machine): megatron-core's Timer.start/stop (their barriers included) and
-    # the lookup of each timer; the straggler timer's context and its gather.
+    # above cannot resolve 1% on a shared machine): megatron-core's Timer.start/stop (their barriers included),
+    # the lookup of each timer and the gather over the ranks; the straggler timer's context and its gather.
     inside = {}
     for diagnostic in diagnostics[2:5]:
         with time_inside([(megatron_timers.Timer, "start"), (megatron_timers.Timer, "stop"),
-                          (megatron_timers.Timers, "__call__"), (ForwardTimer, "__enter__"),
+                          (megatron_timers.Timers, "__call__"), (megatron_timers.Timers, "_get_elapsed_time_all_ranks"),
+                          (ForwardTimer, "__enter__"),
                           (ForwardTimer, "__exit__"), (StragglerReport, "gather")]) as spent:
             for _ in range(args.diagnostics_repeats):
                 diagnostic.step(trainer, batches)
-        inside[diagnostic.name] = spent[0] / args.diagnostics_repeats
+        gather = spent.pop("_get_elapsed_time_all_ranks", 0.0) + spent.pop("gather", 0.0)
+        inside[diagnostic.name] = (sum(spent.values()) / args.diagnostics_repeats, gather / args.diagnostics_repeats)
     trainer.use_timers(None)
     FORWARD_TIMER.close()
     step_ms = statistics.median(cpu["none"]) * 1e3
@@ -327,9 +329,10 @@ def measure_diagnostics(args) -> None:
         (cpu_ratio, low, high), (wall_ratio, _, _) = ratios
         print(f"{name:<26} {statistics.median(cpu[name]) * 1e3:>8.1f} {cpu_ratio:>8.4f} {low:>6.3f}-{high:.3f} "
               f"{statistics.median(wall[name]) * 1e3:>9.1f} {wall_ratio:>8.4f}")
-    for name, seconds in inside.items():
-        print(f"inside {name}'s code: {seconds * 1e3:.3f} ms CPU a step, "
-              f"{100 * seconds * 1e3 / step_ms:.3f}% of a step")
+    for name, (seconds, gather) in inside.items():
+        print(f"inside {name}'s code: {seconds * 1e3:.3f} ms CPU a step ({100 * seconds * 1e3 / step_ms:.3f}% of "
+              f"a step), and its gather over the ranks {gather * 1e3:.3f} ms a logged iteration "
+              f"({100 * gather * 1e3 / step_ms:.3f}%)")
     # What a logged iteration adds, and the off paths alone (per call, then per step at this shape).
     norm_ms = per_call_us(lambda: params_l2_norm(trainer.chunks), number=5) / 1e3
     zeros_ms = per_call_us(trainer.optimizer.count_zeros, number=5) / 1e3

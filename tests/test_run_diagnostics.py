@@ -187,8 +187,8 @@ def test_record_memory_history_writes_megatron_lms_snapshots(tmp_path, single_pr
     """The last rank (here the only one) writes torch's snapshot at each logged iteration and the first: the
     allocator's segments and the history of allocations with their Python stacks."""
     snapshot = tmp_path / "snapshot.pickle"
-    trainer = in_process_trainer([*MODEL, "--record-memory-history", "--memory-snapshot-path", str(snapshot),
-                                  "--eval-iters", "0", "--log-straggler"])
+    trainer = in_process_trainer([*MODEL, "--save", str(tmp_path / "run"), "--record-memory-history",
+                                  "--memory-snapshot-path", str(snapshot), "--eval-iters", "0"])
     assert trainer.run() == 0
     with open(snapshot, "rb") as file:
         state = pickle.load(file)
@@ -196,3 +196,17 @@ def test_record_memory_history_writes_megatron_lms_snapshots(tmp_path, single_pr
     allocations = [entry for trace in state["device_traces"] for entry in trace if entry["action"] == "alloc"]
     assert allocations and any(frame["filename"].endswith("step.py") for entry in allocations
                                for frame in entry["frames"])
+
+
+@pytest.mark.gpu
+def test_megatron_cores_straggler_detector_times_the_forward_passes_on_cuda(tmp_path, single_process, monkeypatch):
+    """On CUDA the forward passes are timed by megatron-core's StragglerDetector (the larger of CUDA events and
+    the wall clock): two micro-batches a step, each forward 50 ms late."""
+    pytest.importorskip("pynvml")  # the detector reads the GPU's temperature through NVML
+    monkeypatch.setenv(faults.SLOW_RANK, "0:0.05")
+    run_dir = tmp_path / "run"
+    trainer = in_process_trainer([*MODEL, "--save", str(run_dir), "--log-straggler", "--eval-iters", "0"])
+    assert trainer.run() == 0
+    for record in train_records(run_dir):
+        [[rank, forward_ms]] = record["forward_ms_slowest"]
+        assert rank == 0 and forward_ms >= 2 * 50 and record["stragglers"] == []
