@@ -14,7 +14,7 @@ On CUDA megatron-core's StragglerDetector times the forward passes (CUDA events)
 listens on --straggler-ctrlr-port: a connection to it (`curl rank0-host:65535`) turns the timing off, or on when
 --disable-straggler-on-startup started it off, from the next --log-interval. On CPU the computation is synchronous
 and a perf_counter times it; megatron-core's controller runs on CUDA only, so the two flags that steer it are
-refused there (angpt.training.trainer).
+refused there (StragglerReport).
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class StragglerReport:
         if not torch.cuda.is_available() and (port != CONTROLLER_PORT or not enabled):
             flag = "--disable-straggler-on-startup" if not enabled else f"--straggler-ctrlr-port {port}"
             raise ValueError(f"{flag} steers megatron-core's StragglerDetector controller, which runs on CUDA only; "
-                             "on CPU --log-straggler times every step")
+                             "on CPU --log-straggler times the forward passes from the start to the end")
         self.pipeline_rank, self.count = pipeline_rank, minmax_count
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         FORWARD_TIMER.configure(world, rank, minmax_count, port, enabled)
