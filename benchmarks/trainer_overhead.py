@@ -20,24 +20,41 @@
    trainer's step, interleaved as above; the micro-batches are the same in both.
 3. The three families at that shape through the trainer path, as ratios to GPT+ next to the paper's
    (anGPT +2.75%, nGPT +9.6% on 4x A100): `benchmarks/step_time.py`, run here with the same shape.
+4. The run diagnostics (`--diagnostics-only` runs this part alone), each against the trainer's step with none of
+   them, interleaved as above on the same model: at their defaults (megatron-core's Timers at level 0 in the
+   configs, the straggler timer off: what every run pays), megatron-core's timers at levels 1 and 2 (with their
+   gather over the ranks at every step, the cost of --log-interval 1), --log-straggler (its timer and gather at
+   every step), and the PyTorch profiler's range (--profile --use-pytorch-profiler); then what a logged iteration
+   adds with --log-params-norm and --log-num-zeros-in-grad, and the per-step cost of the off paths alone (the
+   straggler timer's context, a timer above the level, --hang-timeout-minutes' re-arming), timed a million times.
 
 On this 2-core CPU the defaults take about two minutes.
 """
 
 import argparse
+import contextlib
+import faulthandler
+import functools
 import os
 import statistics
 import sys
 import time
+import timeit
 
 import step_time  # the sibling benchmarks/step_time.py (this script's directory is on sys.path)
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core import timers as megatron_timers
+from megatron.core.timers import Timers
+from megatron.core.utils import get_model_config
 
 from angpt.data.gpt_datasets import DataArguments, TrainingBatches, build_datasets, dataset_vocabulary
 from angpt.models import WEIGHT_CONSTRAINTS, build_model, model_config
 from angpt.models.bounding import project_parameters_
+from angpt.telemetry.health import params_l2_norm
+from angpt.telemetry.stragglers import FORWARD_TIMER, ForwardTimer, StragglerReport
+from angpt.telemetry.timers import per_step_ms
 from angpt.training import distributed
 from angpt.training.optimizer import build_optimizer
 from angpt.training.step import build_model_chunks, train_step
@@ -57,7 +74,9 @@ def parse_args():
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--repeats", type=int, default=10, help="timed steps of each (after one warm-up)")
     parser.add_argument("--num-workers", type=int, default=2, help="DataLoader workers of part 2, against 0")
-    parser.add_argument("--skip-families", action="store_true", help="only parts 1 and 2")
+    parser.add_argument("--skip-families", action="store_true", help="only parts 1, 2 and 4")
+    parser.add_argument("--diagnostics-only", action="store_true", help="only part 4")
+    parser.add_argument("--diagnostics-repeats", type=int, default=20, help="timed steps of each diagnostic")
     return parser.parse_args()
 
 
@@ -85,10 +104,16 @@ class TrainerPath:
                                                          train_iters=1_000_000, weight_decay=0.0,
                                                          lr_warmup_iters=0)
 
-    def step(self, batches) -> float:
+    def step(self, batches, timers=None) -> float:
         loss, _, _ = train_step(iter(batches), self.chunks, self.optimizer, self.scheduler, len(batches),
-                                self.args.micro_batch_size, self.args.seq_length)
+                                self.args.micro_batch_size, self.args.seq_length, timers=timers)
         return loss
+
+    def use_timers(self, timers) -> None:
+        """megatron-core's Timers in the configs of the model and the optimizer, as the trainer sets them."""
+        for config in [get_model_config(self.chunks[0]),
+                       *(inner.config for inner in getattr(self.optimizer, "chained_optimizers", [self.optimizer]))]:
+            config.timers = timers
 
 
 class BarePath:
@@ -191,16 +216,153 @@ def measure_data_loading(args) -> None:
           f"{statistics.median(paired):.3f} (median of {len(paired)} paired ratios)")
 
 
+class Diagnostic:
+    """One way of running the trainer's step: `before` sets it up, `after` runs what it adds after the step."""
+
+    def __init__(self, name, timers=None, straggler=False, profiler=False):
+        self.name, self.level, self.straggler, self.profiler = name, timers, straggler, profiler
+        self.timers = None if timers is None else Timers(timers, "minmax")
+        self.report = None
+
+    def step(self, trainer, batches) -> None:
+        trainer.use_timers(self.timers)
+        FORWARD_TIMER.enabled = self.straggler
+        if self.straggler and self.report is None:
+            self.report = StragglerReport(1, 0, 0, 1, 65535, enabled=True)
+        if self.profiler:
+            with torch.profiler.profile(record_shapes=True, with_stack=True):
+                trainer.step(batches, self.timers)
+        else:
+            trainer.step(batches, self.timers)
+        if self.level:
+            per_step_ms(self.timers, 1)  # the gather of every --log-interval, here at every step
+        if self.straggler:
+            self.report.gather(1)
+        FORWARD_TIMER.enabled = False
+
+
+@contextlib.contextmanager
+def time_inside(methods):
+    """The CPU time of this thread spent inside `methods` ([(class, name)]) while the block runs, in seconds, by
+    the name of the outermost one called (calls nested in one another counted once), in the dict it yields."""
+    spent, depth = {}, [0]
+
+    def timed(method):
+        @functools.wraps(method)
+        def wrapper(*args, **kwargs):
+            depth[0] += 1
+            start = time.thread_time()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if not depth[0]:
+                    spent[method.__name__] = spent.get(method.__name__, 0.0) + time.thread_time() - start
+        return wrapper
+
+    originals = [(owner, name, getattr(owner, name)) for owner, name in methods]
+    for owner, name, method in originals:
+        setattr(owner, name, timed(method))
+    try:
+        yield spent
+    finally:
+        for owner, name, method in originals:
+            setattr(owner, name, method)
+
+
+def per_call_us(statement, number: int = 1_000_000) -> float:
+    """CPU microseconds of this thread per call, the least of 3 repeats."""
+    return min(timeit.repeat(statement, number=number, repeat=3, timer=time.thread_time)) / number * 1e6
+
+
+def measure_diagnostics(args) -> None:
+    """Part 4: each diagnostic's cost, off and on, as the median of paired ratios to the step without any."""
+    config = model_config(args.model_family, num_layers=args.num_layers, hidden_size=args.hidden_size,
+                          num_attention_heads=args.num_attention_heads)
+    trainer = TrainerPath(args, config)
+    batches = fixed_batches(args)
+    diagnostics = [Diagnostic("none"), Diagnostic("defaults (all off)", timers=0),
+                   Diagnostic("--timing-log-level 1", timers=1), Diagnostic("--timing-log-level 2", timers=2),
+                   Diagnostic("--log-straggler", timers=0, straggler=True),
+                   Diagnostic("PyTorch profiler range", timers=0, profiler=True)]
+    # One torch thread, and the CPU time of this (the training) thread as well as the wall time: on a shared
+    # machine the wall time is mostly the wait for a core, the CPU time the work done.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cpu = {diagnostic.name: [] for diagnostic in diagnostics}
+    wall = {diagnostic.name: [] for diagnostic in diagnostics}
+    for repeat in range(args.diagnostics_repeats + 1):  # repeat 0 warms up
+        # Each in turn, the order rotated every repeat, so that none always follows the same one.
+        shift = repeat % len(diagnostics)
+        for diagnostic in diagnostics[shift:] + diagnostics[:shift]:
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            diagnostic.step(trainer, batches)
+            if repeat:
+                cpu[diagnostic.name].append(time.thread_time() - start_cpu)
+                wall[diagnostic.name].append(time.perf_counter() - start)
+    # Then the time spent inside each diagnostic's own code during a step, measured directly (the paired ratios
+    # above cannot resolve 1% on a shared machine): megatron-core's Timer.start/stop (their barriers included),
+    # the lookup of each timer and the gather over the ranks; the straggler timer's context and its gather.
+    inside = {}
+    for diagnostic in diagnostics[2:5]:
+        with time_inside([(megatron_timers.Timer, "start"), (megatron_timers.Timer, "stop"),
+                          (megatron_timers.Timers, "__call__"), (megatron_timers.Timers, "_get_elapsed_time_all_ranks"),
+                          (ForwardTimer, "__enter__"),
+                          (ForwardTimer, "__exit__"), (StragglerReport, "gather")]) as spent:
+            for _ in range(args.diagnostics_repeats):
+                diagnostic.step(trainer, batches)
+        gather = spent.pop("_get_elapsed_time_all_ranks", 0.0) + spent.pop("gather", 0.0)
+        inside[diagnostic.name] = (sum(spent.values()) / args.diagnostics_repeats, gather / args.diagnostics_repeats)
+    trainer.use_timers(None)
+    FORWARD_TIMER.close()
+    step_ms = statistics.median(cpu["none"]) * 1e3
+    print(f"\nrun diagnostics: {args.model_family} d={args.hidden_size} layers={args.num_layers} "
+          f"seq={args.seq_length} micro-batch={args.micro_batch_size} x {args.num_microbatches}, one torch thread, "
+          f"{args.diagnostics_repeats} repeats interleaved, load average {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} CPUs; vs none: the median of the paired ratios (10th-90th percentile)")
+    print(f"{'diagnostic':<26} {'CPU ms':>8} {'vs none':>8} {'(10-90%)':>13} {'wall ms':>9} {'vs none':>8}")
+    for name in cpu:
+        ratios = []
+        for times in (cpu, wall):
+            paired = sorted(t / b for t, b in zip(times[name], times["none"]))
+            ratios.append((statistics.median(paired), paired[len(paired) // 10], paired[-1 - len(paired) // 10]))
+        (cpu_ratio, low, high), (wall_ratio, _, _) = ratios
+        print(f"{name:<26} {statistics.median(cpu[name]) * 1e3:>8.1f} {cpu_ratio:>8.4f} {low:>6.3f}-{high:.3f} "
+              f"{statistics.median(wall[name]) * 1e3:>9.1f} {wall_ratio:>8.4f}")
+    for name, (seconds, gather) in inside.items():
+        print(f"inside {name}'s code: {seconds * 1e3:.3f} ms CPU a step ({100 * seconds * 1e3 / step_ms:.3f}% of "
+              f"a step), and its gather over the ranks {gather * 1e3:.3f} ms a logged iteration "
+              f"({100 * gather * 1e3 / step_ms:.3f}%)")
+    # What a logged iteration adds, and the off paths alone (per call, then per step at this shape).
+    norm_ms = per_call_us(lambda: params_l2_norm(trainer.chunks), number=5) / 1e3
+    zeros_ms = per_call_us(trainer.optimizer.count_zeros, number=5) / 1e3
+    print(f"per logged iteration: --log-params-norm {norm_ms:.2f} ms ({100 * norm_ms / step_ms:.2f}% of a step), "
+          f"--log-num-zeros-in-grad {zeros_ms:.2f} ms ({100 * zeros_ms / step_ms:.2f}%)")
+    off_timers = Timers(0, "minmax")
+    timer_us = per_call_us(lambda: off_timers("forward-backward", log_level=1).start())
+    context_us = per_call_us(lambda: FORWARD_TIMER.__enter__() and FORWARD_TIMER.__exit__(None, None, None))
+    rearm_us = per_call_us(lambda: faulthandler.dump_traceback_later(600, repeat=True), number=100_000)
+    faulthandler.cancel_dump_traceback_later()
+    torch.set_num_threads(threads)
+    micro = args.num_microbatches
+    print(f"off paths: a timer above the level {timer_us:.3f} us a call; the straggler timer's context (off) "
+          f"{context_us:.3f} us a micro-batch ({100 * context_us * micro / (step_ms * 1e3):.5f}% of a step); "
+          f"--hang-timeout-minutes' re-arming {rearm_us:.2f} us an iteration "
+          f"({100 * rearm_us / (step_ms * 1e3):.5f}%)")
+
+
 def main():
     args = parse_args()
     distributed.initialize()  # a gloo (or NCCL) world of one process without torchrun
     try:
-        measure_overhead(args)
-        measure_data_loading(args)
+        if not args.diagnostics_only:
+            measure_overhead(args)
+            measure_data_loading(args)
+        measure_diagnostics(args)
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
-    if args.skip_families:
+    if args.skip_families or args.diagnostics_only:
         return
     # The families through the trainer path: step_time.py measures exactly that; run it at this shape.
     print()

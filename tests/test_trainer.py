@@ -19,6 +19,7 @@ import time
 import psutil
 import pytest
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing import load_plain_tensors
 from megatron.core.transformer.enums import AttnBackend
@@ -236,12 +237,26 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
         process.wait()
     assert latest(tmp_path) == 2
     assert not (tmp_path / "iter_0000004").exists()
-    output = train(*flags, "--load", str(tmp_path))
+    # The resumed run also checks the diagnostics of a slow rank, sharing this launch: rank 1's forward passes
+    # are 1 s late (2 micro-batches a step: 2 s a step; the forward times are wall times, which a loaded machine
+    # stretched by seconds: at 0.25 s late, rank 0 was once as slow), and before iteration 5 rank 1 stalls for 2 s.
+    output = train(*flags, "--load", str(tmp_path), "--log-straggler", "--hang-timeout-minutes", "0.01",
+                   env={faults.SLOW_RANK: "1:1", faults.STALL_BEFORE: "5:2:1"})
     assert "loaded checkpoint" in output and "(iteration 2)" in output
     assert "left by a save that did not finish" in output
     assert not (tmp_path / "iter_0000004.incomplete").exists()
     assert latest(tmp_path) == 6
     assert [r["iteration"] for r in records(tmp_path)] == [1, 2, 3, 4, 3, 4, 5, 6]
+    # --log-straggler names rank 1 at every log (rank 0 waits for it in the gradient reduction, which is not
+    # timed); the stall, outside the forward passes, makes nobody a straggler.
+    resumed = [(r["forward_ms_slowest"], r["stragglers"]) for r in records(tmp_path)[-4:]]
+    assert all(stragglers and stragglers[0][0] == 1 and slowest[0][0] == 1 for slowest, stragglers in resumed), resumed
+    assert all(slowest[0][1] >= 2000 for slowest, _ in resumed), resumed
+    assert output.count("| stragglers (1): rank 1 ") == 4
+    # --hang-timeout-minutes: the stalled rank (the only one to stall) wrote its stacks, inside the stall.
+    assert output.count("angpt fault injection: rank 1 stalls for 2.0 s") == 1 and "rank 0 stalls" not in output
+    stacks = output.split("Timeout (0:00:00.600000)!")
+    assert any('faults.py", line' in stack and "in stall" in stack for stack in stacks[1:]), output[-5000:]
 
 
 def test_sigterm_saves_and_exits_cleanly_and_the_next_run_resumes(tmp_path):
@@ -510,13 +525,17 @@ def test_a_hang_timeout_that_cannot_fire_first_is_refused(argv, message, capsys)
 
 
 def test_every_process_group_times_out_after_distributed_timeout_minutes(single_process):
-    """megatron-core's groups took 30 minutes whatever --distributed-timeout-minutes said."""
+    """megatron-core's groups took 30 minutes whatever --distributed-timeout-minutes said; given the flag's value,
+    its expert data-parallel gloo groups still did (megatron-core 0.16.1 builds them without it)."""
     destroy_model_parallel()
     try:
         distributed.initialize(timeout_minutes=7)
-        groups = [parallel_state.get_tensor_model_parallel_group(), parallel_state.get_data_parallel_group(),
-                  parallel_state.get_pipeline_model_parallel_group()]
-        timeouts = {group._get_backend(torch.device("cpu")).options._timeout for group in groups}
+        # Every group megatron-core built (its gloo copies, embedding, expert and hierarchical groups among them).
+        groups = {id(group): group for value in vars(parallel_state).values()
+                  for group in (value if isinstance(value, (list, tuple)) else [value])
+                  if isinstance(group, dist.ProcessGroup) and group is not dist.group.WORLD}
+        assert len(groups) >= 10
+        timeouts = {group._get_backend(torch.device("cpu")).options._timeout for group in groups.values()}
         assert timeouts == {datetime.timedelta(minutes=7)}
     finally:
         destroy_model_parallel()

@@ -54,13 +54,15 @@ NUMERIC_RANGES = (
         "lr_decay_samples", "lr_wsd_decay_samples",
         "fp8_amax_history_len", "vocab_size", "make_vocab_size_divisible_by", "save_interval",
         "keep_last_n_checkpoints", "eval_interval", "log_interval", "exit_interval", "ddp_bucket_size",
-        "loss_scale_window", "hysteresis", "tiktoken_num_special_tokens")),
+        "loss_scale_window", "hysteresis", "tiktoken_num_special_tokens", "flight_recorder_trace_buffer_size",
+        "straggler_minmax_count")),
     ("cannot be negative", lambda value: value >= 0, (
         "angpt_alpha_init", "timing_log_level", "min_lr", "lr_warmup_iters", "lr_warmup_samples", "lr_warmup_init",
         "weight_decay",
         "clip_grad", "seed", "fp8_margin", "eval_iters", "max_skipped_steps", "dry_run", "cuda_graph_warmup_steps",
         "megatron_local_rank", "rampup_batch_size", "manual_gc_interval", "empty_unused_memory_level",
-        "num_workers", "decoupled_min_lr", "profile_step_start", "profile_step_end", "profile_ranks")),
+        "num_workers", "decoupled_min_lr", "profile_step_start", "profile_step_end", "profile_ranks",
+        "straggler_ctrlr_port")),
     ("must be positive", lambda value: value > 0, (
         "init_method_std", "norm_epsilon", "angpt_constant_factor_multiplier", "angpt_nu_alpha_multiplier",
         "distributed_timeout_minutes", "hang_timeout_minutes", "lr", "adam_eps", "exit_duration_in_mins",
@@ -204,6 +206,15 @@ def build_parser() -> argparse.ArgumentParser:
                           "evaluation and save) runs longer than this, every thread's Python stack of each rank is "
                           "written to its log, again each time it passes, so that a hang shows where each rank waits "
                           "before --distributed-timeout-minutes ends the job (default: off)")
+    # Megatron-LM's flight recorder flags (its main, after core_v0.16.1: megatron/training/initialize.py).
+    parallel.add_argument("--flight-recorder-dump-path", help="NCCL's flight recorder (CUDA): the last "
+                          "collectives of each rank, written when a collective times out to this file prefix, one "
+                          "file per rank (a directory: <dir>/_dump_<rank>), for `torchfrtrace`; sets torch's "
+                          "TORCH_FR_DUMP_TEMP_FILE, TORCH_NCCL_* variables before the process group is created, "
+                          "as Megatron-LM does (ones already in the environment win) (default: off)")
+    parallel.add_argument("--flight-recorder-trace-buffer-size", type=int, default=2000, help="with "
+                          "--flight-recorder-dump-path: the collectives the recorder keeps per rank "
+                          "(TORCH_NCCL_TRACE_BUFFER_SIZE)")
     parallel.add_argument("--ddp-bucket-size", type=int, help="elements per gradient bucket of data-parallel "
                           "reduction (default: megatron-core's, at least 40M and 1M per data-parallel rank)")
 
@@ -404,6 +415,17 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--use-pytorch-profiler", action="store_true", help="with --profile: the PyTorch profiler")
     logs.add_argument("--profile-ranks", nargs="+", type=int, default=[0], help="with --profile: the ranks "
                       "profiled")
+    logs.add_argument("--log-straggler", action="store_true", help="each rank's time in its forward passes, "
+                      "compared over the ranks every --log-interval: the fastest and slowest ranks, and the "
+                      "stragglers (over their pipeline stage's median by more than 10%%), in the log line and "
+                      "metrics.jsonl (megatron-core's StragglerDetector times them on CUDA)")
+    logs.add_argument("--straggler-minmax-count", type=int, default=1, help="with --log-straggler: how many of "
+                      "the fastest, slowest and straggling ranks are named")
+    logs.add_argument("--straggler-ctrlr-port", type=int, default=65535, help="with --log-straggler on CUDA: the "
+                      "port of megatron-core's controller on rank 0; a connection to it (`curl host:port`) turns "
+                      "the timing off or on from the next --log-interval")
+    logs.add_argument("--disable-straggler-on-startup", action="store_true", help="with --log-straggler on "
+                      "CUDA: start with the timing off (turned on through --straggler-ctrlr-port)")
     logs.add_argument("--metrics-file", help="JSON lines of every logged figure (default: <save or "
                       "tensorboard dir>/metrics.jsonl)")
     # Megatron-LM's W&B flags (megatron/training/global_vars.py: _set_wandb_writer), with its defaults.
@@ -423,6 +445,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "many steps (0: only around evaluations)")
     memory.add_argument("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false",
                         help="with --manual-gc: no collection before and after each evaluation")
+    memory.add_argument("--record-memory-history", action="store_true", help="CUDA: record the caching "
+                        "allocator's allocations and frees with their stacks (the last 100,000), as Megatron-LM: the "
+                        "last rank writes a snapshot to --memory-snapshot-path every --log-interval, and every rank "
+                        "one to oom_rank-<rank>_<path> when it runs out of memory; open them at "
+                        "https://pytorch.org/memory_viz")
+    memory.add_argument("--memory-snapshot-path", default="snapshot.pickle", help="with --record-memory-history: "
+                        "the snapshot's file")
     memory.add_argument("--empty-unused-memory-level", type=int, choices=(0, 1, 2), default=0,
                         help="release the CUDA caching allocator's unused memory: 1 after each forward-backward and "
                         "evaluation step, 2 also after each optimizer step (slower; for fragmentation)")
@@ -691,6 +720,9 @@ DEPENDENT_FLAGS = (
     (("manual_gc_interval", "manual_gc_eval"), "manual_gc", None),
     (("use_pytorch_profiler", "profile_ranks", "profile_step_start", "profile_step_end"), "profile",
      "--use-pytorch-profiler, --profile-ranks, --profile-step-start and --profile-step-end need --profile"),
+    (("straggler_minmax_count", "straggler_ctrlr_port", "disable_straggler_on_startup"), "log_straggler", None),
+    (("memory_snapshot_path",), "record_memory_history", None),
+    (("flight_recorder_trace_buffer_size",), "flight_recorder_dump_path", None),
 )
 
 

@@ -353,8 +353,6 @@ FLAGS: dict[str, Decision] = {
     "--logging-level": refused(f"{NOT_YET}"),
     "--log-energy": refused(f"{NOT_YET}"),
     # -- profiling
-    "--record-memory-history": refused(f"CUDA memory snapshots are {NOT_YET}"),
-    "--memory-snapshot-path": refused(f"CUDA memory snapshots are {NOT_YET}"),
     # -- Transformer Engine, experimental, rerun engine
     "--te-precision-config-file": refused("per-layer precision configs are not built (docs/fp8.md)"),
     "--enable-experimental": refused("Megatron-LM's experimental features are not built"),
@@ -408,7 +406,6 @@ GROUP_DECISIONS: dict[str, Decision] = {
     "inference": refused(INFERENCE),
     "biencoder": refused(f"retrieval (biencoder) models: {DENSE}"),
     "vision": refused(f"vision models: {DENSE}"),
-    "straggler": refused(f"the straggler report is {NOT_YET}"),
     "autoresume": refused("ADLR autoresume is NVIDIA-internal: on Slurm, use examples/pretrain.slurm (saves on "
                           "SIGUSR1 and requeues)"),
     "one logger": refused("NVIDIA's one logger is not used: metrics go to metrics.jsonl, TensorBoard and W&B"),

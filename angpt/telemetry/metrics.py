@@ -22,6 +22,8 @@ from typing import Optional
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
+from angpt.telemetry.stragglers import format_stragglers
+
 # ---------------------------------------------------------------------------------------------------------
 # Output: metrics.jsonl, TensorBoard and W&B, the log line, the progress bar
 
@@ -151,6 +153,8 @@ def format_log_line(record: dict) -> str:
         shown = ", ".join(f"{name} {'/'.join(f'{v:.1f}' for v in value) if isinstance(value, list) else f'{value:.1f}'}"
                           for name, value in record["timers_ms"].items())
         parts.append(f"timers (ms): {shown}")
+    if "stragglers" in record:
+        parts.extend(format_stragglers(record))
     return " | ".join(parts)
 
 

@@ -11,10 +11,13 @@ from contextlib import contextmanager, nullcontext
 from typing import Optional
 
 import torch.distributed as dist
+from megatron.core import parallel_state
 
+from angpt.telemetry import memory_history
 from angpt.telemetry.health import HealthProbe, params_l2_norm
 from angpt.telemetry.metrics import MetricsLogger, ProgressBar, format_log_line
 from angpt.telemetry.performance import DeviceTelemetry, memory_stats, model_flops_per_token, peak_flops_per_device
+from angpt.telemetry.stragglers import StragglerReport
 from angpt.telemetry.timers import per_step_ms
 
 
@@ -44,6 +47,15 @@ class TrainingMonitor:
         self.peak_flops = peak_flops_per_device(config.params_dtype)
         self.world_size = dist.get_world_size()
         self.progress = ProgressBar(args.train_iters, start_iteration, enabled=self.is_reporting_rank)
+        self.start_iteration = start_iteration
+        self.stragglers = None
+        if getattr(args, "log_straggler", False):
+            self.stragglers = StragglerReport(self.world_size, rank, parallel_state.get_pipeline_model_parallel_rank(),
+                                              args.straggler_minmax_count, args.straggler_ctrlr_port,
+                                              enabled=not args.disable_straggler_on_startup)
+        # As Megatron-LM: the last rank writes the snapshots.
+        self.memory_snapshot = (args.memory_snapshot_path if getattr(args, "record_memory_history", False)
+                                and rank == self.world_size - 1 else None)
         self._reset_window()
         # Marks where the steps logged after it start: a resumed run logs again the steps its checkpoint
         # did not hold, and readers (angpt.telemetry.metrics_reader.read_metrics) drop the first run's records of them.
@@ -78,6 +90,8 @@ class TrainingMonitor:
             self.window_losses.append(step["loss"])
         iteration = step["iteration"]
         self.progress.update(1, {"loss": f"{step['loss']:.4f}"})
+        if self.memory_snapshot and (self._reports(iteration) or iteration == self.start_iteration + 1):
+            memory_history.write_snapshot(self.memory_snapshot)
         if not self._reports(iteration):
             return
         seconds_per_step = self.window_seconds / max(self.window_steps, 1)
@@ -112,6 +126,8 @@ class TrainingMonitor:
             timed = per_step_ms(self.timers, max(self.window_steps, 1))
             if timed:
                 record["timers_ms"] = timed
+        if self.stragglers is not None:
+            record.update(self.stragglers.gather(max(self.window_steps, 1)) or {})
         self._reset_window()
         if self.is_reporting_rank:
             self.metrics.log(record)
@@ -128,3 +144,5 @@ class TrainingMonitor:
     def close(self) -> None:
         self.progress.close()
         self.metrics.close()
+        if self.stragglers is not None:
+            self.stragglers.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import socket
@@ -15,6 +16,8 @@ from megatron.core import parallel_state, tensor_parallel
 
 from angpt.megatron_compat import patches
 
+logger = logging.getLogger("angpt.distributed")
+
 
 def initialize(
     tensor_model_parallel_size: int = 1,
@@ -24,12 +27,18 @@ def initialize(
     timeout_minutes: float = 10,
     cuda_graphs: bool = False,
     context_parallel_size: int = 1,
+    flight_recorder_dump_path: Optional[str] = None,
+    flight_recorder_trace_buffer_size: int = 2000,
 ) -> None:
     """Join the torchrun job (if not already joined), build megatron-core's groups and seed every RNG
     (`set_random_seed`)."""
     patches.install()  # megatron-core workarounds (the CPU adapter among them), before anything is built
+    if flight_recorder_dump_path and not torch.cuda.is_available():
+        raise ValueError("--flight-recorder-dump-path: NCCL's flight recorder records NCCL's collectives, which "
+                         "run on CUDA only; on CPU use --hang-timeout-minutes")
     if not dist.is_initialized():
         _default_to_one_process()
+        flight_recorder_environment(flight_recorder_dump_path, flight_recorder_trace_buffer_size)
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         timeout = timedelta(minutes=timeout_minutes)
@@ -44,7 +53,41 @@ def initialize(
         context_parallel_size=context_parallel_size,
         distributed_timeout_minutes=timeout_minutes,  # megatron-core's groups default to 30 minutes
     )
+    # megatron-core 0.16.1 builds its expert data-parallel gloo groups without that timeout (torch's 30 minutes):
+    # idle in a dense model, but held to the flag like every other group.
+    for group in (parallel_state._EXPERT_DATA_PARALLEL_GROUP_GLOO,
+                  parallel_state._INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO):
+        if group is not None:
+            dist.distributed_c10d._set_pg_timeout(timedelta(minutes=timeout_minutes), group)
     set_random_seed(seed, cuda_graphs)
+
+
+def flight_recorder_environment(dump_path: Optional[str], trace_buffer_size: int) -> None:
+    """Megatron-LM's --flight-recorder-* (its main after core_v0.16.1, megatron/training/initialize.py), before the
+    process group is created: with a dump path, or one already in TORCH_FR_DUMP_TEMP_FILE or
+    TORCH_NCCL_DEBUG_INFO_TEMP_FILE, torch's flight recorder variables as it sets them (a directory becomes the
+    prefix <dir>/_dump_, to which torch adds the rank); a variable already in the environment wins. The settings
+    Megatron-LM has flags for and angpt does not take its defaults: dump on a timeout, no C++ stacks, only the
+    collectives in flight, an extra dump when a rank is asked for one."""
+    path = (dump_path or os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
+            or os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE"))
+    if path is None:
+        return
+    prefix = os.path.join(path, "_dump_") if os.path.isdir(path) else path
+    settings = {"TORCH_FR_DUMP_TEMP_FILE": prefix, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
+                "TORCH_NCCL_TRACE_BUFFER_SIZE": str(trace_buffer_size), "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                "TORCH_INCLUDE_STACK_TRACE": "0", "TORCH_INCLUDE_ONLY_ACTIVE": "1",
+                "TORCH_NCCL_EXTRA_DUMP_ON_EXEC": "1"}
+    rank0 = os.environ.get("RANK", "0") == "0"
+    for name, value in settings.items():
+        if name in os.environ:
+            if rank0 and os.environ[name] != value:
+                logger.warning("flight recorder: %s is already set to %r in the environment; %r not used", name,
+                               os.environ[name], value)
+        else:
+            os.environ[name] = value
+    if rank0:
+        logger.info("flight recorder: %s", " ".join(f"{name}={os.environ[name]}" for name in settings))
 
 
 def _attempt_store(timeout: timedelta) -> Optional[dist.Store]:

@@ -13,7 +13,10 @@ tests, through the environment of the training processes:
                                           0), so that the restarted attempt gets past it
     ANGPT_TEST_STEP_SECONDS=0.05          every step lasts at least this long, so that a small job lives until a
                                           scheduler's signal (tests/slurm)
-    ANGPT_TEST_STALL_BEFORE=3:2.5         before iteration 3, this process stalls for 2.5 s (a hang that ends)
+    ANGPT_TEST_STALL_BEFORE=3:2.5         before iteration 3, this process stalls for 2.5 s (a hang that ends);
+                                          3:2.5:1: rank 1 only
+    ANGPT_TEST_SLOW_RANK=1:0.05           rank 1's every forward pass of a micro-batch lasts 0.05 s longer (a
+                                          straggler)
     ANGPT_TEST_WAIT_FOR_SIGNAL_BEFORE=3   this step starts only once an exit signal has reached the process
                                           (each rank says when it waits), so that a test signals the job
                                           at a known iteration, with saves behind it and a step before the exit
@@ -35,6 +38,7 @@ WAIT_FOR_SIGNAL_BEFORE = "ANGPT_TEST_WAIT_FOR_SIGNAL_BEFORE"
 CRASH_AT = "ANGPT_TEST_CRASH_AT"
 STEP_SECONDS = "ANGPT_TEST_STEP_SECONDS"
 STALL_BEFORE = "ANGPT_TEST_STALL_BEFORE"
+SLOW_RANK = "ANGPT_TEST_SLOW_RANK"
 
 
 @dataclass(frozen=True)
@@ -49,10 +53,17 @@ class Faults:
     step_seconds: float = 0.0
     stall_before: Optional[int] = None
     stall_seconds: float = 0.0
+    slow_forward_seconds: float = 0.0  # this rank's
 
     def stall_if_due(self, iteration: int) -> None:
         if iteration == self.stall_before:
             stall(self.stall_seconds)
+
+    def slow_down(self, chunks) -> None:
+        """Each forward pass of `chunks` (this rank's model) starts `slow_forward_seconds` late."""
+        if self.slow_forward_seconds:
+            for chunk in chunks:
+                chunk.register_forward_pre_hook(lambda *_: time.sleep(self.slow_forward_seconds))
 
     def crash_if_due(self, iteration: int) -> None:
         if iteration == self.crash_before:
@@ -73,20 +84,27 @@ def from_environment() -> Faults:
     pause, pause_seconds = _iteration_and_seconds(os.environ.get(PAUSE_IN_SAVE_AT))
     wait = os.environ.get(WAIT_FOR_SIGNAL_BEFORE)
     writer, writer_seconds = _iteration_and_seconds(os.environ.get(PAUSE_IN_WRITER_AT))
-    stall_before, stall_seconds = _iteration_and_seconds(os.environ.get(STALL_BEFORE))
+    rank = int(os.environ.get("RANK", "0"))
+    stall_at, _, rest = os.environ.get(STALL_BEFORE, "").partition(":")
+    seconds, _, stalled_rank = rest.partition(":")  # no rank: any process given the variable
+    stall_before, stall_seconds = _iteration_and_seconds(f"{stall_at}:{seconds}" if stall_at else None)
+    if stalled_rank and int(stalled_rank) != rank:
+        stall_before = None
+    slow_rank, _, slow_seconds = os.environ.get(SLOW_RANK, "").partition(":")
     crash = None
     if os.environ.get(CRASH_AT) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-        iteration, rank = os.environ[CRASH_AT].split(":")
-        crash = int(iteration) if int(rank) == int(os.environ.get("RANK", "0")) else None
+        iteration, crashing_rank = os.environ[CRASH_AT].split(":")
+        crash = int(iteration) if int(crashing_rank) == rank else None
     return Faults(frozenset(int(i) for i in nan.split(",") if i.strip()), pause, pause_in_writer_at=writer,
                   pause_in_save_seconds=pause_seconds, pause_in_writer_seconds=writer_seconds,
                   wait_for_signal_before=int(wait) if wait else None,
                   crash_before=crash, step_seconds=float(os.environ.get(STEP_SECONDS, 0)),
-                  stall_before=stall_before, stall_seconds=stall_seconds)
+                  stall_before=stall_before, stall_seconds=stall_seconds,
+                  slow_forward_seconds=float(slow_seconds) if slow_rank and int(slow_rank) == rank else 0.0)
 
 
 def stall(seconds: float) -> None:
-    print(f"angpt fault injection: stalling for {seconds} s", flush=True)
+    print(f"angpt fault injection: rank {os.environ.get('RANK', '0')} stalls for {seconds} s", flush=True)
     time.sleep(seconds)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from functools import partial
 from typing import Iterator
 
@@ -15,6 +16,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_batch_on_this_cp_rank, get_model_config
 
 from angpt.models import AnGPTConfig, build_model
+from angpt.telemetry.stragglers import FORWARD_TIMER
 from angpt.telemetry.timers import timer
 
 
@@ -70,8 +72,9 @@ def forward_step(data_iterator: Iterator[dict], model):
     context parallelism this rank takes its two of the 2 x CP chunks of each (Megatron-LM's split; the
     attention mask's rows), from a copy: virtual pipeline stages iterate over the same batches."""
     batch = get_batch_on_this_cp_rank(dict(next(data_iterator)))
-    per_token_loss = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                           labels=batch["labels"])
+    with FORWARD_TIMER if model.training else nullcontext():  # --log-straggler's: training's forward passes
+        per_token_loss = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                               labels=batch["labels"])
     return per_token_loss, partial(language_model_loss, batch["loss_mask"])
 
 

@@ -28,6 +28,7 @@ from angpt.config.arguments import exit_signals
 from angpt.data.gpt_datasets import TrainingBatches, build_datasets, dataset_vocabulary, micro_batches
 from angpt.data.indexed import IndexedDatasetError
 from angpt.megatron_compat import parent_watch
+from angpt.telemetry import memory_history
 from angpt.telemetry.monitoring import TrainingMonitor
 from angpt.telemetry.profiling import StepProfiler
 from angpt.telemetry.timers import timer
@@ -72,7 +73,9 @@ class Trainer:
         distributed.initialize(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                                virtual_pipeline_stages(args), args.seed, args.distributed_timeout_minutes,
                                cuda_graphs=args.cuda_graph_impl == "local",
-                               context_parallel_size=args.context_parallel_size)
+                               context_parallel_size=args.context_parallel_size,
+                               flight_recorder_dump_path=args.flight_recorder_dump_path,
+                               flight_recorder_trace_buffer_size=args.flight_recorder_trace_buffer_size)
         self.rank = dist.get_rank()
         if args.save:  # one run writes into a --save directory: locked before anything is written there
             save_lock.take(args.save)
@@ -83,7 +86,10 @@ class Trainer:
                            "a GPU since (docs/gpu.md, CUDA graphs); use it to measure speed, not to train")
         self.vocab_size = padded_vocab_size(self.vocabulary.vocab_size, args.make_vocab_size_divisible_by,
                                             args.tensor_model_parallel_size)
+        if args.record_memory_history:  # before the model is built, as Megatron-LM's model_provider starts it
+            memory_history.start(args.memory_snapshot_path)
         self.chunks = build_model_chunks(self.config, self.vocab_size, args.seq_length, ddp_config_from_args(args))
+        self.faults.slow_down(self.chunks)
         self.optimizer, self.scheduler = build_optimizer(
             self.chunks, args.model_family, lr=args.lr, train_iters=args.train_iters, min_lr=args.min_lr,
             weight_decay=args.weight_decay, lr_warmup_iters=args.lr_warmup_iters,
@@ -330,6 +336,8 @@ class Trainer:
             self.async_queue.maybe_finalize_async_calls(blocking=True, no_dist=False)
             self.async_queue.close()
         self.monitor.close()
+        if self.args.record_memory_history:
+            memory_history.stop()
         if self.args.save and self.rank == 0:
             save_lock.release(self.args.save)
 
