@@ -182,10 +182,6 @@ FLAGS: dict[str, Decision] = {
     "--batch-size": refused("deprecated in Megatron-LM: use --micro-batch-size"),
     "--recompute-activations": refused(f"selective recompute is {NOT_YET}: use --recompute-granularity full"),
     "--checkpoint-activations": refused("deprecated in Megatron-LM: use --recompute-granularity full"),
-    "--no-check-for-nan-in-loss-and-grad": refused("a step with a NaN or Inf loss or grad norm is always skipped "
-                                                   "(--max-skipped-steps bounds how many in a row)"),
-    "--check-for-large-grads": refused(f"{NOT_YET}"),
-    "--result-rejected-tracker-filename": refused(f"{NOT_YET}"),
     "--disable-gloo-process-groups": refused("angpt needs gloo groups (the CPU path and checkpoint metadata)"),
     "--tp-comm-overlap-cfg": refused(TE_OVERLAP),
     "--no-masked-softmax-fusion": implied("the masked-softmax fusion is never used here (FlashAttention or "
@@ -356,7 +352,7 @@ FLAGS: dict[str, Decision] = {
     # -- profiling
     "--record-memory-history": refused(f"CUDA memory snapshots are {NOT_YET}"),
     "--memory-snapshot-path": refused(f"CUDA memory snapshots are {NOT_YET}"),
-    # -- Transformer Engine, experimental, rerun engine
+    # -- Transformer Engine, experimental
     "--te-precision-config-file": refused("per-layer precision configs are not built (docs/fp8.md)"),
     "--enable-experimental": refused("Megatron-LM's experimental features are not built"),
     "--spec": refused("the layer spec follows --model-family"),
@@ -366,10 +362,6 @@ FLAGS: dict[str, Decision] = {
     "--main-params-dtype": refused(f"{NOT_YET} (with --use-precision-aware-optimizer)"),
     "--exp-avg-dtype": refused(f"{NOT_YET} (with --use-precision-aware-optimizer)"),
     "--exp-avg-sq-dtype": refused(f"{NOT_YET} (with --use-precision-aware-optimizer)"),
-    "--error-injection-rate": refused(f"megatron-core's rerun state machine is {NOT_YET}"),
-    "--error-injection-type": refused(f"megatron-core's rerun state machine is {NOT_YET}"),
-    "--rerun-mode": refused(f"megatron-core's rerun state machine is {NOT_YET}"),
-    "--check-for-spiky-loss": refused(f"{NOT_YET}"),
 }
 
 # By the start of the flag, for families of flags that share one reason.
