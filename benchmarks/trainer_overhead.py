@@ -20,11 +20,16 @@
    trainer's step, interleaved as above; the micro-batches are the same in both.
 3. The three families at that shape through the trainer path, as ratios to GPT+ next to the paper's
    (anGPT +2.75%, nGPT +9.6% on 4x A100): `benchmarks/step_time.py`, run here with the same shape.
+4. megatron-core's rerun state machine (angpt/training/rerun.py) through the trainer path, with the flags of
+   each row (their DDP grad checks and loss checks), interleaved as above, as ratios to --rerun-mode disabled:
+   its default (validate_results: NaN/Inf checks of each micro-batch loss and the local grads, one all-reduce
+   and one RNG state a step), all its checks on, and report_stats (every step run twice). No check fails.
 
 On this 2-core CPU the defaults take about two minutes.
 """
 
 import argparse
+import logging
 import os
 import statistics
 import sys
@@ -33,12 +38,14 @@ import time
 import step_time  # the sibling benchmarks/step_time.py (this script's directory is on sys.path)
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
+from megatron.core import parallel_state, rerun_state_machine
 
+from angpt.config.arguments import parse_args as parse_pretrain_args
 from angpt.data.gpt_datasets import DataArguments, TrainingBatches, build_datasets, dataset_vocabulary
 from angpt.models import WEIGHT_CONSTRAINTS, build_model, model_config
 from angpt.models.bounding import project_parameters_
-from angpt.training import distributed
+from angpt.training import distributed, rerun
+from angpt.training.config_from_args import ddp_config_from_args
 from angpt.training.optimizer import build_optimizer
 from angpt.training.step import build_model_chunks, train_step
 
@@ -191,12 +198,60 @@ def measure_data_loading(args) -> None:
           f"{statistics.median(paired):.3f} (median of {len(paired)} paired ratios)")
 
 
+RERUN_ROWS = {
+    "--rerun-mode disabled": ["--rerun-mode", "disabled"],
+    "default (validate_results)": [],
+    "+ spiky loss, large grads": ["--check-for-spiky-loss", "--check-for-large-grads"],
+    "--rerun-mode report_stats": ["--rerun-mode", "report_stats"],
+}
+
+
+def measure_rerun_machine(args) -> None:
+    """Part 4: the rerun state machine's modes and checks, each row on its own model (its DDP checks its grads)."""
+    logging.getLogger("megatron.core.rerun_state_machine").setLevel(logging.ERROR)  # set_mode warns each step
+    shape = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size), "--num-attention-heads",
+             str(args.num_attention_heads), "--seq-length", str(args.seq_length), "--micro-batch-size",
+             str(args.micro_batch_size), "--global-batch-size", str(args.micro_batch_size * args.num_microbatches),
+             "--mock-data", "--vocab-size", str(args.vocab_size), "--train-iters", "1", "--model-family",
+             args.model_family]
+    config = model_config(args.model_family, num_layers=args.num_layers, hidden_size=args.hidden_size,
+                          num_attention_heads=args.num_attention_heads)
+    rows = {}
+    for name, flags in RERUN_ROWS.items():
+        flags = parse_pretrain_args([*shape, *flags], world_size=1)
+        chunks = build_model_chunks(config, args.vocab_size, args.seq_length, ddp_config_from_args(flags))
+        optimizer, scheduler = build_optimizer(chunks, args.model_family, lr=args.lr, train_iters=1_000_000,
+                                               weight_decay=0.0, lr_warmup_iters=0)
+        rows[name] = (chunks, optimizer, scheduler, rerun.checks(flags), rerun.MODES[flags.rerun_mode])
+    rerun.initialize(flags, 0)
+    machine = rerun_state_machine.get_rerun_state_machine()
+    batches = fixed_batches(args)
+    times = {name: [] for name in rows}
+    for repeat in range(args.repeats + 1):  # repeat 0 warms up (and the machine checks from its second step)
+        for name in list(rows) if repeat % 2 == 0 else list(reversed(rows)):
+            chunks, optimizer, scheduler, checks, mode = rows[name]
+            machine.set_mode(mode)
+            start = time.perf_counter()
+            train_step(iter(batches), chunks, optimizer, scheduler, len(batches), args.micro_batch_size,
+                       args.seq_length, checks=checks)
+            if repeat:
+                times[name].append(time.perf_counter() - start)
+    rerun_state_machine.destroy_rerun_state_machine()
+    base = times["--rerun-mode disabled"]
+    print(f"\nrerun state machine ({args.num_microbatches} micro-batches a step), {args.repeats} repeats interleaved:")
+    print(f"{'flags':<28} {'median step':>12} {'vs disabled':>12}")
+    for name, samples in times.items():
+        paired = statistics.median(t / b for t, b in zip(samples, base))
+        print(f"{name:<28} {statistics.median(samples) * 1e3:>10.1f}ms {paired:>12.3f}")
+
+
 def main():
     args = parse_args()
     distributed.initialize()  # a gloo (or NCCL) world of one process without torchrun
     try:
         measure_overhead(args)
         measure_data_loading(args)
+        measure_rerun_machine(args)
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
