@@ -17,7 +17,7 @@ from megatron.core.rerun_state_machine import (
 )
 from megatron.core.utils import get_model_config
 from test_gpt_datasets import write_dataset
-from test_trainer import MODEL, checkpoint_tensors, latest
+from test_trainer import MODEL, checkpoint_tensors, latest, records
 
 from angpt.config.arguments import parse_args
 from angpt.models import model_config
@@ -158,7 +158,8 @@ def test_disabled_costs_nothing_and_skips_a_nan_step(seeded, monkeypatch):
 
 def test_report_stats_reruns_every_step_and_reports_the_variability(seeded, caplog):
     """--rerun-mode report_stats: each step runs twice; every second step rank 0 logs, for each check, how much the
-    rerun's result differed (megatron-core's QuickStats; the CPU here is deterministic: all identical)."""
+    rerun's result differed (megatron-core's QuickStats; the CPU here is deterministic: all identical). Nothing is
+    validated: a NaN step is skipped."""
     checks = machine_checks("--rerun-mode", "report_stats")
     model = tiny(checks)
     with caplog.at_level(logging.INFO, logger="angpt.rerun"):
@@ -168,6 +169,9 @@ def test_report_stats_reruns_every_step_and_reports_the_variability(seeded, capl
             train_step(data, chunks, optimizer, scheduler, 1, MB, S, checks=checks)
             assert data.read == 1
     assert f"iteration 2: rerun variability of '{rerun.NAN_LOSS}': 2 samples, all identical" in caplog.text
+    nan = batch(7)
+    nan["loss_mask"] = nan["loss_mask"] * float("nan")
+    assert not step(model, [nan], checks)[2]  # reported, not validated: angpt's skip
 
 
 def test_an_injected_transient_error_is_a_fault_of_the_rank_and_exits_with_megatron_lms_code(tmp_path,
@@ -221,3 +225,12 @@ def test_a_nan_that_reproduces_names_the_samples_and_the_blended_dataset(tmp_pat
         component = next(d for d in train.datasets if d.dataset.path_prefix == prefix)
         assert torch.equal(torch.as_tensor(component[int(sample)]["tokens"]), torch.as_tensor(train[index]["tokens"]))
     assert "exiting with exit code 16 (EXIT_CODE_RESUME_TO_DISAMBIGUATE)" in caplog.text
+    # Resumed (elsewhere, as the exit code asks), step 3 is the first of the process, which megatron-core does not
+    # check: the NaN, again, is skipped (angpt's rule), and the run goes on.
+    resumed = in_process_trainer([*[f for f in MODEL if f not in ("--mock-data", "--vocab-size", "256")],
+                                  "--train-iters", "4", "--save", str(tmp_path / "run"), "--load",
+                                  str(tmp_path / "run"), "--data-path", "1", a, "1", b, "--split", "100,0,0",
+                                  "--data-cache-path", str(tmp_path / "cache")])
+    assert resumed.run() == 0
+    steps = {r["iteration"]: r["skipped"] for r in records(tmp_path / "run")}
+    assert steps[3] == 1 and steps[4] == 0
