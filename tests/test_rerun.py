@@ -234,3 +234,24 @@ def test_a_nan_that_reproduces_names_the_samples_and_the_blended_dataset(tmp_pat
     assert resumed.run() == 0
     steps = {r["iteration"]: r["skipped"] for r in records(tmp_path / "run")}
     assert steps[3] == 1 and steps[4] == 0
+
+
+@pytest.mark.parametrize("flags, nan", [
+    ([], True),
+    (["--no-check-for-nan-in-loss-and-grad"], False),
+    (["--rerun-mode", "disabled"], False),  # angpt's skip instead (megatron-core would raise)
+    (["--rerun-mode", "report_stats"], True),  # the checks are what report_stats compares
+    # Megatron-LM's validate_args: overflows are the dynamic loss scale's signal; a constant scale keeps the check.
+    (["--fp16", "--use-distributed-optimizer"], False),
+    (["--fp16", "--use-distributed-optimizer", "--loss-scale", "1024"], True),
+])
+def test_which_nan_checks_run(flags, nan):
+    assert rerun.checks(parse_args([*FLAGS, *flags], world_size=1)).nan is nan
+
+
+def test_a_tracker_file_that_cannot_be_written_is_refused_naming_the_flag(tmp_path):
+    args = parse_args([*FLAGS, "--result-rejected-tracker-filename", str(tmp_path / "missing" / "rejected.txt")],
+                      world_size=1)
+    with pytest.raises(ValueError, match=r"^--result-rejected-tracker-filename .*missing/rejected\.txt: "
+                                         "RerunStateMachine result validation log cannot be appended to"):
+        rerun.initialize(args, 0)
