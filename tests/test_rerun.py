@@ -245,8 +245,13 @@ def test_a_nan_that_reproduces_names_the_samples_and_the_blended_dataset(tmp_pat
     (["--fp16", "--use-distributed-optimizer"], False),
     (["--fp16", "--use-distributed-optimizer", "--loss-scale", "1024"], True),
 ])
-def test_which_nan_checks_run(flags, nan):
-    assert rerun.checks(parse_args([*FLAGS, *flags], world_size=1)).nan is nan
+def test_which_nan_checks_run(flags, nan, single_process, caplog):
+    args = parse_args([*FLAGS, *flags], world_size=1)
+    assert rerun.checks(args).nan is nan
+    with caplog.at_level(logging.INFO, logger="angpt.rerun"):
+        rerun.initialize(args, 0)
+    said = "--check-for-nan-in-loss-and-grad: off with --fp16's dynamic loss scale, as in Megatron-LM" in caplog.text
+    assert said is ("--fp16" in flags and not nan)
 
 
 def test_a_tracker_file_that_cannot_be_written_is_refused_naming_the_flag(tmp_path):

@@ -70,9 +70,13 @@ class Checks(NamedTuple):
 
 def checks(args: argparse.Namespace) -> Checks:
     # --rerun-mode disabled keeps angpt's skip for NaN/Inf (megatron-core would raise instead).
-    nan = (args.check_for_nan_in_loss_and_grad and args.rerun_mode != "disabled"
-           and not (args.fp16 and not args.loss_scale))
+    nan = args.check_for_nan_in_loss_and_grad and args.rerun_mode != "disabled" and not _dynamic_loss_scale(args)
     return Checks(nan, args.check_for_spiky_loss, args.check_for_large_grads)
+
+
+def _dynamic_loss_scale(args: argparse.Namespace) -> bool:
+    """Megatron-LM's validate_args turns the NaN check off here: overflows are the loss scaler's signal."""
+    return args.fp16 and not args.loss_scale
 
 
 class ResultValidationExit(Exception):
@@ -168,6 +172,10 @@ def initialize(args: argparse.Namespace, iteration: int) -> None:
             from None
     rerun_state_machine._set_rerun_state_machine(machine)
     machine.current_iteration = iteration
+    if (args.check_for_nan_in_loss_and_grad and args.rerun_mode != "disabled" and _dynamic_loss_scale(args)
+            and dist.get_rank() == 0):
+        logger.info("--check-for-nan-in-loss-and-grad: off with --fp16's dynamic loss scale, as in Megatron-LM (its "
+                    "overflows are expected): a NaN/Inf step is skipped")
 
 
 def findings() -> list[Finding]:
