@@ -174,6 +174,7 @@ def test_report_stats_reruns_every_step_and_reports_the_variability(seeded, capl
     assert not step(model, [nan], checks)[2]  # reported, not validated: angpt's skip
 
 
+@pytest.mark.slow  # a trainer built and run in this process
 def test_an_injected_transient_error_is_a_fault_of_the_rank_and_exits_with_megatron_lms_code(tmp_path,
                                                                                              single_process, caplog):
     """--error-injection-type transient_error at rate 1: the first check of the second step fails and its rerun
@@ -196,6 +197,7 @@ def test_an_injected_transient_error_is_a_fault_of_the_rank_and_exits_with_megat
     assert statuses == ["RerunValidationStatus.INITIAL_RUN", "RerunValidationStatus.FIRST_RERUN_NOT_REPRODUCIBLE"]
 
 
+@pytest.mark.slow  # a trainer built and run in this process
 def test_a_nan_that_reproduces_names_the_samples_and_the_blended_dataset(tmp_path, single_process, monkeypatch,
                                                                          caplog):
     """A NaN in micro-batch 2 of step 3 on every run of it (the data): the rerun reproduces it, the log names the
