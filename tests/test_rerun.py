@@ -262,3 +262,19 @@ def test_a_tracker_file_that_cannot_be_written_is_refused_naming_the_flag(tmp_pa
     with pytest.raises(ValueError, match=r"^--result-rejected-tracker-filename .*missing/rejected\.txt: "
                                          "RerunStateMachine result validation log cannot be appended to"):
         rerun.initialize(args, 0)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--error-injection-type", "persistent_error"], "--error-injection-type needs --error-injection-rate"),
+    (["--error-injection-rate", "5", "--rerun-mode", "disabled"], "--error-injection-rate makes checks of --rerun-mode "
+                                                                 "validate_results fail, and this run has none"),
+    (["--error-injection-rate", "5", "--rerun-mode", "report_stats"], "--error-injection-rate makes checks"),
+    (["--error-injection-rate", "5", "--no-check-for-nan-in-loss-and-grad"], "--error-injection-rate makes checks"),
+    (["--error-injection-rate", "5", "--fp16", "--use-distributed-optimizer"], "--error-injection-rate makes checks"),
+    (["--error-injection-rate", "-1"], "--error-injection-rate -1 cannot be negative"),
+])
+def test_an_injection_that_would_inject_nothing_is_refused(flags, message, capsys):
+    """megatron-core injects only into the checks of validate_results: elsewhere the flags would be ignored."""
+    with pytest.raises(SystemExit):
+        parse_args([*FLAGS, *flags], world_size=1)
+    assert message in capsys.readouterr().err

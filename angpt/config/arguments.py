@@ -583,6 +583,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
     _validate_precision(parser, args)
     _validate_checkpoints(parser, args)
     _validate_hang_timeout(parser, args)
+    _validate_result_checks(parser, args)
     _validate_data(parser, args)
     _validate_wandb(parser, args)
 
@@ -736,6 +737,24 @@ def _validate_precision(parser, args) -> None:
             problem = transformer_engine_support.fp8_recipe_problem(args.fp8_recipe)
             if problem:
                 parser.error(f"--fp8-recipe {args.fp8_recipe}: {problem}")
+
+
+def nan_checks_on(args: argparse.Namespace) -> bool:
+    """Whether the rerun state machine checks losses and local grads for NaN/Inf (angpt.training.rerun): not with
+    --rerun-mode disabled (angpt's skip instead; megatron-core would raise), nor with --fp16's dynamic loss scale,
+    whose overflows are the scaler's signal (Megatron-LM's validate_args turns the check off there too)."""
+    return (args.check_for_nan_in_loss_and_grad and args.rerun_mode != "disabled"
+            and not (args.fp16 and not args.loss_scale))
+
+
+def _validate_result_checks(parser, args) -> None:
+    if args.error_injection_type != "transient_error" and not args.error_injection_rate:
+        parser.error("--error-injection-type needs --error-injection-rate")
+    checked = nan_checks_on(args) or args.check_for_spiky_loss or args.check_for_large_grads
+    if args.error_injection_rate and not (args.rerun_mode == "validate_results" and checked):
+        parser.error("--error-injection-rate makes checks of --rerun-mode validate_results fail, and this run has "
+                     "none (the NaN check is off with --no-check-for-nan-in-loss-and-grad and with --fp16's dynamic "
+                     "loss scale)")
 
 
 def _validate_hang_timeout(parser, args) -> None:

@@ -44,6 +44,8 @@ from megatron.core.rerun_state_machine import (
     get_rerun_state_machine,
 )
 
+from angpt.config.arguments import nan_checks_on
+
 logger = logging.getLogger("angpt.rerun")
 
 # Megatron-LM passes --rerun-mode to RerunMode(), whose value for report_stats is report_determinism_stats.
@@ -69,14 +71,7 @@ class Checks(NamedTuple):
 
 
 def checks(args: argparse.Namespace) -> Checks:
-    # --rerun-mode disabled keeps angpt's skip for NaN/Inf (megatron-core would raise instead).
-    nan = args.check_for_nan_in_loss_and_grad and args.rerun_mode != "disabled" and not _dynamic_loss_scale(args)
-    return Checks(nan, args.check_for_spiky_loss, args.check_for_large_grads)
-
-
-def _dynamic_loss_scale(args: argparse.Namespace) -> bool:
-    """Megatron-LM's validate_args turns the NaN check off here: overflows are the loss scaler's signal."""
-    return args.fp16 and not args.loss_scale
+    return Checks(nan_checks_on(args), args.check_for_spiky_loss, args.check_for_large_grads)
 
 
 class ResultValidationExit(Exception):
@@ -172,7 +167,7 @@ def initialize(args: argparse.Namespace, iteration: int) -> None:
             from None
     rerun_state_machine._set_rerun_state_machine(machine)
     machine.current_iteration = iteration
-    if (args.check_for_nan_in_loss_and_grad and args.rerun_mode != "disabled" and _dynamic_loss_scale(args)
+    if (args.check_for_nan_in_loss_and_grad and args.rerun_mode != "disabled" and not nan_checks_on(args)
             and dist.get_rank() == 0):
         logger.info("--check-for-nan-in-loss-and-grad: off with --fp16's dynamic loss scale, as in Megatron-LM (its "
                     "overflows are expected): a NaN/Inf step is skipped")
