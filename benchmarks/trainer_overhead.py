@@ -27,6 +27,10 @@
    every step), and the PyTorch profiler's range (--profile --use-pytorch-profiler); then what a logged iteration
    adds with --log-params-norm and --log-num-zeros-in-grad, and the per-step cost of the off paths alone (the
    straggler timer's context, a timer above the level, --hang-timeout-minutes' re-arming), timed a million times.
+5. megatron-core's rerun state machine (angpt/training/rerun.py) through the trainer path, with the flags of
+   each row (their DDP grad checks and loss checks), interleaved as above, as ratios to --rerun-mode disabled:
+   its default (validate_results: NaN/Inf checks of each micro-batch loss and the local grads, one all-reduce
+   and one RNG state a step), all its checks on, and report_stats (every step run twice). No check fails.
 
 On this 2-core CPU the defaults take about two minutes.
 """
@@ -35,6 +39,7 @@ import argparse
 import contextlib
 import faulthandler
 import functools
+import logging
 import os
 import statistics
 import sys
@@ -44,18 +49,20 @@ import timeit
 import step_time  # the sibling benchmarks/step_time.py (this script's directory is on sys.path)
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
+from megatron.core import parallel_state, rerun_state_machine
 from megatron.core import timers as megatron_timers
 from megatron.core.timers import Timers
 from megatron.core.utils import get_model_config
 
+from angpt.config.arguments import parse_args as parse_pretrain_args
 from angpt.data.gpt_datasets import DataArguments, TrainingBatches, build_datasets, dataset_vocabulary
 from angpt.models import WEIGHT_CONSTRAINTS, build_model, model_config
 from angpt.models.bounding import project_parameters_
 from angpt.telemetry.health import params_l2_norm
 from angpt.telemetry.stragglers import FORWARD_TIMER, ForwardTimer, StragglerReport
 from angpt.telemetry.timers import per_step_ms
-from angpt.training import distributed
+from angpt.training import distributed, rerun
+from angpt.training.config_from_args import ddp_config_from_args
 from angpt.training.optimizer import build_optimizer
 from angpt.training.step import build_model_chunks, train_step
 
@@ -75,7 +82,7 @@ def parse_args():
     parser.add_argument("--repeats", type=int, default=10, help="timed steps of each (after one warm-up)")
     parser.add_argument("--num-workers", type=int, default=2, help="DataLoader workers of part 2, against 0")
     parser.add_argument("--skip-families", action="store_true", help="only parts 1, 2 and 4")
-    parser.add_argument("--diagnostics-only", action="store_true", help="only part 4")
+    parser.add_argument("--diagnostics-only", action="store_true", help="only part 4 (the run diagnostics)")
     parser.add_argument("--diagnostics-repeats", type=int, default=20, help="timed steps of each diagnostic")
     return parser.parse_args()
 
@@ -351,6 +358,73 @@ def measure_diagnostics(args) -> None:
           f"({100 * rearm_us / (step_ms * 1e3):.5f}%)")
 
 
+RERUN_ROWS = {
+    "--rerun-mode disabled": ["--rerun-mode", "disabled"],
+    "default (validate_results)": [],
+    "+ spiky loss, large grads": ["--check-for-spiky-loss", "--check-for-large-grads"],
+    "--rerun-mode report_stats": ["--rerun-mode", "report_stats"],
+}
+
+
+def measure_rerun_machine(args) -> None:
+    """Part 5: the rerun state machine's modes and checks, each row on its own model (its DDP checks its grads)."""
+    logging.getLogger("megatron.core.rerun_state_machine").setLevel(logging.ERROR)  # set_mode warns each step
+    shape = ["--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size), "--num-attention-heads",
+             str(args.num_attention_heads), "--seq-length", str(args.seq_length), "--micro-batch-size",
+             str(args.micro_batch_size), "--global-batch-size", str(args.micro_batch_size * args.num_microbatches),
+             "--mock-data", "--vocab-size", str(args.vocab_size), "--train-iters", "1", "--model-family",
+             args.model_family]
+    config = model_config(args.model_family, num_layers=args.num_layers, hidden_size=args.hidden_size,
+                          num_attention_heads=args.num_attention_heads)
+    rows = {}
+    for name, flags in RERUN_ROWS.items():
+        flags = parse_pretrain_args([*shape, *flags], world_size=1)
+        chunks = build_model_chunks(config, args.vocab_size, args.seq_length, ddp_config_from_args(flags))
+        optimizer, scheduler = build_optimizer(chunks, args.model_family, lr=args.lr, train_iters=1_000_000,
+                                               weight_decay=0.0, lr_warmup_iters=0)
+        rows[name] = (chunks, optimizer, scheduler, rerun.checks(flags), rerun.MODES[flags.rerun_mode])
+    rerun.initialize(flags, 0)
+    machine = rerun_state_machine.get_rerun_state_machine()
+    batches = fixed_batches(args)
+    times = {name: [] for name in rows}
+    for repeat in range(args.repeats + 1):  # repeat 0 warms up (and the machine checks from its second step)
+        for name in list(rows) if repeat % 2 == 0 else list(reversed(rows)):
+            chunks, optimizer, scheduler, checks, mode = rows[name]
+            machine.set_mode(mode)
+            start = time.perf_counter()
+            train_step(iter(batches), chunks, optimizer, scheduler, len(batches), args.micro_batch_size,
+                       args.seq_length, checks=checks)
+            if repeat:
+                times[name].append(time.perf_counter() - start)
+    base = times["--rerun-mode disabled"]
+    print(f"\nrerun state machine ({args.num_microbatches} micro-batches a step), {args.repeats} repeats interleaved:")
+    print(f"{'flags':<28} {'median step':>12} {'vs disabled':>12} {'machine alone':>14}")
+    for name, samples in times.items():
+        paired = statistics.median(t / b for t, b in zip(samples, base))
+        _, _, _, checks, mode = rows[name]
+        print(f"{name:<28} {statistics.median(samples) * 1e3:>10.1f}ms {paired:>12.3f} "
+              f"{machine_alone(machine, mode, checks, args.num_microbatches) * 1e6:>12.0f}us")
+    rerun_state_machine.destroy_rerun_state_machine()
+
+
+def machine_alone(machine, mode, checks, micro_batches: int, steps: int = 200) -> float:
+    """Seconds a step that the machine's bookkeeping and loss checks take without a model (the median of
+    `steps`): its loop, the replayable iterators and the checks of `micro_batches` finite losses. The grad checks
+    (a norm of each DDP bucket) are in the rows' steps, not here."""
+    machine.set_mode(mode)
+    loss, durations = torch.tensor(3.0), []
+    for _ in range(steps):
+        start = time.perf_counter()
+        iterator = rerun.replayable(iter(range(micro_batches)))
+        while machine.should_run_forward_backward(iterator):
+            for _ in range(micro_batches):
+                next(iterator)
+                rerun.validate_loss(loss, checks)
+        rerun.exit_if_asked()
+        durations.append(time.perf_counter() - start)
+    return statistics.median(durations)
+
+
 def main():
     args = parse_args()
     distributed.initialize()  # a gloo (or NCCL) world of one process without torchrun
@@ -358,6 +432,7 @@ def main():
         if not args.diagnostics_only:
             measure_overhead(args)
             measure_data_loading(args)
+            measure_rerun_machine(args)
         measure_diagnostics(args)
     finally:
         parallel_state.destroy_model_parallel()

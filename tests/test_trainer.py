@@ -390,8 +390,9 @@ def test_signals_to_torchrun_or_to_the_workers_groups_save_and_the_runs_resume_e
 
 
 def test_a_nan_step_is_skipped_and_logged(tmp_path, single_process, monkeypatch):
+    """With --rerun-mode disabled (with the default, the rerun state machine stops the run: tests/test_rerun.py)."""
     monkeypatch.setenv(faults.NAN_AT_ITERATIONS, "3")
-    assert in_process_trainer([*MODEL, *ITERS, "--save", str(tmp_path)]).run() == 0
+    assert in_process_trainer([*MODEL, *ITERS, "--save", str(tmp_path), "--rerun-mode", "disabled"]).run() == 0
     steps = {r["iteration"]: r for r in records(tmp_path)}
     assert steps[3]["skipped"] == 1 and steps[3]["lm_loss"] is None  # NaN is written as null
     assert all(steps[i]["skipped"] == 0 for i in (1, 2, 4, 5, 6))
@@ -403,7 +404,7 @@ def test_repeated_nans_stop_the_run_with_the_last_good_state(tmp_path, single_pr
     run_dir = tmp_path / "run"
     with caplog.at_level(logging.INFO, logger="angpt"):
         code = in_process_trainer([*MODEL, *ITERS, "--save", str(run_dir), "--save-interval", "2",
-                                   "--max-skipped-steps", "2"]).run()
+                                   "--max-skipped-steps", "2", "--rerun-mode", "disabled"]).run()
     assert code == 1
     assert "3 steps in a row had a NaN or Inf loss or grad norm (--max-skipped-steps 2)" in caplog.text
     assert latest(run_dir) == 5

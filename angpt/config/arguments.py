@@ -39,6 +39,9 @@ CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8")
 FP8_AMAX_ALGOS = ("max", "most_recent")
+# Megatron-LM's values (megatron/training/resilience_config.py); angpt.training.rerun maps them to megatron-core's.
+RERUN_MODES = ("disabled", "validate_results", "report_stats")
+ERROR_INJECTION_TYPES = ("correct_result", "transient_error", "persistent_error")
 # Megatron-LM's defaults of the FP8 details; they apply only with --fp8-format (None here = not given).
 FP8_DEFAULTS = dict(fp8_recipe="delayed", fp8_margin=0, fp8_amax_history_len=1, fp8_amax_compute_algo="most_recent")
 # The range of every numeric flag (a test holds the parser to it), checked before anything divides by one:
@@ -62,7 +65,7 @@ NUMERIC_RANGES = (
         "clip_grad", "seed", "fp8_margin", "eval_iters", "max_skipped_steps", "dry_run", "cuda_graph_warmup_steps",
         "megatron_local_rank", "rampup_batch_size", "manual_gc_interval", "empty_unused_memory_level",
         "num_workers", "decoupled_min_lr", "profile_step_start", "profile_step_end", "profile_ranks",
-        "straggler_ctrlr_port")),
+        "straggler_ctrlr_port", "error_injection_rate")),
     ("must be positive", lambda value: value > 0, (
         "init_method_std", "norm_epsilon", "angpt_constant_factor_multiplier", "angpt_nu_alpha_multiplier",
         "distributed_timeout_minutes", "hang_timeout_minutes", "lr", "adam_eps", "exit_duration_in_mins",
@@ -456,6 +459,28 @@ def build_parser() -> argparse.ArgumentParser:
                         help="release the CUDA caching allocator's unused memory: 1 after each forward-backward and "
                         "evaluation step, 2 also after each optimizer step (slower; for fragmentation)")
 
+    checks = parser.add_argument_group(
+        "result validation (megatron-core's rerun state machine; docs/guide.md, A loss spike, a NaN, or a suspect GPU)")
+    checks.add_argument("--rerun-mode", choices=RERUN_MODES, default="validate_results",
+                        help="validate_results: rerun a step whose loss or grads fail a check, to tell a hardware "
+                        "fault (exit code 17) from the data (a checkpoint, exit code 16); report_stats: rerun "
+                        "every step and report how much the results vary; disabled: no reruns, a NaN/Inf step "
+                        "is skipped (--max-skipped-steps)")
+    checks.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                        action="store_false",
+                        help="do not check each micro-batch's loss and the local grads for NaN/Inf (off by itself "
+                        "with --fp16's dynamic loss scale, whose overflows are expected)")
+    checks.add_argument("--check-for-spiky-loss", action="store_true",
+                        help="check for a micro-batch loss 10x the largest of the first 100 (not fatal)")
+    checks.add_argument("--check-for-large-grads", action="store_true",
+                        help="check for local grads 10x the largest of the first 100 (not fatal)")
+    checks.add_argument("--error-injection-rate", type=int, default=0,
+                        help="for testing: inject a failed check once in this many (0: never)")
+    checks.add_argument("--error-injection-type", choices=ERROR_INJECTION_TYPES, default="transient_error",
+                        help="for testing: what the rerun of an injected failure finds")
+    checks.add_argument("--result-rejected-tracker-filename",
+                        help="append a line for each failed check and rerun outcome to this file")
+
     exits = parser.add_argument_group("exiting")
     exits.add_argument("--exit-signal-handler", action="store_true",
                        help="also save and exit on --exit-signal (SIGTERM always does when --save is set)")
@@ -622,6 +647,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
     _validate_checkpoints(parser, args)
     _validate_hang_timeout(parser, args)
     _validate_dry_run(parser, args)
+    _validate_result_checks(parser, args)
     _validate_data(parser, args)
     _validate_wandb(parser, args)
 
@@ -833,6 +859,24 @@ def _validate_dry_run(parser, args) -> None:
     for flag in ("suggest_layout", "gpu_memory_gib"):
         if getattr(args, flag) not in (None, False) and args.dry_run is None:
             parser.error(f"--{flag.replace('_', '-')} is part of the dry run's report: add --dry-run WORLD_SIZE")
+
+
+def nan_checks_on(args: argparse.Namespace) -> bool:
+    """Whether the rerun state machine checks losses and local grads for NaN/Inf (angpt.training.rerun): not with
+    --rerun-mode disabled (angpt's skip instead; megatron-core would raise), nor with --fp16's dynamic loss scale,
+    whose overflows are the scaler's signal (Megatron-LM's validate_args turns the check off there too)."""
+    return (args.check_for_nan_in_loss_and_grad and args.rerun_mode != "disabled"
+            and not (args.fp16 and not args.loss_scale))
+
+
+def _validate_result_checks(parser, args) -> None:
+    if args.error_injection_type != "transient_error" and not args.error_injection_rate:
+        parser.error("--error-injection-type needs --error-injection-rate")
+    checked = nan_checks_on(args) or args.check_for_spiky_loss or args.check_for_large_grads
+    if args.error_injection_rate and not (args.rerun_mode == "validate_results" and checked):
+        parser.error("--error-injection-rate makes checks of --rerun-mode validate_results fail, and this run has "
+                     "none (the NaN check is off with --no-check-for-nan-in-loss-and-grad and with --fp16's dynamic "
+                     "loss scale)")
 
 
 def _validate_hang_timeout(parser, args) -> None:

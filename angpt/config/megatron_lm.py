@@ -181,10 +181,6 @@ FLAGS: dict[str, Decision] = {
     "--iterations-to-skip": refused(f"{NOT_YET}"),
     "--batch-size": refused("deprecated in Megatron-LM: use --micro-batch-size"),
     "--checkpoint-activations": refused("deprecated in Megatron-LM: use --recompute-granularity full"),
-    "--no-check-for-nan-in-loss-and-grad": refused("a step with a NaN or Inf loss or grad norm is always skipped "
-                                                   "(--max-skipped-steps bounds how many in a row)"),
-    "--check-for-large-grads": refused(f"{NOT_YET}"),
-    "--result-rejected-tracker-filename": refused(f"{NOT_YET}"),
     "--disable-gloo-process-groups": refused("angpt needs gloo groups (the CPU path and checkpoint metadata)"),
     "--tp-comm-overlap-cfg": refused(TE_OVERLAP),
     "--no-masked-softmax-fusion": implied("the masked-softmax fusion is never used here (FlashAttention or "
@@ -352,8 +348,7 @@ FLAGS: dict[str, Decision] = {
     "--log-world-size-to-tensorboard": refused(f"{NOT_YET}"),
     "--logging-level": refused(f"{NOT_YET}"),
     "--log-energy": refused(f"{NOT_YET}"),
-    # -- profiling
-    # -- Transformer Engine, experimental, rerun engine
+    # -- Transformer Engine, experimental
     "--te-precision-config-file": refused("per-layer precision configs are not built (docs/fp8.md)"),
     "--enable-experimental": refused("Megatron-LM's experimental features are not built"),
     "--spec": refused("the layer spec follows --model-family"),
@@ -363,10 +358,6 @@ FLAGS: dict[str, Decision] = {
     "--main-params-dtype": refused(f"{NOT_YET} (with --use-precision-aware-optimizer)"),
     "--exp-avg-dtype": refused(f"{NOT_YET} (with --use-precision-aware-optimizer)"),
     "--exp-avg-sq-dtype": refused(f"{NOT_YET} (with --use-precision-aware-optimizer)"),
-    "--error-injection-rate": refused(f"megatron-core's rerun state machine is {NOT_YET}"),
-    "--error-injection-type": refused(f"megatron-core's rerun state machine is {NOT_YET}"),
-    "--rerun-mode": refused(f"megatron-core's rerun state machine is {NOT_YET}"),
-    "--check-for-spiky-loss": refused(f"{NOT_YET}"),
 }
 
 # By the start of the flag, for families of flags that share one reason.

@@ -283,6 +283,22 @@ class TrainingBatches:
         self.batches = None
 
 
+def describe_samples(dataset, indices: Sequence[int]) -> str:
+    """Where the samples at `indices` of a training split come from: for each, the indexed dataset (its path
+    prefix: a blend's component, megatron-core's BlendedDataset) and the sample and documents within it."""
+    described = []
+    for index in indices:
+        source, sample = dataset, index
+        if hasattr(dataset, "datasets"):  # a blend: its index arrays load with its first sample read
+            dataset[index]
+            source = dataset.datasets[int(dataset.dataset_index[index])]
+            sample = int(dataset.dataset_sample_index[index])
+        _, documents = source._query_document_sample_shuffle_indices(sample)
+        prefix = getattr(source.dataset, "path_prefix", "mock data")
+        described.append(f"{index} ({prefix} sample {sample}, documents {', '.join(str(d) for d in documents)})")
+    return "; ".join(described)
+
+
 def check_batch_token_ids(batch: dict, first: int, dataset, vocab_size: int) -> None:
     """The last guard before the embedding (tens of microseconds per micro-batch, on the host, in numpy,
     which beats torch's reductions on such small tensors): catches a max_token_id in a .json that does not

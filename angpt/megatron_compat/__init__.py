@@ -39,6 +39,13 @@ Each workaround, where it is, and what breaks without it under megatron-core 0.1
   takes Transformer Engine's FP8 path).
 - CUDA graphs freed (`patches.py`, `delete_cuda_graphs`): megatron-core's own keeps every graph's input and
   output buffers alive, so a second micro-batch shape or model in the same process runs out of memory.
+- The rerun state machine's stats report (`angpt/training/rerun.py`, `_Machine._maybe_report_stats`): megatron-core's
+  names each check by `Caller.filename` and `lineno`, which `Caller` lacks: `--rerun-mode report_stats` raises
+  AttributeError at its second step. (Megatron-LM's `RerunMode(args.rerun_mode)` also refuses "report_stats", whose
+  enum value is report_determinism_stats: `rerun.MODES` maps the flag's values.)
+- The loss the rerun state machine keeps (`angpt/training/step.py`, `language_model_loss`): a copy, because the
+  schedule divides the returned loss in place, and the machine then compares the initial result, divided, with
+  the rerun's, undivided: every rerun of a real failure would read as a transient fault.
 - The optimizer step composed from its parts (`angpt/training/step.py`, `step_unless_not_finite`): `optimizer.step()`
   skips only on an fp16 overflow, so a NaN or Inf loss in bf16 or fp32 would update the weights.
 - The output layer converted in place (`angpt/models/layers.py`, `ScaledOutputLayer.attach`): `GPTModel`

@@ -17,6 +17,7 @@ from angpt.config import transformer_engine_support
 from angpt.data.gpt_datasets import DataArguments
 from angpt.data.tokenizers import TIKTOKEN_NUM_SPECIAL_TOKENS
 from angpt.models import AnGPTConfig, model_config
+from angpt.training import rerun
 
 
 def params_dtype(args: argparse.Namespace) -> torch.dtype:
@@ -107,8 +108,12 @@ def model_config_from_args(args: argparse.Namespace) -> AnGPTConfig:
 
 
 def ddp_config_from_args(args: argparse.Namespace) -> DistributedDataParallelConfig:
-    """Data-parallel gradient reduction (Megatron-LM's `get_model`): in fp32 unless --grad-reduce-in-bf16."""
+    """Data-parallel gradient reduction (Megatron-LM's `get_model`): in fp32 unless --grad-reduce-in-bf16; the local
+    grads checked before it (the rerun state machine's checks)."""
+    grad_checks = rerun.checks(args)
     return DistributedDataParallelConfig(
+        check_for_nan_in_grad=grad_checks.nan,
+        check_for_large_grads=grad_checks.large_grads,
         grad_reduce_in_fp32=not args.grad_reduce_in_bf16,
         use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_grad_reduce=args.overlap_grad_reduce,

@@ -1,7 +1,8 @@
 """Faults injected on purpose, so that tests can check the trainer's handling of them. Set only by
 tests, through the environment of the training processes:
 
-    ANGPT_TEST_NAN_AT_ITERATIONS=5,6      these steps get a NaN loss (and NaN gradients)
+    ANGPT_TEST_NAN_AT_ITERATIONS=5,6      these steps get a NaN loss (and NaN gradients), on every rerun of them
+    ANGPT_TEST_NAN_IN_MICRO_BATCH=2       only in this micro-batch (1-based) of each rank (default: in all)
     ANGPT_TEST_PAUSE_IN_SAVE_AT=4         the save of this iteration stops, forever, after writing its
                                           files and before committing the checkpoint (to be killed there);
                                           4:2.5 stops it for 2.5 s (a slow save, for a signal to arrive in)
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 NAN_AT_ITERATIONS = "ANGPT_TEST_NAN_AT_ITERATIONS"
+NAN_IN_MICRO_BATCH = "ANGPT_TEST_NAN_IN_MICRO_BATCH"
 PAUSE_IN_SAVE_AT = "ANGPT_TEST_PAUSE_IN_SAVE_AT"
 PAUSE_IN_WRITER_AT = "ANGPT_TEST_PAUSE_IN_WRITER_AT"
 WAIT_FOR_SIGNAL_BEFORE = "ANGPT_TEST_WAIT_FOR_SIGNAL_BEFORE"
@@ -54,6 +56,7 @@ class Faults:
     stall_before: Optional[int] = None
     stall_seconds: float = 0.0
     slow_forward_seconds: float = 0.0  # this rank's
+    nan_micro_batch: Optional[int] = None  # 1-based; None: all
 
     def stall_if_due(self, iteration: int) -> None:
         if iteration == self.stall_before:
@@ -95,7 +98,9 @@ def from_environment() -> Faults:
     if os.environ.get(CRASH_AT) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         iteration, crashing_rank = os.environ[CRASH_AT].split(":")
         crash = int(iteration) if int(crashing_rank) == rank else None
+    nan_micro_batch = os.environ.get(NAN_IN_MICRO_BATCH)
     return Faults(frozenset(int(i) for i in nan.split(",") if i.strip()), pause, pause_in_writer_at=writer,
+                  nan_micro_batch=int(nan_micro_batch) if nan_micro_batch else None,
                   pause_in_save_seconds=pause_seconds, pause_in_writer_seconds=writer_seconds,
                   wait_for_signal_before=int(wait) if wait else None,
                   crash_before=crash, step_seconds=float(os.environ.get(STEP_SECONDS, 0)),

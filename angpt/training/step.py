@@ -13,11 +13,13 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.enums import ModelType
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.utils import get_batch_on_this_cp_rank, get_model_config
 
 from angpt.models import AnGPTConfig, build_model
 from angpt.telemetry.stragglers import FORWARD_TIMER
 from angpt.telemetry.timers import timer
+from angpt.training import rerun
 
 
 def build_model_chunks(
@@ -54,19 +56,23 @@ def build_model_chunks(
     return chunks
 
 
-def language_model_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+def language_model_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor, *,
+                        checks: rerun.Checks | None = None):
     """The next-token cross-entropy summed over the unmasked tokens of one micro-batch, and their count, as
     Megatron-LM's pretrain_gpt.py returns them: megatron-core's schedule divides the sum by the count (the
     micro-batch's mean, averaged over the micro-batches), or with calculate_per_token_loss keeps the sum and
-    divides the gradients by the count of the whole global batch."""
+    divides the gradients by the count of the whole global batch. With `checks`, the sum is validated by the
+    rerun state machine, as pretrain_gpt.py's loss_func does."""
     loss_mask = loss_mask.float()
     total = (per_token_loss.float() * loss_mask).sum()
     count = loss_mask.sum()
+    if checks is not None:  # on a copy: the machine keeps it to compare with the rerun's, and the schedule
+        rerun.validate_loss(total.detach().clone(), checks)  # divides `total` in place
     # The schedule divides the returned sum in place; report a copy.
     return total, count.to(torch.int), {"lm loss": torch.stack([total.detach().clone(), count])}
 
 
-def forward_step(data_iterator: Iterator[dict], model):
+def forward_step(data_iterator: Iterator[dict], model, *, checks: rerun.Checks | None = None):
     """Batches are dicts with tokens, labels, loss_mask and position_ids, each [batch, sequence], and with
     --reset-attention-mask the attention_mask [batch, 1, sequence, sequence] (True: masked out). Under
     context parallelism this rank takes its two of the 2 x CP chunks of each (Megatron-LM's split; the
@@ -75,7 +81,7 @@ def forward_step(data_iterator: Iterator[dict], model):
     with FORWARD_TIMER if model.training else nullcontext():  # --log-straggler's: training's forward passes
         per_token_loss = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                                labels=batch["labels"])
-    return per_token_loss, partial(language_model_loss, batch["loss_mask"])
+    return per_token_loss, partial(language_model_loss, batch["loss_mask"], checks=checks)
 
 
 def train_step(
@@ -90,6 +96,7 @@ def train_step(
     empty_unused_memory_level: int = 0,
     timers=None,
     barrier_with_l1_time: bool = True,
+    checks: rerun.Checks | None = None,
 ):
     """Forward and backward over the global batch, then one optimizer step unless the loss or the
     gradient norm is not finite, and the lr schedule advanced by `schedule_increment` (1 for a schedule in
@@ -97,15 +104,21 @@ def train_step(
     CUDA caching allocator's unused memory after the forward-backward (1) and also after the step (2). `timers`
     (megatron-core's Timers, or None): the optimizer's step, started after a barrier unless not
     `barrier_with_l1_time` (Megatron-LM's --no-barrier-with-level-1-timing); megatron-core's schedule times the
-    forward-backward pass itself, with the Timers of the model's config.
+    forward-backward pass itself, with the Timers of the model's config. The forward-backward passes run as
+    megatron-core's rerun state machine asks (Megatron-LM's train_step), with the loss `checks`
+    (angpt.training.rerun); raises rerun.ResultValidationExit, before the optimizer step, when it asks to exit.
 
     Returns (loss averaged over the global batch, available on every rank; grad norm; whether the
     optimizer applied the update)."""
-    for chunk in model_chunks:
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    loss = _mean_loss_over_global_batch(data_iterators, model_chunks, num_microbatches, micro_batch_size,
-                                        seq_length, forward_only=False)
+    machine = get_rerun_state_machine()
+    data_iterators = rerun.replayable(data_iterators)
+    while machine.should_run_forward_backward(data_iterators):
+        for chunk in model_chunks:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = _mean_loss_over_global_batch(data_iterators, model_chunks, num_microbatches, micro_batch_size,
+                                            seq_length, forward_only=False, checks=checks)
+    rerun.exit_if_asked()
     if empty_unused_memory_level >= 1:
         torch.cuda.empty_cache()
     timer(timers, "optimizer").start(barrier=barrier_with_l1_time)
@@ -149,10 +162,10 @@ def eval_step(data_iterators, model_chunks, num_microbatches: int, micro_batch_s
 
 
 def _mean_loss_over_global_batch(data_iterators, model_chunks, num_microbatches: int, micro_batch_size: int,
-                                 seq_length: int, forward_only: bool) -> float:
+                                 seq_length: int, forward_only: bool, checks: rerun.Checks | None = None) -> float:
     """megatron-core's schedule over the micro-batches (and backward unless `forward_only`)."""
     losses = get_forward_backward_func()(
-        forward_step_func=forward_step,
+        forward_step_func=partial(forward_step, checks=checks),
         data_iterator=data_iterators,
         model=model_chunks,
         num_microbatches=num_microbatches,

@@ -25,14 +25,21 @@ from megatron.core.timers import Timers
 from megatron.core.utils import get_model_config
 
 from angpt.config.arguments import exit_signals
-from angpt.data.gpt_datasets import TrainingBatches, build_datasets, dataset_vocabulary, micro_batches
+from angpt.data.gpt_datasets import (
+    MicroBatchIndices,
+    TrainingBatches,
+    build_datasets,
+    dataset_vocabulary,
+    describe_samples,
+    micro_batches,
+)
 from angpt.data.indexed import IndexedDatasetError
 from angpt.megatron_compat import parent_watch
 from angpt.telemetry import memory_history
 from angpt.telemetry.monitoring import TrainingMonitor
 from angpt.telemetry.profiling import StepProfiler
 from angpt.telemetry.timers import timer
-from angpt.training import checkpointing, distributed, faults, save_lock
+from angpt.training import checkpointing, distributed, faults, rerun, save_lock
 from angpt.training.batch_schedule import BatchSchedule, set_train_iters
 from angpt.training.checkpointing import TrainState
 from angpt.training.config_from_args import (
@@ -131,6 +138,8 @@ class Trainer:
         self.async_queue = None
         if args.async_save:
             self.async_queue = AsyncCallsQueue()
+        self.checks = rerun.checks(args)
+        rerun.initialize(args, self.state.iteration)
 
         evaluation_samples = args.eval_iters * args.global_batch_size
         # As Megatron-LM: the samples a run by samples asks for, else its iterations' global batches.
@@ -164,8 +173,9 @@ class Trainer:
     # -- data ---------------------------------------------------------------------------------------
     def _iterators(self, batches: list[dict], poison: bool = False):
         if poison:  # fault injection: a NaN loss (and NaN gradients) in this step
-            for batch in batches:
-                batch["loss_mask"] = batch["loss_mask"].float() * float("nan")
+            for number, batch in enumerate(batches, 1):
+                if self.faults.nan_micro_batch in (None, number):
+                    batch["loss_mask"] = batch["loss_mask"].float() * float("nan")
         iterators = [iter(batches) for _ in self.chunks] if len(self.chunks) > 1 else iter(batches)
         return iterators, len(batches)
 
@@ -183,12 +193,15 @@ class Trainer:
         timer(self.timers, "batch-generator").stop()
         iterators, num_micro_batches = self._iterators(batches, poison=iteration in self.faults.nan_iterations)
         lr = get_canonical_lr_for_logging(self.optimizer.param_groups)  # --lr's group (megatron-core's choice)
-        with self.monitor.step(iteration):
-            loss, grad_norm, updated = train_step(iterators, self.chunks, self.optimizer, self.scheduler,
-                                                  num_micro_batches, args.micro_batch_size, args.seq_length,
-                                                  global_batch_size if self.by_samples else 1,
-                                                  args.empty_unused_memory_level, self.timers,
-                                                  args.barrier_with_l1_time)
+        try:
+            with self.monitor.step(iteration):
+                loss, grad_norm, updated = train_step(iterators, self.chunks, self.optimizer, self.scheduler,
+                                                      num_micro_batches, args.micro_batch_size, args.seq_length,
+                                                      global_batch_size if self.by_samples else 1,
+                                                      args.empty_unused_memory_level, self.timers,
+                                                      args.barrier_with_l1_time, self.checks)
+        finally:
+            self._report_failed_checks(iteration, global_batch_size)
         if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
             gc.collect()
         state.iteration = iteration
@@ -203,6 +216,23 @@ class Trainer:
         if args.fp16:
             record.update(loss_scale=self.optimizer.get_loss_scale().item(), calibrating=calibrating)
         return record
+
+    def _report_failed_checks(self, iteration: int, global_batch_size: int) -> None:
+        """One line for each check that failed on this rank in the step, naming the rank and the data: a loss
+        check names its micro-batch's samples, a grad check this rank's share of the global batch."""
+        for finding in rerun.findings():
+            first = self.state.consumed_samples  # the step's first sample: the step is not counted yet
+            micro_batches_here = list(MicroBatchIndices(first, first + global_batch_size, self.args.micro_batch_size,
+                                                        self.dp_rank, self.dp_size))
+            if finding.micro_batch is not None:
+                where = f"micro-batch {finding.micro_batch} of {len(micro_batches_here)}"
+                micro_batches_here = [micro_batches_here[finding.micro_batch - 1]]
+            else:
+                where = "its local grads"
+            samples = [index for indices in micro_batches_here for index in indices]
+            logger.warning("iteration %d, %s, %s: '%s' (%g) %s; training samples %s", iteration, rerun.where(),
+                           where, finding.message, finding.result, finding.outcome,
+                           describe_samples(self.data.train, samples))
 
     def evaluate(self, dataset, name: str) -> Optional[float]:
         """Mean loss over the first --eval-iters global batches of a split: the same samples at every
@@ -324,6 +354,16 @@ class Trainer:
             if self.rank == 0:
                 logger.error("%s", error)
             return 1
+        except rerun.ResultValidationExit as stop:  # before the step's update, as in Megatron-LM
+            if stop.save:
+                self.save()
+            self._finish()
+            if self.rank == 0:
+                saved = (f"; the state before it (iteration {self.state.iteration}) is saved in {args.save}"
+                         if stop.save and args.save else "")
+                logger.error("iteration %d failed its result validation (the lines above name the ranks and "
+                             "data): exiting with %s%s", self.state.iteration + 1, stop, saved)
+            return stop.exit_code
 
     def _finish(self) -> None:
         if self.profiler is not None:
