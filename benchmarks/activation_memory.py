@@ -127,6 +127,18 @@ def recompute_flops(family: str, setting, tokens: int, seq: int, hidden: int, he
     return sum(parts[module] for module in modules)
 
 
+@contextlib.contextmanager
+def attention_environment():
+    """megatron-core exports a config's attention backend as NVTE_* variables and checks them when it builds the
+    model: cleared before each config and after, so that no other model built in this process (a test's) sees
+    this script's backend."""
+    clear_attention_backend_environment()
+    try:
+        yield
+    finally:
+        clear_attention_backend_environment()
+
+
 def layer_config(family: str, args, **overrides):
     return model_config(family, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
                         num_query_groups=args.num_query_groups, attention_backend=AttnBackend[args.attention_backend],
@@ -139,9 +151,9 @@ def per_layer(family: str, mode: str, args, recompute=()) -> float:
     counts = []
     for layers in (2, 1):
         distributed.set_random_seed(0)
-        clear_attention_backend_environment()
-        config = layer_config(family, args, num_layers=layers, **fusions, **recompute_overrides(recompute))
-        model = build_model(config, args.vocab_size, args.seq_length)
+        with attention_environment():
+            config = layer_config(family, args, num_layers=layers, **fusions, **recompute_overrides(recompute))
+            model = build_model(config, args.vocab_size, args.seq_length)
         tokens = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1),
                                generator=torch.Generator().manual_seed(0))
         with kernels.compiled_everywhere() if mode == "compiled" else contextlib.nullcontext():
@@ -155,8 +167,9 @@ def estimated(family: str, args, recompute=()) -> float:
     if recompute == FULL:
         return 1.0  # the layer's input; the rest is recomputed
     tokens = args.micro_batch_size * args.seq_length
-    kept = layer_bytes(layer_config(family, args, num_layers=1), tokens, recompute_modules=tuple(recompute),
-                       bytes_per_element=4)
+    with attention_environment():
+        config = layer_config(family, args, num_layers=1)
+    kept = layer_bytes(config, tokens, recompute_modules=tuple(recompute), bytes_per_element=4)
     return kept / (tokens * args.hidden_size * 4)
 
 
