@@ -95,11 +95,17 @@ def hf_tokenizer(tmp_path_factory):
     return str(directory / "tokenizer")
 
 
+BACKENDS = pytest.mark.parametrize("backend", ["tokenizers", "gigatoken"])
+
+
 @pytest.mark.slow
-def test_golden_bytes(tmp_path, byte_tokenizer):
+@BACKENDS
+def test_golden_bytes(tmp_path, byte_tokenizer, backend):
     corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"text": "abc"}, {"text": "de"}])
-    run_preprocess("--input", corpus, "--output-prefix", tmp_path / "out", "--tokenizer-type", "TikTokenizer",
-                   "--tokenizer-model", byte_tokenizer)
+    done = run_preprocess("--input", corpus, "--output-prefix", tmp_path / "out", "--tokenizer-type", "TikTokenizer",
+                          "--tokenizer-model", byte_tokenizer, "--tokenizer-backend", backend)
+    library = "tiktoken " if backend == "tokenizers" else "gigatoken "
+    assert f"tokenizer backend: {backend} ({library}" in done.stderr
     prefix = tmp_path / "out_text_document"
     assert (tmp_path / "out_text_document.idx").read_bytes() == GOLDEN_IDX
     assert (tmp_path / "out_text_document.bin").read_bytes() == bytes([97, 0, 98, 0, 99, 0, 100, 0, 101, 0])
@@ -109,17 +115,20 @@ def test_golden_bytes(tmp_path, byte_tokenizer):
     assert metadata["tokenizer"]["type"] == "TikTokenizer" and metadata["append_eod"] is False
     assert metadata["special_tokens_as_text"] is False and metadata["empty_documents"] == 0
     assert check_indexed_dataset(str(prefix))["dtype"] == "uint16"
+    assert metadata["tokenizer_backend"]["name"] == backend and metadata["tokenizer_backend"]["chosen"] == "by hand"
 
 
 @pytest.mark.slow
+@BACKENDS
 @pytest.mark.parametrize("as_text", [False, True], ids=["as Megatron-LM", "special tokens as text"])
-def test_golden_bytes_of_empty_documents_and_special_token_text(tmp_path, byte_tokenizer, as_text):
+def test_golden_bytes_of_empty_documents_and_special_token_text(tmp_path, byte_tokenizer, as_text, backend):
     tool = load_tool()
     corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"text": ""}, {"text": "ab"}, {"text": "c<|endoftext|>"},
                                                      {"text": ""}])
     prefix = str(tmp_path / "out_text_document")
     tool.preprocess(tool.parse_args(["--input", corpus, "--output-prefix", str(tmp_path / "out"), "--append-eod",
                                      "--tokenizer-type", "TikTokenizer", "--tokenizer-model", byte_tokenizer,
+                                     "--tokenizer-backend", backend,
                                      *(["--special-tokens-as-text"] if as_text else [])]))
     assert (tmp_path / "out_text_document.idx").read_bytes() == (GOLDEN_AS_TEXT_IDX if as_text else GOLDEN_EMPTY_IDX)
     assert (tmp_path / "out_text_document.bin").read_bytes() == (GOLDEN_AS_TEXT_BIN if as_text else GOLDEN_EMPTY_BIN)
@@ -154,8 +163,12 @@ def test_workers_and_partitions_write_the_same_tokens(tmp_path, hf_tokenizer):
     document_indices = [0, *numpy.cumsum([1 if ids else 0 for ids in documents]).tolist()]
 
     outputs = {}
-    for name, flags in {"w1": ["--workers", 1], "w2": ["--workers", 2],
-                        "p2": ["--workers", 2, "--partitions", 2]}.items():
+    # gigatoken: in this process (g1), in forked workers (g2), in forked partitions, one worker each (gp2).
+    for name, flags in {"w1": ["--workers", 1, "--tokenizer-backend", "tokenizers"],
+                        "w2": ["--workers", 2, "--tokenizer-backend", "tokenizers"],
+                        "p2": ["--workers", 2, "--partitions", 2, "--tokenizer-backend", "tokenizers"],
+                        "g1": ["--workers", 1], "g2": ["--workers", 2, "--tokenizer-backend", "gigatoken"],
+                        "gp2": ["--workers", 2, "--partitions", 2, "--tokenizer-backend", "gigatoken"]}.items():
         prefix = tmp_path / name
         done = run_preprocess("--input", first, tmp_path / "*.jsonl.gz", tmp_path / "c.txt", "--output-prefix",
                               prefix, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hf_tokenizer,
@@ -172,7 +185,8 @@ def test_workers_and_partitions_write_the_same_tokens(tmp_path, hf_tokenizer):
         assert check_indexed_dataset(document_prefix)["dtype"] == "uint16"
         outputs[name] = [open(document_prefix + suffix, "rb").read() for suffix in (".bin", ".idx")]
         assert [path for path in os.listdir(tmp_path) if path.startswith(".")] == []  # no scratch left
-    assert outputs["w1"] == outputs["w2"] == outputs["p2"]
+        assert metadata["tokenizer_backend"]["name"] == ("gigatoken" if name.startswith("g") else "tokenizers")
+    assert outputs["w1"] == outputs["w2"] == outputs["p2"] == outputs["g1"] == outputs["g2"] == outputs["gp2"]
 
 
 @pytest.mark.slow
@@ -206,12 +220,14 @@ def write_with_bad_line(path, bad: bytes) -> str:
 
 
 @pytest.mark.slow
+@BACKENDS
 @pytest.mark.parametrize("reason", BAD_LINES)
-def test_bad_line_stops_with_file_and_line(tmp_path, byte_tokenizer, reason):
+def test_bad_line_stops_with_file_and_line(tmp_path, byte_tokenizer, reason, backend):
     tool = load_tool()
     corpus = write_with_bad_line(tmp_path / "corpus.jsonl", BAD_LINES[reason])
     args = tool.parse_args(["--input", corpus, "--output-prefix", str(tmp_path / "out" / "data"),
-                            "--tokenizer-type", "TikTokenizer", "--tokenizer-model", byte_tokenizer])
+                            "--tokenizer-type", "TikTokenizer", "--tokenizer-model", byte_tokenizer,
+                            "--tokenizer-backend", backend])
     with pytest.raises(tool.InputError, match=rf"^{tmp_path / 'corpus.jsonl'}:4: {reason}: .*--skip-bad-lines"):
         tool.preprocess(args)
     assert os.listdir(tmp_path / "out") == []  # neither outputs nor scratch
