@@ -628,3 +628,54 @@ def test_help_imports_neither_torch_nor_megatron_and_warns_nothing():
     assert "numpy" in modules  # the import times are read
     assert not [module for module in modules if module.split(".")[0] in ("torch", "megatron", "pyarrow", "nltk")]
     assert [line for line in done.stderr.splitlines() if not line.startswith("import time:")] == []
+
+
+def write_sharded_corpus(directory) -> list:
+    """Inputs of every kind: JSON lines cut between lines (blank lines, an empty document, a long line), gzip and
+    .txt files taken whole, an empty file."""
+    directory.mkdir()
+    write_jsonl(directory / "a.jsonl", [{"text": f"document {i} " * (i % 13)} for i in range(120)] + [""] * 3
+                + [{"text": "x" * 5000}, {"text": ""}])
+    with gzip.open(directory / "b.jsonl.gz", "wt", encoding="utf-8") as file:
+        file.writelines(json.dumps({"text": f"gz {i}"}) + "\n" for i in range(30))
+    (directory / "c.txt").write_text("a whole file\n", encoding="utf-8")
+    (directory / "d.jsonl").write_bytes(b"")
+    write_jsonl(directory / "e.jsonl", [{"text": f"last file {i}"} for i in range(40)])
+    return [str(directory / name) for name in ("a.jsonl", "b.jsonl.gz", "c.txt", "d.jsonl", "e.jsonl")]
+
+
+def test_shards_hold_every_document_once_in_order(tmp_path):
+    tool = load_tool()
+    paths = write_sharded_corpus(tmp_path / "corpus")
+    whole = list(tool.iter_inputs([(path, None, None) for path in paths], ["text"]))
+    for shards in range(1, 10):
+        parts = [tool.shard_inputs(paths, shard, shards) for shard in range(shards)]
+        assert [record for shard in parts for record in tool.iter_inputs(shard, ["text"])] == whole, shards
+        assert sum(tool.count_inputs(shard, ["text"]) for shard in parts) == len(whole)
+
+
+@pytest.mark.slow
+def test_merged_shards_are_the_bytes_of_one_run(tmp_path, byte_tokenizer):
+    tool = load_tool()
+    merge_spec = importlib.util.spec_from_file_location("merge_datasets", os.path.join(ROOT, "tools",
+                                                                                        "merge_datasets.py"))
+    merge_tool = importlib.util.module_from_spec(merge_spec)
+    merge_spec.loader.exec_module(merge_tool)
+    paths = write_sharded_corpus(tmp_path / "corpus")
+    flags = ["--input", *paths, "--tokenizer-type", "TikTokenizer", "--tokenizer-model", byte_tokenizer,
+             "--append-eod"]
+    tool.preprocess(tool.parse_args(flags + ["--output-prefix", str(tmp_path / "one" / "corpus")]))
+    for shard in range(3):  # zero-padded, so that the merge's sorted order is the shards'
+        tool.preprocess(tool.parse_args(flags + ["--output-prefix", str(tmp_path / "shards" / f"corpus{shard:05d}"),
+                                                 "--shard", f"{shard}/3", *(["--workers", "2"] if shard else [])]))
+    merge_tool.merge(str(tmp_path / "shards"), str(tmp_path / "merged"))
+    one = str(tmp_path / "one" / "corpus_text_document")
+    for suffix in (".bin", ".idx"):
+        assert open(one + suffix, "rb").read() == (tmp_path / f"merged{suffix}").read_bytes()
+    expected, merged = read_metadata(one), read_metadata(str(tmp_path / "merged"))
+    for key in ("documents", "tokens", "empty_documents", "sequences", "max_token_id", "tokenizer", "eod"):
+        assert merged[key] == expected[key], key
+    # 122 + 30 + 1 + 40 documents; 11 empty: i % 13 == 0 below 120, and the text ""
+    assert expected["empty_documents"] == 11 and check_indexed_dataset(str(tmp_path / "merged"))["documents"] == 193
+    with pytest.raises(SystemExit):
+        tool.parse_args(flags + ["--output-prefix", "x", "--shard", "3/3"])

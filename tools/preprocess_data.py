@@ -61,8 +61,9 @@ from angpt.data.corpus import (
     InputError,
     expand_inputs,
     is_text_file,
-    iter_records,
+    iter_file_records,
     parse_record,
+    shard_inputs,
 )
 from angpt.data.tokenizers import (
     TIKTOKEN_NUM_SPECIAL_TOKENS,
@@ -163,17 +164,17 @@ def parse_row(row: ParquetRow, keys: list) -> "dict[str, str] | BadRow":
     return dict(zip(keys, row.texts))
 
 
-def iter_inputs(paths: list, keys: list):
-    """The documents of every input in order: JSON lines and `.txt` files as Records, Parquet rows as
-    ParquetRows."""
-    for path in paths:
-        yield from iter_parquet_rows(path, keys) if is_parquet(path) else iter_records([path])
+def iter_inputs(parts: list, keys: list):
+    """The documents of every input part (path, start, stop) in order: JSON lines and `.txt` files as Records,
+    Parquet rows as ParquetRows."""
+    for path, start, stop in parts:
+        yield from iter_parquet_rows(path, keys) if is_parquet(path) else iter_file_records(path, start, stop)
 
 
-def count_inputs(paths: list, keys: list) -> int:
-    """The documents of every input (and bad lines): a Parquet file's footer counts its rows."""
-    return sum(open_parquet(path, keys).metadata.num_rows if is_parquet(path) else sum(1 for _ in iter_records([path]))
-               for path in paths)
+def count_inputs(parts: list, keys: list) -> int:
+    """The documents of every input part (and bad lines): a Parquet file's footer counts its rows."""
+    return sum(open_parquet(path, keys).metadata.num_rows if is_parquet(path)
+               else sum(1 for _ in iter_file_records(path, start, stop)) for path, start, stop in parts)
 
 
 def record_bytes(record) -> int:
@@ -247,7 +248,7 @@ class EncodedBatch:
 
 @dataclass
 class PartitionJob:
-    paths: list
+    parts: list  # (path, start, stop) of the inputs: this shard's (--shard), or every file whole
     start: int  # records [start, stop) of the input, in order; stop None: to the end
     stop: Optional[int]
     output_prefixes: dict  # key -> prefix of this partition's .bin/.idx
@@ -413,7 +414,7 @@ def tokenize_partition(job: PartitionJob) -> Stats:
 
     with pool:
         pending = deque()
-        for records in batches(islice(iter_inputs(job.paths, job.keys), job.start, job.stop)):
+        for records in batches(islice(iter_inputs(job.parts, job.keys), job.start, job.stop)):
             pending.append(pool.apply_async(encode_batch, (records,)))
             if len(pending) >= BATCHES_IN_FLIGHT_PER_WORKER * job.workers:
                 write(pending.popleft().get())
@@ -477,6 +478,17 @@ def merge_partitions(parts: list, prefix: str, dtype: type) -> None:
     builder.finalize(prefix + ".idx")
 
 
+def shard_spec(text: str) -> tuple:
+    """--shard I/N: (I, N), 0 <= I < N."""
+    try:
+        shard, shards = map(int, text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give I/N, e.g. 0/8") from None
+    if not 0 <= shard < shards:
+        raise argparse.ArgumentTypeError(f"{text!r}: I counts from 0 and is below N")
+    return shard, shards
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     group = parser.add_argument_group("input data")
@@ -530,6 +542,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     group.add_argument("--workers", type=int, default=1, help="tokenizing processes (in all partitions together)")
     group.add_argument("--partitions", type=int, default=1, help="contiguous parts of the input run side by side")
     group.add_argument("--log-interval", type=int, default=1000, help="log progress every this many documents")
+    group.add_argument("--shard", type=shard_spec, default=(0, 1), metavar="I/N",
+                       help="write shard I (from 0) of N: the documents that begin in the I-th of N equal byte ranges "
+                            "of the inputs (an uncompressed .jsonl cut between lines, any other file whole), for N "
+                            "processes on N machines; tools/merge_datasets.py concatenates the N datasets into the "
+                            "one a single run writes (examples/preprocess.slurm)")
     args = parser.parse_args(argv)
     for flag in ("workers", "partitions", "log_interval"):
         if getattr(args, flag) < 1:
@@ -551,6 +568,8 @@ def preprocess(args: argparse.Namespace) -> dict:
     paths = expand_inputs(args.input)
     if len(args.json_keys) > 1 and any(is_text_file(path) for path in paths):
         raise InputError("a .txt input is one document of one text: give a single --json-keys key")
+    shard, shards = args.shard
+    parts = shard_inputs(paths, shard, shards) if shards > 1 else [(path, None, None) for path in paths]
     for path in paths:  # a missing column stops the run before it starts, not when the file's turn comes
         if is_parquet(path):
             open_parquet(path, args.json_keys)
@@ -580,7 +599,7 @@ def preprocess(args: argparse.Namespace) -> dict:
 
         def job(index: int, start: int, stop: Optional[int], part_name: str) -> PartitionJob:
             return PartitionJob(
-                paths=paths, start=start, stop=stop,
+                parts=parts, start=start, stop=stop,
                 output_prefixes={key: os.path.join(scratch, part_name + key) for key in args.json_keys},
                 tokenizer=tokenizer, splitter=splitter, keys=args.json_keys, append_eod=args.append_eod, dtype=dtype,
                 workers=workers_per_partition, threads_per_worker=threads_per_worker,
@@ -590,7 +609,7 @@ def preprocess(args: argparse.Namespace) -> dict:
         if args.partitions == 1:
             stats.add(tokenize_partition(job(0, 0, None, part_name="")))
         else:
-            records = count_inputs(paths, args.json_keys)
+            records = count_inputs(parts, args.json_keys)
             bounds = [records * index // args.partitions for index in range(args.partitions + 1)]
             jobs = [job(index, bounds[index], bounds[index + 1], f"part{index}_") for index in range(args.partitions)]
             for partition_stats in run_partitions(jobs):
@@ -611,6 +630,7 @@ def preprocess(args: argparse.Namespace) -> dict:
                 "max_token_id": stats.max_token_id.get(key),
                 "dtype": dtype.__name__, "json_key": key, "empty_documents": stats.empty[key],
                 "skipped_lines": dict(stats.bad_lines), "input": [os.path.abspath(path) for path in paths],
+                "shard": f"{shard}/{shards}",
                 # sequences: the .idx's, one per sentence with --split-sentences (sentences of no tokens dropped).
                 "split_sentences": args.split_sentences, "sequences": stats.sequences[key],
             }
