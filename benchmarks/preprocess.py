@@ -251,17 +251,43 @@ def compare_backends(args, bpe: str) -> None:
               f"{memory:>9} {seconds / (fastest * size):14.2f}")
 
 
+def cache_growth(bpe: str, megabytes: int) -> None:
+    """gigatoken's resident memory over `megabytes` of random words (1 MB batches, nearly every piece new: the
+    worst case of its caches), without a bound and with the tool's (GigatokenTokenizer)."""
+    reference = build_tokenizer("HuggingFaceTokenizer", bpe)
+    rng = numpy.random.default_rng(0)
+    alphabet = numpy.frombuffer(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789     ", numpy.uint8)
+    bounded, _ = select_backend(reference, "gigatoken")
+    unbounded = bounded.build()
+    process = psutil.Process()
+    for label in ("unbounded", "bounded"):
+        encode = unbounded.encode_batch if label == "unbounded" else bounded.encode_flat
+        start = process.memory_info().rss
+        for step in range(1, megabytes + 1):
+            text = alphabet[rng.integers(0, len(alphabet), 1_000_000)].tobytes().decode()
+            encode([text[offset:offset + 10_000] for offset in range(0, len(text), 10_000)])
+            if step % 20 == 0:
+                print(f"gigatoken caches, {label}: {step} MB of random words, resident memory "
+                      f"+{(process.memory_info().rss - start) / 2**20:.0f} MiB")
+        unbounded = encode = None  # its caches go before the bounded run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "angpt-preprocess-benchmark"))
     parser.add_argument("--megabytes", type=float, default=60, help="distinct text of the backends' comparison")
     parser.add_argument("--megatron-lm", help="a Megatron-LM checkout, whose tools run beside ours")
     parser.add_argument("--steady-state", action="store_true", help="then the table of the example corpus")
+    parser.add_argument("--cache-growth", type=int, metavar="MB",
+                        help="only gigatoken's memory over this many MB of random words, bounded or not")
     parser.add_argument("--document-bytes", type=int, default=2000)
     parser.add_argument("--copies", type=int, default=4, help="copies of the corpus in the larger runs")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each measurement; the best counts")
     args = parser.parse_args()
     os.makedirs(args.work_dir, exist_ok=True)
+    if args.cache_growth:
+        cache_growth(prepare_bpe(args.work_dir)[1], args.cache_growth)
+        return
     compare_backends(args, prepare_bpe(args.work_dir)[1])
     if not args.steady_state:
         return

@@ -27,6 +27,7 @@ from itertools import chain
 from typing import Optional, Protocol
 
 import numpy
+import psutil
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 from tiktoken_ext.openai_public import r50k_pat_str
@@ -370,20 +371,14 @@ PROBE_TEXTS = [
     "\x00\x01\x7f control", "ǅungla ǈ ǋ ẞ ß", "ab" * 700 + " " + "\n" * 50,
 ]
 # gigatoken keeps every piece of text it has encoded, and its ids, in caches that grow without bound on
-# distinct text: 7 MiB per MB of random words (benchmarks/preprocess.py), 900 MiB after 120 MB. The encoder is
-# rebuilt (0.3-0.9 s for a 32k BPE here) when the process's resident memory has grown by this much since it
-# was built; natural text, whose pieces repeat, rarely gets there.
+# distinct text: 7 MiB per MB of random words, 900 MiB after 120 MB (benchmarks/preprocess.py --cache-growth).
+# The encoder is rebuilt (0.3-0.9 s for a 32k BPE here) when the process's resident memory has grown by this
+# much since it was built; natural text, whose pieces repeat, rarely gets there.
 GIGATOKEN_CACHE_BYTES = 512 << 20
 
 
 class TokenizerBackendError(ValueError):
     """gigatoken cannot encode as the tokenizer does: the reason, or the first text it encodes differently."""
-
-
-def resident_bytes() -> int:
-    """This process's resident memory, from /proc (microseconds, unlike a walk of the heap)."""
-    with open("/proc/self/statm") as file:
-        return int(file.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 class GigatokenTokenizer:
@@ -409,7 +404,7 @@ class GigatokenTokenizer:
     def _rebuild(self) -> None:
         self.encoder = None  # its caches go before the new encoder's grow
         self.encoder = self.build()
-        self.built_at = resident_bytes()
+        self.built_at = psutil.Process().memory_info().rss
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         ids, lengths = self.encode_flat(texts)
@@ -420,7 +415,7 @@ class GigatokenTokenizer:
         # The jagged array's flat ids and offsets, without a copy.
         ids = numpy.asarray(encoded.layout.content.data)
         lengths = numpy.diff(numpy.asarray(encoded.layout.offsets.data))
-        if resident_bytes() - self.built_at > GIGATOKEN_CACHE_BYTES:
+        if psutil.Process().memory_info().rss - self.built_at > GIGATOKEN_CACHE_BYTES:
             self.rebuilds += 1
             self._rebuild()
         return ids, lengths
