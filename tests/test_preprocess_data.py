@@ -163,17 +163,23 @@ def test_workers_and_partitions_write_the_same_tokens(tmp_path, hf_tokenizer):
     document_indices = [0, *numpy.cumsum([1 if ids else 0 for ids in documents]).tolist()]
 
     outputs = {}
-    # gigatoken: in this process (g1), in forked workers (g2), in forked partitions, one worker each (gp2).
+    tool = load_tool()
+    # gigatoken: in the tool's process (g1), in forked workers (g2), in forked partitions, one worker each (gp2);
+    # run in this process (its start-up is the others'), and its "Processed" lines checked by the others.
     for name, flags in {"w1": ["--workers", 1, "--tokenizer-backend", "tokenizers"],
                         "w2": ["--workers", 2, "--tokenizer-backend", "tokenizers"],
                         "p2": ["--workers", 2, "--partitions", 2, "--tokenizer-backend", "tokenizers"],
                         "g1": ["--workers", 1], "g2": ["--workers", 2, "--tokenizer-backend", "gigatoken"],
                         "gp2": ["--workers", 2, "--partitions", 2, "--tokenizer-backend", "gigatoken"]}.items():
         prefix = tmp_path / name
-        done = run_preprocess("--input", first, tmp_path / "*.jsonl.gz", tmp_path / "c.txt", "--output-prefix",
-                              prefix, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hf_tokenizer,
-                              "--append-eod", "--log-interval", 100, *flags)
-        assert re.search(r"^Processed [1-9]\d* documents \(", done.stderr, re.MULTILINE)  # --log-interval
+        command = ["--input", first, tmp_path / "*.jsonl.gz", tmp_path / "c.txt", "--output-prefix", prefix,
+                   "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hf_tokenizer, "--append-eod",
+                   "--log-interval", 100, *flags]
+        if name.startswith("g"):
+            tool.preprocess(tool.parse_args(list(map(str, command))))
+        else:
+            done = run_preprocess(*command)
+            assert re.search(r"^Processed [1-9]\d* documents \(", done.stderr, re.MULTILINE)  # --log-interval
         document_prefix = f"{prefix}_text_document"
         assert read_documents(document_prefix) == expected, name
         assert IndexedDataset(document_prefix).document_indices.tolist() == document_indices, name

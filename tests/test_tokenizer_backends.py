@@ -72,6 +72,7 @@ def tokenizer_flags(kind: str, trained, byte_ranks) -> dict:
             "TikTokenizer": dict(tokenizer_type="TikTokenizer", tokenizer_model=byte_ranks)}[kind]
 
 
+@pytest.mark.slow  # 1-4 s each: MBs of text through tokenizers
 @pytest.mark.parametrize("as_text", [False, True], ids=["special tokens", "special tokens as text"])
 @pytest.mark.parametrize("kind", ["HuggingFaceTokenizer", "GPT2BPETokenizer", "TikTokenizer"])
 def test_gigatoken_encodes_every_document_as_the_tokenizer(trained, byte_ranks, kind, as_text):
