@@ -28,6 +28,11 @@ even with --append-eod), and encodes special-token text in a document as that to
 never reads it from text). Web text can hold that string; --special-tokens-as-text encodes it as ordinary text,
 so that only --append-eod ends a document (the .json records the choice).
 
+--tokenizer-backend: gigatoken encodes, where its ids are the tokenizer's own (HuggingFaceTokenizer,
+GPT2BPETokenizer, a .tiktoken ranks file; checked at start-up, else the tokenizer's own library encodes and the
+log says why); the log and the .json name the backend. --shard I/N writes the I-th of N shards of the input for
+N processes on N machines; tools/merge_datasets.py merges them into the bytes of one run.
+
 Documents are tokenized in batches by --workers processes and written in input order while the input streams
 through, so memory stays flat as the corpus grows. --partitions N splits the input into N contiguous parts
 processed side by side (--workers // N workers each) and merges them in order: the result is the same.
