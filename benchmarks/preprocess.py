@@ -1,7 +1,22 @@
 #!/usr/bin/env python
 """Throughput of tools/preprocess_data.py against the tokenizer's own ceiling, side by side in one run.
 
-    python benchmarks/preprocess.py [--work-dir DIR] [--document-bytes 2000]
+    python benchmarks/preprocess.py [--work-dir DIR] [--megabytes 60] [--megatron-lm CHECKOUT] [--steady-state]
+
+First, the backends side by side (--tokenizer-backend), on --megabytes of distinct text: the `.py` files of
+this Python's site-packages, one document each (no corpus copies: gigatoken's caches would make repeated text
+mostly cache hits). For the 32k byte-level BPE below, each row gives wall time, MB/s and tokens/s of text,
+peak memory (PSS over the process tree) and the ratio to the fastest bare call: the tokenizer alone, encoding
+every document in this process (`tokenizers`' encode_batch, gigatoken's), then the tool with each backend and
+1 or 2 workers, and the tool on 4x as much distinct text (peak memory flat in the corpus size). "wall" is the
+whole command, start-up included (imports, loading the tokenizer twice: its own library and gigatoken). Every
+document's ids are compared between the two backends (the count of documents compared is printed).
+With --megatron-lm CHECKOUT (a Megatron-LM source tree: `git clone https://github.com/NVIDIA/Megatron-LM`, or
+`git -C MIRROR archive core_v0.16.1 | tar -x -C CHECKOUT`), its tools/preprocess_data.py with the same
+tokenizer and --workers 2 is a row too, and its tools/preprocess_data_fast.py (--use-gigatoken; Megatron-LM's
+main branch after core_v0.16.1) where the checkout has it.
+
+With --steady-state, the table below follows:
 
 On the example corpus (tools/fetch_example_corpus.py, cut into documents of about --document-bytes) and for
 a 32k byte-level BPE (tools/train_tokenizer.py) and tiktoken with GPT-2's ranks (tools/fetch_gpt2_bpe.py),
@@ -23,12 +38,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
+import numpy
 import psutil
 import pyarrow
 import pyarrow.parquet
 
-from angpt.data.tokenizers import build_tokenizer
+from angpt.data.tokenizers import build_tokenizer, select_backend
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 TOOLS = os.path.join(ROOT, "tools")
@@ -73,7 +90,8 @@ def cut_documents(source: str, document_bytes: int) -> list:
     return documents
 
 
-def prepare(work_dir: str, document_bytes: int) -> tuple:
+def prepare_bpe(work_dir: str) -> tuple:
+    """(the example corpus's directory, the 32k byte-level BPE trained on it)."""
     corpus = os.path.join(work_dir, "corpus")
     if not os.path.isfile(os.path.join(corpus, "train.jsonl")):
         run_tool("fetch_example_corpus.py", "--output-dir", corpus)
@@ -81,6 +99,11 @@ def prepare(work_dir: str, document_bytes: int) -> tuple:
     if not os.path.isfile(os.path.join(bpe, "tokenizer.json")):
         run_tool("train_tokenizer.py", "--input", os.path.join(corpus, "train.jsonl"), "--vocab-size", "32000",
                  "--output-dir", bpe)
+    return corpus, bpe
+
+
+def prepare(work_dir: str, document_bytes: int) -> tuple:
+    corpus, bpe = prepare_bpe(work_dir)
     gpt2 = os.path.join(work_dir, "gpt2.tiktoken")
     if not os.path.isfile(gpt2):
         run_tool("fetch_gpt2_bpe.py", "--output", gpt2)
@@ -125,14 +148,149 @@ def run_preprocess(documents_path: str, tokenizer_flags: list, workers: int, out
     return wall, float(DONE.search(stderr).group(1)), peak
 
 
+def site_packages_texts(megabytes: float) -> list:
+    """The distinct `.py` files of this Python's site-packages, in path order, up to `megabytes` of text."""
+    import glob  # noqa: PLC0415 (this function only)
+    import site  # noqa: PLC0415 (as glob)
+
+    texts, seen, size = [], set(), 0
+    for root in site.getsitepackages():
+        for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
+            try:
+                with open(path, encoding="utf-8") as file:
+                    text = file.read()
+            except (UnicodeDecodeError, OSError):
+                continue
+            if text in seen:
+                continue
+            seen.add(text)
+            texts.append(text)
+            size += len(text.encode())
+            if size >= megabytes * 1e6:
+                return texts
+    return texts
+
+
+def measure(command: list, env: Optional[dict] = None) -> tuple:
+    """(wall seconds, peak PSS summed over the process tree) of a command."""
+    started = time.perf_counter()
+    process = psutil.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    peak = 0
+    while process.poll() is None:
+        try:
+            peak = max(peak, sum(member.memory_full_info().pss
+                                 for member in [process, *process.children(recursive=True)]))
+        except psutil.NoSuchProcess:
+            pass
+        time.sleep(0.05)
+    wall = time.perf_counter() - started
+    stderr = process.stderr.read()
+    if process.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{stderr[-3000:]}")
+    return wall, peak
+
+
+def bare_call(encode, texts: list, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        encode(texts)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def compare_backends(args, bpe: str) -> None:
+    texts = site_packages_texts(args.megabytes)
+    large = site_packages_texts(4 * args.megabytes)
+    megabytes = sum(len(text.encode()) for text in texts) / 1e6
+    large_megabytes = sum(len(text.encode()) for text in large) / 1e6
+    documents = write_documents(os.path.join(args.work_dir, "site.jsonl"), texts)
+    large_documents = write_documents(os.path.join(args.work_dir, "site_x4.jsonl"), large)
+    flags = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", bpe]
+    reference = build_tokenizer("HuggingFaceTokenizer", bpe)
+    fast, _ = select_backend(reference, "gigatoken")
+    ids, lengths = fast.encode_flat(texts)
+    expected = reference.encode_batch(texts)
+    same = sum(part.tolist() == document for part, document
+               in zip(numpy.split(ids, numpy.cumsum(lengths)[:-1]), expected))
+    tokens = len(ids)
+    print(f"\n{len(texts):,} distinct documents, {megabytes:.1f} MB (site-packages .py files), {tokens:,} tokens; "
+          f"gigatoken's ids equal tokenizers' for {same:,} of {len(texts):,} documents; {os.cpu_count()} cores; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    rows = [("tokenizers encode_batch, bare", bare_call(reference.encode_batch, texts, 1), None, megabytes),
+            ("gigatoken encode_batch, bare", bare_call(fast.encode_flat, texts, args.repeats), None, megabytes)]
+    out = os.path.join(args.work_dir, "out")
+    tool = [sys.executable, os.path.join(TOOLS, "preprocess_data.py"), "--output-prefix", out, *flags, "--append-eod"]
+    for backend in ("tokenizers", "gigatoken"):
+        for workers in (1, 2):
+            runs = [measure(tool + ["--input", documents, "--tokenizer-backend", backend, "--workers", str(workers)])
+                    for _ in range(1 if backend == "tokenizers" else args.repeats)]
+            rows.append((f"ours, {backend}, --workers {workers}", min(runs)[0], max(run[1] for run in runs), megabytes))
+    rows.append(("ours, gigatoken, --workers 1, x4 text", *measure(
+        tool + ["--input", large_documents, "--workers", "1"]), large_megabytes))
+    if args.megatron_lm:
+        env = {**os.environ, "PYTHONPATH": args.megatron_lm}
+        commands = {"Megatron-LM preprocess_data.py, --workers 2": [
+            os.path.join(args.megatron_lm, "tools", "preprocess_data.py"), "--workers", "2"]}
+        if os.path.isfile(os.path.join(args.megatron_lm, "tools", "preprocess_data_fast.py")):
+            commands["Megatron-LM preprocess_data_fast.py"] = [
+                os.path.join(args.megatron_lm, "tools", "preprocess_data_fast.py"), "--use-gigatoken"]
+        for label, (script, *extra) in commands.items():
+            try:
+                rows.append((label, *measure([sys.executable, script, "--input", documents, "--output-prefix",
+                                              out + "_megatron", *flags, "--append-eod", *extra], env), megabytes))
+            except RuntimeError as error:  # e.g. Megatron-LM's imports need triton, which CPU machines lack
+                print(f"{label}: failed: {str(error).strip().splitlines()[-1]}")
+    fastest = rows[1][1] / megabytes  # seconds per MB of the fastest bare call
+    header = f"{'run':46} {'wall s':>7} {'MB/s':>7} {'tokens/s':>10} {'peak PSS':>9} {'÷ fastest bare':>14}"
+    print(header)
+    print("-" * len(header))
+    for label, seconds, peak, size in rows:
+        memory = f"{peak / 2**20:6.0f} MB" if peak else ""
+        print(f"{label:46} {seconds:7.2f} {size / seconds:7.2f} {tokens * size / megabytes / seconds:10.0f} "
+              f"{memory:>9} {seconds / (fastest * size):14.2f}")
+
+
+def cache_growth(bpe: str, megabytes: int) -> None:
+    """gigatoken's resident memory over `megabytes` of random words (1 MB batches, nearly every piece new: the
+    worst case of its caches), without a bound and with the tool's (GigatokenTokenizer)."""
+    reference = build_tokenizer("HuggingFaceTokenizer", bpe)
+    rng = numpy.random.default_rng(0)
+    alphabet = numpy.frombuffer(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789     ", numpy.uint8)
+    bounded, _ = select_backend(reference, "gigatoken")
+    unbounded = bounded.build()
+    process = psutil.Process()
+    for label in ("unbounded", "bounded"):
+        encode = unbounded.encode_batch if label == "unbounded" else bounded.encode_flat
+        start = process.memory_info().rss
+        for step in range(1, megabytes + 1):
+            text = alphabet[rng.integers(0, len(alphabet), 1_000_000)].tobytes().decode()
+            encode([text[offset:offset + 10_000] for offset in range(0, len(text), 10_000)])
+            if step % 20 == 0:
+                print(f"gigatoken caches, {label}: {step} MB of random words, resident memory "
+                      f"+{(process.memory_info().rss - start) / 2**20:.0f} MiB")
+        unbounded = encode = None  # its caches go before the bounded run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "angpt-preprocess-benchmark"))
+    parser.add_argument("--megabytes", type=float, default=60, help="distinct text of the backends' comparison")
+    parser.add_argument("--megatron-lm", help="a Megatron-LM checkout, whose tools run beside ours")
+    parser.add_argument("--steady-state", action="store_true", help="then the table of the example corpus")
+    parser.add_argument("--cache-growth", type=int, metavar="MB",
+                        help="only gigatoken's memory over this many MB of random words, bounded or not")
     parser.add_argument("--document-bytes", type=int, default=2000)
     parser.add_argument("--copies", type=int, default=4, help="copies of the corpus in the larger runs")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each measurement; the best counts")
     args = parser.parse_args()
     os.makedirs(args.work_dir, exist_ok=True)
+    if args.cache_growth:
+        cache_growth(prepare_bpe(args.work_dir)[1], args.cache_growth)
+        return
+    compare_backends(args, prepare_bpe(args.work_dir)[1])
+    if not args.steady_state:
+        return
     texts, tokenizers = prepare(args.work_dir, args.document_bytes)
     documents_path = write_documents(os.path.join(args.work_dir, "documents.jsonl"), texts)
     copies_path = write_documents(os.path.join(args.work_dir, f"documents_x{args.copies}.jsonl"), texts, args.copies)

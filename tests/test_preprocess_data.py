@@ -95,11 +95,17 @@ def hf_tokenizer(tmp_path_factory):
     return str(directory / "tokenizer")
 
 
+BACKENDS = pytest.mark.parametrize("backend", ["tokenizers", "gigatoken"])
+
+
 @pytest.mark.slow
-def test_golden_bytes(tmp_path, byte_tokenizer):
+@BACKENDS
+def test_golden_bytes(tmp_path, byte_tokenizer, backend):
     corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"text": "abc"}, {"text": "de"}])
-    run_preprocess("--input", corpus, "--output-prefix", tmp_path / "out", "--tokenizer-type", "TikTokenizer",
-                   "--tokenizer-model", byte_tokenizer)
+    done = run_preprocess("--input", corpus, "--output-prefix", tmp_path / "out", "--tokenizer-type", "TikTokenizer",
+                          "--tokenizer-model", byte_tokenizer, "--tokenizer-backend", backend)
+    library = "tiktoken " if backend == "tokenizers" else "gigatoken "
+    assert f"tokenizer backend: {backend} ({library}" in done.stderr
     prefix = tmp_path / "out_text_document"
     assert (tmp_path / "out_text_document.idx").read_bytes() == GOLDEN_IDX
     assert (tmp_path / "out_text_document.bin").read_bytes() == bytes([97, 0, 98, 0, 99, 0, 100, 0, 101, 0])
@@ -109,17 +115,20 @@ def test_golden_bytes(tmp_path, byte_tokenizer):
     assert metadata["tokenizer"]["type"] == "TikTokenizer" and metadata["append_eod"] is False
     assert metadata["special_tokens_as_text"] is False and metadata["empty_documents"] == 0
     assert check_indexed_dataset(str(prefix))["dtype"] == "uint16"
+    assert metadata["tokenizer_backend"]["name"] == backend and metadata["tokenizer_backend"]["chosen"] == "by hand"
 
 
 @pytest.mark.slow
+@BACKENDS
 @pytest.mark.parametrize("as_text", [False, True], ids=["as Megatron-LM", "special tokens as text"])
-def test_golden_bytes_of_empty_documents_and_special_token_text(tmp_path, byte_tokenizer, as_text):
+def test_golden_bytes_of_empty_documents_and_special_token_text(tmp_path, byte_tokenizer, as_text, backend):
     tool = load_tool()
     corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"text": ""}, {"text": "ab"}, {"text": "c<|endoftext|>"},
                                                      {"text": ""}])
     prefix = str(tmp_path / "out_text_document")
     tool.preprocess(tool.parse_args(["--input", corpus, "--output-prefix", str(tmp_path / "out"), "--append-eod",
                                      "--tokenizer-type", "TikTokenizer", "--tokenizer-model", byte_tokenizer,
+                                     "--tokenizer-backend", backend,
                                      *(["--special-tokens-as-text"] if as_text else [])]))
     assert (tmp_path / "out_text_document.idx").read_bytes() == (GOLDEN_AS_TEXT_IDX if as_text else GOLDEN_EMPTY_IDX)
     assert (tmp_path / "out_text_document.bin").read_bytes() == (GOLDEN_AS_TEXT_BIN if as_text else GOLDEN_EMPTY_BIN)
@@ -154,13 +163,23 @@ def test_workers_and_partitions_write_the_same_tokens(tmp_path, hf_tokenizer):
     document_indices = [0, *numpy.cumsum([1 if ids else 0 for ids in documents]).tolist()]
 
     outputs = {}
-    for name, flags in {"w1": ["--workers", 1], "w2": ["--workers", 2],
-                        "p2": ["--workers", 2, "--partitions", 2]}.items():
+    tool = load_tool()
+    # gigatoken: in the tool's process (g1), in forked workers (g2), in forked partitions, one worker each (gp2);
+    # run in this process (its start-up is the others'), and its "Processed" lines checked by the others.
+    for name, flags in {"w1": ["--workers", 1, "--tokenizer-backend", "tokenizers"],
+                        "w2": ["--workers", 2, "--tokenizer-backend", "tokenizers"],
+                        "p2": ["--workers", 2, "--partitions", 2, "--tokenizer-backend", "tokenizers"],
+                        "g1": ["--workers", 1], "g2": ["--workers", 2, "--tokenizer-backend", "gigatoken"],
+                        "gp2": ["--workers", 2, "--partitions", 2, "--tokenizer-backend", "gigatoken"]}.items():
         prefix = tmp_path / name
-        done = run_preprocess("--input", first, tmp_path / "*.jsonl.gz", tmp_path / "c.txt", "--output-prefix",
-                              prefix, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hf_tokenizer,
-                              "--append-eod", "--log-interval", 100, *flags)
-        assert re.search(r"^Processed [1-9]\d* documents \(", done.stderr, re.MULTILINE)  # --log-interval
+        command = ["--input", first, tmp_path / "*.jsonl.gz", tmp_path / "c.txt", "--output-prefix", prefix,
+                   "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hf_tokenizer, "--append-eod",
+                   "--log-interval", 100, *flags]
+        if name.startswith("g"):
+            tool.preprocess(tool.parse_args(list(map(str, command))))
+        else:
+            done = run_preprocess(*command)
+            assert re.search(r"^Processed [1-9]\d* documents \(", done.stderr, re.MULTILINE)  # --log-interval
         document_prefix = f"{prefix}_text_document"
         assert read_documents(document_prefix) == expected, name
         assert IndexedDataset(document_prefix).document_indices.tolist() == document_indices, name
@@ -172,7 +191,8 @@ def test_workers_and_partitions_write_the_same_tokens(tmp_path, hf_tokenizer):
         assert check_indexed_dataset(document_prefix)["dtype"] == "uint16"
         outputs[name] = [open(document_prefix + suffix, "rb").read() for suffix in (".bin", ".idx")]
         assert [path for path in os.listdir(tmp_path) if path.startswith(".")] == []  # no scratch left
-    assert outputs["w1"] == outputs["w2"] == outputs["p2"]
+        assert metadata["tokenizer_backend"]["name"] == ("gigatoken" if name.startswith("g") else "tokenizers")
+    assert outputs["w1"] == outputs["w2"] == outputs["p2"] == outputs["g1"] == outputs["g2"] == outputs["gp2"]
 
 
 @pytest.mark.slow
@@ -206,12 +226,14 @@ def write_with_bad_line(path, bad: bytes) -> str:
 
 
 @pytest.mark.slow
+@BACKENDS
 @pytest.mark.parametrize("reason", BAD_LINES)
-def test_bad_line_stops_with_file_and_line(tmp_path, byte_tokenizer, reason):
+def test_bad_line_stops_with_file_and_line(tmp_path, byte_tokenizer, reason, backend):
     tool = load_tool()
     corpus = write_with_bad_line(tmp_path / "corpus.jsonl", BAD_LINES[reason])
     args = tool.parse_args(["--input", corpus, "--output-prefix", str(tmp_path / "out" / "data"),
-                            "--tokenizer-type", "TikTokenizer", "--tokenizer-model", byte_tokenizer])
+                            "--tokenizer-type", "TikTokenizer", "--tokenizer-model", byte_tokenizer,
+                            "--tokenizer-backend", backend])
     with pytest.raises(tool.InputError, match=rf"^{tmp_path / 'corpus.jsonl'}:4: {reason}: .*--skip-bad-lines"):
         tool.preprocess(args)
     assert os.listdir(tmp_path / "out") == []  # neither outputs nor scratch
@@ -612,3 +634,54 @@ def test_help_imports_neither_torch_nor_megatron_and_warns_nothing():
     assert "numpy" in modules  # the import times are read
     assert not [module for module in modules if module.split(".")[0] in ("torch", "megatron", "pyarrow", "nltk")]
     assert [line for line in done.stderr.splitlines() if not line.startswith("import time:")] == []
+
+
+def write_sharded_corpus(directory) -> list:
+    """Inputs of every kind: JSON lines cut between lines (blank lines, an empty document, a long line), gzip and
+    .txt files taken whole, an empty file."""
+    directory.mkdir()
+    write_jsonl(directory / "a.jsonl", [{"text": f"document {i} " * (i % 13)} for i in range(120)] + [""] * 3
+                + [{"text": "x" * 5000}, {"text": ""}])
+    with gzip.open(directory / "b.jsonl.gz", "wt", encoding="utf-8") as file:
+        file.writelines(json.dumps({"text": f"gz {i}"}) + "\n" for i in range(30))
+    (directory / "c.txt").write_text("a whole file\n", encoding="utf-8")
+    (directory / "d.jsonl").write_bytes(b"")
+    write_jsonl(directory / "e.jsonl", [{"text": f"last file {i}"} for i in range(40)])
+    return [str(directory / name) for name in ("a.jsonl", "b.jsonl.gz", "c.txt", "d.jsonl", "e.jsonl")]
+
+
+def test_shards_hold_every_document_once_in_order(tmp_path):
+    tool = load_tool()
+    paths = write_sharded_corpus(tmp_path / "corpus")
+    whole = list(tool.iter_inputs([(path, None, None) for path in paths], ["text"]))
+    for shards in range(1, 10):
+        parts = [tool.shard_inputs(paths, shard, shards) for shard in range(shards)]
+        assert [record for shard in parts for record in tool.iter_inputs(shard, ["text"])] == whole, shards
+        assert sum(tool.count_inputs(shard, ["text"]) for shard in parts) == len(whole)
+
+
+@pytest.mark.slow
+def test_merged_shards_are_the_bytes_of_one_run(tmp_path, byte_tokenizer):
+    tool = load_tool()
+    merge_spec = importlib.util.spec_from_file_location("merge_datasets", os.path.join(ROOT, "tools",
+                                                                                        "merge_datasets.py"))
+    merge_tool = importlib.util.module_from_spec(merge_spec)
+    merge_spec.loader.exec_module(merge_tool)
+    paths = write_sharded_corpus(tmp_path / "corpus")
+    flags = ["--input", *paths, "--tokenizer-type", "TikTokenizer", "--tokenizer-model", byte_tokenizer,
+             "--append-eod"]
+    tool.preprocess(tool.parse_args(flags + ["--output-prefix", str(tmp_path / "one" / "corpus")]))
+    for shard in range(3):  # zero-padded, so that the merge's sorted order is the shards'
+        tool.preprocess(tool.parse_args(flags + ["--output-prefix", str(tmp_path / "shards" / f"corpus{shard:05d}"),
+                                                 "--shard", f"{shard}/3", *(["--workers", "2"] if shard else [])]))
+    merge_tool.merge(str(tmp_path / "shards"), str(tmp_path / "merged"))
+    one = str(tmp_path / "one" / "corpus_text_document")
+    for suffix in (".bin", ".idx"):
+        assert open(one + suffix, "rb").read() == (tmp_path / f"merged{suffix}").read_bytes()
+    expected, merged = read_metadata(one), read_metadata(str(tmp_path / "merged"))
+    for key in ("documents", "tokens", "empty_documents", "sequences", "max_token_id", "tokenizer", "eod"):
+        assert merged[key] == expected[key], key
+    # 122 + 30 + 1 + 40 documents; 11 empty: i % 13 == 0 below 120, and the text ""
+    assert expected["empty_documents"] == 11 and check_indexed_dataset(str(tmp_path / "merged"))["documents"] == 193
+    with pytest.raises(SystemExit):
+        tool.parse_args(flags + ["--output-prefix", "x", "--shard", "3/3"])

@@ -28,6 +28,11 @@ even with --append-eod), and encodes special-token text in a document as that to
 never reads it from text). Web text can hold that string; --special-tokens-as-text encodes it as ordinary text,
 so that only --append-eod ends a document (the .json records the choice).
 
+--tokenizer-backend: gigatoken encodes, where its ids are the tokenizer's own (HuggingFaceTokenizer,
+GPT2BPETokenizer, a .tiktoken ranks file; checked at start-up, else the tokenizer's own library encodes and the
+log says why); the log and the .json name the backend. --shard I/N writes the I-th of N shards of the input for
+N processes on N machines; tools/merge_datasets.py merges them into the bytes of one run.
+
 Documents are tokenized in batches by --workers processes and written in input order while the input streams
 through, so memory stays flat as the corpus grows. --partitions N splits the input into N contiguous parts
 processed side by side (--workers // N workers each) and merges them in order: the result is the same.
@@ -48,7 +53,7 @@ import tempfile
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from itertools import chain, islice
+from itertools import islice
 from multiprocessing.connection import wait
 from typing import Optional
 
@@ -61,10 +66,20 @@ from angpt.data.corpus import (
     InputError,
     expand_inputs,
     is_text_file,
-    iter_records,
+    iter_file_records,
     parse_record,
+    shard_inputs,
 )
-from angpt.data.tokenizers import TIKTOKEN_NUM_SPECIAL_TOKENS, TIKTOKEN_PATTERNS, TOKENIZER_TYPES, build_tokenizer
+from angpt.data.tokenizers import (
+    TIKTOKEN_NUM_SPECIAL_TOKENS,
+    TIKTOKEN_PATTERNS,
+    TOKENIZER_BACKENDS,
+    TOKENIZER_TYPES,
+    GigatokenTokenizer,
+    TokenizerBackendError,
+    build_tokenizer,
+    select_backend,
+)
 from angpt.megatron_compat import quiet_known_warnings
 
 # A batch is ~0.3 s of one core's tokenization: large enough that the tokenizer's threads share it evenly
@@ -77,6 +92,7 @@ SKIPPED_LINES_SHOWN = 10
 # Rows of a Parquet file decoded at a time: few enough that a batch of long documents stays small beside the
 # batches in flight, enough to amortize Arrow's per-batch work.
 PARQUET_BATCH_ROWS = 256
+NO_IDS = numpy.zeros(0, dtype=numpy.int64)
 # Megatron-LM splits a document's text into sentences a million characters at a time (a sentence never spans
 # two such pieces); so does this tool, to write the same sentences.
 SENTENCE_SPLIT_CHARS = 1_000_000
@@ -153,17 +169,17 @@ def parse_row(row: ParquetRow, keys: list) -> "dict[str, str] | BadRow":
     return dict(zip(keys, row.texts))
 
 
-def iter_inputs(paths: list, keys: list):
-    """The documents of every input in order: JSON lines and `.txt` files as Records, Parquet rows as
-    ParquetRows."""
-    for path in paths:
-        yield from iter_parquet_rows(path, keys) if is_parquet(path) else iter_records([path])
+def iter_inputs(parts: list, keys: list):
+    """The documents of every input part (path, start, stop) in order: JSON lines and `.txt` files as Records,
+    Parquet rows as ParquetRows."""
+    for path, start, stop in parts:
+        yield from iter_parquet_rows(path, keys) if is_parquet(path) else iter_file_records(path, start, stop)
 
 
-def count_inputs(paths: list, keys: list) -> int:
-    """The documents of every input (and bad lines): a Parquet file's footer counts its rows."""
-    return sum(open_parquet(path, keys).metadata.num_rows if is_parquet(path) else sum(1 for _ in iter_records([path]))
-               for path in paths)
+def count_inputs(parts: list, keys: list) -> int:
+    """The documents of every input part (and bad lines): a Parquet file's footer counts its rows."""
+    return sum(open_parquet(path, keys).metadata.num_rows if is_parquet(path)
+               else sum(1 for _ in iter_file_records(path, start, stop)) for path, start, stop in parts)
 
 
 def record_bytes(record) -> int:
@@ -229,14 +245,15 @@ class Stats:
 @dataclass
 class EncodedBatch:
     tokens: dict  # key -> all the batch's tokens, concatenated
-    lengths: dict  # key -> per good record, in order: the tokens of each of its sequences ([]: empty document)
+    lengths: dict  # key -> the tokens of each sequence written, in order (sequences of no tokens dropped)
+    sequences: dict  # key -> per good record, in order: its count of sequences written (0: an empty document)
     bad_lines: list
     bytes: int
 
 
 @dataclass
 class PartitionJob:
-    paths: list
+    parts: list  # (path, start, stop) of the inputs: this shard's (--shard), or every file whole
     start: int  # records [start, stop) of the input, in order; stop None: to the end
     stop: Optional[int]
     output_prefixes: dict  # key -> prefix of this partition's .bin/.idx
@@ -261,9 +278,42 @@ def init_worker(tokenizer, splitter, keys: list, append_eod: bool, dtype: type, 
     # delivered to one of the tokenizer's threads while the main thread waits on the task queue, which
     # then never wakes: Pool.terminate() hung. Die at once instead.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    configure_encoding(tokenizer, splitter, keys, append_eod, dtype, threads)
+
+
+def configure_encoding(tokenizer, splitter, keys: list, append_eod: bool, dtype: type, threads: int) -> None:
+    """What encode_batch encodes with, in this process."""
     tokenizer.set_threads(threads)
     _worker.update(tokenizer=tokenizer, splitter=splitter, keys=keys,
                    append_eod=append_eod, dtype=dtype)
+
+
+class InProcess:
+    """The worker pool's interface, encoding each batch in this process when its result is asked for: for
+    gigatoken with one worker, which encodes a batch on every core here (in a forked worker, on one core only)
+    and spares the copies of every batch to and from a worker."""
+
+    def __init__(self, *initargs):
+        configure_encoding(*initargs)
+
+    def apply_async(self, function, args: tuple):
+        return InProcessResult(lambda: function(*args))
+
+    def close(self) -> None:
+        pass
+
+    join = terminate = close
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_) -> None:
+        pass
+
+
+@dataclass
+class InProcessResult:
+    get: object  # computes the result
 
 
 def encode_batch(records: list) -> EncodedBatch:
@@ -280,20 +330,28 @@ def encode_batch(records: list) -> EncodedBatch:
             sequences = splitter(parsed[key]) if splitter else [parsed[key]]
             texts[key].extend(sequences)
             counts[key].append(len(sequences))
-    tokens, lengths = {}, {}
+    tokens, lengths, sequences = {}, {}, {}
+    eod = tokenizer.eod if _worker["append_eod"] else None
     for key in keys:
-        encoded = iter(tokenizer.encode_batch(texts[key]) if texts[key] else [])
-        lengths[key], kept = [], []
-        for count in counts[key]:
-            # As Megatron-LM: a sentence of no tokens is dropped, so a document of none has no sequence, and the
-            # EOD ends the last sentence of a document that has tokens.
-            document = [ids for ids in islice(encoded, count) if ids]
-            if document and _worker["append_eod"]:
-                document[-1].append(tokenizer.eod)
-            lengths[key].append([len(ids) for ids in document])
-            kept.extend(document)
-        tokens[key] = numpy.fromiter(chain.from_iterable(kept), dtype=_worker["dtype"], count=sum(map(len, kept)))
-    return EncodedBatch(tokens, lengths, bad_lines, sum(map(record_bytes, records)))
+        ids, sequence_lengths = tokenizer.encode_flat(texts[key]) if texts[key] else (NO_IDS, NO_IDS)
+        tokens[key], lengths[key], sequences[key] = assemble_documents(
+            ids, sequence_lengths, numpy.array(counts[key], dtype=numpy.int64), eod, _worker["dtype"])
+    return EncodedBatch(tokens, lengths, sequences, bad_lines, sum(map(record_bytes, records)))
+
+
+def assemble_documents(ids, lengths, counts, eod: Optional[int], dtype: type) -> tuple:
+    """The documents of a batch as Megatron-LM writes them, from the ids of its sequences (their lengths in
+    order) and each document's count of sequences: a sequence of no tokens is dropped, so a document of none has
+    no sequence, and eod (unless None) ends the last sequence of each document that has tokens. Returns (the
+    tokens, each sequence's length, each document's count of sequences)."""
+    document = numpy.repeat(numpy.arange(len(counts)), counts)
+    kept = lengths > 0
+    lengths, document = lengths[kept], document[kept]
+    if eod is not None and len(lengths):
+        last = numpy.append(document[1:] != document[:-1], True)  # the last sequence of its document
+        ids = numpy.insert(ids, numpy.cumsum(lengths)[last], eod)
+        lengths = lengths + last
+    return ids.astype(dtype, copy=False), lengths, numpy.bincount(document, minlength=len(counts))
 
 
 def batches(records, max_bytes: int = BATCH_BYTES, max_documents: int = BATCH_DOCUMENTS):
@@ -309,6 +367,8 @@ def batches(records, max_bytes: int = BATCH_BYTES, max_documents: int = BATCH_DO
 
 
 def write_batch(builders: dict, batch: EncodedBatch, stats: Stats, skip_bad_lines: bool, report) -> None:
+    from angpt.data.indexed import add_documents  # noqa: PLC0415 (imports megatron-core: after parsing)
+
     if batch.bad_lines:
         if not skip_bad_lines:
             raise InputError(f"{batch.bad_lines[0]} (--skip-bad-lines skips such lines)")
@@ -317,16 +377,11 @@ def write_batch(builders: dict, batch: EncodedBatch, stats: Stats, skip_bad_line
                 report(f"skipping {bad_line}")
             stats.bad_lines[bad_line.reason] += 1
     for key, builder in builders.items():
-        tokens, offset = batch.tokens[key], 0
-        for lengths in batch.lengths[key]:
-            # Its sequences, then a document index; as Megatron-LM writes a document of no tokens: a document
-            # index and no sequence (lengths []).
-            size = sum(lengths)
-            builder.add_document(tokens[offset:offset + size], lengths)
-            offset += size
-        stats.empty[key] += batch.lengths[key].count([])
-        stats.documents[key] += len(batch.lengths[key])
-        stats.sequences[key] += sum(map(len, batch.lengths[key]))
+        tokens, sequences = batch.tokens[key], batch.sequences[key]
+        add_documents(builder, tokens, batch.lengths[key], sequences)
+        stats.empty[key] += int((sequences == 0).sum())
+        stats.documents[key] += len(sequences)
+        stats.sequences[key] += len(batch.lengths[key])
         stats.tokens[key] += len(tokens)
         if len(tokens):
             stats.max_token_id[key] = max(int(tokens.max()), stats.max_token_id.get(key, 0))
@@ -337,9 +392,11 @@ def tokenize_partition(job: PartitionJob) -> Stats:
     """Tokenize records [start, stop) into the job's .bin/.idx files, in order."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder  # noqa: PLC0415 (after parsing)
 
-    context = multiprocessing.get_context("fork")
-    pool = context.Pool(job.workers, initializer=init_worker, initargs=(
-        job.tokenizer, job.splitter, job.keys, job.append_eod, job.dtype, job.threads_per_worker))
+    initargs = (job.tokenizer, job.splitter, job.keys, job.append_eod, job.dtype, job.threads_per_worker)
+    if job.workers == 1 and isinstance(job.tokenizer, GigatokenTokenizer):
+        pool = InProcess(*initargs)
+    else:
+        pool = multiprocessing.get_context("fork").Pool(job.workers, initializer=init_worker, initargs=initargs)
     builders = {key: IndexedDatasetBuilder(prefix + ".bin", dtype=job.dtype)
                 for key, prefix in job.output_prefixes.items()}
     stats, started, logged = Stats(), time.monotonic(), 0
@@ -353,7 +410,7 @@ def tokenize_partition(job: PartitionJob) -> Stats:
         # tqdm.write goes to stdout unless told: the skipped lines go with the other diagnostics, on stderr.
         write_batch(builders, encoded, stats, job.skip_bad_lines, lambda line: bar.write(line, file=sys.stderr))
         seconds = max(time.monotonic() - started, 1e-9)
-        bar.update(len(encoded.lengths[key]) + len(encoded.bad_lines))
+        bar.update(len(encoded.sequences[key]) + len(encoded.bad_lines))
         bar.set_postfix_str(f"{stats.tokens[key]:,} tokens, {stats.bytes / seconds / 1e6:.2f} MB/s", refresh=False)
         if stats.documents[key] // job.log_interval > logged:
             logged = stats.documents[key] // job.log_interval
@@ -362,7 +419,7 @@ def tokenize_partition(job: PartitionJob) -> Stats:
 
     with pool:
         pending = deque()
-        for records in batches(islice(iter_inputs(job.paths, job.keys), job.start, job.stop)):
+        for records in batches(islice(iter_inputs(job.parts, job.keys), job.start, job.stop)):
             pending.append(pool.apply_async(encode_batch, (records,)))
             if len(pending) >= BATCHES_IN_FLIGHT_PER_WORKER * job.workers:
                 write(pending.popleft().get())
@@ -426,6 +483,17 @@ def merge_partitions(parts: list, prefix: str, dtype: type) -> None:
     builder.finalize(prefix + ".idx")
 
 
+def shard_spec(text: str) -> tuple:
+    """--shard I/N: (I, N), 0 <= I < N."""
+    try:
+        shard, shards = map(int, text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give I/N, e.g. 0/8") from None
+    if not 0 <= shard < shards:
+        raise argparse.ArgumentTypeError(f"{text!r}: I counts from 0 and is below N")
+    return shard, shards
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     group = parser.add_argument_group("input data")
@@ -466,12 +534,24 @@ def parse_args(argv=None) -> argparse.Namespace:
                             "holding the string is cut in two by an end-of-document token; use this on "
                             "untrusted (web) text, so that it cannot inject document boundaries and only "
                             "--append-eod ends a document")
+    group.add_argument("--tokenizer-backend", choices=TOKENIZER_BACKENDS,
+                       help="the library that encodes: the tokenizer's own (tokenizers: Hugging Face tokenizers, "
+                            "tiktoken or SentencePiece), or gigatoken, which encodes the same vocabulary many times "
+                            "faster where it encodes exactly as the tokenizer's own library (HuggingFaceTokenizer, "
+                            "GPT2BPETokenizer, TikTokenizer with a .tiktoken ranks file; checked at start-up). "
+                            "Without it: gigatoken where it encodes exactly so, else the tokenizer's own; the log and "
+                            "the .json name the choice, and why gigatoken was not used")
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True, help="path prefix of the output files")
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=int, default=1, help="tokenizing processes (in all partitions together)")
     group.add_argument("--partitions", type=int, default=1, help="contiguous parts of the input run side by side")
     group.add_argument("--log-interval", type=int, default=1000, help="log progress every this many documents")
+    group.add_argument("--shard", type=shard_spec, default=(0, 1), metavar="I/N",
+                       help="write shard I (from 0) of N: the documents that begin in the I-th of N equal byte ranges "
+                            "of the inputs (an uncompressed .jsonl cut between lines, any other file whole), for N "
+                            "processes on N machines; tools/merge_datasets.py concatenates the N datasets into the "
+                            "one a single run writes (examples/preprocess.slurm)")
     args = parser.parse_args(argv)
     for flag in ("workers", "partitions", "log_interval"):
         if getattr(args, flag) < 1:
@@ -493,6 +573,8 @@ def preprocess(args: argparse.Namespace) -> dict:
     paths = expand_inputs(args.input)
     if len(args.json_keys) > 1 and any(is_text_file(path) for path in paths):
         raise InputError("a .txt input is one document of one text: give a single --json-keys key")
+    shard, shards = args.shard
+    parts = shard_inputs(paths, shard, shards) if shards > 1 else [(path, None, None) for path in paths]
     for path in paths:  # a missing column stops the run before it starts, not when the file's turn comes
         if is_parquet(path):
             open_parquet(path, args.json_keys)
@@ -500,6 +582,10 @@ def preprocess(args: argparse.Namespace) -> dict:
                                 special_tokens_as_text=args.special_tokens_as_text,
                                 tiktoken_pattern=args.tiktoken_pattern, vocab_size=args.vocab_size,
                                 tiktoken_num_special_tokens=args.tiktoken_num_special_tokens)
+    tokenizer, backend = select_backend(tokenizer, args.tokenizer_backend)
+    print(f"tokenizer backend: {backend['name']} ({backend.get('library', 'gigatoken')} {backend['version']}, "
+          f"{backend['chosen']})" + (f"; gigatoken not used: {backend['gigatoken_not_used']}"
+                                     if "gigatoken_not_used" in backend else ""), file=sys.stderr)
     splitter = SentenceSplitter(args.keep_newlines) if args.split_sentences else None
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     level = "sentence" if args.split_sentences else "document"  # as Megatron-LM names its outputs
@@ -518,7 +604,7 @@ def preprocess(args: argparse.Namespace) -> dict:
 
         def job(index: int, start: int, stop: Optional[int], part_name: str) -> PartitionJob:
             return PartitionJob(
-                paths=paths, start=start, stop=stop,
+                parts=parts, start=start, stop=stop,
                 output_prefixes={key: os.path.join(scratch, part_name + key) for key in args.json_keys},
                 tokenizer=tokenizer, splitter=splitter, keys=args.json_keys, append_eod=args.append_eod, dtype=dtype,
                 workers=workers_per_partition, threads_per_worker=threads_per_worker,
@@ -528,7 +614,7 @@ def preprocess(args: argparse.Namespace) -> dict:
         if args.partitions == 1:
             stats.add(tokenize_partition(job(0, 0, None, part_name="")))
         else:
-            records = count_inputs(paths, args.json_keys)
+            records = count_inputs(parts, args.json_keys)
             bounds = [records * index // args.partitions for index in range(args.partitions + 1)]
             jobs = [job(index, bounds[index], bounds[index + 1], f"part{index}_") for index in range(args.partitions)]
             for partition_stats in run_partitions(jobs):
@@ -539,7 +625,8 @@ def preprocess(args: argparse.Namespace) -> dict:
         for key in args.json_keys:
             scratch_prefix = os.path.join(scratch, key)
             metadata[key] = {
-                "tokenizer": tokenizer.description, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod,
+                "tokenizer": tokenizer.description, "tokenizer_backend": backend,
+                "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod,
                 "append_eod": args.append_eod, "special_tokens_as_text": args.special_tokens_as_text,
                 # documents: the .idx's, the empty_documents (zero-length, as Megatron-LM writes them) included.
                 # (Metadata written before they were kept counted only the others and the skipped empty ones.)
@@ -548,6 +635,7 @@ def preprocess(args: argparse.Namespace) -> dict:
                 "max_token_id": stats.max_token_id.get(key),
                 "dtype": dtype.__name__, "json_key": key, "empty_documents": stats.empty[key],
                 "skipped_lines": dict(stats.bad_lines), "input": [os.path.abspath(path) for path in paths],
+                "shard": f"{shard}/{shards}",
                 # sequences: the .idx's, one per sentence with --split-sentences (sentences of no tokens dropped).
                 "split_sentences": args.split_sentences, "sequences": stats.sequences[key],
             }
@@ -581,7 +669,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # unwind, so the scratch files go too
     try:
         preprocess(args)
-    except (InputError, OSError, ValueError) as error:
+    except (InputError, OSError, ValueError, TokenizerBackendError) as error:
         sys.exit(f"error: {error}")
 
 

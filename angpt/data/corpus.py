@@ -66,18 +66,62 @@ def is_text_file(path: str) -> bool:
     return path.endswith(".txt")
 
 
+def is_splittable(path: str) -> bool:
+    """Whether a byte range of the file can be read on its own: JSON lines, uncompressed."""
+    return not is_text_file(path) and not path.endswith((".gz", ".parquet"))
+
+
+def shard_inputs(paths: Sequence[str], shard: int, shards: int) -> list[tuple]:
+    """The parts (path, start, stop) of the inputs that shard `shard` of `shards` reads: the inputs' bytes, files
+    in order, are cut into `shards` equal ranges, and a document belongs to the range holding its first byte. An
+    uncompressed JSON-lines file is cut between lines (start, stop: byte offsets); any other file (.gz, .txt,
+    Parquet) goes whole to the shard holding its first byte (start, stop: None). Every document is in exactly
+    one shard, and the shards in order hold the documents in input order."""
+    sizes = [os.path.getsize(path) for path in paths]
+    total = sum(sizes)
+    low, high = total * shard // shards, total * (shard + 1) // shards
+    parts, base = [], 0
+    for path, size in zip(paths, sizes):
+        if is_splittable(path):
+            start, stop = max(low - base, 0), min(high - base, size)
+            if start < stop:
+                parts.append((path, start, stop))
+        elif low <= base < high or (base == total and shard == shards - 1):  # an empty last file: the last shard
+            parts.append((path, None, None))
+        base += size
+    return parts
+
+
 def iter_records(paths: Sequence[str]) -> Iterator[Record]:
     """Stream the documents of all files in order, one line at a time; blank lines hold no document."""
     for path in paths:
-        if is_text_file(path):
-            with open(path, "rb") as file:
-                yield Record(path, None, file.read())
-            continue
-        opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "rb") as file:
-            for line_number, line in enumerate(file, start=1):
-                if line.strip():
-                    yield Record(path, line_number, line)
+        yield from iter_file_records(path)
+
+
+def iter_file_records(path: str, start: Optional[int] = None, stop: Optional[int] = None) -> Iterator[Record]:
+    """The documents of a file in order; with start and stop (a JSON-lines file), those of the lines that begin
+    in bytes [start, stop), numbered as in the whole file (the newlines before start are counted)."""
+    if is_text_file(path):
+        with open(path, "rb") as file:
+            yield Record(path, None, file.read())
+        return
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as file:
+        line_number, position = 1, 0
+        if start:
+            file.seek(start - 1)
+            skipped = file.readline()  # the rest of the line that begins before start
+            position = start - 1 + len(skipped)
+            file.seek(0)
+            for _ in range(0, position, 1 << 24):  # the line number, counted at memory speed
+                line_number += file.read(min(1 << 24, position - file.tell())).count(b"\n")
+        for line in file:
+            if stop is not None and position >= stop:
+                break
+            if line.strip():
+                yield Record(path, line_number, line)
+            line_number += 1
+            position += len(line)
 
 
 def parse_record(record: Record, keys: Sequence[str]) -> "dict[str, str] | BadLine":

@@ -176,3 +176,15 @@ def check_indexed_dataset(prefix: str) -> dict:
                 raise IndexedDatasetError(
                     f"{metadata_path(prefix)}: records {metadata[key]} {key}, but {prefix}.bin/.idx hold {counts[key]}")
     return counts
+
+
+def add_documents(builder, tokens: numpy.ndarray, lengths: numpy.ndarray, sequences: numpy.ndarray) -> None:
+    """Append documents to megatron-core's IndexedDatasetBuilder in one write: the bytes of its add_document
+    called per document (each document's `sequences` sequences, of `lengths` tokens each, 0 sequences for an
+    empty document), without its per-document Python work (2-3 us each: seconds on millions of short
+    documents), as Megatron-LM's own add_documents (main, after core_v0.16.1) writes them."""
+    assert not builder.multimodal, "a text dataset has no sequence modes"
+    builder.data_file.write(numpy.asarray(tokens, dtype=builder.dtype).tobytes(order="C"))
+    offset = len(builder.sequence_lengths)
+    builder.sequence_lengths.extend(lengths.tolist())
+    builder.document_indices.extend((offset + numpy.cumsum(sequences)).tolist())

@@ -19,11 +19,15 @@ encodes it as ordinary text instead, so that the end-of-document token only ever
 """
 
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
+from itertools import chain
 from typing import Optional, Protocol
 
+import numpy
+import psutil
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 from tiktoken_ext.openai_public import r50k_pat_str
@@ -57,9 +61,17 @@ class Tokenizer(Protocol):
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
 
+    def encode_flat(self, texts: list[str]) -> tuple: ...
+
     def decode(self, ids: list[int]) -> str: ...
 
     def set_threads(self, threads: int) -> None: ...
+
+
+def flat_ids(encoded: list) -> tuple:
+    """(every id of the texts, concatenated as int64; each text's count of ids) of lists of ids."""
+    lengths = numpy.fromiter(map(len, encoded), dtype=numpy.int64, count=len(encoded))
+    return numpy.fromiter(chain.from_iterable(encoded), dtype=numpy.int64, count=int(lengths.sum())), lengths
 
 
 def sha256_of(path: str) -> str:
@@ -91,6 +103,9 @@ class HuggingFaceTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [encoding.ids for encoding in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
 
+    def encode_flat(self, texts: list[str]) -> tuple:
+        return flat_ids(self.encode_batch(texts))
+
     def set_threads(self, threads: int) -> None:
         """Cap this process's encoding threads; Rust's thread pool reads it once, at the first encoding."""
         os.environ["RAYON_NUM_THREADS"] = str(threads)
@@ -119,6 +134,9 @@ class TikTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return _tiktoken_batch(self.encoding, texts, self.threads, self.special_tokens_as_text)
+
+    def encode_flat(self, texts: list[str]) -> tuple:
+        return flat_ids(self.encode_batch(texts))
 
     def set_threads(self, threads: int) -> None:
         self.threads = threads
@@ -237,6 +255,9 @@ class MegatronCoreTokenizer:
             return self.encoder.encode(texts, out_type=int, num_threads=self.threads)
         return _tiktoken_batch(self.encoder, texts, self.threads, self.special_tokens_as_text)
 
+    def encode_flat(self, texts: list[str]) -> tuple:
+        return flat_ids(self.encode_batch(texts))
+
     def set_threads(self, threads: int) -> None:
         self.threads = threads
 
@@ -332,3 +353,125 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None, 
             return TikTokenizer(tokenizer_model, tokenizer_type, special_tokens_as_text)
         raise ValueError("GPT2BPETokenizer needs --vocab-file and --merge-file, or --tokenizer-model gpt2.tiktoken")
     raise ValueError(f"--tokenizer-type {tokenizer_type!r}: choose one of {', '.join(TOKENIZER_TYPES)}")
+
+
+# --tokenizer-backend: the tokenizer's own library ("tokenizers": Hugging Face tokenizers, tiktoken or
+# SentencePiece, whichever build_tokenizer built), or gigatoken encoding the same vocabulary, 15-70x faster here.
+TOKENIZER_BACKENDS = ("tokenizers", "gigatoken")
+# The texts gigatoken must encode exactly as the tokenizer's own library before it is used: the cases where
+# pre-tokenizers differ (whitespace runs, newlines, contractions, digits, letters of every script and case,
+# marks, emoji, code), special-token text alone, inside words and repeated, and the empty text.
+PROBE_TEXTS = [
+    "", " ", "  \n\n\t \r\n x", "Hello, world! It's 2026; they'll've DON'T 'S 's",
+    "<|endoftext|>", "a<|endoftext|>b", "<|endoftext|><|endoftext|> <|endoftext|>\n", "<|endoftext",
+    "</s> <s> <unk>", "12345678901234567890 3.14159 1,000,000 ½ ²", "ünïcødé ✓ naïve café Ωmega ЖЖ жизнь",
+    "日本語のテキスト、中文文本。한국어 텍스트", "e\u0301 a\u0308 \u200d \ufeff \u00a0x", "👍🏽 🇩🇪 👨‍👩‍👧 🙂🙂",
+    "def f(x):\n    return {'a': [1, 2]}  # comment\n\n\n", "    \t  trailing spaces   ", "x" * 3000,
+    "CamelCaseHTTPServer snake_case kebab-case URL https://example.com/a?b=c&d=e",
+    "\x00\x01\x7f control", "ǅungla ǈ ǋ ẞ ß", "ab" * 700 + " " + "\n" * 50,
+]
+# gigatoken keeps every piece of text it has encoded, and its ids, in caches that grow without bound on
+# distinct text: 7 MiB per MB of random words, 900 MiB after 120 MB (benchmarks/preprocess.py --cache-growth).
+# The encoder is rebuilt (0.3-0.9 s for a 32k BPE here) when the process's resident memory has grown by this
+# much since it was built; natural text, whose pieces repeat, rarely gets there.
+GIGATOKEN_CACHE_BYTES = 512 << 20
+
+
+class TokenizerBackendError(ValueError):
+    """gigatoken cannot encode as the tokenizer does: the reason, or the first text it encodes differently."""
+
+
+class GigatokenTokenizer:
+    """The tokenizer `reference`, encoded by gigatoken (`gigatoken.Tokenizer`) instead of its own library: the
+    same ids (checked on PROBE_TEXTS when built, and on whole corpora by the tests and
+    benchmarks/preprocess.py); decoding, the vocabulary and the description stay the reference's.
+    Batches encode on gigatoken's threads, or on the calling thread in a forked process, where a thread pool
+    started before the fork would hang (gigatoken's own choice)."""
+
+    def __init__(self, reference: Tokenizer, build):
+        self.reference, self.build = reference, build
+        self.vocab_size, self.eod, self.description = reference.vocab_size, reference.eod, reference.description
+        self.special_tokens_as_text = reference.special_tokens_as_text
+        self.version = importlib.metadata.version("gigatoken")
+        self.rebuilds = 0
+        self._rebuild()
+        for text, expected, got in zip(PROBE_TEXTS, reference.encode_batch(PROBE_TEXTS),
+                                       self.encode_batch(PROBE_TEXTS)):
+            if expected != got:
+                raise TokenizerBackendError(f"gigatoken {self.version} encodes {text[:60]!r} as {got[:12]}, "
+                                            f"the tokenizer as {expected[:12]}")
+
+    def _rebuild(self) -> None:
+        self.encoder = None  # its caches go before the new encoder's grow
+        self.encoder = self.build()
+        self.built_at = psutil.Process().memory_info().rss
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        ids, lengths = self.encode_flat(texts)
+        return [part.tolist() for part in numpy.split(ids, numpy.cumsum(lengths)[:-1])] if len(texts) else []
+
+    def encode_flat(self, texts: list[str]) -> tuple:
+        encoded = self.encoder.encode_batch(texts)
+        # The jagged array's flat ids and offsets, without a copy.
+        ids = numpy.asarray(encoded.layout.content.data)
+        lengths = numpy.diff(numpy.asarray(encoded.layout.offsets.data))
+        if psutil.Process().memory_info().rss - self.built_at > GIGATOKEN_CACHE_BYTES:
+            self.rebuilds += 1
+            self._rebuild()
+        return ids, lengths
+
+    def set_threads(self, threads: int) -> None:
+        """Cap this process's encoding threads; gigatoken's thread pool reads it once, at its first batch."""
+        os.environ["RAYON_NUM_THREADS"] = str(threads)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.reference.decode(ids)
+
+
+def gigatoken_builder(tokenizer: Tokenizer):
+    """A function that builds the gigatoken encoder of `tokenizer`'s vocabulary, split pattern and special
+    tokens; raises TokenizerBackendError when gigatoken has no such tokenizer."""
+    try:
+        import gigatoken  # noqa: PLC0415 (optional, as in GigatokenTokenizer)
+    except ImportError:
+        raise TokenizerBackendError("gigatoken is not installed (pip install gigatoken)") from None
+    if isinstance(tokenizer, HuggingFaceTokenizer):
+        config = json.loads(tokenizer.tokenizer.to_str())
+        if tokenizer.special_tokens_as_text:
+            # As tokenizers' encode_special_tokens: special tokens are not matched in the text, the other added
+            # tokens still are.
+            config["added_tokens"] = [token for token in config["added_tokens"] if not token["special"]]
+        data = json.dumps(config)
+        return lambda: gigatoken.Tokenizer.from_json(data)
+    if isinstance(tokenizer, TikTokenizer):  # a ranks file split with GPT-2's pattern
+        path = tokenizer.description["model"]["path"]
+        special = None if tokenizer.special_tokens_as_text else {EOD_TOKEN: tokenizer.eod}
+        return lambda: gigatoken.Tokenizer.from_tiktoken(path, pretokenizer="gpt2", special_tokens=special)
+    raise TokenizerBackendError(f"gigatoken does not encode {tokenizer.description['type']} here (Megatron-LM's "
+                                "tiktoken patterns v1/v2 and SentencePiece models are not verified)")
+
+
+def select_backend(tokenizer: Tokenizer, backend: Optional[str]) -> tuple:
+    """(the tokenizer that encodes, the backend's description for the log and the dataset's metadata).
+    backend None chooses gigatoken where it encodes as the tokenizer does, else the tokenizer's own library;
+    "gigatoken" raises TokenizerBackendError where it does not."""
+    if backend not in (None, *TOKENIZER_BACKENDS):
+        raise ValueError(f"--tokenizer-backend {backend}: choose one of {', '.join(TOKENIZER_BACKENDS)}")
+    if backend != "tokenizers":
+        try:
+            fast = GigatokenTokenizer(tokenizer, gigatoken_builder(tokenizer))
+            return fast, {"name": "gigatoken", "version": fast.version, "chosen": "by hand" if backend else "auto"}
+        except TokenizerBackendError as error:
+            if backend == "gigatoken":
+                raise TokenizerBackendError(f"--tokenizer-backend gigatoken: {error}") from None
+            reason = str(error)
+    else:
+        reason = None
+    library = {"HuggingFaceTokenizer": "tokenizers", "TikTokenizer": "tiktoken"}.get(type(tokenizer).__name__)
+    if isinstance(tokenizer, MegatronCoreTokenizer):
+        library = "tiktoken" if tokenizer.is_tiktoken else "sentencepiece"
+    description = {"name": "tokenizers", "library": library, "version": importlib.metadata.version(library),
+                   "chosen": "by hand" if backend else "auto"}
+    if reason:
+        description["gigatoken_not_used"] = reason
+    return tokenizer, description

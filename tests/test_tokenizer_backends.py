@@ -1,0 +1,154 @@
+"""--tokenizer-backend: gigatoken encodes every document as the tokenizer's own library does, or is not used;
+and angpt.data.indexed.add_documents writes what megatron-core's builder writes."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import numpy
+import pytest
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+import angpt.data.tokenizers as tokenizers
+from angpt.data.indexed import add_documents
+from angpt.data.tokenizers import (
+    PROBE_TEXTS,
+    GigatokenTokenizer,
+    TokenizerBackendError,
+    build_tokenizer,
+    select_backend,
+)
+
+from conftest import ROOT, write_megatron_tiktoken
+
+pytest.importorskip("gigatoken")
+
+
+def repository_texts() -> list:
+    """Every Python, Markdown and shell file of this repository, one document each (MBs of distinct text: few
+    cache hits), with the probe texts and documents made of special-token text, blank lines and nothing."""
+    texts = []
+    for pattern in ("**/*.py", "**/*.md", "**/*.sh"):
+        for path in sorted(glob.glob(os.path.join(ROOT, pattern), recursive=True)):
+            if "/.venv/" not in path:
+                with open(path, encoding="utf-8") as file:
+                    texts.append(file.read())
+    return texts + PROBE_TEXTS + ["<|endoftext|>" * 3, "\n\n\n", "", "x<|endoftext|>\n" * 100]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A byte-level BPE of 2,000 tokens trained by tools/train_tokenizer.py on this repository's text, and the
+    same vocabulary and merges as GPT-2's vocab.json and merges.txt."""
+    directory = tmp_path_factory.mktemp("bpe")
+    with open(directory / "corpus.jsonl", "w") as file:
+        file.writelines(json.dumps({"text": text}) + "\n" for text in repository_texts()[::3])
+    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "train_tokenizer.py"), "--input",
+                    directory / "corpus.jsonl", "--vocab-size", "2000", "--output-dir", directory / "bpe"],
+                   check=True, capture_output=True, timeout=300)
+    with open(directory / "bpe" / "tokenizer.json") as file:
+        model = json.load(file)["model"]
+    (directory / "vocab.json").write_text(json.dumps(model["vocab"]))
+    merges = [merge if isinstance(merge, str) else " ".join(merge) for merge in model["merges"]]
+    (directory / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def byte_ranks(tmp_path_factory):
+    import base64  # noqa: PLC0415 (this fixture only)
+
+    path = tmp_path_factory.mktemp("ranks") / "bytes.tiktoken"
+    path.write_text("".join(f"{base64.b64encode(bytes([value])).decode()} {value}\n" for value in range(256)))
+    return str(path)
+
+
+def tokenizer_flags(kind: str, trained, byte_ranks) -> dict:
+    return {"HuggingFaceTokenizer": dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(trained / "bpe")),
+            "GPT2BPETokenizer": dict(tokenizer_type="GPT2BPETokenizer", vocab_file=str(trained / "vocab.json"),
+                                     merge_file=str(trained / "merges.txt")),
+            "TikTokenizer": dict(tokenizer_type="TikTokenizer", tokenizer_model=byte_ranks)}[kind]
+
+
+@pytest.mark.slow  # 1-4 s each: MBs of text through tokenizers
+@pytest.mark.parametrize("as_text", [False, True], ids=["special tokens", "special tokens as text"])
+@pytest.mark.parametrize("kind", ["HuggingFaceTokenizer", "GPT2BPETokenizer", "TikTokenizer"])
+def test_gigatoken_encodes_every_document_as_the_tokenizer(trained, byte_ranks, kind, as_text):
+    reference = build_tokenizer(**tokenizer_flags(kind, trained, byte_ranks), special_tokens_as_text=as_text)
+    fast, backend = select_backend(reference, None)
+    assert isinstance(fast, GigatokenTokenizer) and backend["name"] == "gigatoken" and backend["chosen"] == "auto"
+    texts = repository_texts()
+    expected = reference.encode_batch(texts)
+    ids, lengths = fast.encode_flat(texts)
+    assert lengths.tolist() == list(map(len, expected))
+    assert ids.tolist() == [token for document in expected for token in document]
+    assert fast.encode_batch(texts[:50]) == expected[:50]
+    eod_in_text = reference.encode_batch(["a<|endoftext|>b"])[0]
+    assert (reference.eod in eod_in_text) is not as_text  # the cases differ, so both are held
+
+
+def test_backend_by_hand_and_why_gigatoken_is_not_used(trained, byte_ranks, tmp_path, monkeypatch):
+    reference = build_tokenizer(**tokenizer_flags("HuggingFaceTokenizer", trained, byte_ranks))
+    chosen, backend = select_backend(reference, "tokenizers")
+    assert chosen is reference and backend["name"] == "tokenizers" and backend["library"] == "tokenizers"
+    assert "gigatoken_not_used" not in backend and backend["chosen"] == "by hand"
+    assert select_backend(reference, "gigatoken")[1] == {"name": "gigatoken", "version": "0.10.0",
+                                                         "chosen": "by hand"}
+    # Megatron-LM's TikTokenizer splits with patterns gigatoken does not implement: the library's own.
+    megatron = build_tokenizer("TikTokenizer", write_megatron_tiktoken(tmp_path / "vocab.json", [b"th"]),
+                               vocab_size=1257)
+    chosen, backend = select_backend(megatron, None)
+    assert chosen is megatron and backend["library"] == "tiktoken"
+    assert "does not encode TikTokenizer" in backend["gigatoken_not_used"]
+    with pytest.raises(TokenizerBackendError, match="^--tokenizer-backend gigatoken: gigatoken does not encode"):
+        select_backend(megatron, "gigatoken")
+    monkeypatch.setitem(sys.modules, "gigatoken", None)  # not installed
+    assert select_backend(reference, None)[1]["gigatoken_not_used"].startswith("gigatoken is not installed")
+
+
+def test_a_difference_is_reported_and_gigatoken_not_used(trained, byte_ranks, monkeypatch):
+    reference = build_tokenizer(**tokenizer_flags("HuggingFaceTokenizer", trained, byte_ranks))
+    other = build_tokenizer(**tokenizer_flags("TikTokenizer", trained, byte_ranks))  # another vocabulary
+    builder = tokenizers.gigatoken_builder(other)
+    monkeypatch.setattr(tokenizers, "gigatoken_builder", lambda tokenizer: builder)
+    chosen, backend = select_backend(reference, None)
+    assert chosen is reference and backend["name"] == "tokenizers"
+    assert backend["gigatoken_not_used"].startswith("gigatoken 0.10.0 encodes ' ' as [32], the tokenizer as [")
+    with pytest.raises(TokenizerBackendError, match=r"^--tokenizer-backend gigatoken: gigatoken 0.10.0 encodes"):
+        select_backend(reference, "gigatoken")
+
+
+def test_caches_are_dropped_when_memory_grows(trained, byte_ranks, monkeypatch):
+    reference = build_tokenizer(**tokenizer_flags("HuggingFaceTokenizer", trained, byte_ranks))
+    fast, _ = select_backend(reference, "gigatoken")
+    texts = repository_texts()[:40]
+    first = fast.encoder
+    monkeypatch.setattr(tokenizers, "GIGATOKEN_CACHE_BYTES", -1)  # every batch is over the bound
+    assert [fast.encode_batch(texts[i:i + 10]) for i in range(0, 40, 10)] == \
+        [reference.encode_batch(texts[i:i + 10]) for i in range(0, 40, 10)]
+    assert fast.rebuilds == 4 and fast.encoder is not first
+
+
+def test_add_documents_writes_what_add_document_writes(tmp_path):
+    rng = numpy.random.default_rng(0)
+    sequences = rng.integers(0, 3, 200)  # 0: an empty document
+    lengths = rng.integers(1, 50, int(sequences.sum()))
+    tokens = rng.integers(0, 60000, int(lengths.sum()))
+    expected = IndexedDatasetBuilder(str(tmp_path / "a.bin"), dtype=numpy.uint16)
+    got = IndexedDatasetBuilder(str(tmp_path / "b.bin"), dtype=numpy.uint16)
+    sequence, token = 0, 0
+    for count in sequences:
+        document_lengths = lengths[sequence:sequence + count].tolist()
+        expected.add_document(tokens[token:token + sum(document_lengths)], document_lengths)
+        sequence, token = sequence + count, token + sum(document_lengths)
+    # In two calls, as batches come: the second's document indices continue the first's.
+    split_sequences = int(sequences[:100].sum())
+    split_tokens = int(lengths[:split_sequences].sum())
+    add_documents(got, tokens[:split_tokens], lengths[:split_sequences], sequences[:100])
+    add_documents(got, tokens[split_tokens:], lengths[split_sequences:], sequences[100:])
+    expected.finalize(str(tmp_path / "a.idx"))
+    got.finalize(str(tmp_path / "b.idx"))
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"a{suffix}").read_bytes() == (tmp_path / f"b{suffix}").read_bytes()
