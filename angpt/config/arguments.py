@@ -27,7 +27,7 @@ from angpt.config.choices import (
     recompute_module_refusal,
 )
 from angpt.data.blend import parse_blend
-from angpt.data.tokenizers import TIKTOKEN_NUM_SPECIAL_TOKENS, TIKTOKEN_PATTERNS
+from angpt.data.tiktoken_layout import TIKTOKEN_NUM_SPECIAL_TOKENS, TIKTOKEN_PATTERNS
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")

@@ -34,6 +34,8 @@ from tiktoken_ext.openai_public import r50k_pat_str
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as RustTokenizer
 
+from angpt.data.tiktoken_layout import TIKTOKEN_NUM_SPECIAL_TOKENS, TIKTOKEN_PATTERNS
+
 EOD_TOKEN = "<|endoftext|>"
 # GPT-2's pre-tokenizer regex, which TikTokenizer splits text with (angpt.hf.export gives it to the export).
 GPT2_SPLIT_PATTERN = r50k_pat_str
@@ -46,8 +48,6 @@ TOKENIZER_TYPES = ("HuggingFaceTokenizer", "TikTokenizer", "GPT2BPETokenizer", *
 # trainer takes it for datasets without a .json; it cannot tokenize text.
 NULL_TOKENIZER = "NullTokenizer"
 # Megatron-LM's default of --tiktoken-num-special-tokens.
-TIKTOKEN_NUM_SPECIAL_TOKENS = 1000
-TIKTOKEN_PATTERNS = ("v1", "v2")
 # The other choices of Megatron-LM's --tokenizer-type (megatron/training/arguments.py, core_v0.16.1).
 MEGATRON_ONLY_TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "MultimodalTokenizer",
                                  "NullMultimodalTokenizer", "SFTTokenizer")

@@ -15,7 +15,7 @@ from megatron.core.transformer.enums import AttnBackend
 
 from angpt.config import transformer_engine_support
 from angpt.data.gpt_datasets import DataArguments
-from angpt.data.tokenizers import TIKTOKEN_NUM_SPECIAL_TOKENS
+from angpt.data.tiktoken_layout import TIKTOKEN_NUM_SPECIAL_TOKENS
 from angpt.models import AnGPTConfig, model_config
 from angpt.training import rerun
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -70,8 +71,7 @@ class Faults:
 
     def crash_if_due(self, iteration: int) -> None:
         if iteration == self.crash_before:
-            print(f"angpt fault injection: rank {os.environ.get('RANK', '0')} crashes before iteration {iteration}",
-                  flush=True)
+            say(f"rank {os.environ.get('RANK', '0')} crashes before iteration {iteration}")
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -108,19 +108,26 @@ def from_environment() -> Faults:
                   slow_forward_seconds=float(slow_seconds) if slow_rank and int(slow_rank) == rank else 0.0)
 
 
+def say(message: str) -> None:
+    """One line on stdout in one write: torchrun's workers run unbuffered (python -u), where print writes the text
+    and its newline apart, and two processes' lines (a save's writers) would interleave."""
+    sys.stdout.write(f"angpt fault injection: {message}\n")
+    sys.stdout.flush()
+
+
 def stall(seconds: float) -> None:
-    print(f"angpt fault injection: rank {os.environ.get('RANK', '0')} stalls for {seconds} s", flush=True)
+    say(f"rank {os.environ.get('RANK', '0')} stalls for {seconds} s")
     time.sleep(seconds)
 
 
 def pause(where: str = "inside the save", seconds: float = math.inf) -> None:
-    print(f"angpt fault injection: pausing {where} (pid {os.getpid()})", flush=True)
+    say(f"pausing {where} (pid {os.getpid()})")
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         time.sleep(min(1.0, end - time.monotonic()))
 
 
 def wait_for_signal(received: Callable[[], bool], iteration: int) -> None:
-    print(f"angpt fault injection: waiting for an exit signal before iteration {iteration}", flush=True)
+    say(f"waiting for an exit signal before iteration {iteration}")
     while not received():
         time.sleep(0.05)
