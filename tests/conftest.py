@@ -1,5 +1,6 @@
 import base64
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -85,6 +86,14 @@ def pytest_collection_finish(session):
     if getattr(session.config.option, "loadgroup", False) and session.items and "@" not in session.items[0].nodeid:
         raise pytest.UsageError(f"pytest {pytest.__version__} does not keep pytest-xdist's test groups: "
                                 "install the pytest that setup.py's test extra names")
+
+
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_workers(script: str, *args: str, nproc: int = 2, timeout: int = 600) -> str:

@@ -1,7 +1,6 @@
 """The dry run's memory estimate (angpt.training.memory_estimate) and layout search (angpt.training.layout_search)
 against what the H200 measured, Megatron-LM's own schedule arithmetic, and the boundaries of their verdicts."""
 
-import importlib.util
 import json
 import os
 
@@ -13,7 +12,8 @@ from angpt.training.dry_run import memory_report
 from angpt.training.layout_search import candidate_layouts
 from angpt.training.memory_estimate import GIB, Layout, in_flight, stage_memory
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT, load_benchmark
+
 # benchmarks/gpu_throughput.py's shapes and vocabulary (GPT-2's, padded to 50304), as the H200 ran them.
 SHAPES = {"0.5b": dict(num_layers=24, hidden_size=1024, num_attention_heads=16),
           "1b": dict(num_layers=36, hidden_size=1280, num_attention_heads=20)}
@@ -118,14 +118,6 @@ def test_every_candidate_layout_is_one_megatron_core_runs():
     assert {x.tensor_parallel for x in layouts} == {1, 2, 4}  # 8 does not divide the 4 key-value groups
 
 
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("activation_memory",
-                                                  os.path.join(ROOT, "benchmarks", "activation_memory.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.long  # torch.compile of 12 small models: 50 s of CPU, so with the long checks (make test-long)
 @pytest.mark.parametrize("family,groups,recompute", [
     ("gptplus", None, ()), ("gptplus", None, ("core_attn", "mlp", "layernorm", "qk_norm")),
@@ -134,7 +126,7 @@ def load_benchmark():
 ])
 def test_the_layer_estimate_is_within_10_percent_of_what_the_benchmark_measures(single_process, family, groups,
                                                                                  recompute):
-    benchmark = load_benchmark()
+    benchmark = load_benchmark("activation_memory")
     args = benchmark.argparse.Namespace(hidden_size=64, num_attention_heads=4, num_query_groups=groups,
                                         seq_length=32, micro_batch_size=2, vocab_size=64, attention_backend="flash")
     measured = benchmark.per_layer(family, "compiled", args, recompute)

@@ -2,9 +2,7 @@
 as without recompute for every choice in every family, dropout masks replayed, and the recomputed parts no
 longer kept for the backward pass (saved-tensor hooks). In-process, tiny fp32 models on the CPU path."""
 
-import importlib.util
 import itertools
-import os
 
 import pytest
 import torch
@@ -17,7 +15,7 @@ from angpt.models.config import RECOMPUTE_MODULES as MODEL_RECOMPUTE_MODULES
 from angpt.training import distributed
 from angpt.training.config_from_args import model_config_from_args
 
-from conftest import ROOT
+from conftest import load_benchmark
 
 FAMILIES = ("gptplus", "angpt", "ngpt")
 HIDDEN, HEADS, VOCAB, SEQ, BATCH = 32, 4, 64, 16, 2
@@ -226,14 +224,6 @@ def test_each_combination_keeps_less_than_its_parts(seeded):
     assert all(total < totals[()] for recompute, total in totals.items() if recompute)
 
 
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("activation_memory",
-                                                  os.path.join(ROOT, "benchmarks", "activation_memory.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_benchmarks_recompute_flops_hold_the_layers_matmuls(seeded, family):
     # torch's own count of one layer's forward matmuls (2-layer model minus 1-layer model) against the
@@ -247,15 +237,16 @@ def test_the_benchmarks_recompute_flops_hold_the_layers_matmuls(seeded, family):
         counts.append(counter.get_total_flops())
     matmuls = counts[0] - counts[1]
     assert matmuls == 2 * TOKENS * HIDDEN * 4 * HIDDEN + 4 * TOKENS * SEQ * HIDDEN + 6 * TOKENS * HIDDEN * FFN
-    formula = load_benchmark().recompute_flops(family, "full", TOKENS, SEQ, HIDDEN, HEADS)
+    formula = load_benchmark("activation_memory").recompute_flops(family, "full", TOKENS, SEQ, HIDDEN, HEADS)
     elementwise = formula - matmuls
     assert 0 < elementwise < 0.1 * matmuls
 
 
 @pytest.mark.slow  # eager, every family and setting at a tiny shape: about 15 s
 def test_the_benchmark_reports_each_setting(single_process, capsys):
-    results = load_benchmark().main(["--recompute", "--modes", "eager", "--hidden-size", "32", "--seq-length", "16",
-                                     "--micro-batch-size", "2", "--vocab-size", "64"])
+    benchmark = load_benchmark("activation_memory")
+    results = benchmark.main(["--recompute", "--modes", "eager", "--hidden-size", "32", "--seq-length", "16",
+                              "--micro-batch-size", "2", "--vocab-size", "64"])
     for family in FAMILIES:
         kept = {key[2]: value[0] for key, value in results.items() if key[:2] == (family, "eager") and len(key) == 3}
         assert results[(family, "eager")] == kept["none"]  # the first table's figure
