@@ -1,5 +1,4 @@
 import base64
-import contextlib
 import importlib.util
 import json
 import os
@@ -107,21 +106,6 @@ def run_workers(script: str, *args: str, nproc: int = 2, timeout: int = 600) -> 
     return output
 
 
-def destroy_model_parallel() -> None:
-    """megatron-core's destroy_model_parallel, and the process groups it built: it only forgets them, and each
-    gloo group keeps two threads and its sockets, so a pytest worker that built trainer after trainer held
-    over a thousand gloo threads and 1024 descriptors."""
-    built = {}
-    for value in vars(parallel_state).values():
-        for group in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(group, dist.ProcessGroup) and group is not dist.group.WORLD:
-                built[id(group)] = group
-    parallel_state.destroy_model_parallel()
-    for group in built.values():
-        with contextlib.suppress(ValueError):  # one torch no longer knows (destroyed with another name)
-            dist.destroy_process_group(group)
-
-
 @pytest.fixture(scope="session")
 def single_process():
     """A one-process gloo group with megatron-core's parallel state (TP = PP = DP = 1)."""
@@ -135,10 +119,10 @@ def single_process():
             torch.cuda.set_device(0)
             backend = "cpu:gloo,cuda:nccl"
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    destroy_model_parallel()  # the groups an in-process trainer of an earlier test left (in_process_trainer)
+    distributed.destroy_model_parallel()  # what an in-process trainer of an earlier test left
     distributed.initialize()
     yield
-    destroy_model_parallel()
+    distributed.destroy_model_parallel()
 
 
 def in_process_trainer(argv: list[str]) -> Trainer:
@@ -147,7 +131,7 @@ def in_process_trainer(argv: list[str]) -> Trainer:
     single_process's); pytest keeps its SIGTERM handler (the trainer's saves and carries on)."""
     args = parse_args(argv, world_size=1)
     sigterm = signal.getsignal(signal.SIGTERM)
-    destroy_model_parallel()
+    distributed.destroy_model_parallel()
     try:
         return Trainer(args)
     finally:

@@ -7,8 +7,6 @@ from angpt.config.arguments import parse_args
 from angpt.config.pipeline_split import stage_layers
 from angpt.training import distributed
 
-from conftest import destroy_model_parallel
-
 BASE = ["--mock-data", "--vocab-size", "64", "--hidden-size", "32", "--num-attention-heads", "4", "--train-iters", "2"]
 
 
@@ -64,10 +62,10 @@ def test_the_dry_run_follows_the_split(single_process):
 
     args = parse_args([*BASE, "--num-layers", "4", "--pipeline-model-parallel-size", "2",
                        "--decoder-first-pipeline-num-layers", "1"], world_size=2)
-    destroy_model_parallel()  # describe builds its own one-process groups
+    distributed.destroy_model_parallel()  # describe builds its own one-process groups
     try:
         report = describe(args, 2)
     finally:
-        destroy_model_parallel()
+        distributed.destroy_model_parallel()
         distributed.initialize()
     assert "  4 layers: by pipeline stage 1, 3 (--decoder-first-pipeline-num-layers)" in report

@@ -29,7 +29,7 @@ from angpt.models import build_model, model_config
 from angpt.models.attention import clear_attention_backend_environment
 from angpt.training import checkpointing, distributed, faults, save_lock
 
-from conftest import ROOT, destroy_model_parallel, in_process_trainer
+from conftest import ROOT, in_process_trainer
 from launch import launch
 
 MODEL = ["--num-layers", "4", "--hidden-size", "48", "--num-attention-heads", "4", "--seq-length", "32",
@@ -528,7 +528,7 @@ def test_a_hang_timeout_that_cannot_fire_first_is_refused(argv, message, capsys)
 def test_every_process_group_times_out_after_distributed_timeout_minutes(single_process):
     """megatron-core's groups took 30 minutes whatever --distributed-timeout-minutes said; given the flag's value,
     its expert data-parallel gloo groups still did (megatron-core 0.16.1 builds them without it)."""
-    destroy_model_parallel()
+    distributed.destroy_model_parallel()
     try:
         distributed.initialize(timeout_minutes=7)
         # Every group megatron-core built (its gloo copies, embedding, expert and hierarchical groups among them).
@@ -539,5 +539,5 @@ def test_every_process_group_times_out_after_distributed_timeout_minutes(single_
         timeouts = {group._get_backend(torch.device("cpu")).options._timeout for group in groups.values()}
         assert timeouts == {datetime.timedelta(minutes=7)}
     finally:
-        destroy_model_parallel()
+        distributed.destroy_model_parallel()
         distributed.initialize()

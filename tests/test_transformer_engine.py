@@ -536,7 +536,7 @@ def _worker_context_parallel() -> dict:
         for kind in ("p2p", "all_gather"):
             figures, state = {}, None
             for cp in (2, 1):
-                parallel_state.destroy_model_parallel()
+                distributed.destroy_model_parallel()
                 distributed.initialize(context_parallel_size=cp)
                 config = model_config(family, num_layers=2, hidden_size=128, num_attention_heads=2, bf16=True,
                                       params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,

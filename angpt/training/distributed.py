@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
 import random
@@ -60,6 +62,26 @@ def initialize(
         if group is not None:
             dist.distributed_c10d._set_pg_timeout(timedelta(minutes=timeout_minutes), group)
     set_random_seed(seed, cuda_graphs)
+
+
+def destroy_model_parallel() -> None:
+    """megatron-core's destroy_model_parallel, and the process groups it built: it only forgets them, and each
+    gloo group keeps its threads and sockets, so a process that set up the groups again and again (a test
+    worker running layout after layout) held thousands of gloo threads and spent most of its time in the
+    kernel (the equivalence job: 7.8 minutes, then 1.6)."""
+    gc.collect()  # models already dropped hold their groups in reference cycles: freed with them now
+    built, holders = {}, []
+    for name, value in vars(parallel_state).items():
+        for group in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(group, dist.ProcessGroup) and group is not dist.group.WORLD:
+                built[id(group)] = group
+                holders.append(name)
+    parallel_state.destroy_model_parallel()
+    for name in holders:  # the few it does not forget (_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP, 0.16.1)
+        setattr(parallel_state, name, None)
+    for group in built.values():
+        with contextlib.suppress(ValueError):  # one torch no longer knows (destroyed with another name)
+            dist.destroy_process_group(group)
 
 
 def flight_recorder_environment(dump_path: Optional[str], trace_buffer_size: int) -> None:

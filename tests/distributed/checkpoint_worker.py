@@ -13,7 +13,7 @@ import re
 
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state
+from megatron.core import dist_checkpointing
 
 from angpt.training import distributed
 from angpt.training.optimizer import build_optimizer
@@ -53,7 +53,7 @@ def round_trip(family: str, path: str, save: tuple[int, int], load: tuple[int, i
     train_step(iter(fixed_batches()[:1]), chunks, optimizer, scheduler, 1, 2, S)
     saved = gather_full(chunks)
     dist_checkpointing.save(sharded_state(chunks), path)
-    parallel_state.destroy_model_parallel()
+    distributed.destroy_model_parallel()
 
     results = {}
     for tp, pp in (load, save):
@@ -68,7 +68,7 @@ def round_trip(family: str, path: str, save: tuple[int, int], load: tuple[int, i
             differed_before_load=sum(not torch.equal(fresh[k], saved[k]) for k in saved),
             parameters=len(saved),
         )
-        parallel_state.destroy_model_parallel()
+        distributed.destroy_model_parallel()
     return results
 
 
@@ -79,7 +79,7 @@ def main():
     parser.add_argument("--families", default="angpt,gptplus,ngpt")
     args = parser.parse_args()
     distributed.initialize()
-    parallel_state.destroy_model_parallel()
+    distributed.destroy_model_parallel()
     for trip in args.round_trips.split(","):
         save, load = trip.split(":")
         for family in args.families.split(","):

@@ -117,7 +117,7 @@ def context_parallel_logits(family: str, layout: dict, init: dict, cp: int) -> d
         with torch.no_grad():
             output = unwrap(chunks[0])(mine["tokens"], mine["position_ids"], mine.get("attention_mask"))
         logits[name] = in_sequence_order(gather_from_tensor_model_parallel_region(output))
-        parallel_state.destroy_model_parallel()
+        distributed.destroy_model_parallel()
     clear_attention_backend_environment()
     return logits
 
@@ -235,7 +235,7 @@ def run_family(family: str, args, layout: dict, world: int) -> dict | None:
         # One projection through the optimizer's post-step hook, from weights partly outside the ball,
         # with lr = 0 so that the Adam update itself changes nothing.
         perturbed = perturbed_weights(init, family)
-        parallel_state.destroy_model_parallel()
+        distributed.destroy_model_parallel()
         distributed.initialize(config.tensor_model_parallel_size, config.pipeline_model_parallel_size,
                                config.virtual_pipeline_model_parallel_size, context_parallel_size=cp)
         chunks = build_model_chunks(small_config(family, **layout), V, S, ddp_config)
@@ -249,7 +249,7 @@ def run_family(family: str, args, layout: dict, world: int) -> dict | None:
         if args.reference:
             project_parameters_([unwrap(c) for c in chunks], constraint)  # idempotent: a second pass changes nothing
             result["projected_twice"] = gather_full(chunks)
-    parallel_state.destroy_model_parallel()
+    distributed.destroy_model_parallel()
     if cp > 1 and config.pipeline_model_parallel_size == config.tensor_model_parallel_size == 1:
         # The same at CP 1 (data parallel instead) in this job: the reference runs neither. CP alone (cp2, cp4):
         # the attention paths do not meet the other splits.
@@ -272,7 +272,7 @@ def main():
         dist.init_process_group("gloo", rank=0, world_size=1)
     else:
         distributed.initialize()  # joins the torchrun job
-        parallel_state.destroy_model_parallel()
+        distributed.destroy_model_parallel()
     layouts = {"reference": {}} if args.reference else {name: LAYOUTS[name] for name in args.layouts.split(",")}
     os.makedirs(args.out, exist_ok=True)
     for name, layout in layouts.items():

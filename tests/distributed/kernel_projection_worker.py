@@ -107,7 +107,7 @@ def main():
     distributed.initialize()  # joins the torchrun job
     full = full_weights()
     for layout, tp in (("tensor_parallel", 2), ("distributed_optimizer", 1)):
-        parallel_state.destroy_model_parallel()
+        distributed.destroy_model_parallel()
         distributed.initialize(tp, 1, None)
         run = tensor_parallel if layout == "tensor_parallel" else distributed_optimizer
         for mode in ("bound", "normalize"):
@@ -120,7 +120,7 @@ def main():
                 assert any(not torch.equal(expected[name], full[name]) for name in full)
                 if dist.get_rank() == 0:
                     print(f"PASS {layout} {mode} {backend}", flush=True)
-    parallel_state.destroy_model_parallel()
+    distributed.destroy_model_parallel()
     dist.destroy_process_group()
 
 

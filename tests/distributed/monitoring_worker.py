@@ -10,7 +10,6 @@ import argparse
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from angpt.telemetry.health import HealthProbe
@@ -38,7 +37,7 @@ def probe_summary(layout: dict, weights: dict[str, torch.Tensor]) -> dict[str, f
             num_microbatches=len(batches), seq_length=S, micro_batch_size=MICRO_BATCH, forward_only=True,
         )
     summary = probe.summary()
-    parallel_state.destroy_model_parallel()
+    distributed.destroy_model_parallel()
     return summary
 
 
@@ -47,7 +46,7 @@ def main():
     parser.add_argument("--weights", required=True)
     args = parser.parse_args()
     distributed.initialize()  # joins the torchrun job
-    parallel_state.destroy_model_parallel()
+    distributed.destroy_model_parallel()
     weights = torch.load(args.weights)
     for name, layout in LAYOUTS.items():
         summary = probe_summary(layout, weights)
