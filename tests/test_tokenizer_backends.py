@@ -1,5 +1,5 @@
 """--tokenizer-backend: gigatoken encodes every document as the tokenizer's own library does, or is not used;
-and angpt.data.indexed.add_documents writes what megatron-core's builder writes."""
+and angpt.data.indexed.DatasetWriter writes what megatron-core's builder writes."""
 
 import glob
 import json
@@ -9,10 +9,12 @@ import sys
 
 import numpy
 import pytest
+from megatron.core.datasets import indexed_dataset as megatron_indexed
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 import angpt.data.tokenizers as tokenizers
-from angpt.data.indexed import add_documents
+from angpt.data import indexed
+from angpt.data.indexed import DatasetWriter
 from angpt.data.tokenizers import (
     PROBE_TEXTS,
     GigatokenTokenizer,
@@ -131,24 +133,35 @@ def test_caches_are_dropped_when_memory_grows(trained, byte_ranks, monkeypatch):
     assert fast.rebuilds == 4 and fast.encoder is not first
 
 
-def test_add_documents_writes_what_add_document_writes(tmp_path):
+@pytest.mark.parametrize("documents, dtype", [(200, numpy.uint16), (200, numpy.int32), (1, numpy.uint16),
+                                              (0, numpy.uint16), ("empty", numpy.uint16)])
+def test_the_writer_writes_what_megatron_cores_builder_writes(tmp_path, documents, dtype):
     rng = numpy.random.default_rng(0)
-    sequences = rng.integers(0, 3, 200)  # 0: an empty document
+    sequences = numpy.zeros(3, numpy.int64) if documents == "empty" else rng.integers(0, 3, documents)  # 0: empty
     lengths = rng.integers(1, 50, int(sequences.sum()))
     tokens = rng.integers(0, 60000, int(lengths.sum()))
-    expected = IndexedDatasetBuilder(str(tmp_path / "a.bin"), dtype=numpy.uint16)
-    got = IndexedDatasetBuilder(str(tmp_path / "b.bin"), dtype=numpy.uint16)
+    expected = IndexedDatasetBuilder(str(tmp_path / "a.bin"), dtype=dtype)
+    got = DatasetWriter(str(tmp_path / "b.bin"), dtype=dtype)
     sequence, token = 0, 0
     for count in sequences:
         document_lengths = lengths[sequence:sequence + count].tolist()
         expected.add_document(tokens[token:token + sum(document_lengths)], document_lengths)
         sequence, token = sequence + count, token + sum(document_lengths)
     # In two calls, as batches come: the second's document indices continue the first's.
-    split_sequences = int(sequences[:100].sum())
+    half = len(sequences) // 2
+    split_sequences = int(sequences[:half].sum())
     split_tokens = int(lengths[:split_sequences].sum())
-    add_documents(got, tokens[:split_tokens], lengths[:split_sequences], sequences[:100])
-    add_documents(got, tokens[split_tokens:], lengths[split_sequences:], sequences[100:])
+    got.add_documents(tokens[:split_tokens], lengths[:split_sequences], sequences[:half])
+    got.add_documents(tokens[split_tokens:], lengths[split_sequences:], sequences[half:])
     expected.finalize(str(tmp_path / "a.idx"))
     got.finalize(str(tmp_path / "b.idx"))
     for suffix in (".bin", ".idx"):
         assert (tmp_path / f"a{suffix}").read_bytes() == (tmp_path / f"b{suffix}").read_bytes()
+
+
+def test_the_format_constants_are_megatron_cores():
+    assert indexed._INDEX_HEADER == megatron_indexed._INDEX_HEADER
+    assert {dtype.name: code for dtype, code in indexed.DTYPE_CODES.items()} == {
+        member.name: member.value for member in megatron_indexed.DType}
+    for vocab_size in (1, 65499, 65500, 2**31 - 1):  # either side of megatron-core's cut
+        assert indexed.optimal_dtype(vocab_size) == megatron_indexed.DType.optimal_dtype(vocab_size)

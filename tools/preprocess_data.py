@@ -70,6 +70,7 @@ from angpt.data.corpus import (
     parse_record,
     shard_inputs,
 )
+from angpt.data.indexed import DatasetWriter, optimal_dtype, write_metadata
 from angpt.data.tokenizers import (
     TIKTOKEN_NUM_SPECIAL_TOKENS,
     TIKTOKEN_PATTERNS,
@@ -367,8 +368,6 @@ def batches(records, max_bytes: int = BATCH_BYTES, max_documents: int = BATCH_DO
 
 
 def write_batch(builders: dict, batch: EncodedBatch, stats: Stats, skip_bad_lines: bool, report) -> None:
-    from angpt.data.indexed import add_documents  # noqa: PLC0415 (imports megatron-core: after parsing)
-
     if batch.bad_lines:
         if not skip_bad_lines:
             raise InputError(f"{batch.bad_lines[0]} (--skip-bad-lines skips such lines)")
@@ -378,7 +377,7 @@ def write_batch(builders: dict, batch: EncodedBatch, stats: Stats, skip_bad_line
             stats.bad_lines[bad_line.reason] += 1
     for key, builder in builders.items():
         tokens, sequences = batch.tokens[key], batch.sequences[key]
-        add_documents(builder, tokens, batch.lengths[key], sequences)
+        builder.add_documents(tokens, batch.lengths[key], sequences)
         stats.empty[key] += int((sequences == 0).sum())
         stats.documents[key] += len(sequences)
         stats.sequences[key] += len(batch.lengths[key])
@@ -390,14 +389,12 @@ def write_batch(builders: dict, batch: EncodedBatch, stats: Stats, skip_bad_line
 
 def tokenize_partition(job: PartitionJob) -> Stats:
     """Tokenize records [start, stop) into the job's .bin/.idx files, in order."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder  # noqa: PLC0415 (after parsing)
-
     initargs = (job.tokenizer, job.splitter, job.keys, job.append_eod, job.dtype, job.threads_per_worker)
     if job.workers == 1 and isinstance(job.tokenizer, GigatokenTokenizer):
         pool = InProcess(*initargs)
     else:
         pool = multiprocessing.get_context("fork").Pool(job.workers, initializer=init_worker, initargs=initargs)
-    builders = {key: IndexedDatasetBuilder(prefix + ".bin", dtype=job.dtype)
+    builders = {key: DatasetWriter(prefix + ".bin", dtype=job.dtype)
                 for key, prefix in job.output_prefixes.items()}
     stats, started, logged = Stats(), time.monotonic(), 0
     total = None if job.stop is None else job.stop - job.start
@@ -565,10 +562,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def preprocess(args: argparse.Namespace) -> dict:
     """Write the dataset of every key; returns each key's metadata."""
-    from megatron.core.datasets.indexed_dataset import DType  # noqa: PLC0415 (after parsing)
-
-    from angpt.data.indexed import write_metadata  # noqa: PLC0415 (imports megatron-core: after parsing)
-
     started = time.monotonic()
     paths = expand_inputs(args.input)
     if len(args.json_keys) > 1 and any(is_text_file(path) for path in paths):
@@ -587,7 +580,7 @@ def preprocess(args: argparse.Namespace) -> dict:
           f"{backend['chosen']})" + (f"; gigatoken not used: {backend['gigatoken_not_used']}"
                                      if "gigatoken_not_used" in backend else ""), file=sys.stderr)
     splitter = SentenceSplitter(args.keep_newlines) if args.split_sentences else None
-    dtype = DType.optimal_dtype(tokenizer.vocab_size)
+    dtype = optimal_dtype(tokenizer.vocab_size)
     level = "sentence" if args.split_sentences else "document"  # as Megatron-LM names its outputs
     final_prefixes = {key: f"{args.output_prefix}_{key}_{level}" for key in args.json_keys}
     output_dir = os.path.dirname(os.path.abspath(args.output_prefix))

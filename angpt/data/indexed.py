@@ -1,5 +1,10 @@
 """The tokenized dataset on disk: megatron-core's `.bin/.idx` pair plus our `.json` metadata beside it.
 
+`DatasetWriter` writes the pair with numpy alone: megatron-core's IndexedDatasetBuilder writes the same bytes
+(tests/test_tokenizer_backends.py compares them), but importing it imports torch and all of megatron-core, 7-10 s
+of start-up for a tool whose tokenizing of 60 MB takes under one (tools/preprocess_data.py). The format's
+constants are megatron-core's (megatron/core/datasets/indexed_dataset.py: _INDEX_HEADER, DType).
+
 The metadata records the tokenizer and its end-of-document id, so that training and conversion use the
 EOD the data was written with, and the largest token id written (`max_token_id`, absent from datasets
 written before it was recorded). `check_indexed_dataset` catches a truncated or corrupted pair before
@@ -15,12 +20,21 @@ import struct
 from typing import Optional
 
 import numpy
-from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType
 
 METADATA_KEYS = ("tokenizer", "vocab_size", "eod", "append_eod", "documents", "tokens")
 # magic, version (<Q), dtype code (<B), sequence count (<Q), document count (<Q)
 _HEADER = struct.Struct("<9sQBQQ")
 _LENGTH, _POINTER, _DOCUMENT_INDEX = 4, 8, 8  # int32, int64, int64 per entry
+_INDEX_HEADER = b"MMIDIDX\x00\x00"
+# megatron-core's DType: the code of the token dtype in the header.
+DTYPE_CODES = {numpy.dtype(name): code for code, name in enumerate(
+    ("uint8", "int8", "int16", "int32", "int64", "float64", "float32", "uint16"), start=1)}
+DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+
+def optimal_dtype(vocab_size: int) -> type:
+    """The token dtype megatron-core's DType.optimal_dtype picks for a vocabulary of this size."""
+    return numpy.uint16 if vocab_size < 65500 else numpy.int32
 
 
 class IndexedDatasetError(ValueError):
@@ -73,7 +87,7 @@ def max_token_id(prefix: str) -> Optional[int]:
     numpy's reduction streams through the memory map without a copy (reading it in chunks measured the
     same time and memory: the pages read are the page cache's, not the process's)."""
     with open(prefix + ".idx", "rb") as idx:
-        dtype = DType.dtype_from_code(_HEADER.unpack(idx.read(_HEADER.size))[2])
+        dtype = DTYPES[_HEADER.unpack(idx.read(_HEADER.size))[2]]
     if os.path.getsize(prefix + ".bin") == 0:  # numpy cannot map an empty file
         return None
     return int(numpy.memmap(prefix + ".bin", dtype=dtype, mode="r").max())
@@ -139,14 +153,14 @@ def check_indexed_dataset(prefix: str) -> dict:
             raise IndexedDatasetError(f"{idx_path}: not a megatron-core index (magic {magic!r})")
         if version != 1:
             raise IndexedDatasetError(f"{idx_path}: index version {version}, expected 1")
-        if dtype_code not in {dtype.value for dtype in DType}:
+        if dtype_code not in DTYPES:
             raise IndexedDatasetError(f"{idx_path}: unknown dtype code {dtype_code}")
         expected = _HEADER.size + sequences * (_LENGTH + _POINTER) + documents * _DOCUMENT_INDEX
         if idx_size != expected:
             raise IndexedDatasetError(
                 f"{idx_path}: {idx_size} bytes, but its header's {sequences} sequences and {documents} document "
                 f"indices need {expected}: truncated or corrupted")
-        itemsize = DType.size(dtype_code)
+        itemsize = DTYPES[dtype_code].itemsize
         if sequences:
             idx.seek(_HEADER.size + (sequences - 1) * _LENGTH)
             (last_length,) = struct.unpack("<i", idx.read(_LENGTH))
@@ -168,7 +182,7 @@ def check_indexed_dataset(prefix: str) -> dict:
         raise IndexedDatasetError(
             f"{bin_path}: {bin_size} bytes, but {idx_path} indexes {expected_bin}: truncated or corrupted")
     counts = {"documents": max(documents - 1, 0), "sequences": sequences, "tokens": bin_size // itemsize,
-              "dtype": DType.dtype_from_code(dtype_code).__name__}
+              "dtype": DTYPES[dtype_code].name}
     if os.path.isfile(metadata_path(prefix)):
         metadata = read_metadata(prefix)
         for key in ("documents", "tokens"):
@@ -178,13 +192,32 @@ def check_indexed_dataset(prefix: str) -> dict:
     return counts
 
 
-def add_documents(builder, tokens: numpy.ndarray, lengths: numpy.ndarray, sequences: numpy.ndarray) -> None:
-    """Append documents to megatron-core's IndexedDatasetBuilder in one write: the bytes of its add_document
-    called per document (each document's `sequences` sequences, of `lengths` tokens each, 0 sequences for an
-    empty document), without its per-document Python work (2-3 us each: seconds on millions of short
-    documents), as Megatron-LM's own add_documents (main, after core_v0.16.1) writes them."""
-    assert not builder.multimodal, "a text dataset has no sequence modes"
-    builder.data_file.write(numpy.asarray(tokens, dtype=builder.dtype).tobytes(order="C"))
-    offset = len(builder.sequence_lengths)
-    builder.sequence_lengths.extend(lengths.tolist())
-    builder.document_indices.extend((offset + numpy.cumsum(sequences)).tolist())
+class DatasetWriter:
+    """prefix.bin/.idx of a text dataset, written as megatron-core's IndexedDatasetBuilder writes them (no
+    sequence modes): the tokens appended to the .bin as they come, the index at `finalize`."""
+
+    def __init__(self, bin_path: str, dtype: numpy.dtype):
+        self.dtype = numpy.dtype(dtype)
+        self.data_file = open(bin_path, "wb")
+        self.lengths: list[numpy.ndarray] = []  # int32 tokens per sequence, a batch per array
+        self.document_ends: list[numpy.ndarray] = []  # int64 sequence index after each document
+        self.sequences = 0
+
+    def add_documents(self, tokens: numpy.ndarray, lengths: numpy.ndarray, sequences: numpy.ndarray) -> None:
+        """Append documents in one write: `tokens`, then each document's `sequences` sequences of `lengths`
+        tokens each (0 sequences: an empty document), as add_document called per document."""
+        self.data_file.write(numpy.asarray(tokens, dtype=self.dtype).tobytes(order="C"))
+        self.lengths.append(numpy.asarray(lengths, dtype=numpy.int32))
+        self.document_ends.append(self.sequences + numpy.cumsum(sequences, dtype=numpy.int64))
+        self.sequences += int(numpy.sum(sequences))
+
+    def finalize(self, idx_path: str) -> None:
+        self.data_file.close()
+        lengths = numpy.concatenate([numpy.zeros(0, numpy.int32), *self.lengths])
+        pointers = numpy.zeros(len(lengths), dtype=numpy.int64)
+        numpy.cumsum(lengths[:-1].astype(numpy.int64) * self.dtype.itemsize, out=pointers[1:])
+        document_indices = numpy.concatenate([numpy.zeros(1, numpy.int64), *self.document_ends])
+        with open(idx_path, "wb") as idx:
+            idx.write(_HEADER.pack(_INDEX_HEADER, 1, DTYPE_CODES[self.dtype], len(lengths), len(document_indices)))
+            for array in (lengths, pointers, document_indices):
+                idx.write(array.tobytes(order="C"))
