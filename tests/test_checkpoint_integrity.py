@@ -82,6 +82,7 @@ DAMAGES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", DAMAGES)
 def test_a_damaged_checkpoint_is_refused_in_one_line_naming_the_file(damage, copy):
     """Before digests: the overwritten shard loaded silently (its NaNs surfaced as a NaN loss two steps
@@ -99,6 +100,7 @@ def test_a_damaged_checkpoint_is_refused_in_one_line_naming_the_file(damage, cop
     assert "--load-fallback-to-intact" in message
 
 
+@pytest.mark.slow
 def test_the_fallback_resumes_from_the_newest_intact_checkpoint(copy, caplog):
     overwrite_256_bytes(copy / "iter_0000004" / "__0_0.distcp")
     with caplog.at_level(logging.WARNING):
@@ -108,6 +110,7 @@ def test_the_fallback_resumes_from_the_newest_intact_checkpoint(copy, caplog):
     assert f"resuming from {copy / 'iter_0000002'}, the newest intact checkpoint" in caplog.text
 
 
+@pytest.mark.slow
 def test_a_checkpoint_without_digests_still_loads_with_a_note(copy, caplog):
     """As written before digests were recorded; damaged, it is refused in one line naming the directory."""
     os.remove(copy / "iter_0000004" / digests.DIGESTS)
@@ -123,6 +126,7 @@ def test_a_checkpoint_without_digests_still_loads_with_a_note(copy, caplog):
                                          "digests to name a damaged file, cannot be read: ")
 
 
+@pytest.mark.slow
 def test_a_missing_latest_file_beside_checkpoints_is_refused_or_resolved_when_asked(copy, caplog):
     """Before: a warning, and training from scratch over the checkpoints."""
     os.remove(copy / checkpointing.LATEST)
@@ -256,6 +260,7 @@ def test_a_second_run_on_a_save_directory_is_refused_naming_the_holder(copy):
     assert in_progress.is_dir() and (copy / "metrics.jsonl").read_bytes() == metrics
 
 
+@pytest.mark.slow
 def test_a_stale_lock_is_taken_over_on_its_host_and_refused_from_another(copy, caplog):
     ended = subprocess.Popen(["sleep", "60"])
     holder = lock_of(psutil.Process(ended.pid))
@@ -293,6 +298,7 @@ def test_a_lock_of_a_killed_run_not_yet_reaped_is_taken_over(tmp_path, caplog):
     save_lock.release(str(tmp_path))
 
 
+@pytest.mark.slow
 def test_a_lock_left_by_an_earlier_attempt_of_the_same_slurm_job_is_taken_over_from_another_host(
         copy, caplog, monkeypatch):
     """A requeued Slurm job (the same SLURM_JOB_ID, its SLURM_RESTART_COUNT one higher) whose rank 0 now runs on
@@ -325,6 +331,7 @@ def small_filesystem(tmp_path):
     subprocess.run(["umount", str(mount_point)], check=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["refused_before_writing", "filled_while_writing"])
 def test_a_full_disk_says_so_and_leaves_the_previous_checkpoint(when, small_filesystem, tmp_path, monkeypatch):
     """A real full file system. "filled_while_writing": the estimate of the space needed is taken as 0, so

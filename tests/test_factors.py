@@ -40,6 +40,7 @@ def no_cached_nu_acf(tmp_path, monkeypatch):
     nu_acf_monte_carlo.cache_clear()
 
 
+@pytest.mark.slow
 def test_nu_acf_matches_its_scalar_form():
     # 1/sqrt(E[SiLU(x)^2]) with x ~ N(0, 1/4), by quadrature: the large-f limit of the estimate. It is
     # 3.7204 (docs/model.md, Normalization factors); by Jensen's inequality the estimate at finite f lies above it.

@@ -107,6 +107,7 @@ def resumed_run(tmp_path_factory, single_process):
     return metrics, second, losses[1]
 
 
+@pytest.mark.slow
 def test_a_step_skipped_for_its_grad_norm_logs_the_loss_it_computed(resumed_run):
     metrics, _, loss = resumed_run
     record = next(r for r in read_metrics(str(metrics)) if r["kind"] == "train" and r["iteration"] == 2)

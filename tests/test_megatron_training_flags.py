@@ -196,6 +196,7 @@ def test_dataloader_workers_give_the_micro_batches_of_the_inline_reads(num_worke
     loader.close()
 
 
+@pytest.mark.slow
 def test_profile_with_the_pytorch_profiler_traces_the_steps_asked_for(tmp_path, single_process):
     """Megatron-LM's numbering: --profile-step-start 1 --profile-step-end 3 profiles the 2nd and 3rd steps (the
     steps that start with 1 and 2 completed), written to the TensorBoard directory as a trace."""
@@ -216,6 +217,7 @@ def test_profile_with_the_pytorch_profiler_traces_the_steps_asked_for(tmp_path, 
     (["--profile", "--use-pytorch-profiler", "--profile-step-start", "3", "--profile-step-end", "3"],
      "--profile-step-end 3 must be above --profile-step-start 3"),
 ])
+@pytest.mark.slow
 def test_a_profile_that_cannot_run_here_is_refused_before_training(argv, message, tmp_path, single_process):
     """A ValueError from the trainer's construction: angpt.pretrain prints it in one line and exits with 2."""
     if torch.cuda.is_available() and "--use-pytorch-profiler" not in argv:

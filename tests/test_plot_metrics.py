@@ -57,6 +57,7 @@ def plotted(ax) -> list[tuple[list, list]]:
     return [(list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()]
 
 
+@pytest.mark.slow
 def test_a_real_runs_curves_are_its_records(real_run, tmp_path):
     records = [json.loads(line) for line in real_run.read_text().splitlines()]
     trains = [r for r in records if r["kind"] == "train"]
@@ -143,6 +144,7 @@ def test_without_start_records_the_last_record_of_a_repeated_iteration_stands(tm
     assert run.validation["lm_loss"].tolist() == [3.9]
 
 
+@pytest.mark.slow
 def test_several_runs_are_a_line_each_with_their_labels(tmp_path):
     first = write_records(tmp_path / "a" / "metrics.jsonl", [train(i, 6.0 - i) for i in (1, 2, 3)])
     second = write_records(tmp_path / "b" / "metrics.jsonl", [

@@ -83,6 +83,7 @@ def step(model, batches, checks):
     return train_step(iter(batches), chunks, optimizer, scheduler, len(batches), MB, S, checks=checks)
 
 
+@pytest.mark.slow
 def test_a_spiky_loss_is_rerun_found_reproducible_and_named_by_its_micro_batch(seeded, monkeypatch):
     """pretrain_gpt.py's check: a micro-batch loss (its sum over tokens) of 10x the largest of the first 100 that
     were checked (megatron-core checks from the second step on). Its rerun reproduces it: not fatal, the step

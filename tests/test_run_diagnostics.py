@@ -46,6 +46,7 @@ def test_each_timing_level_times_what_megatron_lm_times_at_it(tmp_path, single_p
     assert {"batch-generator", "forward-compute", "backward-compute"} <= timed[2][0] and level1 <= timed[2][0]
 
 
+@pytest.mark.slow
 def test_timers_in_metrics_the_log_line_and_tensorboard(tmp_path, single_process, monkeypatch):
     """With --log-straggler on too: this rank's forward passes, each made 50 ms late, are timed."""
     monkeypatch.setenv(faults.SLOW_RANK, "0:0.05")
@@ -74,6 +75,7 @@ def test_timers_in_metrics_the_log_line_and_tensorboard(tmp_path, single_process
     assert events.Scalars("timers/forward-backward-time")[0].value == pytest.approx(timers["forward-backward"][1])
 
 
+@pytest.mark.slow
 def test_params_norm_and_zero_gradients_are_those_of_the_model(tmp_path, single_process):
     """--log-params-norm and --log-num-zeros-in-grad against the model itself after the logged step: the norm of
     all its weights, and the zeros of its gradients (the embedding rows of tokens not in the batch among them)."""

@@ -80,6 +80,7 @@ def test_keep_only_arch_refuses_an_arch_the_library_lacks(libraries):
         te_bundle.keep_only_arch(bytearray(multi), 75)
 
 
+@pytest.mark.slow
 @needs_nvcc
 def test_fatbin_parser_rejects_a_damaged_section(libraries):
     _, multi, _ = libraries

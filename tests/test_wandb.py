@@ -132,6 +132,7 @@ def offline_run(tmp_path_factory, single_process):
     return tmp_path, run_files[0], seconds
 
 
+@pytest.mark.slow
 def test_wandb_has_the_steps_and_losses_of_metrics_jsonl(offline_run):
     run_dir, run_file, _ = offline_run
     rows = history(wandb_records(run_file))
