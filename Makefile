@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test test-fast test-long test-slurm lint quickstart setup clean cuda-check
+.PHONY: test test-fast test-long test-slurm lint quickstart setup clean cuda-check gpu-wheels
 
 setup: $(VENV)/.installed
 
@@ -58,6 +58,11 @@ lint: setup
 
 quickstart: setup
 	PATH=$(abspath $(VENV))/bin:$$PATH bash examples/quickstart.sh
+
+# The wheels the GPU machine lacks (megatron-core, gigatoken, nltk and what they import), for its Python, at the
+# versions installed here, into .whl/, which benchmarks/gpu_checks.sh installs from; fails over 64 MiB.
+gpu-wheels: setup
+	$(PY) tools/gpu_wheels.py --output .whl
 
 # Compiles the CUDA sources with nvcc for each of CUDA_ARCHS (no GPU, no CUDA build of torch needed), with
 # the half-precision flags torch's extension builds use, and the CUDA dispatch of the bindings for syntax,

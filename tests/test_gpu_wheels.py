@@ -1,0 +1,38 @@
+"""tools/gpu_wheels.py: the wheels for the GPU machine, held to what one device call carries."""
+
+import importlib.util
+import os
+
+import pytest
+
+from conftest import ROOT
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("gpu_wheels", os.path.join(ROOT, "tools", "gpu_wheels.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("extra_bytes, refused", [(0, False), (1, True)])
+def test_the_wheels_are_refused_one_byte_over_the_limit(tmp_path, extra_bytes, refused):
+    tool = load_tool()
+    (tmp_path / "a-1.0-py3-none-any.whl").write_bytes(b"x" * 2**20)
+    (tmp_path / "b-1.0-py3-none-any.whl").write_bytes(b"x" * (2**20 + extra_bytes))
+    (tmp_path / "notes.txt").write_bytes(b"x" * 2**20)  # not a wheel: not carried by gpu_checks.sh's install
+    total, error = tool.check_total(str(tmp_path), limit_mib=2)
+    assert total == 2 * 2**20 + extra_bytes
+    assert (error is not None) == refused
+    if refused:
+        assert "over the 2 MiB" in error and "a-1.0-py3-none-any.whl" in error
+
+
+def test_an_empty_folder_is_within_the_limit(tmp_path):
+    assert load_tool().check_total(str(tmp_path), limit_mib=64) == (0, None)
+
+
+def test_the_wheels_are_those_of_the_versions_installed_here():
+    tool = load_tool()
+    assert tool.pinned("megatron-core") == "megatron-core==0.16.1"
+    assert tool.pinned("gigatoken") == "gigatoken==0.10.0"
