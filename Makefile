@@ -60,9 +60,10 @@ quickstart: setup
 	PATH=$(abspath $(VENV))/bin:$$PATH bash examples/quickstart.sh
 
 # The wheels the GPU machine lacks (megatron-core, gigatoken, nltk and what they import), for its Python, at the
-# versions installed here, into .whl/, which benchmarks/gpu_checks.sh installs from; fails over 64 MiB.
+# versions installed here, into .whl/, which benchmarks/gpu_checks.sh installs from; fails over 64 MiB. TE=1 adds
+# Transformer Engine's bundle and data/shakespeare, for gpu_checks.sh --te.
 gpu-wheels: setup
-	$(PY) tools/gpu_wheels.py --output .whl
+	$(PY) tools/gpu_wheels.py --output .whl $(if $(TE),--te)
 
 # Compiles the CUDA sources with nvcc for each of CUDA_ARCHS (no GPU, no CUDA build of torch needed), with
 # the half-precision flags torch's extension builds use, and the CUDA dispatch of the bindings for syntax,

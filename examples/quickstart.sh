@@ -5,6 +5,7 @@
 # generate a continuation through transformers, and plot the run's curves. About 8-15 minutes on two
 # CPU cores, most of it training (TRAIN_ITERS iterations, default 300).
 # Each data step is skipped when its output exists; training resumes from $RUN_DIR if it was interrupted.
+# DATA_ONLY=1 stops after the data steps.
 # On GPUs the same commands run on NCCL. Extra arguments go to angpt.pretrain.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -66,6 +67,10 @@ else
                 --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$corpus/tokenizer" --append-eod --workers 2
     done
     finished
+fi
+if [ "${DATA_ONLY:-0}" = 1 ]; then  # tools/gpu_wheels.py --te: the corpus only
+    echo "quickstart: DATA_ONLY=1, the corpus is ready in $corpus/"
+    exit 0
 fi
 
 resuming="" trained=0

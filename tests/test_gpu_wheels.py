@@ -21,15 +21,29 @@ def test_the_wheels_are_refused_one_byte_over_the_limit(tmp_path, extra_bytes, r
     (tmp_path / "a-1.0-py3-none-any.whl").write_bytes(b"x" * 2**20)
     (tmp_path / "b-1.0-py3-none-any.whl").write_bytes(b"x" * (2**20 + extra_bytes))
     (tmp_path / "notes.txt").write_bytes(b"x" * 2**20)  # not a wheel: not carried by gpu_checks.sh's install
-    total, error = tool.check_total(str(tmp_path), limit_mib=2)
+    total, error = tool.check_total([str(tmp_path)], limit_mib=2)
     assert total == 2 * 2**20 + extra_bytes
     assert (error is not None) == refused
     if refused:
-        assert "over the 2 MiB" in error and "a-1.0-py3-none-any.whl" in error
+        assert "over the 2 MiB" in error and "b-1.0-py3-none-any.whl" in error
 
 
 def test_an_empty_folder_is_within_the_limit(tmp_path):
-    assert load_tool().check_total(str(tmp_path), limit_mib=64) == (0, None)
+    assert load_tool().check_total([str(tmp_path)], limit_mib=64) == (0, None)
+
+
+def test_the_bundle_and_every_file_of_the_corpus_count(tmp_path):
+    tool = load_tool()
+    wheels, corpus = tmp_path / "whl", tmp_path / "data" / "shakespeare"
+    (corpus / "tokenizer").mkdir(parents=True)
+    wheels.mkdir()
+    (wheels / "te-sm90-cp312.tar.xz").write_bytes(b"x" * 2**20)
+    (wheels / "a-1.0-py3-none-any.whl").write_bytes(b"x" * 2**19)
+    (corpus / "train_text_document.bin").write_bytes(b"x" * 2**19)
+    (corpus / "tokenizer" / "tokenizer.json").write_bytes(b"x" * 100)
+    total, error = tool.check_total([str(wheels), str(corpus)], limit_mib=2)
+    assert total == 2 * 2**20 + 100
+    assert "te-sm90-cp312.tar.xz" in error and "over the 2 MiB" in error
 
 
 def test_the_wheels_are_those_of_the_versions_installed_here():
