@@ -41,9 +41,14 @@ def test_the_bundle_and_every_file_of_the_corpus_count(tmp_path):
     (wheels / "a-1.0-py3-none-any.whl").write_bytes(b"x" * 2**19)
     (corpus / "train_text_document.bin").write_bytes(b"x" * 2**19)
     (corpus / "tokenizer" / "tokenizer.json").write_bytes(b"x" * 100)
-    total, error = tool.check_total([str(wheels), str(corpus)], limit_mib=2)
-    assert total == 2 * 2**20 + 100
+    total, error = tool.check_total([str(wheels), str(corpus)], limit_mib=2, also={"the checkout": 1})
+    assert total == 2 * 2**20 + 100 + 1
     assert "te-sm90-cp312.tar.xz" in error and "over the 2 MiB" in error
+
+
+def test_the_checkout_counts_its_tracked_files():
+    size = load_tool().checkout_bytes()
+    assert os.path.getsize(os.path.join(ROOT, "setup.py")) < size < 64 * 2**20
 
 
 def test_the_wheels_are_those_of_the_versions_installed_here():

@@ -9,7 +9,8 @@ tiktoken, sentencepiece, pyarrow, TensorBoard and the rest of angpt's dependenci
 gigatoken (and awkward, which it imports) or nltk (and defusedxml). Each is downloaded for that machine's
 Python as a binary wheel (pip download --only-binary, the manylinux platforms), at the version installed here,
 where the tests ran: the same code on both machines. The total is checked against what one call of the device
-tool carries (64 MiB, the working tree included): over it, the command fails in one line naming the wheels.
+tool carries (64 MiB, the checkout's tracked files included): over it, the command fails in one line naming the
+largest files.
 
 --te prepares `gpu_checks.sh --te` too: Transformer Engine's bundle for sm_90 (tools/te_bundle.py prepare, about
 30 MiB; kept if .whl/ has one) and the corpus its FP8 benchmark trains on, data/shakespeare (the quickstart's
@@ -22,6 +23,7 @@ import importlib.metadata
 import os
 import subprocess
 import sys
+from typing import Optional
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 CORPUS = "data/shakespeare"  # what benchmarks/gpu_checks.sh --te trains FP8 on
@@ -59,9 +61,18 @@ def carried(folder: str) -> dict:
     return {path: os.path.getsize(path) for path in sorted(paths)}
 
 
-def check_total(folders: list, limit_mib: float) -> tuple:
-    """(the bytes carried from `folders`, each file printed; an error naming the largest if over `limit_mib`)."""
+def checkout_bytes() -> int:
+    """The bytes of the checkout's tracked files, which every device call carries with .whl/."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    return sum(os.path.getsize(os.path.join(ROOT, name)) for name in listed.decode().split("\0")
+               if name and os.path.isfile(os.path.join(ROOT, name)))
+
+
+def check_total(folders: list, limit_mib: float, also: Optional[dict] = None) -> tuple:
+    """(the bytes carried from `folders` and `also` ({what: bytes}), each printed; an error naming the largest
+    if over `limit_mib`)."""
     sizes = {path: size for folder in folders for path, size in carried(folder).items()}
+    sizes.update(also or {})
     for path, size in sizes.items():
         print(f"{size / 2**20:8.2f} MiB  {path}")
     total = sum(sizes.values())
@@ -110,7 +121,7 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 1
         folders.append(os.path.join(ROOT, CORPUS))
-    total, error = check_total(folders, args.limit_mib)
+    total, error = check_total(folders, args.limit_mib, {"the checkout's tracked files": checkout_bytes()})
     print(f"{total / 2**20:8.2f} MiB  in all, of {args.limit_mib:g} MiB a device call carries")
     if error:
         print(f"gpu_wheels.py: {error}", file=sys.stderr)
