@@ -12,9 +12,18 @@ every document in this process (`tokenizers`' encode_batch, gigatoken's), then t
 whole command, start-up included (imports, loading the tokenizer twice: its own library and gigatoken). Every
 document's ids are compared between the two backends (the count of documents compared is printed).
 With --megatron-lm CHECKOUT (a Megatron-LM source tree: `git clone https://github.com/NVIDIA/Megatron-LM`, or
-`git -C MIRROR archive core_v0.16.1 | tar -x -C CHECKOUT`), its tools/preprocess_data.py with the same
-tokenizer and --workers 2 is a row too, and its tools/preprocess_data_fast.py (--use-gigatoken; Megatron-LM's
-main branch after core_v0.16.1) where the checkout has it.
+`git -C MIRROR archive main | tar -x -C CHECKOUT`), its tools/preprocess_data.py with the same tokenizer and
+--workers 2 is a row too, and its tools/preprocess_data_fast.py (--use-gigatoken; Megatron-LM's main branch
+after core_v0.16.1) where the checkout has it; each row says whether its .bin/.idx equal ours byte for byte.
+They run on the checkout's megatron-core, under --megatron-lm-python: an interpreter whose environment also has
+what Megatron-LM's tools import beyond ours (triton: `python -m venv V`, a .pth file naming our venv's
+site-packages, `V/bin/pip install triton`). Megatron-LM's main imports Python 3.12's typing.override (a
+decorator that only marks a method); under Python 3.11 the benchmark backports it from typing_extensions in
+a sitecustomize.py on the tools' PYTHONPATH, and says so.
+
+--simulate-workers N measures what N processes on N cores of one node would take (`--shard I/N`, one core
+each): the N shards run one after another, each on one core and one encoding thread, and the node's wall
+time is the slowest shard's; MB/s is the whole text over it.
 
 With --steady-state, the table below follows:
 
@@ -31,6 +40,7 @@ Downloads and the trained tokenizer are cached in --work-dir.
 """
 
 import argparse
+import filecmp
 import json
 import os
 import re
@@ -171,10 +181,11 @@ def site_packages_texts(megabytes: float) -> list:
     return texts
 
 
-def measure(command: list, env: Optional[dict] = None) -> tuple:
-    """(wall seconds, peak PSS summed over the process tree) of a command."""
+def measure(command: list, env: Optional[dict] = None, cores: Optional[list] = None) -> tuple:
+    """(wall seconds, peak PSS summed over the process tree) of a command, on `cores` if given."""
     started = time.perf_counter()
-    process = psutil.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    process = psutil.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                           preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
     peak = 0
     while process.poll() is None:
         try:
@@ -220,27 +231,21 @@ def compare_backends(args, bpe: str) -> None:
     rows = [("tokenizers encode_batch, bare", bare_call(reference.encode_batch, texts, 1), None, megabytes),
             ("gigatoken encode_batch, bare", bare_call(fast.encode_flat, texts, args.repeats), None, megabytes)]
     out = os.path.join(args.work_dir, "out")
-    tool = [sys.executable, os.path.join(TOOLS, "preprocess_data.py"), "--output-prefix", out, *flags, "--append-eod"]
+    command = [sys.executable, os.path.join(TOOLS, "preprocess_data.py"), *flags, "--append-eod"]
+    tool = [*command, "--output-prefix", out]
     for backend in ("tokenizers", "gigatoken"):
         for workers in (1, 2):
             runs = [measure(tool + ["--input", documents, "--tokenizer-backend", backend, "--workers", str(workers)])
                     for _ in range(1 if backend == "tokenizers" else args.repeats)]
             rows.append((f"ours, {backend}, --workers {workers}", min(runs)[0], max(run[1] for run in runs), megabytes))
     rows.append(("ours, gigatoken, --workers 1, x4 text", *measure(
-        tool + ["--input", large_documents, "--workers", "1"]), large_megabytes))
+        [*command, "--output-prefix", out + "_x4", "--input", large_documents, "--workers", "1"]),
+        large_megabytes))
+    if args.simulate_workers:
+        rows.append((f"ours, gigatoken, {args.simulate_workers} shards (simulated)",
+                     *simulated_node([*command, "--input", documents], out, args.simulate_workers), megabytes))
     if args.megatron_lm:
-        env = {**os.environ, "PYTHONPATH": args.megatron_lm}
-        commands = {"Megatron-LM preprocess_data.py, --workers 2": [
-            os.path.join(args.megatron_lm, "tools", "preprocess_data.py"), "--workers", "2"]}
-        if os.path.isfile(os.path.join(args.megatron_lm, "tools", "preprocess_data_fast.py")):
-            commands["Megatron-LM preprocess_data_fast.py"] = [
-                os.path.join(args.megatron_lm, "tools", "preprocess_data_fast.py"), "--use-gigatoken"]
-        for label, (script, *extra) in commands.items():
-            try:
-                rows.append((label, *measure([sys.executable, script, "--input", documents, "--output-prefix",
-                                              out + "_megatron", *flags, "--append-eod", *extra], env), megabytes))
-            except RuntimeError as error:  # e.g. Megatron-LM's imports need triton, which CPU machines lack
-                print(f"{label}: failed: {str(error).strip().splitlines()[-1]}")
+        rows.extend(megatron_lm_rows(args, documents, flags, out, megabytes))
     fastest = rows[1][1] / megabytes  # seconds per MB of the fastest bare call
     header = f"{'run':46} {'wall s':>7} {'MB/s':>7} {'tokens/s':>10} {'peak PSS':>9} {'÷ fastest bare':>14}"
     print(header)
@@ -249,6 +254,49 @@ def compare_backends(args, bpe: str) -> None:
         memory = f"{peak / 2**20:6.0f} MB" if peak else ""
         print(f"{label:46} {seconds:7.2f} {size / seconds:7.2f} {tokens * size / megabytes / seconds:10.0f} "
               f"{memory:>9} {seconds / (fastest * size):14.2f}")
+
+
+def simulated_node(command: list, out: str, shards: int) -> tuple:
+    """(the slowest shard's wall seconds, its peak PSS) of `command --shard I/shards` for every I, one after
+    another, each pinned to one core with one encoding thread: N processes on N cores of one node."""
+    env = {**os.environ, "RAYON_NUM_THREADS": "1"}
+    core = sorted(os.sched_getaffinity(0))[:1]
+    runs = [measure([*command, "--output-prefix", f"{out}_shard{shard}", "--shard", f"{shard}/{shards}"], env, core)
+            for shard in range(shards)]
+    return max(run[0] for run in runs), max(run[1] for run in runs)
+
+
+def megatron_lm_rows(args, documents: str, flags: list, out: str, megabytes: float) -> list:
+    """Rows of Megatron-LM's tools on the same documents and tokenizer, each followed by whether its dataset's
+    bytes equal ours (`out`, written with --append-eod)."""
+    shim = os.path.join(args.work_dir, "typing_override_backport")
+    os.makedirs(shim, exist_ok=True)
+    with open(os.path.join(shim, "sitecustomize.py"), "w") as file:
+        file.write("import typing\n\nimport typing_extensions\n\n"
+                   "if not hasattr(typing, 'override'):  # Python 3.11: Megatron-LM's main imports it\n"
+                   "    typing.override = typing_extensions.override\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([args.megatron_lm, shim])}
+    python = args.megatron_lm_python or sys.executable
+    if subprocess.run([python, "-c", "import typing; typing.override"], capture_output=True).returncode:
+        print(f"{python} lacks typing.override (Python 3.11): backported from typing_extensions for Megatron-LM")
+    commands = {"Megatron-LM preprocess_data.py, --workers 2": [
+        os.path.join(args.megatron_lm, "tools", "preprocess_data.py"), "--workers", "2"]}
+    if os.path.isfile(os.path.join(args.megatron_lm, "tools", "preprocess_data_fast.py")):
+        commands["Megatron-LM preprocess_data_fast.py"] = [
+            os.path.join(args.megatron_lm, "tools", "preprocess_data_fast.py"), "--use-gigatoken"]
+    rows = []
+    for label, (script, *extra) in commands.items():
+        prefix = out + "_megatron"
+        try:
+            rows.append((label, *measure([python, script, "--input", documents, "--output-prefix", prefix, *flags,
+                                          "--append-eod", *extra], env), megabytes))
+        except RuntimeError as error:  # e.g. an environment without triton
+            print(f"{label}: failed: {str(error).strip().splitlines()[-1]}")
+            continue
+        same = all(filecmp.cmp(f"{out}_text_document{suffix}", f"{prefix}_text_document{suffix}", shallow=False)
+                   for suffix in (".bin", ".idx"))
+        print(f"{label}: .bin/.idx {'equal to' if same else 'DIFFERENT from'} ours, byte for byte")
+    return rows
 
 
 def cache_growth(bpe: str, megabytes: int) -> None:
@@ -277,6 +325,10 @@ def main() -> None:
     parser.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "angpt-preprocess-benchmark"))
     parser.add_argument("--megabytes", type=float, default=60, help="distinct text of the backends' comparison")
     parser.add_argument("--megatron-lm", help="a Megatron-LM checkout, whose tools run beside ours")
+    parser.add_argument("--megatron-lm-python", help="the interpreter of Megatron-LM's tools (one with triton); "
+                                                     "this one when not given")
+    parser.add_argument("--simulate-workers", type=int, metavar="N",
+                        help="also N shards run one by one on one core each: a node of N workers")
     parser.add_argument("--steady-state", action="store_true", help="then the table of the example corpus")
     parser.add_argument("--cache-growth", type=int, metavar="MB",
                         help="only gigatoken's memory over this many MB of random words, bounded or not")
