@@ -33,6 +33,7 @@ from angpt.megatron_compat import (
 )
 
 from conftest import ROOT
+from launch import launch
 
 
 def test_the_known_warnings_are_ignored_and_others_still_show():
@@ -69,13 +70,15 @@ print(*counts)
 
 
 @pytest.mark.slow
-def test_destroying_the_model_parallel_groups_frees_their_gloo_threads():
+def test_destroying_the_model_parallel_groups_frees_their_gloo_threads(tmp_path):
     # megatron-core's own destroy_model_parallel only forgets the groups: each set-up left ~20 gloo groups and
     # their threads behind (the equivalence job, set up some 50 times, reached 2,500 threads per rank). In a
-    # process of its own: a pytest worker holds the threads of whatever ran before.
+    # process of its own (started warm, tests/launch.py): a pytest worker holds the threads of whatever ran before.
+    script = tmp_path / "gloo_threads.py"
+    script.write_text(GLOO_THREADS_AFTER_SET_UPS)
+
     def threads_after_each_set_up(destroy: str) -> list:
-        done = subprocess.run([sys.executable, "-c", GLOO_THREADS_AFTER_SET_UPS, destroy], cwd=ROOT,
-                              capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        done = launch([str(script), destroy], env={**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore"})
         assert done.returncode == 0, done.stderr[-2000:]
         return [int(count) for count in done.stdout.split()]
 

@@ -99,6 +99,10 @@ def test_parallel_bounding_equals_single_process_exactly(family, layout, referen
         assert par["rows_cut_by_shards"] > 0
 
 
+# "reference", a fixture of this file, puts these tests on the worker that built the layouts (tests/conftest.py:
+# worker_group); a fixture asked for with getfixturevalue alone is not seen there, and the other worker ran the
+# whole job a second time (109 s).
+@pytest.mark.usefixtures("reference")
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("name", params(["cp2", "cp4"]))
