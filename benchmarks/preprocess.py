@@ -293,10 +293,37 @@ def megatron_lm_rows(args, documents: str, flags: list, out: str, megabytes: flo
         except RuntimeError as error:  # e.g. an environment without triton
             print(f"{label}: failed: {str(error).strip().splitlines()[-1]}")
             continue
-        same = all(filecmp.cmp(f"{out}_text_document{suffix}", f"{prefix}_text_document{suffix}", shallow=False)
-                   for suffix in (".bin", ".idx"))
-        print(f"{label}: .bin/.idx {'equal to' if same else 'DIFFERENT from'} ours, byte for byte")
+        ours, theirs = f"{out}_text_document", f"{prefix}_text_document"
+        if all(filecmp.cmp(ours + suffix, theirs + suffix, shallow=False) for suffix in (".bin", ".idx")):
+            print(f"{label}: .bin/.idx equal to ours, byte for byte")
+        else:
+            print(f"{label}: .bin/.idx differ from ours: {dataset_difference(ours, theirs)}")
     return rows
+
+
+def dataset_difference(ours: str, theirs: str) -> str:
+    """What differs between two indexed datasets, document by document."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset  # noqa: PLC0415 (only when they differ)
+
+    def documents(prefix: str) -> list:
+        dataset = IndexedDataset(prefix)
+        bounds = dataset.document_indices
+        return [numpy.concatenate([dataset[i] for i in range(start, stop)] or [numpy.zeros(0, numpy.int64)])
+                for start, stop in zip(bounds[:-1], bounds[1:])]
+
+    mine, other = documents(ours), documents(theirs)
+    if len(mine) != len(other):
+        return f"{len(other):,} documents against our {len(mine):,}"
+    differing = [index for index, (a, b) in enumerate(zip(mine, other)) if not numpy.array_equal(a, b)]
+    with open(ours + ".json") as file:
+        eod = json.load(file)["eod"]
+    empty_as_eod = [index for index in differing if len(mine[index]) == 0 and other[index].tolist() == [eod]]
+    if not differing:
+        return "the same tokens in every document, in other bytes (the dtype, or documents cut into other sequences)"
+    if empty_as_eod == differing:
+        return (f"the same tokens in every document but the {len(differing)} empty one(s), which it writes as a lone "
+                f"end-of-document token (ours, as Megatron-LM's preprocess_data.py: a document of no tokens)")
+    return f"{len(differing)} of {len(mine):,} documents differ, the first document {differing[0]}"
 
 
 def cache_growth(bpe: str, megabytes: int) -> None:
