@@ -56,6 +56,7 @@ import pyarrow
 import pyarrow.parquet
 
 from angpt.data.tokenizers import build_tokenizer, select_backend
+from angpt.megatron_compat import quiet_known_warnings
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 TOOLS = os.path.join(ROOT, "tools")
@@ -303,6 +304,7 @@ def megatron_lm_rows(args, documents: str, flags: list, out: str, megabytes: flo
 
 def dataset_difference(ours: str, theirs: str) -> str:
     """What differs between two indexed datasets, document by document."""
+    quiet_known_warnings()
     from megatron.core.datasets.indexed_dataset import IndexedDataset  # noqa: PLC0415 (only when they differ)
 
     def documents(prefix: str) -> list:
