@@ -22,7 +22,7 @@ from angpt.data.gpt_datasets import DataArguments, dataset_vocabulary
 from angpt.data.indexed import IndexedDatasetError, check_indexed_dataset, read_metadata
 from angpt.data.tokenizers import build_tokenizer
 
-from conftest import ROOT, megatron_tokenizer, write_megatron_tiktoken
+from conftest import ROOT, load_benchmark, megatron_tokenizer, write_megatron_tiktoken
 
 TOOL = os.path.join(ROOT, "tools", "preprocess_data.py")
 GOLDEN_IDX = bytes.fromhex(
@@ -685,3 +685,25 @@ def test_merged_shards_are_the_bytes_of_one_run(tmp_path, byte_tokenizer):
     assert expected["empty_documents"] == 11 and check_indexed_dataset(str(tmp_path / "merged"))["documents"] == 193
     with pytest.raises(SystemExit):
         tool.parse_args(flags + ["--output-prefix", "x", "--shard", "3/3"])
+
+
+def test_the_benchmark_names_how_megatron_lms_fast_path_differs(tmp_path):
+    """benchmarks/preprocess.py's comparison with Megatron-LM's outputs: an empty document written as a lone end
+    of document (its preprocess_data_fast.py) is told apart from other differences (datasets written here by
+    megatron-core's own builder)."""
+    difference = load_benchmark("preprocess").dataset_difference
+
+    def dataset(name: str, documents: list) -> str:
+        builder = IndexedDatasetBuilder(str(tmp_path / f"{name}.bin"), dtype=numpy.uint16)
+        for document in documents:
+            builder.add_document(numpy.array(document, dtype=numpy.int64), [len(document)] if document else [])
+        builder.finalize(str(tmp_path / f"{name}.idx"))
+        with open(tmp_path / f"{name}.json", "w") as file:
+            json.dump({"eod": 0}, file)
+        return str(tmp_path / name)
+
+    ours = dataset("ours", [[5, 6, 0], [], [7, 0]])
+    assert "but the 1 empty one(s)" in difference(ours, dataset("fast", [[5, 6, 0], [0], [7, 0]]))
+    assert difference(ours, dataset("other", [[5, 6, 0], [], [8, 0]])) == \
+        "1 of 3 documents differ, the first document 2"
+    assert difference(ours, dataset("fewer", [[5, 6, 0], [7, 0]])) == "2 documents against our 3"
