@@ -15,6 +15,8 @@ from angpt.models.attention import (
     uses_fused_attention,
 )
 
+from conftest import compiled_kernels_profiled, kernel_launches
+
 SHAPE = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
 VOCAB, SEQ = 128, 32
 
@@ -159,11 +161,12 @@ def test_rope_fusion_runs_without_transformer_engine(seeded, fresh_backend_varia
 
 
 @pytest.mark.slow
-def test_rope_fused_with_qk_normalization_equals_the_spec_and_keeps_nothing_of_its_own():
-    """rotary_scaled_l2_normalize = s_qk * Norm(RoPE(q)), the kernel of the normalized families' q and k on
-    GPUs (compiled here for the CPU) and its eager form: values and gradients equal the spec's RoPE and
-    normalization computed independently in float64. Compiled, it keeps for backward the storage of its
-    input (a view of the qkv projection's output, which attention keeps anyway), the angles and s_qk."""
+def test_rope_fused_with_qk_normalization_equals_the_spec_in_one_kernel_each_way_keeping_nothing_of_its_own():
+    """rotary_qk_normalize = (s_qk * Norm(RoPE(q)), s_qk * Norm(RoPE(k))), the kernel of the normalized families'
+    q and k on GPUs (compiled here for the CPU) and its eager form: values and gradients equal the spec's RoPE
+    and normalization computed independently in float64. Compiled, q's and k's chains are one kernel forward and
+    one backward (a pair each when compiled apart), and it keeps for backward the storage of its inputs (views of
+    the qkv projection's output, which attention keeps anyway), the angles and s_qk."""
     generator = torch.Generator().manual_seed(4)
     mixed = torch.randn(SEQ, 2, 4, 3 * HEAD_DIM, generator=generator, dtype=torch.float64)  # q, k, v per head
     theta = torch.rand(SEQ, 1, 1, HEAD_DIM // 2, generator=generator, dtype=torch.float64) * 6.0
@@ -180,38 +183,44 @@ def test_rope_fused_with_qk_normalization_equals_the_spec_and_keeps_nothing_of_i
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            out = function(mixed[..., :HEAD_DIM], scale)
-        grads = torch.autograd.grad((out * weights.to(out.dtype)).sum(), (mixed, scale))
-        return (out.detach(), *grads), kept, mixed.untyped_storage().data_ptr()
+            q, k = function(mixed[..., :HEAD_DIM], mixed[..., HEAD_DIM:2 * HEAD_DIM], scale)
+        loss = (q * weights.to(q.dtype)).sum() + (k * weights.flip(0).to(k.dtype)).sum()
+        grads = torch.autograd.grad(loss, (mixed, scale))
+        return (q.detach(), k.detach(), *grads), kept, mixed.untyped_storage().data_ptr()
 
-    def spec(q, scale):
-        rotated = spec_rope(q, theta)
-        return scale * rotated / rotated.norm(dim=-1, keepdim=True)
+    def spec(q, k, scale):
+        return tuple(scale * rotated / rotated.norm(dim=-1, keepdim=True)
+                     for rotated in (spec_rope(q, theta), spec_rope(k, theta)))
 
     expected, _, _ = value_and_grads(spec, mixed, scale)
     angles = torch.cat((theta, theta), dim=-1).float()  # as megatron-core passes them
-    for name, function in (("compiled", layers.rotary_scaled_l2_normalize.compiled),
-                           ("eager", layers.rotary_scaled_l2_normalize)):
-        results, kept, mixed_storage = value_and_grads(lambda q, s: function(q, angles, s, False),
-                                                       mixed.float(), scale.float())
-        assert not layers.rotary_scaled_l2_normalize.compile_failures
-        for computed, reference in zip(results, expected):  # fp32: a few units of round-off on values of order 1
-            torch.testing.assert_close(computed.double(), reference, rtol=0, atol=1e-5, msg=name)
-        if name == "compiled":
-            assert kept == {mixed_storage}
+    together = {"compiled": layers.rotary_qk_normalize.compiled, "eager": layers.rotary_qk_normalize}
+    with compiled_kernels_profiled():
+        for name, function in together.items():
+            def run(function=function):
+                return value_and_grads(lambda q, k, s: function(q, k, angles, angles, s, False),
+                                       mixed.float(), scale.float())
+
+            (results, kept, mixed_storage), launches = run(), kernel_launches(run)
+            assert not layers.rotary_qk_normalize.compile_failures
+            for computed, reference in zip(results, expected):  # fp32: a few units of round-off on values of order 1
+                torch.testing.assert_close(computed.double(), reference, rtol=0, atol=1e-5, msg=name)
+            if name == "compiled":
+                assert kept == {mixed_storage}
+                assert launches["compiled kernel"] == 2, launches
 
 
 @pytest.mark.parametrize("family", ["angpt", "ngpt"])
 def test_normalized_attention_applies_rope_in_its_core_attention(family, seeded):
     """NormalizedSelfAttention hands RoPE to its core attention, which applies it with the QK normalization
-    (once for q and once for k per layer): the model computes what it computes with megatron-core's RoPE
+    (q and k together, once per layer): the model computes what it computes with megatron-core's RoPE
     between the two (bit for bit on the CPU, where the same eager functions run), and no angles are left
     behind on the module after a forward pass."""
     model = build_model(model_config(family, **SHAPE), VOCAB, SEQ)
     tokens = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(2))
-    with mock.patch.object(layers, "rotary_scaled_l2_normalize", wraps=layers.rotary_scaled_l2_normalize) as fused:
+    with mock.patch.object(layers, "rotary_qk_normalize", wraps=layers.rotary_qk_normalize) as fused:
         loss, grads = run(model, tokens)
-    assert fused.call_count == 2 * SHAPE["num_layers"]
+    assert fused.call_count == SHAPE["num_layers"]
     assert all(layer.self_attention.core_attention.rotary_pos_emb is None for layer in model.decoder.layers)
     with mock.patch.object(layers.NormalizedSelfAttention, "forward", SelfAttention.forward):
         loss_megatron, grads_megatron = run(model, tokens)

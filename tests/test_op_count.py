@@ -24,6 +24,8 @@ from angpt.models.layers import (
 )
 from angpt.training import distributed
 
+from conftest import compiled_kernels_profiled, kernel_launches
+
 SHAPE = dict(hidden_size=64, num_attention_heads=4)
 VOCAB, SEQ, BATCH = 128, 16, 2
 # anGPT's count may exceed GPT+'s by at most this factor (1.46 before issue 13).
@@ -64,6 +66,41 @@ def test_angpt_launches_about_as_many_ops_per_layer_as_gptplus(seeded):
     assert counts["angpt"] <= MARGIN * counts["gptplus"], (
         f"anGPT launches {counts['angpt']} ops per layer, GPT+ {counts['gptplus']}: "
         f"more than {MARGIN}x (ngpt: {counts['ngpt']})")
+
+
+def compiled_launches(family: str, num_layers: int) -> collections.Counter:
+    """kernel_launches of a training step's forward and backward on the GPU's code path (compiled_everywhere),
+    once compiled."""
+    distributed.set_random_seed(0)
+    model = build_model(model_config(family, num_layers=num_layers, **SHAPE), VOCAB, SEQ)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
+
+    def step():
+        model(tokens[:, :-1], positions, None, labels=tokens[:, 1:]).mean().backward()
+
+    step()
+    return kernel_launches(step)
+
+
+@pytest.mark.slow
+def test_compiled_layers_launch_one_kernel_per_normalized_chain_and_fewer_than_gptplus(seeded):
+    """On the GPU's code path (compiled here for the CPU), per layer: anGPT's normalized chains are one kernel
+    each, forward and backward (RoPE with the QK-norm of q and k together; each residual's post-norm, LERP and
+    nu(alpha)): 3 + 3. Everything a layer launches, those kernels and the aten operations around them, stays
+    within MARGIN of GPT+'s; what anGPT launches that GPT+ does not is printed (host time on a GPU)."""
+    per_layer = {}
+    with compiled_kernels_profiled():
+        for family in ("gptplus", "angpt"):
+            two, one = compiled_launches(family, 2), compiled_launches(family, 1)
+            per_layer[family] = collections.Counter({name: two[name] - one[name] for name in two | one
+                                                     if two[name] != one[name]})
+    totals = {family: sum(counts.values()) for family, counts in per_layer.items()}
+    print("launches per layer, forward + backward:", totals, {family: dict(counts) for family, counts in
+                                                             per_layer.items()})
+    print("anGPT's beyond GPT+'s:", dict(per_layer["angpt"] - per_layer["gptplus"]))
+    assert per_layer["angpt"]["compiled kernel"] == 6, per_layer["angpt"]
+    assert totals["angpt"] <= MARGIN * totals["gptplus"], totals
 
 
 def literal_residual(h, x, s_hat, ratio, multiplier, nu_grad):

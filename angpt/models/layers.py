@@ -82,16 +82,23 @@ def scaled_l2_normalize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return scale * l2_normalize(x)
 
 
-@kernels.fused_on_gpu(eager=lambda x, freqs, scale, interleaved: _ScaledL2Normalize.apply(rope(x, freqs, interleaved),
-                                                                                          scale))
-def rotary_scaled_l2_normalize(x: torch.Tensor, freqs: torch.Tensor, scale: torch.Tensor,
-                               interleaved: bool) -> torch.Tensor:
-    """scale * Norm(RoPE(x)) over the last dim: RoPE and QK normalization in one fused kernel on GPUs. Its
-    backward recomputes RoPE(x) from x, a view of the qkv projection's output that attention keeps anyway
-    (for v), so q and k cost no memory of their own before attention's inputs; without the checkpoint
-    torch.compile keeps RoPE(x) (benchmarks/activation_memory.py)."""
-    return checkpoint(lambda x, scale: scale * l2_normalize(rope(x, freqs, interleaved)), x, scale,
-                      use_reentrant=False)
+def _rotary_qk(query, key, q_freqs, k_freqs, scale, interleaved):
+    return (scale * l2_normalize(rope(query, q_freqs, interleaved)),
+            scale * l2_normalize(rope(key, k_freqs, interleaved)))
+
+
+@kernels.fused_on_gpu(eager=lambda query, key, q_freqs, k_freqs, scale, interleaved: (
+    _ScaledL2Normalize.apply(rope(query, q_freqs, interleaved), scale),
+    _ScaledL2Normalize.apply(rope(key, k_freqs, interleaved), scale)))
+def rotary_qk_normalize(query: torch.Tensor, key: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor,
+                        scale: torch.Tensor, interleaved: bool) -> tuple:
+    """(scale * Norm(RoPE(q)), scale * Norm(RoPE(k))): RoPE and QK normalization of q and k in one compiled graph,
+    one kernel forward and one backward on GPUs (the two chains fused, rather than a pair of kernels each). Its
+    backward recomputes RoPE from q and k, views of the qkv projection's output that attention keeps anyway (for
+    v), so q and k cost no memory of their own before attention's inputs; without the checkpoint torch.compile
+    keeps RoPE(q) and RoPE(k) (benchmarks/activation_memory.py)."""
+    return checkpoint(lambda query, key, scale: _rotary_qk(query, key, q_freqs, k_freqs, scale, interleaved),
+                      query, key, scale, use_reentrant=False)
 
 
 @kernels.fused_on_gpu(eager=lambda x: _ScaledL2Normalize.apply(x, None))
@@ -358,9 +365,7 @@ class QKNormalization:
             return scaled_l2_normalize(query, s_qk), scaled_l2_normalize(key, s_qk)
         # RoPE, handed over by NormalizedSelfAttention, then the normalization: one kernel each
         q_freqs, k_freqs = rotary_pos_emb
-        interleaved = self.config.rotary_interleaved
-        return (rotary_scaled_l2_normalize(query, q_freqs, s_qk, interleaved),
-                rotary_scaled_l2_normalize(key, k_freqs, s_qk, interleaved))
+        return rotary_qk_normalize(query, key, q_freqs, k_freqs, s_qk, self.config.rotary_interleaved)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         # The core attention checkpoints only its own softmax offset (or TE's extra state).
@@ -371,7 +376,7 @@ class QKNormalization:
 
 class NormalizedSelfAttention(SelfAttention):
     """megatron-core's self-attention, whose QK-normalized core attention applies RoPE itself, fused with the
-    normalization that follows it (rotary_scaled_l2_normalize), rather than megatron-core applying RoPE in
+    normalization that follows it (rotary_qk_normalize), rather than megatron-core applying RoPE in
     between. Where megatron-core's RoPE does more than rotate by the angles (a KV cache, packed sequences,
     YaRN's scaling) it stays megatron-core's."""
 
