@@ -1,7 +1,13 @@
 #!/usr/bin/env python
 """Training step time of anGPT and nGPT relative to GPT+, measured side by side in one process.
 
-    python benchmarks/step_time.py [--hidden-size 256 --num-layers 4 --seq-length 256 --rounds 10]
+    python benchmarks/step_time.py [--hidden-size 256 --num-layers 4 --seq-length 256 --rounds 10] [--compiled]
+
+With --compiled, every model runs the GPU's code path (the fused chains compiled, here for the CPU) and each
+family's launches per training step are counted first (angpt.telemetry.launch_count: compiled kernels and aten
+operations, forward, backward, optimizer step and projection), with those anGPT launches beyond GPT+'s: on a
+GPU each launch is host time, so at small shapes (--hidden-size 64 --seq-length 16) the step times below are
+mostly host time too.
 
 Families alternate step by step (GPT+, anGPT, nGPT, GPT+, ...) so that machine noise hits all of them
 alike; the median step of each is reported, with the time of the post-step weight projection alone.
@@ -10,6 +16,7 @@ reports); on a CPU the elementwise work weighs more against the matmuls, so expe
 """
 
 import argparse
+import contextlib
 import socket
 import statistics
 import time
@@ -17,8 +24,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from angpt import kernels
 from angpt.models import WEIGHT_CONSTRAINTS, model_config
 from angpt.models.bounding import project_parameters_
+from angpt.telemetry.launch_count import compiled_kernels_profiled, kernel_launches
 from angpt.training import distributed
 from angpt.training.optimizer import build_optimizer
 from angpt.training.step import build_model_chunks, train_step
@@ -51,6 +60,25 @@ def interleaved_step_times(models: dict, batch: dict, rounds: int, after_step=No
     return times
 
 
+def print_launches(runs: dict, batch: dict, project) -> None:
+    """Each family's launches in one training step and projection, compiled (after a step that compiles)."""
+    b, s = batch["tokens"].shape
+    launches = {}
+    with compiled_kernels_profiled():
+        for name, (chunks, optimizer, scheduler) in runs.items():
+            def step():
+                train_step(iter([batch]), chunks, optimizer, scheduler, 1, b, s)
+                project(name, chunks, counted=False)
+
+            step()
+            launches[name] = kernel_launches(step)
+    print("launches per training step, compiled: " + ", ".join(
+        f"{name} {sum(counts.values())} ({counts['compiled kernel']} compiled kernels)"
+        for name, counts in launches.items()))
+    beyond = launches["angpt"] - launches["gptplus"]
+    print("anGPT's beyond GPT+'s:", ", ".join(f"{name} +{count}" for name, count in beyond.most_common()) or "none")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden-size", type=int, default=256)
@@ -60,6 +88,8 @@ def main():
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--compiled", action="store_true",
+                        help="the GPU's code path (compiled chains), with each family's launches per step")
     args = parser.parse_args()
 
     with socket.socket() as sock:
@@ -86,7 +116,11 @@ def main():
             if counted:
                 projections[family].append(time.perf_counter() - start)
 
-    steps = interleaved_step_times(runs, random_batch(b, s, v), args.rounds, after_step=project)
+    batch = random_batch(b, s, v)
+    if args.compiled:
+        print_launches(runs, batch, project)
+    with kernels.compiled_everywhere() if args.compiled else contextlib.nullcontext():
+        steps = interleaved_step_times(runs, batch, args.rounds, after_step=project)
     base = statistics.median(steps["gptplus"])
     print(f"d={args.hidden_size} layers={args.num_layers} seq={s} batch={b} vocab={v}, "
           f"{args.rounds} rounds, {torch.get_num_threads()} threads")

@@ -14,8 +14,7 @@ from angpt.models.attention import (
     fused_rotary_pos_emb,
     uses_fused_attention,
 )
-
-from conftest import compiled_kernels_profiled, kernel_launches
+from angpt.telemetry.launch_count import compiled_kernels_profiled, kernel_launches
 
 SHAPE = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
 VOCAB, SEQ = 128, 32

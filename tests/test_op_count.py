@@ -22,9 +22,8 @@ from angpt.models.layers import (
     nu_lerp_update,
     post_norm_nu_lerp_update,
 )
+from angpt.telemetry.launch_count import compiled_kernels_profiled, kernel_launches
 from angpt.training import distributed
-
-from conftest import compiled_kernels_profiled, kernel_launches
 
 SHAPE = dict(hidden_size=64, num_attention_heads=4)
 VOCAB, SEQ, BATCH = 128, 16, 2
