@@ -3,7 +3,7 @@
 
     python benchmarks/step_time.py [--hidden-size 256 --num-layers 4 --seq-length 256 --rounds 10] [--compiled]
 
-With --compiled, every model runs the GPU's code path (the fused chains compiled, here for the CPU) and each
+With --compiled, every model runs the GPU's code path (the fused chains and RoPE compiled, here for the CPU) and each
 family's launches per training step are counted first (angpt.telemetry.launch_count: compiled kernels and aten
 operations, forward, backward, optimizer step and projection), with those anGPT launches beyond GPT+'s: on a
 GPU each launch is host time, so at small shapes (--hidden-size 64 --seq-length 16) the step times below are
@@ -102,7 +102,7 @@ def main():
     runs = {}
     for family in FAMILIES:
         config = model_config(family, num_layers=args.num_layers, hidden_size=args.hidden_size,
-                              num_attention_heads=args.num_attention_heads)
+                              num_attention_heads=args.num_attention_heads, apply_rope_fusion=args.compiled)
         chunks = build_model_chunks(config, v, s)
         optimizer, scheduler = build_optimizer(chunks, family, lr=1e-3, train_iters=10 * args.rounds)
         runs[family] = (chunks, optimizer, scheduler)

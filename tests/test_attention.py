@@ -161,19 +161,21 @@ def test_rope_fusion_runs_without_transformer_engine(seeded, fresh_backend_varia
 
 @pytest.mark.slow
 def test_rope_fused_with_qk_normalization_equals_the_spec_in_one_kernel_each_way_keeping_nothing_of_its_own():
-    """rotary_qk_normalize = (s_qk * Norm(RoPE(q)), s_qk * Norm(RoPE(k))), the kernel of the normalized families'
-    q and k on GPUs (compiled here for the CPU) and its eager form: values and gradients equal the spec's RoPE
-    and normalization computed independently in float64. Compiled, q's and k's chains are one kernel forward and
-    one backward (a pair each when compiled apart), and it keeps for backward the storage of its inputs (views of
-    the qkv projection's output, which attention keeps anyway), the angles and s_qk."""
+    """rotary_qk_normalize = (s_qk * Norm(RoPE(q)), s_qk * Norm(RoPE(k))) with s_qk = multiplier * s_hat, the
+    kernel of the normalized families' q and k on GPUs (compiled here for the CPU) and its eager form: values and
+    gradients equal the spec's RoPE and normalization computed independently in float64. Compiled, q's and k's
+    chains and s_qk's multiply are one kernel forward and one backward (a pair each when compiled apart), and it
+    keeps for backward the storage of its inputs (views of the qkv projection's output, which attention keeps
+    anyway), the angles and s_hat."""
     generator = torch.Generator().manual_seed(4)
     mixed = torch.randn(SEQ, 2, 4, 3 * HEAD_DIM, generator=generator, dtype=torch.float64)  # q, k, v per head
     theta = torch.rand(SEQ, 1, 1, HEAD_DIM // 2, generator=generator, dtype=torch.float64) * 6.0
-    scale = 0.5 + torch.rand(1, HEAD_DIM, generator=generator, dtype=torch.float64)
+    multiplier = 4.0  # s_init / s_scale
+    s_hat = (0.5 + torch.rand(HEAD_DIM, generator=generator, dtype=torch.float64)) / multiplier
     weights = torch.linspace(-1, 1, SEQ * 2 * 4 * HEAD_DIM, dtype=torch.float64).view(SEQ, 2, 4, HEAD_DIM)
 
-    def value_and_grads(function, mixed, scale):
-        mixed, scale = mixed.detach().requires_grad_(), scale.detach().requires_grad_()
+    def value_and_grads(function, mixed, s_hat):
+        mixed, s_hat = mixed.detach().requires_grad_(), s_hat.detach().requires_grad_()
         kept = set()
 
         def pack(tensor):
@@ -182,31 +184,31 @@ def test_rope_fused_with_qk_normalization_equals_the_spec_in_one_kernel_each_way
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            q, k = function(mixed[..., :HEAD_DIM], mixed[..., HEAD_DIM:2 * HEAD_DIM], scale)
+            q, k = function(mixed[..., :HEAD_DIM], mixed[..., HEAD_DIM:2 * HEAD_DIM], s_hat)
         loss = (q * weights.to(q.dtype)).sum() + (k * weights.flip(0).to(k.dtype)).sum()
-        grads = torch.autograd.grad(loss, (mixed, scale))
+        grads = torch.autograd.grad(loss, (mixed, s_hat))
         return (q.detach(), k.detach(), *grads), kept, mixed.untyped_storage().data_ptr()
 
-    def spec(q, k, scale):
-        return tuple(scale * rotated / rotated.norm(dim=-1, keepdim=True)
+    def spec(q, k, s_hat):
+        return tuple(multiplier * s_hat * rotated / rotated.norm(dim=-1, keepdim=True)
                      for rotated in (spec_rope(q, theta), spec_rope(k, theta)))
 
-    expected, _, _ = value_and_grads(spec, mixed, scale)
+    expected, _, _ = value_and_grads(spec, mixed, s_hat)
     angles = torch.cat((theta, theta), dim=-1).float()  # as megatron-core passes them
-    together = {"compiled": layers.rotary_qk_normalize.compiled, "eager": layers.rotary_qk_normalize}
-    with compiled_kernels_profiled():
-        for name, function in together.items():
-            def run(function=function):
-                return value_and_grads(lambda q, k, s: function(q, k, angles, angles, s, False),
-                                       mixed.float(), scale.float())
 
-            (results, kept, mixed_storage), launches = run(), kernel_launches(run)
-            assert not layers.rotary_qk_normalize.compile_failures
-            for computed, reference in zip(results, expected):  # fp32: a few units of round-off on values of order 1
-                torch.testing.assert_close(computed.double(), reference, rtol=0, atol=1e-5, msg=name)
-            if name == "compiled":
-                assert kept == {mixed_storage}
-                assert launches["compiled kernel"] == 2, launches
+    def run():
+        return value_and_grads(lambda q, k, s: layers.rotary_qk_normalize(q, k, angles, angles, s, multiplier, False),
+                               mixed.float(), s_hat.float())
+
+    eager, _, _ = run()  # the CPU's path
+    with compiled_kernels_profiled():  # the GPU's
+        (compiled, kept, mixed_storage), launches = run(), kernel_launches(run)
+    assert not layers.rotary_qk_normalize.compile_failures
+    for name, results in (("eager", eager), ("compiled", compiled)):
+        for computed, reference in zip(results, expected):  # fp32: a few units of round-off on values of order 1
+            torch.testing.assert_close(computed.double(), reference, rtol=0, atol=1e-5, msg=name)
+    assert kept == {mixed_storage}
+    assert launches["compiled kernel"] == 2, launches
 
 
 @pytest.mark.parametrize("family", ["angpt", "ngpt"])

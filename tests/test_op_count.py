@@ -68,10 +68,10 @@ def test_angpt_launches_about_as_many_ops_per_layer_as_gptplus(seeded):
 
 
 def compiled_launches(family: str, num_layers: int) -> collections.Counter:
-    """kernel_launches of a training step's forward and backward on the GPU's code path (compiled_everywhere),
-    once compiled."""
+    """kernel_launches of a training step's forward and backward on the GPU's code path (compiled_everywhere,
+    with RoPE's fusion, on by default on GPUs), once compiled."""
     distributed.set_random_seed(0)
-    model = build_model(model_config(family, num_layers=num_layers, **SHAPE), VOCAB, SEQ)
+    model = build_model(model_config(family, num_layers=num_layers, apply_rope_fusion=True, **SHAPE), VOCAB, SEQ)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(SEQ).unsqueeze(0).expand(BATCH, -1)
 

@@ -82,23 +82,35 @@ def scaled_l2_normalize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return scale * l2_normalize(x)
 
 
-def _rotary_qk(query, key, q_freqs, k_freqs, scale, interleaved):
+def _qk_scale(query: torch.Tensor, s_hat: torch.Tensor, multiplier: float) -> torch.Tensor:
+    """s_qk = multiplier * s_hat (Learnable scales), a row per head (nGPT) or one row (anGPT), in q's dtype."""
+    scale = s_hat if multiplier == 1.0 else multiplier * s_hat
+    return scale.view(-1, query.shape[-1]).to(query.dtype)
+
+
+def _rotary_qk(query, key, q_freqs, k_freqs, s_hat, multiplier, interleaved):
+    scale = _qk_scale(query, s_hat, multiplier)
     return (scale * l2_normalize(rope(query, q_freqs, interleaved)),
             scale * l2_normalize(rope(key, k_freqs, interleaved)))
 
 
-@kernels.fused_on_gpu(eager=lambda query, key, q_freqs, k_freqs, scale, interleaved: (
-    _ScaledL2Normalize.apply(rope(query, q_freqs, interleaved), scale),
-    _ScaledL2Normalize.apply(rope(key, k_freqs, interleaved), scale)))
+def _rotary_qk_eager(query, key, q_freqs, k_freqs, s_hat, multiplier, interleaved):
+    scale = _qk_scale(query, s_hat, multiplier)
+    return (_ScaledL2Normalize.apply(rope(query, q_freqs, interleaved), scale),
+            _ScaledL2Normalize.apply(rope(key, k_freqs, interleaved), scale))
+
+
+@kernels.fused_on_gpu(eager=_rotary_qk_eager)
 def rotary_qk_normalize(query: torch.Tensor, key: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor,
-                        scale: torch.Tensor, interleaved: bool) -> tuple:
-    """(scale * Norm(RoPE(q)), scale * Norm(RoPE(k))): RoPE and QK normalization of q and k in one compiled graph,
-    one kernel forward and one backward on GPUs (the two chains fused, rather than a pair of kernels each). Its
-    backward recomputes RoPE from q and k, views of the qkv projection's output that attention keeps anyway (for
-    v), so q and k cost no memory of their own before attention's inputs; without the checkpoint torch.compile
-    keeps RoPE(q) and RoPE(k) (benchmarks/activation_memory.py)."""
-    return checkpoint(lambda query, key, scale: _rotary_qk(query, key, q_freqs, k_freqs, scale, interleaved),
-                      query, key, scale, use_reentrant=False)
+                        s_hat: torch.Tensor, multiplier: float, interleaved: bool) -> tuple:
+    """(s_qk Norm(RoPE(q)), s_qk Norm(RoPE(k))) with s_qk = multiplier * s_hat: RoPE, QK normalization and the
+    scale's own multiply and cast for q and k in one compiled graph, one kernel forward and one backward on GPUs
+    (rather than a pair of kernels each, and the scale's launches around them). Its backward recomputes RoPE from
+    q and k, views of the qkv projection's output that attention keeps anyway (for v), so q and k cost no memory
+    of their own before attention's inputs; without the checkpoint torch.compile keeps RoPE(q) and RoPE(k)
+    (benchmarks/activation_memory.py)."""
+    return checkpoint(lambda query, key, s_hat: _rotary_qk(query, key, q_freqs, k_freqs, s_hat, multiplier,
+                                                           interleaved), query, key, s_hat, use_reentrant=False)
 
 
 @kernels.fused_on_gpu(eager=lambda x: _ScaledL2Normalize.apply(x, None))
@@ -360,12 +372,13 @@ class QKNormalization:
     def _normalize(self, rotary_pos_emb, query, key):
         """(s_qk Norm(q), s_qk Norm(k)), after RoPE by `rotary_pos_emb` (q's and k's angles) unless None."""
         # query, key: [s, b, heads, h] in both implementations (TE's "sbhd").
-        s_qk = self.s_qk().view(-1, query.shape[-1]).to(query.dtype)  # [heads or 1, h]
         if rotary_pos_emb is None:
+            s_qk = _qk_scale(query, self.s_qk.surrogate(), self.s_qk.multiplier)  # [heads or 1, h]
             return scaled_l2_normalize(query, s_qk), scaled_l2_normalize(key, s_qk)
-        # RoPE, handed over by NormalizedSelfAttention, then the normalization: one kernel each
+        # RoPE, handed over by NormalizedSelfAttention, then the normalization, q and k in one kernel each way
         q_freqs, k_freqs = rotary_pos_emb
-        return rotary_qk_normalize(query, key, q_freqs, k_freqs, s_qk, self.config.rotary_interleaved)
+        return rotary_qk_normalize(query, key, q_freqs, k_freqs, self.s_qk.surrogate(), self.s_qk.multiplier,
+                                   self.config.rotary_interleaved)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         # The core attention checkpoints only its own softmax offset (or TE's extra state).
