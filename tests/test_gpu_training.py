@@ -57,8 +57,12 @@ def test_compiled_elementwise_chains_equal_eager(dtype):
     generator = torch.Generator(device="cuda").manual_seed(0)
     h, x = (torch.randn(64, 2, 256, device="cuda", generator=generator).to(dtype).requires_grad_() for _ in range(2))
     alpha = (0.2 * torch.rand(256, device="cuda", generator=generator)).requires_grad_()
+    angles = 6.0 * torch.rand(64, 1, 1, 64, device="cuda", generator=generator)  # RoPE's, in fp32 as megatron-core's
     chains = {
         layers.scaled_l2_normalize: lambda: layers.scaled_l2_normalize(h, alpha.to(dtype)),
+        # q and k as 4 heads of 64, s_qk from 64 of alpha's entries
+        layers.rotary_qk_normalize: lambda: torch.cat(layers.rotary_qk_normalize(
+            h.view(64, 2, 4, 64), x.view(64, 2, 4, 64), angles, angles, alpha[:64], 4.0, False), dim=-1),
         layers.fused_l2_normalize: lambda: layers.fused_l2_normalize(h),
         layers.lerp_update: lambda: layers.lerp_update(h, x, alpha, nu_alpha(alpha)),
         layers.normalized_lerp_update: lambda: layers.normalized_lerp_update(h, x, alpha),
