@@ -451,10 +451,13 @@ class ScaledSwiGLUMLP(MLP):
 
     def forward(self, hidden_states, per_token_scale=None, **kwargs):
         uz, _ = self.linear_fc1(hidden_states)
-        s_u = self.s_u(self.u_gain)
-        s_v = self.s_v(self.z_gain)
-        factors = (self.linear_fc1.nu.value, self.nu_acf.value) if self.nu_acf.fused else (1.0, 1.0)
-        a = self.nu_acf(kernels.scaled_swiglu(uz, s_u, s_v, *factors))
+        nu_uz, nu_acf = (self.linear_fc1.nu.value, self.nu_acf.value) if self.nu_acf.fused else (1.0, 1.0)
+        # s_u = u_factor s_u_hat and s_v = z_factor s_v_hat, their constants handed to the kernel rather than
+        # multiplied in (a launch each way per scale): with input factor nu_uz z_factor on both u and z, u's
+        # product comes out z_factor / u_factor too large, which the output factor takes back.
+        u_factor, z_factor = self.u_gain * self.s_u.multiplier, self.z_gain * self.s_v.multiplier
+        a = self.nu_acf(kernels.scaled_swiglu(uz, self.s_u.surrogate(), self.s_v.surrogate(), nu_uz * z_factor,
+                                              nu_acf * u_factor / z_factor))
         return self.linear_fc2(a)
 
 
