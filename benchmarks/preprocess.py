@@ -285,9 +285,8 @@ def megatron_lm_rows(args, documents: str, flags: list, out: str, megabytes: flo
     if os.path.isfile(os.path.join(args.megatron_lm, "tools", "preprocess_data_fast.py")):
         commands["Megatron-LM preprocess_data_fast.py"] = [
             os.path.join(args.megatron_lm, "tools", "preprocess_data_fast.py"), "--use-gigatoken"]
-    rows = []
+    rows, prefix = [], out + "_megatron"
     for label, (script, *extra) in commands.items():
-        prefix = out + "_megatron"
         try:
             rows.append((label, *measure([python, script, "--input", documents, "--output-prefix", prefix, *flags,
                                           "--append-eod", *extra], env), megabytes))

@@ -88,19 +88,13 @@ def _qk_scale(query: torch.Tensor, s_hat: torch.Tensor, multiplier: float) -> to
     return scale.view(-1, query.shape[-1]).to(query.dtype)
 
 
-def _rotary_qk(query, key, q_freqs, k_freqs, s_hat, multiplier, interleaved):
+def _rotary_qk(normalize, query, key, q_freqs, k_freqs, s_hat, multiplier, interleaved):
+    """normalize(RoPE(x), s_qk) of q and of k."""
     scale = _qk_scale(query, s_hat, multiplier)
-    return (scale * l2_normalize(rope(query, q_freqs, interleaved)),
-            scale * l2_normalize(rope(key, k_freqs, interleaved)))
+    return tuple(normalize(rope(x, freqs, interleaved), scale) for x, freqs in ((query, q_freqs), (key, k_freqs)))
 
 
-def _rotary_qk_eager(query, key, q_freqs, k_freqs, s_hat, multiplier, interleaved):
-    scale = _qk_scale(query, s_hat, multiplier)
-    return (_ScaledL2Normalize.apply(rope(query, q_freqs, interleaved), scale),
-            _ScaledL2Normalize.apply(rope(key, k_freqs, interleaved), scale))
-
-
-@kernels.fused_on_gpu(eager=_rotary_qk_eager)
+@kernels.fused_on_gpu(eager=functools.partial(_rotary_qk, _ScaledL2Normalize.apply))
 def rotary_qk_normalize(query: torch.Tensor, key: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor,
                         s_hat: torch.Tensor, multiplier: float, interleaved: bool) -> tuple:
     """(s_qk Norm(RoPE(q)), s_qk Norm(RoPE(k))) with s_qk = multiplier * s_hat: RoPE, QK normalization and the
@@ -109,8 +103,9 @@ def rotary_qk_normalize(query: torch.Tensor, key: torch.Tensor, q_freqs: torch.T
     q and k, views of the qkv projection's output that attention keeps anyway (for v), so q and k cost no memory
     of their own before attention's inputs; without the checkpoint torch.compile keeps RoPE(q) and RoPE(k)
     (benchmarks/activation_memory.py)."""
-    return checkpoint(lambda query, key, s_hat: _rotary_qk(query, key, q_freqs, k_freqs, s_hat, multiplier,
-                                                           interleaved), query, key, s_hat, use_reentrant=False)
+    return checkpoint(lambda query, key, s_hat: _rotary_qk(lambda x, scale: scale * l2_normalize(x), query, key,
+                                                           q_freqs, k_freqs, s_hat, multiplier, interleaved),
+                      query, key, s_hat, use_reentrant=False)
 
 
 @kernels.fused_on_gpu(eager=lambda x: _ScaledL2Normalize.apply(x, None))
