@@ -37,7 +37,6 @@ On this 2-core CPU the defaults take about two minutes.
 
 import argparse
 import contextlib
-import faulthandler
 import functools
 import logging
 import os
@@ -58,6 +57,7 @@ from angpt.config.arguments import parse_args as parse_pretrain_args
 from angpt.data.gpt_datasets import DataArguments, TrainingBatches, build_datasets, dataset_vocabulary
 from angpt.models import WEIGHT_CONSTRAINTS, build_model, model_config
 from angpt.models.bounding import project_parameters_
+from angpt.telemetry.hang_watchdog import HangWatchdog
 from angpt.telemetry.health import params_l2_norm
 from angpt.telemetry.stragglers import FORWARD_TIMER, ForwardTimer, StragglerReport
 from angpt.telemetry.timers import per_step_ms
@@ -348,8 +348,9 @@ def measure_diagnostics(args) -> None:
     off_timers = Timers(0, "minmax")
     timer_us = per_call_us(lambda: off_timers("forward-backward", log_level=1).start())
     context_us = per_call_us(lambda: FORWARD_TIMER.__enter__() and FORWARD_TIMER.__exit__(None, None, None))
-    rearm_us = per_call_us(lambda: faulthandler.dump_traceback_later(600, repeat=True), number=100_000)
-    faulthandler.cancel_dump_traceback_later()
+    watchdog = HangWatchdog(600, "rank 0")
+    rearm_us = per_call_us(lambda: watchdog.arm(1), number=100_000)
+    watchdog.close()
     torch.set_num_threads(threads)
     micro = args.num_microbatches
     print(f"off paths: a timer above the level {timer_us:.3f} us a call; the straggler timer's context (off) "

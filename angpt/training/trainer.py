@@ -5,7 +5,6 @@ and what users watch. `angpt.pretrain` parses the flags and calls `pretrain(args
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import gc
 import logging
 import math
@@ -36,6 +35,7 @@ from angpt.data.gpt_datasets import (
 from angpt.data.indexed import IndexedDatasetError
 from angpt.megatron_compat import parent_watch
 from angpt.telemetry import memory_history
+from angpt.telemetry.hang_watchdog import HangWatchdog
 from angpt.telemetry.monitoring import TrainingMonitor
 from angpt.telemetry.profiling import StepProfiler
 from angpt.telemetry.timers import timer
@@ -153,6 +153,7 @@ class Trainer:
         # Forked after the exit-signal handlers are installed (below): the workers inherit them.
         self.train_batches = None
         self.profiler = None  # --profile's (below)
+        self.hang_watchdog: Optional[HangWatchdog] = None  # --hang-timeout-minutes', while run() runs
         # The schedule counts samples in a run by samples (Megatron-LM's), else iterations (angpt.training.optimizer).
         self.by_samples = args.train_samples is not None
         self.exits = ExitRequests(exit_signals(args), args.exit_duration_in_mins)
@@ -286,11 +287,14 @@ class Trainer:
     def run(self) -> int:
         """Train to --train-iters (or a graceful exit). Returns the process exit code."""
         parent_watch.on_launcher_death(self.exits.launcher_gone)
+        if self.args.hang_timeout_minutes:
+            self.hang_watchdog = HangWatchdog(self.args.hang_timeout_minutes * 60, f"rank {self.rank}")
         try:
             return self._run()
         finally:
             parent_watch.on_launcher_death(None)
-            faulthandler.cancel_dump_traceback_later()
+            if self.hang_watchdog is not None:
+                self.hang_watchdog.close()
 
     def _run(self) -> int:
         args = self.args
@@ -300,8 +304,8 @@ class Trainer:
             gc.collect()
         try:
             while self.state.iteration < args.train_iters:
-                if args.hang_timeout_minutes:  # re-armed each iteration; cancelled after the loop
-                    faulthandler.dump_traceback_later(args.hang_timeout_minutes * 60, repeat=True)
+                if self.hang_watchdog is not None:  # each iteration's clock; stopped when the run ends
+                    self.hang_watchdog.arm(self.state.iteration + 1)
                 self.faults.crash_if_due(self.state.iteration + 1)
                 self.faults.stall_if_due(self.state.iteration + 1)
                 if self.state.iteration + 1 == self.faults.wait_for_signal_before:
