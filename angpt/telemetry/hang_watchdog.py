@@ -2,10 +2,10 @@
 
 Not faulthandler's `dump_traceback_later`: its timer thread reads the other threads' frames without the GIL,
 so a dump while another thread runs Python code can read a frame as it is freed. At a 0.6 s timeout, with the
-TensorBoard writer busy, one rank died in the middle of a dump. This watchdog is a Python thread: it holds the
-GIL while it walks the frames, so a dump can never crash the run it reports on. A thread that hangs while
-holding the GIL would delay the dump until it lets go. torch's collectives and synchronizations release the GIL
-while they wait.
+TensorBoard writer busy, one rank died in the middle of a dump. This watchdog is a Python thread: it reads the
+frames as Python objects, under the GIL, so a dump can never crash the run it reports on. A thread that hangs
+while holding the GIL would delay the dump until it lets go; torch's collectives and synchronizations release
+the GIL while they wait.
 """
 
 from __future__ import annotations
