@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 from angpt.config import megatron_lm
-from angpt.config.arguments import exit_signals, parse_args
+from angpt.config.arguments import parse_args
 from angpt.megatron_compat import parent_watch, quiet_known_warnings, skip_wandb_import
 from angpt.training import exits
 
@@ -25,10 +26,10 @@ from angpt.training import exits
 def main(argv=None) -> None:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent is the parent: watched before the slow imports
         parent_watch.watch_launcher(os.getppid())
-    args = parse_args(argv)  # before torch and megatron-core are imported: --help and flag errors are instant
-    exits.catch(exit_signals(args))
+    config = parse_args(argv)  # before torch and megatron-core are imported: --help and flag errors are instant
+    exits.catch([getattr(signal, name) for name in config.exits.save_and_exit_signals])
     quiet_known_warnings()
-    if not args.wandb_project:
+    if not config.logging.wandb_project:
         skip_wandb_import()
     from angpt.telemetry.metrics import console_outlives_its_reader  # noqa: PLC0415 (after parsing)
 
@@ -36,20 +37,20 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("angpt").setLevel(logging.INFO)
     if int(os.environ.get("RANK", "0")) == 0:
-        for note in megatron_lm.notes(args):
+        for note in megatron_lm.notes(config):
             logging.getLogger("angpt.pretrain").info("%s", note)
-    if args.dry_run is not None:
-        sys.exit(dry_run(args))
+    if config.dry_run.dry_run is not None:
+        sys.exit(dry_run(config))
     from angpt.training.trainer import pretrain  # noqa: PLC0415 (after parsing)
 
-    sys.exit(pretrain(args))
+    sys.exit(pretrain(config))
 
 
-def dry_run(args) -> int:
+def dry_run(config) -> int:
     from angpt.training.dry_run import describe  # noqa: PLC0415 (after parsing)
 
     try:
-        print(describe(args, args.world_size))
+        print(describe(config))
     except (ValueError, OSError) as error:  # the data's checks (angpt.data), as the trainer reports them
         print(f"angpt.pretrain: {error}", file=sys.stderr)
         return 2

@@ -134,11 +134,11 @@ def in_process_trainer(argv: list[str]) -> Trainer:
     """`angpt.pretrain`'s trainer built in this process at TP = PP = DP = 1, for tests that need a real run
     without a torchrun launch (20 s or more). It builds megatron-core's groups itself (the same as
     single_process's); pytest keeps its SIGTERM handler (the trainer's saves and carries on)."""
-    args = parse_args(argv, world_size=1)
+    config = parse_args(argv, world_size=1)
     sigterm = signal.getsignal(signal.SIGTERM)
     distributed.destroy_model_parallel()
     try:
-        return Trainer(args)
+        return Trainer(config)
     finally:
         signal.signal(signal.SIGTERM, sigterm)
         if not parallel_state.model_parallel_is_initialized():

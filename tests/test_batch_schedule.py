@@ -9,7 +9,8 @@ import pytest
 from test_optimizer import tiny_chunks
 
 from angpt.config.arguments import parse_args
-from angpt.training.batch_schedule import BatchSchedule, ramp, set_train_iters
+from angpt.config.batch_schedule import BatchSchedule, ramp
+from angpt.config.sections import RunConfig
 from angpt.training.optimizer import build_optimizer
 
 MOCK = ["--mock-data", "--vocab-size", "64", "--micro-batch-size", "1", "--global-batch-size", "8"]
@@ -23,10 +24,9 @@ def test_a_ramp_up_grows_the_batch_in_equal_shares_of_its_samples_then_trains_wh
     """START 2, INCREMENT 2 to 8: 3 increments, one per 16/3 samples consumed; the ramp-up ends once more
     than 16 samples are consumed: consumed 0, 2, 4 -> 2; 6, 10 -> 4; 14 -> 6; 20 -> 8. Then (45 - 20) // 8 = 3
     whole batches; the last sample is left out."""
-    args = parsed("--train-samples", "45", "--rampup-batch-size", "2", "2", "16")
-    set_train_iters(args)
-    assert args.train_iters == 9
-    assert ramp(args) == [(2, 3), (4, 2), (6, 1), (8, 3)]
+    config = parsed("--train-samples", "45", "--rampup-batch-size", "2", "2", "16")
+    assert config.training.train_iters == 9
+    assert ramp(config.training) == [(2, 3), (4, 2), (6, 1), (8, 3)]
     schedule = BatchSchedule(8, 1, 2, [2, 2, 16])
     assert [schedule.global_batch_size(consumed) for consumed in (0, 4, 5, 6, 10, 11, 16, 17, 1000)] == \
         [2, 2, 2, 4, 4, 6, 8, 8, 8]
@@ -35,7 +35,7 @@ def test_a_ramp_up_grows_the_batch_in_equal_shares_of_its_samples_then_trains_wh
 
 @pytest.mark.parametrize("samples,iterations", [(8, 1), (15, 1), (16, 2)])
 def test_train_samples_trains_whole_global_batches(samples, iterations):
-    assert parsed("--train-samples", str(samples)).train_iters == iterations
+    assert parsed("--train-samples", str(samples)).training.train_iters == iterations
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -68,10 +68,9 @@ def test_mixing_iterations_and_samples_or_an_impossible_ramp_up_is_refused(argv,
 
 
 def test_the_ramp_up_just_inside_the_limits_is_accepted():
-    args = parsed("--train-samples", "80", "--rampup-batch-size", "6", "2", "1")
-    set_train_iters(args)
+    config = parsed("--train-samples", "80", "--rampup-batch-size", "6", "2", "1")
     # SAMPLES 1: one increment per sample; only the first step (0 consumed) is at START, then 6 > 1.
-    assert ramp(args) == [(6, 1), (8, 9)]
+    assert ramp(config.training) == [(6, 1), (8, 9)]
 
 
 def megatron_lr(step_samples, lr, min_lr, warmup, decay):
@@ -91,8 +90,9 @@ def megatron_lr(step_samples, lr, min_lr, warmup, decay):
 ])
 def test_a_schedule_in_samples_steps_by_each_global_batch_as_megatron_lms(family, warmup_flags, warmup, seeded):
     chunks = tiny_chunks(family)
-    optimizer, scheduler = build_optimizer(chunks, family, lr=1e-3, min_lr=1e-4, train_iters=None,
-                                           train_samples=80, lr_decay_samples=60, **warmup_flags)
+    optimizer, scheduler = build_optimizer(chunks, RunConfig.from_flags(dict(
+        model_family=family, lr=1e-3, min_lr=1e-4, train_iters=None, train_samples=80, lr_decay_samples=60,
+        **warmup_flags)))
     consumed = 0
     for batch_size in (2, 2, 4, 6, 8, 8, 8, 8, 8, 8, 8):
         assert optimizer.param_groups[0]["lr"] == pytest.approx(megatron_lr(consumed, 1e-3, 1e-4, warmup, 60),

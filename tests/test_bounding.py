@@ -6,6 +6,7 @@ bounding is in test_parallel_equivalence.py."""
 import pytest
 import torch
 
+from angpt.config.sections import RunConfig
 from angpt.models import build_model, model_config
 from angpt.models.bounding import _Piece, _project, constrained_parameters, project_parameters_
 from angpt.training.optimizer import build_optimizer
@@ -66,7 +67,8 @@ def test_weights_start_on_the_unit_sphere(family, seeded):
 @pytest.mark.parametrize("family", ["angpt", "ngpt"])
 def test_after_a_large_step_every_vector_is_bounded(family, seeded):
     chunks = build_model_chunks(model_config(family, num_layers=2, hidden_size=64, num_attention_heads=4), 128, 16)
-    optimizer, scheduler = build_optimizer(chunks, family, lr=0.02, train_iters=10)
+    run = RunConfig.from_flags(dict(model_family=family, lr=0.02, train_iters=10))
+    optimizer, scheduler = build_optimizer(chunks, run)
     tokens = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(1))
     batch = dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(4, 16),
                  position_ids=torch.arange(16).unsqueeze(0).expand(4, -1))

@@ -11,7 +11,7 @@ from angpt.config import transformer_engine_support
 from angpt.config.arguments import parse_args
 from angpt.models import build_model, model_config
 from angpt.training import distributed
-from angpt.training.config_from_args import model_config_from_args
+from angpt.training.megatron_configs import transformer_config
 
 V, S, MB = 128, 16, 2
 FLAGS = ["--train-iters", "1", "--mock-data", "--vocab-size", str(V)]
@@ -58,15 +58,15 @@ def test_the_fused_cross_entropy_gives_the_unfused_loss_and_gradients(family, se
 
 def test_the_fusion_defaults_to_on_only_with_bf16_on_a_gpu():
     on_gpu = torch.cuda.is_available()
-    fp32 = model_config_from_args(parse_args(FLAGS, world_size=1))
-    bf16 = model_config_from_args(parse_args([*FLAGS, "--bf16", "--use-distributed-optimizer"], world_size=1))
+    fp32 = transformer_config(parse_args(FLAGS, world_size=1))
+    bf16 = transformer_config(parse_args([*FLAGS, "--bf16", "--use-distributed-optimizer"], world_size=1))
     assert not fp32.cross_entropy_loss_fusion
     assert bf16.cross_entropy_loss_fusion == on_gpu
-    chosen = model_config_from_args(parse_args([*FLAGS, "--bf16", "--use-distributed-optimizer",
-                                                "--cross-entropy-loss-fusion"], world_size=1))
+    chosen = transformer_config(parse_args([*FLAGS, "--bf16", "--use-distributed-optimizer",
+                                            "--cross-entropy-loss-fusion"], world_size=1))
     assert chosen.cross_entropy_loss_fusion and chosen.cross_entropy_fusion_impl == "native"
-    off = model_config_from_args(parse_args([*FLAGS, "--bf16", "--use-distributed-optimizer",
-                                             "--no-cross-entropy-loss-fusion"], world_size=1))
+    off = transformer_config(parse_args([*FLAGS, "--bf16", "--use-distributed-optimizer",
+                                         "--no-cross-entropy-loss-fusion"], world_size=1))
     assert not off.cross_entropy_loss_fusion
 
 

@@ -9,7 +9,8 @@ from test_gpt_datasets import two_prefixes  # noqa: F401 (a fixture)
 from test_megatron_training_flags import MOCK
 
 from angpt.config.arguments import parse_args
-from angpt.data.gpt_datasets import DataArguments, build_datasets, dataset_vocabulary, micro_batches
+from angpt.config.sections import DataSection
+from angpt.data.gpt_datasets import build_datasets, dataset_vocabulary, micro_batches
 from angpt.models import attention, build_model, model_config
 
 SHAPE = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
@@ -85,8 +86,8 @@ def test_rope_follows_the_position_ids_only_with_rope_position_ids(seeded, famil
 
 
 def test_the_batches_carry_each_documents_positions_and_mask(two_prefixes, tmp_path, single_process):  # noqa: F811
-    data = DataArguments(train_data_path=[two_prefixes[0]], data_cache_path=str(tmp_path / "cache"),
-                         reset_position_ids=True, reset_attention_mask=True)
+    data = DataSection(train_data_path=(two_prefixes[0],), data_cache_path=str(tmp_path / "cache"),
+                       reset_position_ids=True, reset_attention_mask=True)
     vocabulary = dataset_vocabulary(data)
     train, _, _ = build_datasets(data, vocabulary, 16, 1234, [16, 0, 0])
     batches = micro_batches(train, 0, 16, 4, 0, 1)
@@ -95,7 +96,7 @@ def test_the_batches_carry_each_documents_positions_and_mask(two_prefixes, tmp_p
     positions, mask = expected_positions_and_mask(tokens, DATASET_EOD)
     assert torch.equal(torch.cat([batch["position_ids"] for batch in batches]), positions)
     assert torch.equal(torch.cat([batch["attention_mask"] for batch in batches]), mask)
-    plain = DataArguments(train_data_path=[two_prefixes[0]], data_cache_path=str(tmp_path / "cache"))
+    plain = DataSection(train_data_path=(two_prefixes[0],), data_cache_path=str(tmp_path / "cache"))
     train, _, _ = build_datasets(plain, vocabulary, 16, 1234, [16, 0, 0])
     assert "attention_mask" not in micro_batches(train, 0, 4, 4, 0, 1)[0]  # the model is causal by itself
 

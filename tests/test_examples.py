@@ -9,7 +9,8 @@ import subprocess
 import pytest
 from torch.distributed.run import get_args_parser
 
-from angpt.config.arguments import build_parser, parse_args
+from angpt.config.arguments import parse_args
+from angpt.config.parser import build_parser
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -60,25 +61,27 @@ def test_the_examples_are_there():
 @pytest.mark.parametrize("world_size", [8, 16])
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
 def test_config_parses_for_one_and_two_nodes(path, world_size, tmp_path):
-    args = parse_args(["--config", path, "--mock-data", "--vocab-size", "50304", "--save", str(tmp_path)],
-                      world_size=world_size)
+    config = parse_args(["--config", path, "--mock-data", "--vocab-size", "50304", "--save", str(tmp_path)],
+                        world_size=world_size)
+    model = config.model
     # docs/model.md, Model shapes: head dim 64, f = 4d, context 2048, vocabulary padded to a multiple of 128.
-    assert args.hidden_size == 64 * args.num_attention_heads
-    assert args.ffn_hidden_size in (None, 4 * args.hidden_size)
-    assert args.seq_length == 2048
-    assert args.make_vocab_size_divisible_by == 128
-    assert args.use_distributed_optimizer
-    assert args.model_family == "angpt"
+    assert model.hidden_size == 64 * model.num_attention_heads
+    assert model.ffn_hidden_size in (None, 4 * model.hidden_size)
+    assert model.seq_length == 2048
+    assert config.data.make_vocab_size_divisible_by == 128
+    assert config.parallel.use_distributed_optimizer
+    assert model.model_family == "angpt"
     # The anGPT recipe comes from the family's defaults (docs/model.md, Optimizer and schedule), not from the file.
-    assert args.weight_decay is None and args.min_lr is None and args.lr_warmup_iters is None
+    schedule = config.optimizer
+    assert schedule.weight_decay is None and schedule.min_lr is None and schedule.lr_warmup_iters is None
 
 
 def test_configs_are_the_spec_shapes():
     shapes = {}
     for path in CONFIGS:
-        args = parse_args(["--config", path, "--mock-data", "--vocab-size", "50304", "--save", "unused"],
-                          world_size=8)
-        shapes[os.path.basename(path)] = (args.hidden_size, args.num_layers, args.num_attention_heads)
+        model = parse_args(["--config", path, "--mock-data", "--vocab-size", "50304", "--save", "unused"],
+                           world_size=8).model
+        shapes[os.path.basename(path)] = (model.hidden_size, model.num_layers, model.num_attention_heads)
     assert shapes["angpt_0.5b.yaml"] == (1024, 24, 16)
     assert shapes["angpt_1b.yaml"] == (1280, 36, 20)
 

@@ -12,10 +12,10 @@ from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 from angpt.config.arguments import parse_args
+from angpt.config.sections import DataSection
 from angpt.data import indexed
-from angpt.data.gpt_datasets import DataArguments, build_datasets, dataset_vocabulary, micro_batches
+from angpt.data.gpt_datasets import build_datasets, dataset_vocabulary, micro_batches
 from angpt.data.indexed import IndexedDatasetError
-from angpt.training.config_from_args import data_arguments
 
 from conftest import megatron_tokenizer, write_megatron_tiktoken
 
@@ -59,7 +59,7 @@ def two_prefixes(tmp_path):
 
 def test_blend_follows_the_weights(two_prefixes, tmp_path, single_process):
     a, b = two_prefixes
-    data = DataArguments(data_path=["0.7", a, "0.3", b], split="98,2,0", data_cache_path=str(tmp_path / "cache"))
+    data = DataSection(data_path=("0.7", a, "0.3", b), split="98,2,0", data_cache_path=str(tmp_path / "cache"))
     vocabulary = dataset_vocabulary(data)
     assert (vocabulary.vocab_size, vocabulary.eod) == (VOCAB, EOD)
     train, _, _ = build_datasets(data, vocabulary, seq_length=32, seed=1234, samples=[2000, 0, 0])
@@ -73,7 +73,7 @@ def test_blend_follows_the_weights(two_prefixes, tmp_path, single_process):
 
 def test_data_parallel_ranks_split_each_global_batch_and_resume_exactly(two_prefixes, tmp_path, single_process):
     a, _ = two_prefixes
-    data = DataArguments(train_data_path=[a], data_cache_path=str(tmp_path / "cache"))
+    data = DataSection(train_data_path=(a,), data_cache_path=str(tmp_path / "cache"))
     train, _, _ = build_datasets(data, dataset_vocabulary(data), 16, 1234, [64, 0, 0])
     one_rank = micro_batches(train, 16, 16, 4, 0, 1)  # the second global batch, one rank
     two_ranks = [micro_batches(train, 16, 16, 4, rank, 2) for rank in range(2)]
@@ -93,7 +93,7 @@ def test_datasets_tokenized_differently_are_refused(two_prefixes, tmp_path):
     meta["eod"] = 0
     json.dump(meta, open(b + ".json", "w"))
     with pytest.raises(ValueError, match="tokenized differently"):
-        dataset_vocabulary(DataArguments(data_path=["1", a, "1", b]))
+        dataset_vocabulary(DataSection(data_path=("1", a, "1", b)))
 
 
 # The drill: a .json that understates the vocabulary its .bin uses. megatron-core's embedding then fails
@@ -105,22 +105,22 @@ def test_token_ids_outside_the_vocabulary_are_refused_when_the_datasets_open(two
     expected = (f"{a}.json: token ids reach {EOD} (max_token_id), outside its vocab_size {EOD}" if recorded else
                 f"{a}.bin holds token id {EOD}, outside the vocab_size {EOD} of {a}.json")
     with pytest.raises(IndexedDatasetError, match=f"^{re.escape(expected)}$"):
-        dataset_vocabulary(DataArguments(train_data_path=[a]))
+        dataset_vocabulary(DataSection(train_data_path=(a,)))
 
 
 def test_vocab_size_must_be_the_datasets(two_prefixes):
     a, _ = two_prefixes
-    assert dataset_vocabulary(DataArguments(train_data_path=[a], vocab_size=VOCAB)).vocab_size == VOCAB
+    assert dataset_vocabulary(DataSection(train_data_path=(a,), vocab_size=VOCAB)).vocab_size == VOCAB
     with pytest.raises(ValueError, match=f"^--vocab-size 600 disagrees with the vocab_size {VOCAB} of {a}.json"):
-        dataset_vocabulary(DataArguments(train_data_path=[a], vocab_size=600))
+        dataset_vocabulary(DataSection(train_data_path=(a,), vocab_size=600))
 
 
 @pytest.mark.parametrize("blend", [False, True], ids=["one dataset", "blend"])
 def test_batches_check_their_token_ids_and_name_the_dataset(blend, two_prefixes, tmp_path, single_process):
     """A .json whose max_token_id understates its .bin passes the check at opening; the batches do not."""
     a, b = two_prefixes
-    paths = dict(data_path=["1", a, "1", b], split="98,2,0") if blend else dict(train_data_path=[a])
-    data = DataArguments(**paths, data_cache_path=str(tmp_path / "cache"))
+    paths = dict(data_path=("1", a, "1", b), split="98,2,0") if blend else dict(train_data_path=(a,))
+    data = DataSection(**paths, data_cache_path=str(tmp_path / "cache"))
     train, _, _ = build_datasets(data, dataset_vocabulary(data), 16, 1234, [64, 0, 0])
     assert len(micro_batches(train, 0, 16, 4, 0, 1, vocab_size=VOCAB)) == 4
     for prefix in (a, b):
@@ -137,11 +137,11 @@ def test_a_split_left_without_documents_is_refused_by_name(tmp_path, single_proc
     (over 570 documents, the test split would have one)."""
     prefix = str(tmp_path / "small_text_document")
     write_dataset(prefix, 70, 3, empty=500)
-    data = DataArguments(data_path=[prefix], split="969,30,1", data_cache_path=str(tmp_path / "cache"))
+    data = DataSection(data_path=(prefix,), split="969,30,1", data_cache_path=str(tmp_path / "cache"))
     with pytest.raises(ValueError, match=f"--split 969,30,1 leaves the test split of {prefix} without documents "
                                          r"\(it has 70 non-empty documents\)"):
         build_datasets(data, dataset_vocabulary(data), 16, 1234, [64, 8, 8])
-    data = DataArguments(data_path=[prefix], split="96,4,0", data_cache_path=str(tmp_path / "cache"))
+    data = DataSection(data_path=(prefix,), split="96,4,0", data_cache_path=str(tmp_path / "cache"))
     train, valid, test = build_datasets(data, dataset_vocabulary(data), 16, 1234, [64, 8, 0])
     assert len(train) >= 64 and len(valid) >= 8 and test is None
 
@@ -153,14 +153,14 @@ def without_metadata(prefix: str) -> str:
     return prefix
 
 
-def null_tokenizer(vocab_size: int, **data) -> DataArguments:
-    return DataArguments(tokenizer_type="NullTokenizer", vocab_size=vocab_size, **data)
+def null_tokenizer(vocab_size: int, **data) -> DataSection:
+    return DataSection(tokenizer_type="NullTokenizer", vocab_size=vocab_size, **data)
 
 
 def test_a_dataset_without_metadata_is_refused_in_one_line_without_tokenizer_flags(two_prefixes):
     a = without_metadata(two_prefixes[0])
     with pytest.raises(IndexedDatasetError) as refusal:
-        dataset_vocabulary(DataArguments(train_data_path=[a]))
+        dataset_vocabulary(DataSection(train_data_path=(a,)))
     assert str(refusal.value).startswith(f"{a}.json: no dataset metadata: give the tokenizer the dataset was "
                                          "written with (--tokenizer-type") and "\n" not in str(refusal.value)
 
@@ -170,7 +170,7 @@ def test_null_tokenizer_has_megatron_lms_vocabulary_and_bounds_the_token_ids_at_
     """Megatron-LM's NullTokenizer: --vocab-size ids, then the end-of-document id (vocab_size + 1 in all). The
     datasets' ids reach EOD = 499: --vocab-size 499 holds them exactly, 498 does not."""
     a = without_metadata(two_prefixes[0])
-    data = null_tokenizer(EOD, train_data_path=[a], data_cache_path=str(tmp_path / "cache"))
+    data = null_tokenizer(EOD, train_data_path=(a,), data_cache_path=str(tmp_path / "cache"))
     vocabulary = dataset_vocabulary(data)
     assert (vocabulary.vocab_size, vocabulary.eod) == (EOD + 1, EOD)
     train, _, _ = build_datasets(data, vocabulary, seq_length=32, seed=1234, samples=[64, 0, 0])
@@ -178,16 +178,16 @@ def test_null_tokenizer_has_megatron_lms_vocabulary_and_bounds_the_token_ids_at_
     with pytest.raises(IndexedDatasetError, match=rf"^{re.escape(a)}\.bin holds token id {EOD}, outside the "
                                                   rf"vocab_size {EOD} of --tokenizer-type NullTokenizer --vocab-size "
                                                   rf"{EOD - 1}$"):
-        dataset_vocabulary(null_tokenizer(EOD - 1, train_data_path=[a]))
+        dataset_vocabulary(null_tokenizer(EOD - 1, train_data_path=(a,)))
     with pytest.raises(ValueError, match="^--tokenizer-type NullTokenizer needs --vocab-size$"):
-        dataset_vocabulary(DataArguments(tokenizer_type="NullTokenizer", train_data_path=[a]))
+        dataset_vocabulary(DataSection(tokenizer_type="NullTokenizer", train_data_path=(a,)))
 
 
 def test_a_blend_mixes_datasets_with_and_without_metadata_when_the_tokenizer_agrees(two_prefixes, tmp_path,
                                                                                     single_process):
     a, b = two_prefixes
     without_metadata(a)
-    data = null_tokenizer(EOD, data_path=["1", a, "1", b], split="98,2,0", data_cache_path=str(tmp_path / "cache"))
+    data = null_tokenizer(EOD, data_path=("1", a, "1", b), split="98,2,0", data_cache_path=str(tmp_path / "cache"))
     vocabulary = dataset_vocabulary(data)  # b.json records VOCAB = EOD + 1 and EOD, as NullTokenizer(EOD) has
     assert (vocabulary.vocab_size, vocabulary.eod) == (VOCAB, EOD)
     train, _, _ = build_datasets(data, vocabulary, seq_length=32, seed=1234, samples=[200, 0, 0])
@@ -200,7 +200,7 @@ def test_a_json_that_disagrees_with_the_tokenizer_flags_is_refused_naming_both(t
     with pytest.raises(ValueError, match=rf"^{re.escape(b)}\.json records vocab_size {VOCAB} and eod {EOD}, but "
                                          rf"--tokenizer-type NullTokenizer --vocab-size 600 has vocab_size 601 and "
                                          rf"eod 600$"):
-        dataset_vocabulary(null_tokenizer(600, data_path=["1", a, "1", b]))
+        dataset_vocabulary(null_tokenizer(600, data_path=("1", a, "1", b)))
 
 
 def test_a_hugging_face_tokenizer_gives_the_vocabulary_and_the_description_checkpoints_carry(two_prefixes,
@@ -211,8 +211,8 @@ def test_a_hugging_face_tokenizer_gives_the_vocabulary_and_the_description_check
     vocab = {f"w{i}": i for i in range(EOD)} | {"<|endoftext|>": EOD}
     Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(tmp_path / "tokenizer.json"))
     a = without_metadata(two_prefixes[0])
-    vocabulary = dataset_vocabulary(DataArguments(train_data_path=[a], tokenizer_type="HuggingFaceTokenizer",
-                                                  tokenizer_model=str(tmp_path / "tokenizer.json")))
+    vocabulary = dataset_vocabulary(DataSection(train_data_path=(a,), tokenizer_type="HuggingFaceTokenizer",
+                                                tokenizer_model=str(tmp_path / "tokenizer.json")))
     assert (vocabulary.vocab_size, vocabulary.eod) == (VOCAB, EOD)
     described = vocabulary.unique_identifiers["tokenizer"]
     assert described["type"] == "HuggingFaceTokenizer"
@@ -221,9 +221,9 @@ def test_a_hugging_face_tokenizer_gives_the_vocabulary_and_the_description_check
              "GPTSentencePieceTokenizer, Llama2Tokenizer, NullTokenizer")
     with pytest.raises(ValueError, match=rf"^--tokenizer-type BertWordPieceCase: Megatron-LM's, not built here yet "
                                          rf"\({built} are\)$"):
-        dataset_vocabulary(DataArguments(train_data_path=[a], tokenizer_type="BertWordPieceCase"))
+        dataset_vocabulary(DataSection(train_data_path=(a,), tokenizer_type="BertWordPieceCase"))
     with pytest.raises(ValueError, match=f"^--tokenizer-type SentencepieceTokenizer: choose one of {built}$"):
-        dataset_vocabulary(DataArguments(train_data_path=[a], tokenizer_type="SentencepieceTokenizer"))
+        dataset_vocabulary(DataSection(train_data_path=(a,), tokenizer_type="SentencepieceTokenizer"))
 
 
 def test_the_scan_of_a_bin_without_metadata_is_cached_until_the_bin_changes(two_prefixes, tmp_path, monkeypatch):
@@ -235,7 +235,7 @@ def test_the_scan_of_a_bin_without_metadata_is_cached_until_the_bin_changes(two_
     scans = []
     real_scan = indexed.max_token_id
     monkeypatch.setattr(indexed, "max_token_id", lambda prefix: scans.append(prefix) or real_scan(prefix))
-    data = null_tokenizer(EOD, train_data_path=[a], data_cache_path=str(cache))
+    data = null_tokenizer(EOD, train_data_path=(a,), data_cache_path=str(cache))
     for _ in range(2):
         assert dataset_vocabulary(data).vocab_size == EOD + 1
     assert scans == [a] and len(list(cache.iterdir())) == 1
@@ -244,11 +244,11 @@ def test_the_scan_of_a_bin_without_metadata_is_cached_until_the_bin_changes(two_
     dataset_vocabulary(data)
     assert scans == [a, a]
     # Without --data-cache-path, megatron-core's place for a dataset's caches: <prefix>/cache.
-    dataset_vocabulary(null_tokenizer(EOD, train_data_path=[a]))
+    dataset_vocabulary(null_tokenizer(EOD, train_data_path=(a,)))
     assert scans == [a, a, a] and len(os.listdir(os.path.join(a, "cache"))) == 1
     blocked = tmp_path / "not_a_directory"
     blocked.write_text("")
-    dataset_vocabulary(null_tokenizer(EOD, train_data_path=[a], data_cache_path=str(blocked)))
+    dataset_vocabulary(null_tokenizer(EOD, train_data_path=(a,), data_cache_path=str(blocked)))
     assert scans == [a, a, a, a]
 
 
@@ -267,8 +267,8 @@ def test_a_sentencepiece_model_gives_megatron_lms_vocabulary_and_bounds_the_ids(
     size, eos = processor.get_piece_size(), processor.eos_id()
     prefix = str(tmp_path / "sp_text_document")
     write_ids(prefix, [processor.encode(line) + [eos] for line in corpus.read_text().splitlines()[:50]])
-    data = DataArguments(train_data_path=[prefix], tokenizer_type=tokenizer_type, tokenizer_model=model,
-                         data_cache_path=str(tmp_path / "cache"))
+    data = DataSection(train_data_path=(prefix,), tokenizer_type=tokenizer_type, tokenizer_model=model,
+                       data_cache_path=str(tmp_path / "cache"))
     vocabulary = dataset_vocabulary(data)
     assert (vocabulary.vocab_size, vocabulary.eod) == (size, eos) == (100, 2)
     assert vocabulary.unique_identifiers["tokenizer"]["type"] == tokenizer_type
@@ -277,10 +277,10 @@ def test_a_sentencepiece_model_gives_megatron_lms_vocabulary_and_bounds_the_ids(
     outside = str(tmp_path / "outside_text_document")
     write_ids(outside, [[1, 2, size]])
     with pytest.raises(IndexedDatasetError, match=f"holds token id {size}, outside the vocab_size {size}"):
-        dataset_vocabulary(DataArguments(train_data_path=[outside], tokenizer_type=tokenizer_type,
-                                         tokenizer_model=model))
+        dataset_vocabulary(DataSection(train_data_path=(outside,), tokenizer_type=tokenizer_type,
+                                       tokenizer_model=model))
     with pytest.raises(ValueError, match=f"^{tokenizer_type} needs --tokenizer-model"):
-        dataset_vocabulary(DataArguments(train_data_path=[prefix], tokenizer_type=tokenizer_type))
+        dataset_vocabulary(DataSection(train_data_path=(prefix,), tokenizer_type=tokenizer_type))
 
 
 def test_megatron_tiktoken_gives_vocab_size_ids_and_eod_2_as_angpt_pretrain_parses_its_flags(tmp_path):
@@ -292,23 +292,23 @@ def test_megatron_tiktoken_gives_vocab_size_ids_and_eod_2_as_angpt_pretrain_pars
                                 special_tokens=None)
     prefix = str(tmp_path / "tiktoken_text_document")
     write_ids(prefix, [theirs.tokenize(text) + [theirs.eod] for text in ["abc ab", "the end</s>here"] * 20])
-    args = parse_args(["--train-iters", "1", "--train-data-path", prefix, "--tokenizer-type", "TikTokenizer",
-                       "--tokenizer-model", model, "--vocab-size", "265", "--tiktoken-pattern", "v1",
-                       "--tiktoken-num-special-tokens", "7", "--data-cache-path", str(tmp_path / "cache")],
-                      world_size=1)
-    vocabulary = dataset_vocabulary(data_arguments(args))
+    config = parse_args(["--train-iters", "1", "--train-data-path", prefix, "--tokenizer-type", "TikTokenizer",
+                         "--tokenizer-model", model, "--vocab-size", "265", "--tiktoken-pattern", "v1",
+                         "--tiktoken-num-special-tokens", "7", "--data-cache-path", str(tmp_path / "cache")],
+                        world_size=1)
+    vocabulary = dataset_vocabulary(config.data)
     assert (vocabulary.vocab_size, vocabulary.eod) == (265, 2)
     described = vocabulary.unique_identifiers["tokenizer"]
     assert (described["type"], described["pattern"], described["num_special_tokens"]) == ("TikTokenizer", "v1", 7)
-    flags = dict(train_data_path=[prefix], tokenizer_type="TikTokenizer", tokenizer_model=model,
+    flags = dict(train_data_path=(prefix,), tokenizer_type="TikTokenizer", tokenizer_model=model,
                  tiktoken_pattern="v1", tiktoken_num_special_tokens=7, data_cache_path=str(tmp_path / "cache"))
     with pytest.raises(ValueError, match=r"^--vocab-size 266 exceeds --tiktoken-num-special-tokens 7 plus the 258 "
                                          r"tokens of --tokenizer-model .*vocab.json: give --vocab-size 265 "):
-        dataset_vocabulary(DataArguments(**flags, vocab_size=266))
+        dataset_vocabulary(DataSection(**flags, vocab_size=266))
     named = f"--tokenizer-type TikTokenizer --tokenizer-model {re.escape(model)} --vocab-size 264"
     with pytest.raises(IndexedDatasetError, match=rf"holds token id 264, outside the vocab_size 264 of {named} "
                                                   r"--tiktoken-pattern v1 --tiktoken-num-special-tokens 7$"):
-        dataset_vocabulary(DataArguments(**flags, vocab_size=264))
+        dataset_vocabulary(DataSection(**flags, vocab_size=264))
 
 
 def write_ids(prefix: str, documents: list[list[int]]) -> None:

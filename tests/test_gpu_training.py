@@ -11,6 +11,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.transformer.enums import AttnBackend
 
 from angpt import kernels
+from angpt.config.sections import RunConfig
 from angpt.megatron_compat import patches
 from angpt.models import attention, build_model, layers, model_config, norms
 from angpt.models.attention import clear_attention_backend_environment
@@ -41,8 +42,8 @@ def train(family, steps, bf16=False, distributed_optimizer=False, lr=0.01, micro
     config = model_config(family, **SHAPE, **dtype, **overrides)
     chunks = build_model_chunks(config, VOCAB, SEQ, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer))
-    optimizer, scheduler = build_optimizer(chunks, family, lr=lr, train_iters=steps,
-                                           use_distributed_optimizer=distributed_optimizer, bf16=bf16)
+    optimizer, scheduler = build_optimizer(chunks, RunConfig.from_flags(dict(
+        model_family=family, lr=lr, train_iters=steps, use_distributed_optimizer=distributed_optimizer, bf16=bf16)))
     data = itertools.repeat(batch())
     losses = []
     for _ in range(steps):

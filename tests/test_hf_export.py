@@ -27,17 +27,13 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
 from angpt.config.arguments import parse_args
+from angpt.config.saved import config_from_saved
 from angpt.data.tokenizers import EOD_TOKEN, build_tokenizer
-from angpt.hf.export import (
-    LAYER,
-    Checkpoint,
-    ExportError,
-    export,
-    read_checkpoint,
-    recorded_losses,
-    single_process_args,
-)
+from angpt.hf.checkpoint_reader import Checkpoint, model_config, read_checkpoint
+from angpt.hf.errors import ExportError
+from angpt.hf.export import export
 from angpt.hf.importer import import_hf, qwen3_args
+from angpt.hf.model_card import recorded_losses
 from angpt.hf.verify import (
     FP32_LOGIT_TOLERANCE,
     decided,
@@ -49,7 +45,8 @@ from angpt.hf.verify import (
     megatron_logits,
     near_argmax,
 )
-from angpt.training.config_from_args import model_config_from_args
+from angpt.hf.weights import LAYER
+from angpt.training.megatron_configs import transformer_config
 
 from conftest import PYDOC_VOCAB_SIZE, ROOT, TRAINED_ITERS, TRAINED_MODEL, TRAINED_RUNS, in_process_trainer
 from launch import launch
@@ -245,12 +242,13 @@ def test_the_model_card_takes_the_losses_of_the_run_as_it_stands_up_to_the_check
                {"kind": "train", "iteration": 4, "lm_loss": None},
                {"kind": "eval", "iteration": 4, "split": "validation", "lm_loss": 3.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
-    checkpoint = Checkpoint(str(tmp_path / "iter_0000003"), {}, {})
+    recorded = {"model_family": "angpt"}  # every other flag at its default: no --metrics-file
+    checkpoint = Checkpoint(str(tmp_path / "iter_0000003"), recorded, {})
     assert recorded_losses(checkpoint, 3) == (
         "3.2500 (lm loss at iteration 3, mean over the steps since the previous log line)",
         "5.5000 (lm loss at iteration 2, mean over the evaluation's batches)")
     assert recorded_losses(checkpoint, 4)[0] == "not finite at iteration 4"
-    assert recorded_losses(Checkpoint(str(tmp_path / "iter_0000001"), {}, {}), 1)[1] == \
+    assert recorded_losses(Checkpoint(str(tmp_path / "iter_0000001"), recorded, {}), 1)[1] == \
         f"not recorded ({tmp_path / 'metrics.jsonl'} has no validation loss up to iteration 1)"
     os.remove(tmp_path / "metrics.jsonl")
     assert recorded_losses(checkpoint, 3)[0] == f"not available ({tmp_path / 'metrics.jsonl'}: no such file)"
@@ -480,9 +478,9 @@ def test_a_qwen3_models_rms_norm_epsilon_is_imported_as_norm_epsilon(epsilon):
 
 def test_a_context_parallel_run_is_exported_at_one_process():
     """The export builds the model whole in one process: a run's --context-parallel-size does not reach it."""
-    args = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-                       "--micro-batch-size", "2", "--global-batch-size", "4", "--mock-data", "--vocab-size", "256",
-                       "--train-iters", "1", "--context-parallel-size", "2", "--cp-comm-type", "all_gather"],
-                      world_size=2)
-    assert model_config_from_args(args).context_parallel_size == 2
-    assert model_config_from_args(single_process_args(vars(args))).context_parallel_size == 1
+    recorded = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
+                           "64", "--micro-batch-size", "2", "--global-batch-size", "4", "--mock-data", "--vocab-size",
+                           "256", "--train-iters", "1", "--context-parallel-size", "2", "--cp-comm-type",
+                           "all_gather"], world_size=2).flags()  # what its checkpoints record
+    assert transformer_config(config_from_saved(recorded)).context_parallel_size == 2
+    assert model_config(Checkpoint("iter_0000001", recorded, {})).context_parallel_size == 1

@@ -1,7 +1,7 @@
-"""The exported tokenizer (angpt.hf.export): each tokenizer the trainer accepts (a Hugging Face tokenizer.json,
-GPT-2's vocab.json + merges.txt, tiktoken ranks) becomes a tokenizer.json that transformers' AutoTokenizer
-loads and that encodes as ours, on text chosen to trip tokenizers up. The expected ids are tiktoken's own,
-from the ranks of a byte-level BPE that the `tokenizers` library trains here and that both formats are
+"""The exported tokenizer (angpt.hf.tokenizer_export): each tokenizer the trainer accepts (a Hugging Face
+tokenizer.json, GPT-2's vocab.json + merges.txt, tiktoken ranks) becomes a tokenizer.json that transformers'
+AutoTokenizer loads and that encodes as ours, on text chosen to trip tokenizers up. The expected ids are tiktoken's
+own, from the ranks of a byte-level BPE that the `tokenizers` library trains here and that both formats are
 written from, with GPT-2's split pattern as tiktoken publishes it."""
 
 import base64
@@ -22,7 +22,11 @@ from transformers import AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from angpt.data.tokenizers import EOD_TOKEN, build_tokenizer
-from angpt.hf.export import Checkpoint, ExportError, export, save_tokenizer, tokenizer_summary, vocabulary
+from angpt.hf.checkpoint_reader import Checkpoint
+from angpt.hf.errors import ExportError
+from angpt.hf.export import export
+from angpt.hf.model_card import tokenizer_summary
+from angpt.hf.tokenizer_export import save_tokenizer, vocabulary
 from angpt.training import checkpointing
 
 from conftest import ROOT, TRAINED_MODEL, in_process_trainer, megatron_tokenizer, write_megatron_tiktoken

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from angpt import kernels
+from angpt.config.sections import RunConfig
 from angpt.kernels import Piece, reference
 from angpt.models import model_config
 from angpt.training.distributed import set_random_seed
@@ -244,7 +245,8 @@ def train_losses(steps=4, family="angpt"):
     set_random_seed(1234)
     config = model_config(family, num_layers=2, hidden_size=64, num_attention_heads=4)
     chunks = build_model_chunks(config, 128, 16)
-    optimizer, scheduler = build_optimizer(chunks, family, lr=0.02, train_iters=steps)
+    run = RunConfig.from_flags(dict(model_family=family, lr=0.02, train_iters=steps))
+    optimizer, scheduler = build_optimizer(chunks, run)
     tokens = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(1))
     batch = dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(4, 16),
                  position_ids=torch.arange(16).unsqueeze(0).expand(4, -1))

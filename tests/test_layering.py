@@ -13,8 +13,8 @@ from conftest import ROOT
 PACKAGE = pathlib.Path(ROOT) / "angpt"
 # Lowest first. The top-level modules of angpt/ (the entry point, angpt.pretrain) are above them all.
 LAYERS = [
-    {"kernels", "data"},
-    {"config"},
+    {"kernels", "config"},
+    {"data"},
     {"models"},
     {"megatron_compat", "telemetry"},
     {"training"},

@@ -22,7 +22,7 @@ from megatron.core.transformer import cuda_graphs
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from angpt.config.arguments import EXIT_SIGNALS
+from angpt.config.sections import EXIT_SIGNALS
 from angpt.megatron_compat import (
     KNOWN_WARNINGS,
     WRITTEN_FOR,
@@ -156,7 +156,7 @@ def test_a_graph_input_buffer_kept_for_backward_stays_out_of_the_reuse_pool(sing
 # A training process that starts the save's results queue and says its Manager's pid (tests below kill it).
 QUEUE_HOLDER = """
 import sys, time
-from angpt.config.arguments import EXIT_SIGNALS
+from angpt.config.sections import EXIT_SIGNALS
 from angpt.megatron_compat import results_queue
 manager, queue = results_queue.start(EXIT_SIGNALS)
 print(manager._process.pid, flush=True)

@@ -9,9 +9,10 @@ import sys
 import pytest
 
 from angpt.config import megatron_lm
-from angpt.config.arguments import build_parser, parse_args
+from angpt.config.arguments import parse_args
 from angpt.config.megatron_lm_flags import GROUPS
-from angpt.training.config_from_args import model_config_from_args
+from angpt.config.parser import build_parser
+from angpt.training.megatron_configs import transformer_config
 
 from conftest import ROOT
 
@@ -96,7 +97,7 @@ def test_implied_flags_are_accepted_and_the_replaced_norm_flags_are_said_once():
     assert megatron_lm.notes(parse_args([*BASE, "--norm-epsilon", "1e-5"], world_size=1)) == []
     # As Megatron-LM: sequence parallelism without tensor parallelism is turned off, and said.
     alone = parse_args([*BASE, "--model-family", "gptplus", "--sequence-parallel"], world_size=1)
-    assert not alone.sequence_parallel
+    assert not alone.parallel.sequence_parallel
     assert megatron_lm.notes(alone) == ["--sequence-parallel: off, as in Megatron-LM, with "
                                         "--tensor-model-parallel-size 1"]
 
@@ -104,17 +105,17 @@ def test_implied_flags_are_accepted_and_the_replaced_norm_flags_are_said_once():
 def test_a_refused_flag_in_a_config_file_is_refused_and_megatron_lms_default_accepted(tmp_path, capsys):
     config = tmp_path / "run.yaml"
     config.write_text("expert-model-parallel-size: 1\nuse-distributed-optimizer: true\n")
-    assert parse_args([*BASE, "--config", str(config)], world_size=1).use_distributed_optimizer
+    assert parse_args([*BASE, "--config", str(config)], world_size=1).parallel.use_distributed_optimizer
     config.write_text("expert_model_parallel_size: 4\n")
     assert "expert_model_parallel_size: not supported: expert parallelism" in parse_error(["--config", str(config)],
                                                                                     capsys)
 
 
 def test_norm_epsilon_reaches_gpt_pluss_rms_norms():
-    args = parse_args([*BASE, "--model-family", "gptplus", "--norm-epsilon", "1e-6"], world_size=1)
-    assert model_config_from_args(args).layernorm_epsilon == 1e-6
+    config = parse_args([*BASE, "--model-family", "gptplus", "--norm-epsilon", "1e-6"], world_size=1)
+    assert transformer_config(config).layernorm_epsilon == 1e-6
     default = parse_args(BASE, world_size=1)
-    assert default.norm_epsilon == 1e-5 == megatron_lm.NORM_EPSILON
+    assert default.model.norm_epsilon == 1e-5 == megatron_lm.NORM_EPSILON
 
 
 def test_the_refusal_is_printed_by_rank_0_only():

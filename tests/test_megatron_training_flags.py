@@ -15,9 +15,10 @@ from test_optimizer import batch, tiny_chunks
 from test_trainer import losses
 
 from angpt.config.arguments import parse_args
-from angpt.data.gpt_datasets import DataArguments, TrainingBatches, build_datasets, dataset_vocabulary, micro_batches
+from angpt.config.sections import DataSection, RunConfig
+from angpt.data.gpt_datasets import TrainingBatches, build_datasets, dataset_vocabulary, micro_batches
 from angpt.training import step as step_module
-from angpt.training.config_from_args import ddp_config_from_args
+from angpt.training.megatron_configs import ddp_config
 from angpt.training.optimizer import build_optimizer
 
 from conftest import in_process_trainer
@@ -29,8 +30,9 @@ def test_decoupled_lr_gives_the_input_and_output_layers_their_own_max_and_min_lr
     """megatron-core's param groups: the embedding and the output head follow the schedule between
     --decoupled-lr and --decoupled-min-lr, every other weight between --lr and --min-lr (cosine, no warm-up)."""
     chunks = tiny_chunks("gptplus")
-    optimizer, scheduler = build_optimizer(chunks, "gptplus", lr=1e-3, min_lr=1e-4, train_iters=10,
-                                           lr_warmup_iters=0, decoupled_lr=5e-3, decoupled_min_lr=5e-4)
+    optimizer, scheduler = build_optimizer(chunks, RunConfig.from_flags(dict(
+        model_family="gptplus", lr=1e-3, min_lr=1e-4, train_iters=10, lr_warmup_iters=0, decoupled_lr=5e-3,
+        decoupled_min_lr=5e-4)))
     decoupled = {id(chunks[0].module.embedding.word_embeddings.weight), id(chunks[0].module.output_layer.weight)}
     for step in range(12):
         coefficient = 0.5 * (math.cos(math.pi * min(step, 10) / 10) + 1)
@@ -45,7 +47,8 @@ def test_decoupled_lr_gives_the_input_and_output_layers_their_own_max_and_min_lr
         scheduler.step(increment=1)
     assert decoupled <= {id(p) for group in optimizer.param_groups for p in group["params"]}
     with pytest.raises(ValueError, match="decouples nothing"):
-        build_optimizer(chunks, "gptplus", lr=1e-3, min_lr=1e-4, train_iters=10, decoupled_lr=1e-3)
+        build_optimizer(chunks, RunConfig.from_flags(dict(model_family="gptplus", lr=1e-3, min_lr=1e-4,
+                                                          train_iters=10, decoupled_lr=1e-3)))
 
 
 @pytest.mark.slow  # three in-process trainer runs
@@ -63,11 +66,11 @@ def test_a_run_with_decoupled_lr_resumes_exactly(tmp_path, single_process):
 
 
 def test_gradients_reduce_in_fp32_unless_grad_reduce_in_bf16_and_the_bucket_size_reaches_ddp():
-    default = ddp_config_from_args(parse_args(MOCK, world_size=1))
+    default = ddp_config(parse_args(MOCK, world_size=1))
     assert default.grad_reduce_in_fp32 and default.bucket_size is None
     bf16 = parse_args([*MOCK, "--bf16", "--use-distributed-optimizer", "--grad-reduce-in-bf16", "--ddp-bucket-size",
                        "1000000"], world_size=1)
-    assert not ddp_config_from_args(bf16).grad_reduce_in_fp32 and ddp_config_from_args(bf16).bucket_size == 1000000
+    assert not ddp_config(bf16).grad_reduce_in_fp32 and ddp_config(bf16).bucket_size == 1000000
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -92,7 +95,8 @@ def test_empty_unused_memory_level_releases_the_cache_after_the_backward_and_the
     calls = []
     monkeypatch.setattr(step_module.torch.cuda, "empty_cache", lambda: calls.append(1))
     chunks = tiny_chunks("angpt")
-    optimizer, scheduler = build_optimizer(chunks, "angpt", lr=1e-3, train_iters=10)
+    optimizer, scheduler = build_optimizer(chunks, RunConfig.from_flags(dict(model_family="angpt", lr=1e-3,
+                                                                              train_iters=10)))
     step_module.train_step(iter([batch()]), chunks, optimizer, scheduler, 1, 2, 16, 1, level)
     assert len(calls) == releases
 
@@ -121,12 +125,12 @@ def test_manual_gc_collects_at_the_interval_and_around_evaluations_with_the_coll
 def test_bin_files_read_without_a_memory_map_give_the_same_samples(two_prefixes, tmp_path, single_process):  # noqa: F811
     samples = []
     for mmap in (True, False):
-        data = DataArguments(train_data_path=[two_prefixes[0]], data_cache_path=str(tmp_path / "cache"),
-                             mmap_bin_files=mmap)
+        data = DataSection(train_data_path=(two_prefixes[0],), data_cache_path=str(tmp_path / "cache"),
+                           mmap_bin_files=mmap)
         train, _, _ = build_datasets(data, dataset_vocabulary(data), 16, 1234, [32, 0, 0])
         samples.append(torch.stack([train[i]["tokens"] for i in range(32)]))
     assert torch.equal(*samples)
-    assert not parse_args([*MOCK, "--no-mmap-bin-files"], world_size=1).mmap_bin_files
+    assert not parse_args([*MOCK, "--no-mmap-bin-files"], world_size=1).data.mmap_bin_files
 
 
 def _loss_and_grads(chunks, batches):
@@ -165,8 +169,8 @@ def test_eod_mask_loss_leaves_the_end_of_document_tokens_out_of_the_loss(two_pre
                                                                          single_process):
     masks = []
     for eod_mask_loss in (False, True):
-        data = DataArguments(train_data_path=[two_prefixes[0]], data_cache_path=str(tmp_path / "cache"),
-                             eod_mask_loss=eod_mask_loss)
+        data = DataSection(train_data_path=(two_prefixes[0],), data_cache_path=str(tmp_path / "cache"),
+                           eod_mask_loss=eod_mask_loss)
         vocabulary = dataset_vocabulary(data)
         train, _, _ = build_datasets(data, vocabulary, 16, 1234, [32, 0, 0])
         samples = [train[i] for i in range(32)]
@@ -181,7 +185,7 @@ def test_dataloader_workers_give_the_micro_batches_of_the_inline_reads(num_worke
                                                                       tmp_path, single_process):
     """--num-workers N reads ahead in N processes; the micro-batches are those micro_batches() reads in the
     training process, in order, from any consumed-samples offset (a resumed run), through a ramp-up's sizes."""
-    data = DataArguments(train_data_path=[two_prefixes[0]], data_cache_path=str(tmp_path / "cache"))
+    data = DataSection(train_data_path=(two_prefixes[0],), data_cache_path=str(tmp_path / "cache"))
     vocabulary = dataset_vocabulary(data)
     train, _, _ = build_datasets(data, vocabulary, 16, 1234, [96, 0, 0])
     loader = TrainingBatches(train, 6, 1, 1, 2, num_workers, vocabulary.vocab_size)  # rank 1 of 2, from sample 6

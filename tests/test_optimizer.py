@@ -10,6 +10,7 @@ from megatron.core.optimizer import clip_grads
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.utils import local_multi_tensor_l2_norm
 
+from angpt.config.sections import RunConfig
 from angpt.megatron_compat import patches
 from angpt.models import model_config
 from angpt.models.scales import LearnableScale
@@ -23,6 +24,11 @@ V, S, MB = 128, 16, 2
 def tiny_chunks(family, **overrides):
     config = model_config(family, num_layers=2, hidden_size=64, num_attention_heads=4, **overrides)
     return build_model_chunks(config, V, S)
+
+
+def run_config(family, **flags) -> RunConfig:
+    """The run's configuration of these flags (no validation), for build_optimizer."""
+    return RunConfig.from_flags(dict(model_family=family, **flags))
 
 
 def batch(seed=0):
@@ -47,7 +53,7 @@ def test_one_adam_step_moves_each_scale_by_its_effective_lr(family, seeded):
     lr = 1e-3
     chunks = tiny_chunks(family)
     # Adam's first step is lr * g / (|g| + eps); a tiny eps makes it lr * sign(g) for these gradients.
-    optimizer, scheduler = build_optimizer(chunks, family, lr=lr, train_iters=10, adam_eps=1e-15)
+    optimizer, scheduler = build_optimizer(chunks, run_config(family, lr=lr, train_iters=10, adam_eps=1e-15))
     scales = {name: module for name, module in chunks[0].module.named_modules() if isinstance(module, LearnableScale)}
     kinds = {name: name.rsplit(".", 1)[-1] for name in scales}
     assert set(kinds.values()) == set(SPEC_SCALES[family])
@@ -67,7 +73,7 @@ def test_one_adam_step_moves_each_scale_by_its_effective_lr(family, seeded):
 
 def test_weight_decay_reaches_two_dimensional_weights_only(seeded):
     chunks = tiny_chunks("gptplus")
-    optimizer, _ = build_optimizer(chunks, "gptplus", lr=1e-3, train_iters=1000)
+    optimizer, _ = build_optimizer(chunks, run_config("gptplus", lr=1e-3, train_iters=1000))
     decay = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -83,7 +89,7 @@ def test_weight_decay_reaches_two_dimensional_weights_only(seeded):
 def test_schedules(family, first_lr, last_lr, seeded):
     """anGPT and nGPT start at full lr (no warm-up); GPT+ warms up over 1% of steps; cosine to min_lr."""
     chunks = tiny_chunks(family)
-    optimizer, scheduler = build_optimizer(chunks, family, lr=1e-2, train_iters=1000)
+    optimizer, scheduler = build_optimizer(chunks, run_config(family, lr=1e-2, train_iters=1000))
     scheduler.step(1)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(first_lr, rel=1e-4)
     scheduler.step(999)
@@ -92,17 +98,17 @@ def test_schedules(family, first_lr, last_lr, seeded):
     assert weight_decays == ({0.0, 0.1} if family == "gptplus" else {0.0})
 
 
-def _two_identical_runs(family, use_distributed_optimizer, **first):
-    """Two copies of one tiny model, each with its optimizer: the first with `first`'s options, the second
+def _two_identical_runs(family, use_distributed_optimizer, fused_adam):
+    """Two copies of one tiny model, each with its optimizer: the first with `fused_adam`, the second
     with torch's fused Adam."""
     runs = []
-    for options in (first, dict(fused_adam=True)):
+    for fused in (fused_adam, True):
         distributed.set_random_seed(1234)
         chunks = build_model_chunks(model_config(family, num_layers=2, hidden_size=64, num_attention_heads=4), V, S,
                                     DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                                   use_distributed_optimizer=use_distributed_optimizer))
-        runs.append((chunks, *build_optimizer(chunks, family, lr=1e-2, train_iters=10,
-                                              use_distributed_optimizer=use_distributed_optimizer, **options)))
+        config = run_config(family, lr=1e-2, train_iters=10, use_distributed_optimizer=use_distributed_optimizer)
+        runs.append((chunks, *build_optimizer(chunks, config, fused_adam=fused)))
     return runs
 
 
@@ -176,7 +182,7 @@ def test_foreach_grad_norm_and_clipping_equal_megatrons(family, seeded, monkeypa
     max_norm / (norm + 1e-6), megatron's coefficient."""
     assert clip_grads.l2_norm_impl is patches.foreach_l2_norm  # installed by angpt.training.distributed.initialize
     chunks = tiny_chunks(family)
-    optimizer, _ = build_optimizer(chunks, family, lr=1e-3, train_iters=10, clip_grad=1.0)
+    optimizer, _ = build_optimizer(chunks, run_config(family, lr=1e-3, train_iters=10, clip_grad=1.0))
     grads = _drawn_main_grads(chunks)
     assert not optimizer.prepare_grads()
     norm = optimizer.get_grad_norm()

@@ -11,9 +11,9 @@ BASE = ["--mock-data", "--vocab-size", "64", "--hidden-size", "32", "--num-atten
 
 
 def split(num_layers: int, stages: int, *flags: str) -> list[int]:
-    args = parse_args([*BASE, "--num-layers", str(num_layers), "--pipeline-model-parallel-size", str(stages), *flags],
-                      world_size=stages)
-    return stage_layers(args)
+    config = parse_args([*BASE, "--num-layers", str(num_layers), "--pipeline-model-parallel-size", str(stages),
+                         *flags], world_size=stages)
+    return stage_layers(config.model.num_layers, config.parallel)
 
 
 @pytest.mark.parametrize("num_layers,stages,flags,expected", [
@@ -60,11 +60,11 @@ def test_a_split_that_cannot_work_is_refused_naming_the_flags(num_layers, stages
 def test_the_dry_run_follows_the_split(single_process):
     from angpt.training.dry_run import describe  # noqa: PLC0415 (builds a model on the meta device)
 
-    args = parse_args([*BASE, "--num-layers", "4", "--pipeline-model-parallel-size", "2",
-                       "--decoder-first-pipeline-num-layers", "1"], world_size=2)
+    config = parse_args([*BASE, "--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                         "--decoder-first-pipeline-num-layers", "1"], world_size=2)
     distributed.destroy_model_parallel()  # describe builds its own one-process groups
     try:
-        report = describe(args, 2)
+        report = describe(config)
     finally:
         distributed.destroy_model_parallel()
         distributed.initialize()

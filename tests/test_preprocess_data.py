@@ -18,7 +18,8 @@ import pytest
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 from nltk.tokenize.punkt import PunktLanguageVars, PunktSentenceTokenizer
 
-from angpt.data.gpt_datasets import DataArguments, dataset_vocabulary
+from angpt.config.sections import DataSection
+from angpt.data.gpt_datasets import dataset_vocabulary
 from angpt.data.indexed import IndexedDatasetError, check_indexed_dataset, read_metadata
 from angpt.data.tokenizers import build_tokenizer
 
@@ -141,7 +142,7 @@ def test_golden_bytes_of_empty_documents_and_special_token_text(tmp_path, byte_t
     with open(prefix + ".json", "w") as file:
         json.dump(metadata, file)
     assert "special_tokens_as_text" not in read_metadata(prefix)
-    assert dataset_vocabulary(DataArguments(train_data_path=[prefix])).eod == 256
+    assert dataset_vocabulary(DataSection(train_data_path=(prefix,))).eod == 256
 
 
 @pytest.mark.slow
@@ -187,7 +188,7 @@ def test_workers_and_partitions_write_the_same_tokens(tmp_path, hf_tokenizer):
         assert metadata["documents"] == len(texts) and metadata["empty_documents"] == 1
         assert metadata["tokens"] == sum(map(len, expected)) and metadata["eod"] == tokenizer.eod
         assert metadata["max_token_id"] == max(map(max, expected))  # merged over partitions too
-        assert dataset_vocabulary(DataArguments(train_data_path=[document_prefix])).vocab_size == tokenizer.vocab_size
+        assert dataset_vocabulary(DataSection(train_data_path=(document_prefix,))).vocab_size == tokenizer.vocab_size
         assert check_indexed_dataset(document_prefix)["dtype"] == "uint16"
         outputs[name] = [open(document_prefix + suffix, "rb").read() for suffix in (".bin", ".idx")]
         assert [path for path in os.listdir(tmp_path) if path.startswith(".")] == []  # no scratch left
@@ -347,7 +348,7 @@ def test_metadata_errors_name_the_file(dataset):
 def test_metadata_is_checked_against_the_tokenizer_it_names(dataset, tmp_path):
     with open(dataset + ".json") as file:
         metadata = json.load(file)
-    data = DataArguments(train_data_path=[dataset])
+    data = DataSection(train_data_path=(dataset,))
 
     def write(**changes):
         with open(dataset + ".json", "w") as file:
@@ -408,7 +409,7 @@ def test_megatron_core_tokenizers_write_what_megatron_lm_writes(tmp_path, tokeni
         assert (metadata["tokenizer"]["pattern"], metadata["tokenizer"]["vocab_size"]) == ("v1", 1261)
         flagged.update(tiktoken_pattern="v1", vocab_size=1261)
     # The trainer rebuilds the tokenizer the .json records to check it, and agrees with the same flags.
-    for data in (DataArguments(train_data_path=[prefix]), DataArguments(train_data_path=[prefix], **flagged)):
+    for data in (DataSection(train_data_path=(prefix,)), DataSection(train_data_path=(prefix,), **flagged)):
         vocabulary = dataset_vocabulary(data)
         assert (vocabulary.vocab_size, vocabulary.eod) == (theirs.vocab_size, theirs.eod)
 

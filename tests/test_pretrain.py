@@ -11,8 +11,10 @@ import sys
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from angpt.config.arguments import NUMERIC_RANGES, build_parser, parse_args
-from angpt.training.config_from_args import model_config_from_args
+from angpt.config.arguments import parse_args
+from angpt.config.parser import build_parser
+from angpt.config.validation import NUMERIC_RANGES
+from angpt.training.megatron_configs import transformer_config
 
 from conftest import PYDOC_VOCAB_SIZE, ROOT, TRAINED_ITERS, TRAINED_RUNS
 from launch import launch
@@ -74,7 +76,7 @@ def test_training_lowers_the_loss(family, trained_runs):
         ([*MOCK, "--model-family", "ngpt", "--hidden-dropout", "0.1"],
          "--hidden-dropout is not supported for --model-family ngpt"),
         ([*MOCK, "--attention-dropout", "1"], "--attention-dropout 1.0 must be in [0, 1)"),
-        # Numeric ranges (arguments.NUMERIC_RANGES), checked before anything divides by them.
+        # Numeric ranges (validation.NUMERIC_RANGES), checked before anything divides by them.
         ([*MOCK, "--micro-batch-size", "0"], "--micro-batch-size 0 must be at least 1"),
         ([*MOCK, "--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size 0 must be at least 1"),
         ([*MOCK, "--global-batch-size", "-8"], "--global-batch-size -8 must be at least 1"),
@@ -154,7 +156,7 @@ def test_a_data_path_given_as_one_of_its_files_means_its_prefix(suffix, tmp_path
         (tmp_path / f"corpus_text_document{ext}").touch()
     args = parse_args([*FLAGS, "--train-iters", "10", "--data-path", "0.5", f"{prefix}{suffix}", "0.5", str(prefix)],
                       world_size=1)
-    assert args.data_path == ["0.5", str(prefix), "0.5", str(prefix)]
+    assert args.data.data_path == ("0.5", str(prefix), "0.5", str(prefix))
 
 
 def test_every_numeric_flag_has_a_range():
@@ -187,10 +189,11 @@ def test_a_yaml_config_sets_flags_and_the_command_line_overrides_it(tmp_path, mo
     config = tmp_path / "run.yaml"
     config.write_text("model-family: ngpt\nnum_layers: 6\ntensor-model-parallel-size: 2\nlr: 0.002\n"
                       "use-distributed-optimizer: true\nmock-data: true\nvocab-size: 256\ntrain-iters: 10\n")
-    args = parse_args(["--config", str(config), "--lr", "0.01"])
-    assert (args.model_family, args.num_layers, args.tensor_model_parallel_size) == ("ngpt", 6, 2)
-    assert args.use_distributed_optimizer and args.mock_data and args.lr == 0.01
-    assert not parse_args(["--config", str(config), "--no-use-distributed-optimizer"]).use_distributed_optimizer
+    run = parse_args(["--config", str(config), "--lr", "0.01"])
+    assert (run.model.model_family, run.model.num_layers, run.parallel.tensor_model_parallel_size) == ("ngpt", 6, 2)
+    assert run.parallel.use_distributed_optimizer and run.data.mock_data and run.optimizer.lr == 0.01
+    off = parse_args(["--config", str(config), "--no-use-distributed-optimizer"])
+    assert not off.parallel.use_distributed_optimizer
 
 
 @pytest.mark.parametrize(
@@ -216,10 +219,10 @@ def test_a_bad_config_file_is_refused_by_name(text, message, tmp_path, monkeypat
 def test_dry_run_checks_the_world_size(monkeypatch, capsys):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     flags = [*FLAGS, *MOCK, "--train-iters", "10", "--global-batch-size", "12", "--micro-batch-size", "2"]
-    assert parse_args([*flags, "--dry-run", "6"]).world_size == 6
-    assert parse_args([*flags, "--dry-run"]).world_size == 1
+    assert parse_args([*flags, "--dry-run", "6"]).parallel.world_size == 6
+    assert parse_args([*flags, "--dry-run"]).parallel.world_size == 1
     monkeypatch.setenv("WORLD_SIZE", "3")
-    assert parse_args([*flags, "--dry-run"]).world_size == 3
+    assert parse_args([*flags, "--dry-run"]).parallel.world_size == 3
     for bad, message in (("4", "--global-batch-size 12 is not divisible by --micro-batch-size 2 x data-parallel "
                                 "size 4"), ("-2", "--dry-run -2 cannot be negative")):
         with pytest.raises(SystemExit):
@@ -300,7 +303,7 @@ def test_a_switch_the_family_ignores_is_refused(family, flags, capsys):
                                                ("--angpt-residual", "residual", "plain")])
 def test_the_switches_ngpt_reads_reach_its_config(flag, field, value):
     args = parse_args([*FLAGS, *MOCK, "--train-iters", "10", "--model-family", "ngpt", flag, str(value)])
-    assert getattr(model_config_from_args(args), field) == value
+    assert getattr(transformer_config(args), field) == value
 
 
 @pytest.mark.parametrize("world_size, flags, message", [
@@ -332,5 +335,5 @@ def test_context_parallelism_reaches_the_model_config():
     args = parse_args([*FLAGS, *MOCK, "--train-iters", "10", "--tensor-model-parallel-size", "2",
                        "--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--global-batch-size", "4",
                        "--micro-batch-size", "2"], world_size=8)
-    config = model_config_from_args(args)
+    config = transformer_config(args)
     assert (config.context_parallel_size, config.cp_comm_type) == (2, "all_gather")

@@ -13,7 +13,7 @@ from angpt.config.choices import RECOMPUTE_MODULES, recompute_module_refusal
 from angpt.models import build_model, model_config
 from angpt.models.config import RECOMPUTE_MODULES as MODEL_RECOMPUTE_MODULES
 from angpt.training import distributed
-from angpt.training.config_from_args import model_config_from_args
+from angpt.training.megatron_configs import transformer_config
 
 from conftest import load_benchmark
 
@@ -84,7 +84,7 @@ def test_a_choice_the_family_lacks_is_refused(single_process, family, module):
      ["qk_norm", "mlp", "residual_update"]),
 ])
 def test_the_flags_reach_the_model_config(single_process, argv, modules):
-    config = model_config_from_args(parse_args([*MOCK, *argv], world_size=1))
+    config = transformer_config(parse_args([*MOCK, *argv], world_size=1))
     assert config.recompute_granularity == "selective"
     assert config.recompute_modules == modules
     assert all(config.recomputes(module) == (module in modules) for module in RECOMPUTE_MODULES)

@@ -20,6 +20,7 @@ from test_gpt_datasets import write_dataset
 from test_trainer import MODEL, checkpoint_tensors, latest, records
 
 from angpt.config.arguments import parse_args
+from angpt.config.sections import RunConfig
 from angpt.models import model_config
 from angpt.training import faults, rerun
 from angpt.training.optimizer import build_optimizer
@@ -42,9 +43,9 @@ def fresh_machine():
 
 
 def machine_checks(*flags: str) -> rerun.Checks:
-    args = parse_args([*FLAGS, *flags], world_size=1)
-    rerun.initialize(args, 0)
-    return rerun.checks(args)
+    config = parse_args([*FLAGS, *flags], world_size=1)
+    rerun.initialize(config.rerun, 0)
+    return rerun.checks(config.rerun)
 
 
 def tiny(checks: rerun.Checks, bucket_size=None):
@@ -54,7 +55,8 @@ def tiny(checks: rerun.Checks, bucket_size=None):
                                         overlap_grad_reduce=bucket_size is not None)
     chunks = build_model_chunks(model_config("gptplus", num_layers=2, hidden_size=64, num_attention_heads=4), V, S,
                                 ddp)
-    optimizer, scheduler = build_optimizer(chunks, "gptplus", lr=1e-3, train_iters=1000, lr_warmup_iters=0)
+    optimizer, scheduler = build_optimizer(chunks, RunConfig.from_flags(dict(model_family="gptplus", lr=1e-3,
+                                                                              train_iters=1000, lr_warmup_iters=0)))
     return chunks, optimizer, scheduler
 
 
@@ -249,20 +251,20 @@ def test_a_nan_that_reproduces_names_the_samples_and_the_blended_dataset(tmp_pat
     (["--fp16", "--use-distributed-optimizer", "--loss-scale", "1024"], True),
 ])
 def test_which_nan_checks_run(flags, nan, single_process, caplog):
-    args = parse_args([*FLAGS, *flags], world_size=1)
-    assert rerun.checks(args).nan is nan
+    config = parse_args([*FLAGS, *flags], world_size=1)
+    assert rerun.checks(config.rerun).nan is nan
     with caplog.at_level(logging.INFO, logger="angpt.rerun"):
-        rerun.initialize(args, 0)
+        rerun.initialize(config.rerun, 0)
     said = "--check-for-nan-in-loss-and-grad: off with --fp16's dynamic loss scale, as in Megatron-LM" in caplog.text
     assert said is ("--fp16" in flags and not nan)
 
 
 def test_a_tracker_file_that_cannot_be_written_is_refused_naming_the_flag(tmp_path):
-    args = parse_args([*FLAGS, "--result-rejected-tracker-filename", str(tmp_path / "missing" / "rejected.txt")],
-                      world_size=1)
+    config = parse_args([*FLAGS, "--result-rejected-tracker-filename", str(tmp_path / "missing" / "rejected.txt")],
+                        world_size=1)
     with pytest.raises(ValueError, match=r"^--result-rejected-tracker-filename .*missing/rejected\.txt: "
                                          "RerunStateMachine result validation log cannot be appended to"):
-        rerun.initialize(args, 0)
+        rerun.initialize(config.rerun, 0)
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -29,6 +29,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from angpt.config import transformer_engine_support
 from angpt.config.arguments import parse_args
+from angpt.config.sections import RunConfig
 from angpt.models import bounding, model_config, te_specs
 from angpt.models.attention import FusedDotProductAttention
 from angpt.models.bounding import _optimizer_pieces, constrained_parameters
@@ -36,8 +37,8 @@ from angpt.models.gpt import build_model_with_impl
 from angpt.models.layers import FactorScaledColumn, FactorScaledRow, QKNormalization
 from angpt.models.specs import normalized_layer_spec
 from angpt.training import distributed
-from angpt.training.config_from_args import model_config_from_args
 from angpt.training.distributed import set_random_seed
+from angpt.training.megatron_configs import transformer_config
 from angpt.training.optimizer import build_optimizer
 from angpt.training.step import build_model_chunks, train_step
 
@@ -74,7 +75,7 @@ def test_without_transformer_engine_the_flag_is_refused_at_validation(capsys):
 
 
 def test_local_stays_the_default():
-    assert parse_args(ARGS, world_size=1).transformer_impl == "local"
+    assert parse_args(ARGS, world_size=1).precision.transformer_impl == "local"
     assert model_config("angpt", **SMALL).transformer_impl == "local"  # megatron-core's default is TE
 
 
@@ -161,7 +162,7 @@ def test_trainer_path_tags_ngpt_te_row_weights_before_the_optimizer(seeded, stan
     normalized along dim 0 before the optimizer takes its main copies."""
     config = model_config("ngpt", transformer_impl="transformer_engine", **SMALL)
     chunks = build_model_chunks(config, 128, 16)
-    build_optimizer(chunks, "ngpt", lr=1e-3, train_iters=10)
+    build_optimizer(chunks, RunConfig.from_flags(dict(model_family="ngpt", lr=1e-3, train_iters=10)))
     for layer in chunks[0].module.decoder.layers:
         for module in (layer.self_attention.linear_proj, layer.mlp.linear_fc2):
             assert module.weight.unit_norm_dim == 0
@@ -251,13 +252,13 @@ def test_mxfp8_needs_a_transformer_engine_that_has_it(fake_te_runtime, monkeypat
 
 def test_valid_fp8_flags_reach_the_transformer_config(fake_te_runtime):
     fake_te_runtime((9, 0))
-    args = parse_args([*ARGS, *FP8, "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max"],
-                      world_size=1)
-    config = model_config_from_args(args)
+    run_config = parse_args([*ARGS, *FP8, "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max"],
+                            world_size=1)
+    config = transformer_config(run_config)
     assert (config.transformer_impl, config.fp8, config.fp8_recipe, config.fp8_margin) == (
         "transformer_engine", "hybrid", "delayed", 0)
     assert (config.fp8_amax_history_len, config.fp8_amax_compute_algo, config.fp8_param) == (1024, "max", False)
-    plain = model_config_from_args(parse_args(ARGS, world_size=1))
+    plain = transformer_config(parse_args(ARGS, world_size=1))
     assert plain.fp8 is None and plain.transformer_impl == "local"
 
 
@@ -272,8 +273,8 @@ def test_optimizer_and_norm_choice_logged_once(seeded, caplog, monkeypatch):
     monkeypatch.setattr("angpt.training.optimizer._logged_backends", False)
     chunks = build_model_chunks(model_config("gptplus", **SMALL), 128, 16)
     with caplog.at_level(logging.INFO, logger="angpt.optimizer"):
-        build_optimizer(chunks, "gptplus", lr=1e-3, train_iters=10)
-        build_optimizer(chunks, "gptplus", lr=1e-3, train_iters=10)
+        build_optimizer(chunks, RunConfig.from_flags(dict(model_family="gptplus", lr=1e-3, train_iters=10)))
+        build_optimizer(chunks, RunConfig.from_flags(dict(model_family="gptplus", lr=1e-3, train_iters=10)))
     lines = [r.getMessage() for r in caplog.records if r.name == "angpt.optimizer"]
     assert [line.split(":")[0] for line in lines] == ["optimizer", "norms"]
     adam = megatron_optimizer.Adam
@@ -293,8 +294,8 @@ def test_projection_runs_on_main_weights_before_the_cast_to_the_model(seeded, mo
     config = model_config("angpt", bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, **SMALL)
     chunks = build_model_chunks(config, 128, 16, DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=True))
-    optimizer, scheduler = build_optimizer(chunks, "angpt", lr=0.05, train_iters=10, use_distributed_optimizer=True,
-                                           bf16=True)
+    optimizer, scheduler = build_optimizer(chunks, RunConfig.from_flags(dict(
+        model_family="angpt", lr=0.05, train_iters=10, use_distributed_optimizer=True, bf16=True)))
     events = []
     project = bounding._project
 
@@ -595,8 +596,8 @@ def _worker_train(fp8: bool) -> dict:
     chunk = DistributedDataParallel(config=config, module=model, ddp_config=DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=True))
     config.finalize_model_grads_func = finalize_model_grads
-    optimizer, scheduler = build_optimizer([chunk], "angpt", lr=2e-3, train_iters=FP8_STEPS,
-                                           use_distributed_optimizer=True, bf16=True)
+    optimizer, scheduler = build_optimizer([chunk], RunConfig.from_flags(dict(
+        model_family="angpt", lr=2e-3, train_iters=FP8_STEPS, use_distributed_optimizer=True, bf16=True)))
     losses = []
     for step in range(FP8_STEPS):
         loss, _, updated = train_step(iter([_bigram_batch(step, vocab, seq, batch)]), [chunk], optimizer,

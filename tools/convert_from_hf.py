@@ -26,7 +26,7 @@ def main():
     args = parser.parse_args()
     quiet_known_warnings()
     # After parsing, so that --help and flag errors come without torch, transformers and megatron-core.
-    from angpt.hf.export import ExportError  # noqa: PLC0415 (after parsing)
+    from angpt.hf.errors import ExportError  # noqa: PLC0415 (after parsing)
     from angpt.hf.importer import import_hf, model_flags  # noqa: PLC0415 (after parsing)
 
     try:

@@ -11,9 +11,9 @@ import argparse
 import collections
 import os
 
-from angpt.config.arguments import build_parser
 from angpt.config.megatron_lm import IMPLEMENTED, IMPLIED, REFUSED, Refuse, decide, megatron_lm_flags
 from angpt.config.megatron_lm_flags import COMMIT, SOURCE
+from angpt.config.parser import build_parser
 
 OUTPUT = os.path.join(os.path.dirname(__file__), "..", "docs", "megatron.md")
 

@@ -56,7 +56,8 @@ from typing import Callable, Optional
 
 import yaml
 
-from angpt.config.arguments import flag_actions, setting_value, settings_to_argv
+from angpt.config.arguments import setting_value, settings_to_argv
+from angpt.config.parser import flag_actions
 from angpt.experiments.sweep_runner import STATUS_FILE, Job, interrupt_on_sigterm, read_json, run_jobs, write_json
 from angpt.telemetry import metrics_reader
 

@@ -5,6 +5,12 @@ command line parses (and `--help` prints) before torch and megatron-core are loa
 
 MODEL_FAMILIES = ("angpt", "gptplus", "ngpt")
 FAMILY_NAMES = {"angpt": "anGPT", "gptplus": "GPT+", "ngpt": "nGPT"}  # as the paper writes them
+# What each family is, as the model card of a Hugging Face export says it (angpt.hf.model_card).
+FAMILY_DESCRIPTIONS = {
+    "angpt": "anGPT (the Approximately Normalized GPT; Franke et al., NeurIPS 2025, arXiv 2505.22014)",
+    "gptplus": "GPT+ (a pre-norm GPT with RMSNorm, RoPE, SwiGLU and QK-norm: the block of Qwen3)",
+    "ngpt": "nGPT (the normalized Transformer; Loshchilov et al., ICLR 2025)",
+}
 # The normalization factors: as derived, all 1, or the exact 1/||x|| (docs/model.md, Normalization factors).
 FACTOR_MODES = ("analytic", "one", "exact")
 # The two readings of nu_p (docs/model.md, Normalization factors).

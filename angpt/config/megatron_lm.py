@@ -20,6 +20,7 @@ from typing import Callable, NamedTuple, Optional
 
 from angpt.config.choices import FAMILY_NAMES
 from angpt.config.megatron_lm_flags import GROUPS, SOURCE
+from angpt.config.sections import RunConfig
 
 IMPLEMENTED, IMPLIED, REFUSED = "implemented", "implied", "refused"
 
@@ -506,16 +507,18 @@ NORM_FLAGS = ("megatron_normalization", "megatron_apply_layernorm_1p", "megatron
 NORM_EPSILON = 1e-5  # Megatron-LM's default of --norm-epsilon, and angpt's
 
 
-def notes(args: argparse.Namespace) -> list[str]:
+def notes(config: RunConfig) -> list[str]:
     """The lines a run logs once about Megatron-LM flags the family replaced, or that Megatron-LM turns off."""
     lines = []
-    if getattr(args, "sequence_parallel_disabled", False):
+    if config.parallel.sequence_parallel_disabled:
         lines.append("--sequence-parallel: off, as in Megatron-LM, with --tensor-model-parallel-size 1")
-    given = [(dest, getattr(args, dest, None)) for dest in NORM_FLAGS]
+    given = [(dest, config.model.norm_epsilon if dest == "norm_epsilon" else config.megatron.get(dest))
+             for dest in NORM_FLAGS]
     given = [(dest, value) for dest, value in given
              if value not in (None, False) and not (dest == "norm_epsilon" and value == NORM_EPSILON)]
-    if args.model_family == "gptplus" or not given:
+    family = config.model.model_family
+    if family == "gptplus" or not given:
         return lines
     shown = ", ".join("--" + dest.removeprefix("megatron_").replace("_", "-") + ("" if value is True else f" {value}")
                       for dest, value in given)
-    return [*lines, f"{shown}: replaced by {FAMILY_NAMES[args.model_family]}'s own normalization (docs/model.md)"]
+    return [*lines, f"{shown}: replaced by {FAMILY_NAMES[family]}'s own normalization (docs/model.md)"]

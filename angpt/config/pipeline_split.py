@@ -19,16 +19,18 @@ def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def uneven(args) -> list[str]:
-    """The uneven-split flags given."""
-    return [_flag(dest) for dest in UNEVEN_FLAGS if getattr(args, dest, None)]
+def uneven(parallel) -> list[str]:
+    """The uneven-split flags given (`parallel`: the parallel section, or the parsed flags)."""
+    return [_flag(dest) for dest in UNEVEN_FLAGS if getattr(parallel, dest)]
 
 
-def stage_layers(args) -> list[int]:
-    """The decoder layers of each pipeline stage; ValueError, naming the flags, for a split that does not work."""
-    layers, stages = args.num_layers, args.pipeline_model_parallel_size
+def stage_layers(num_layers: int, parallel) -> list[int]:
+    """The decoder layers of each pipeline stage (`parallel`: the parallel section, or the parsed flags); ValueError,
+    naming the flags, for a split that does not work."""
+    layers, stages = num_layers, parallel.pipeline_model_parallel_size
+    args = parallel
     given = uneven(args)
-    if given and getattr(args, "num_layers_per_virtual_pipeline_stage", None):
+    if given and args.num_layers_per_virtual_pipeline_stage:
         raise ValueError(f"{' and '.join(given)} with --num-layers-per-virtual-pipeline-stage: virtual stages of "
                          "an uneven split are not built yet")
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers

@@ -13,7 +13,8 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from torch.utils.data import DataLoader
 
-from angpt.data.blend import parse_blend
+from angpt.config.blend import parse_blend
+from angpt.config.sections import DataSection
 from angpt.data.indexed import IndexedDatasetError, check_indexed_dataset, check_token_ids, metadata_path, read_metadata
 from angpt.data.tokenizers import (
     MEGATRON_ONLY_TOKENIZER_TYPES,
@@ -35,39 +36,7 @@ class DatasetVocabulary:
     unique_identifiers: dict
 
 
-@dataclass
-class DataArguments:
-    """Megatron-LM's data flags."""
-
-    data_path: Optional[Sequence[str]] = None
-    split: str = "969,30,1"
-    train_data_path: Optional[Sequence[str]] = None
-    valid_data_path: Optional[Sequence[str]] = None
-    test_data_path: Optional[Sequence[str]] = None
-    data_cache_path: Optional[str] = None
-    mock_data: bool = False
-    # mock_data's, NullTokenizer's and Megatron-LM's TikTokenizer's (.json); with a dataset's .json, it must be its
-    vocab_size: Optional[int] = None
-    # The tokenizer of datasets without our .json (as Megatron-LM's tools/preprocess_data.py writes them).
-    tokenizer_type: Optional[str] = None
-    tokenizer_model: Optional[str] = None
-    vocab_file: Optional[str] = None
-    merge_file: Optional[str] = None
-    tiktoken_pattern: Optional[str] = None  # Megatron-LM's TikTokenizer's (a .json vocabulary)
-    tiktoken_num_special_tokens: int = TIKTOKEN_NUM_SPECIAL_TOKENS
-    mmap_bin_files: bool = True  # read the .bin files through a memory map (else by file reads)
-    eod_mask_loss: bool = False  # the end-of-document tokens out of the loss
-    # Megatron-LM's: position ids restart after each end-of-document token (RoPE follows them,
-    # AnGPTConfig.rope_position_ids), and attention stops at it (a [1, s, s] mask per sample).
-    reset_position_ids: bool = False
-    reset_attention_mask: bool = False
-
-    def prefixes(self) -> list[str]:
-        paths = [self.data_path, self.train_data_path, self.valid_data_path, self.test_data_path]
-        return [prefix for path in paths if path for prefix in parse_blend(path)[0]]
-
-
-def dataset_vocabulary(data: DataArguments) -> DatasetVocabulary:
+def dataset_vocabulary(data: DataSection) -> DatasetVocabulary:
     """The vocabulary of the datasets: the one their .json records, or, for a dataset without one (written by
     Megatron-LM's own tool), the one of the tokenizer flags (--tokenizer-type and its files, or NullTokenizer
     with --vocab-size), as Megatron-LM reads it. Every prefix must agree on it, a .json with the tokenizer
@@ -119,7 +88,7 @@ def dataset_vocabulary(data: DataArguments) -> DatasetVocabulary:
     return flags
 
 
-def flag_vocabulary(data: DataArguments) -> Optional[DatasetVocabulary]:
+def flag_vocabulary(data: DataSection) -> Optional[DatasetVocabulary]:
     """The vocabulary of the tokenizer flags, as Megatron-LM builds it (None without --tokenizer-type):
     NullTokenizer's is --vocab-size ids and the end-of-document id after them (vocab_size + 1 in all)."""
     if data.tokenizer_type is None:
@@ -142,7 +111,7 @@ def flag_vocabulary(data: DataArguments) -> Optional[DatasetVocabulary]:
     return DatasetVocabulary(tokenizer.vocab_size, tokenizer.eod, {"tokenizer": tokenizer.description})
 
 
-def _describe_flags(data: DataArguments) -> str:
+def _describe_flags(data: DataSection) -> str:
     files = [f"{flag} {path}" for flag, path in (("--tokenizer-model", data.tokenizer_model),
                                                   ("--vocab-file", data.vocab_file),
                                                   ("--merge-file", data.merge_file)) if path]
@@ -170,7 +139,7 @@ def _check_tokenizer(prefix: str, metadata: dict) -> None:
             f"its tokenizer has vocab_size {tokenizer.vocab_size} and eod {tokenizer.eod}")
 
 
-def build_datasets(data: DataArguments, vocabulary, seq_length: int, seed: int, samples: Sequence[int]):
+def build_datasets(data: DataSection, vocabulary, seq_length: int, seed: int, samples: Sequence[int]):
     """(train, valid, test) datasets with the requested numbers of samples (None where not requested)."""
     blend_per_split = None
     blend = None

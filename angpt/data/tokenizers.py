@@ -34,10 +34,10 @@ from tiktoken_ext.openai_public import r50k_pat_str
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as RustTokenizer
 
-from angpt.data.tiktoken_layout import TIKTOKEN_NUM_SPECIAL_TOKENS, TIKTOKEN_PATTERNS
+from angpt.config.tiktoken_layout import TIKTOKEN_NUM_SPECIAL_TOKENS, TIKTOKEN_PATTERNS
 
 EOD_TOKEN = "<|endoftext|>"
-# GPT-2's pre-tokenizer regex, which TikTokenizer splits text with (angpt.hf.export gives it to the export).
+# GPT-2's pre-tokenizer regex, which TikTokenizer splits text with (angpt.hf.tokenizer_export gives it to the export).
 GPT2_SPLIT_PATTERN = r50k_pat_str
 # Megatron-LM 0.16 reads all three through megatron-core's tokenizer library ("sentencepiece"): the model's
 # pieces, end-of-document id its EOS (MegatronCoreTokenizer).

@@ -16,12 +16,17 @@ from megatron.core import dist_checkpointing
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from angpt.config.arguments import build_parser, settings_to_argv
+from angpt.config.arguments import settings_to_argv
+from angpt.config.saved import config_from_saved, single_process
+from angpt.config.sections import RunConfig
 from angpt.data.tokenizers import describe_file
-from angpt.hf.export import MODEL_FLAGS, ExportError, ensure_process_group, join_qkv, single_process_args
+from angpt.hf.checkpoint_reader import ensure_process_group
+from angpt.hf.errors import ExportError
+from angpt.hf.hf_config import MODEL_FLAGS
+from angpt.hf.weights import layer_weights, vocabulary_weights
 from angpt.models.gpt import build_model
 from angpt.training import checkpointing
-from angpt.training.config_from_args import model_config_from_args, padded_vocab_size
+from angpt.training.megatron_configs import transformer_config
 
 logger = logging.getLogger("angpt.hf")
 
@@ -48,7 +53,8 @@ def read_hf(directory: str) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def default_args() -> dict:
-    return vars(build_parser().parse_args([]))
+    """The trainer's flags at their defaults, as a checkpoint records them."""
+    return RunConfig().flags()
 
 
 def model_flags(args: dict) -> str:
@@ -78,58 +84,6 @@ def qwen3_args(config: dict) -> dict:
     }
 
 
-def layer_weights(config: dict, tensors: dict, args: dict) -> dict[str, torch.Tensor]:
-    """angpt's (unstacked) parameter names and values, from the Hugging Face ones."""
-    normalized = config["model_type"] == "angpt"
-    factors = config.get("folded_factors", {}) if normalized else {}
-    groups = args["num_query_groups"] or args["num_attention_heads"]
-
-    def weight(prefix: str, name: str) -> torch.Tensor:
-        value = tensors[f"{prefix}{name}.weight"].float()
-        factor = factors.get(name.split(".")[-1], 1.0)
-        return value if factor == 1.0 else value / factor
-
-    state = {}
-    for i in range(args["num_layers"]):
-        hf, ours = f"model.layers.{i}.", f"decoder.layers.{i}."
-        q, k, v = (weight(hf, f"self_attn.{name}_proj") for name in "qkv")
-        up, gate = weight(hf, "mlp.up_proj"), weight(hf, "mlp.gate_proj")
-        state.update({
-            ours + "self_attention.linear_qkv.weight": join_qkv(q, k, v, groups),
-            ours + "self_attention.linear_proj.weight": weight(hf, "self_attn.o_proj"),
-            # angpt's fc1 is [u; z] with SiLU on z; GPT+'s (megatron-core's) is [gate; up].
-            ours + "mlp.linear_fc1.weight": torch.cat([up, gate] if normalized else [gate, up]),
-            ours + "mlp.linear_fc2.weight": weight(hf, "mlp.down_proj"),
-        })
-        if normalized:
-            state[ours + "self_attention.core_attention.s_qk.s_hat"] = tensors[hf + "self_attn.s_qk.s_hat"]
-            state[ours + "mlp.s_u.s_hat"] = tensors[hf + "mlp.s_u.s_hat"]
-            state[ours + "mlp.s_v.s_hat"] = tensors[hf + "mlp.s_v.s_hat"]
-            for residual in ("attention_residual", "mlp_residual"):
-                if hf + f"{residual}.alpha.s_hat" in tensors:
-                    state[ours + f"{residual}.alpha.s_hat"] = tensors[hf + f"{residual}.alpha.s_hat"]
-        else:
-            state.update({
-                ours + "input_layernorm.weight": tensors[hf + "input_layernorm.weight"],
-                ours + "self_attention.q_layernorm.weight": tensors[hf + "self_attn.q_norm.weight"],
-                ours + "self_attention.k_layernorm.weight": tensors[hf + "self_attn.k_norm.weight"],
-                ours + "pre_mlp_layernorm.weight": tensors[hf + "post_attention_layernorm.weight"],
-            })
-    return state
-
-
-def vocabulary_weights(config: dict, tensors: dict) -> dict[str, torch.Tensor]:
-    """The tensors indexed by token (padded later) and GPT+'s final norm."""
-    state = {"embedding.word_embeddings.weight": tensors["model.embed_tokens.weight"]}
-    if "lm_head.weight" in tensors:
-        state["output_layer.weight"] = tensors["lm_head.weight"]
-    if config["model_type"] == "angpt":
-        state["output_layer.logit_scale.s_hat"] = tensors["s_z.s_hat"]
-    else:
-        state["decoder.final_layernorm.weight"] = tensors["model.norm.weight"]
-    return state
-
-
 def tokenizer_description(directory: str, eos_token_id: int):
     """The description the trainer saves with a checkpoint, of the directory's tokenizer.json."""
     path = os.path.join(directory, "tokenizer.json")
@@ -156,10 +110,11 @@ def import_hf(directory: str, save: str, make_vocab_size_divisible_by: int = 128
     args = {**default_args(), **{k: v for k, v in model_args.items() if k in MODEL_FLAGS},
             "vocab_size": vocab_size, "make_vocab_size_divisible_by": make_vocab_size_divisible_by}
     ensure_process_group()
-    model = build_model(model_config_from_args(single_process_args(args)),
-                        padded_vocab_size(vocab_size, make_vocab_size_divisible_by, tensor_parallel),
-                        args["seq_length"])
-    state = {**layer_weights(config, tensors, args), **vocabulary_weights(config, tensors)}
+    run = config_from_saved(args)
+    model_config = transformer_config(single_process(run))
+    padded = run.replace(parallel=dict(tensor_model_parallel_size=tensor_parallel)).padded_vocab_size(vocab_size)
+    model = build_model(model_config, padded, run.model.seq_length)
+    state = {**layer_weights(config, tensors, model_config), **vocabulary_weights(config, tensors)}
     parameters = dict(model.named_parameters())
     missing = sorted(set(parameters) - set(state))
     if missing:

@@ -12,7 +12,8 @@ import torch
 from megatron.core import dist_checkpointing
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from angpt.hf.export import DTYPES, Checkpoint, ensure_process_group, model_config
+from angpt.hf.checkpoint_reader import Checkpoint, ensure_process_group, model_config
+from angpt.hf.weights import DTYPES
 from angpt.models.gpt import build_model
 
 # Whatever the tokenizer, the check runs on the same ids (taken modulo the vocabulary).
@@ -56,7 +57,7 @@ def load_megatron_model(checkpoint: Checkpoint):
     ensure_process_group()
     config = model_config(checkpoint)
     padded_vocab = checkpoint.tensors["embedding.word_embeddings.weight"].shape[0]
-    model = build_model(config, padded_vocab, checkpoint.args["seq_length"], parallel_output=False)
+    model = build_model(config, padded_vocab, checkpoint.config.model.seq_length, parallel_output=False)
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, checkpoint.path)
     model.load_state_dict(loaded["model"], strict=True)
     return model.eval()

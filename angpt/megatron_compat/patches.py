@@ -16,7 +16,7 @@ from megatron.core.tensor_parallel import random as mp_random
 from megatron.core.transformer import cuda_graphs
 from megatron.core.utils import local_multi_tensor_l2_norm
 
-from angpt.config.arguments import EXIT_SIGNALS
+from angpt.config.sections import EXIT_SIGNALS
 from angpt.megatron_compat import WRITTEN_FOR, checkpoint_unpickling, cpu, parent_watch, results_queue
 from angpt.models.attention import fused_rotary_pos_emb
 

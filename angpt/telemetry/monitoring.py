@@ -13,6 +13,7 @@ from typing import Optional
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from angpt.config.sections import RunConfig
 from angpt.telemetry import memory_history
 from angpt.telemetry.health import HealthProbe, params_l2_norm
 from angpt.telemetry.metrics import MetricsLogger, ProgressBar, format_log_line
@@ -22,45 +23,50 @@ from angpt.telemetry.timers import per_step_ms
 
 
 class TrainingMonitor:
-    def __init__(self, args, config, chunks, vocab_size: int, rank: int, start_iteration: int,
+    """Reads the logging section, and of the rest of the run's configuration the save directory (its default
+    output directory), the length of training, the sequence length, the layout and the memory snapshot."""
+
+    def __init__(self, run: RunConfig, config, chunks, vocab_size: int, rank: int, start_iteration: int,
                  loaded_from: Optional[str] = None, timers=None, optimizer=None):
-        self.args = args
+        logging, save = run.logging, run.checkpoint.save
+        self.logging, self.train_iters, self.seq_length = logging, run.training.train_iters, run.model.seq_length
         self.chunks, self.optimizer = chunks, optimizer  # for --log-params-norm and --log-num-zeros-in-grad
         self.timers = timers  # megatron-core's Timers of the run (angpt.telemetry.timers), or None
         self.is_reporting_rank = rank == 0
-        output_dir = args.save or args.tensorboard_dir
-        metrics_file = args.metrics_file or (os.path.join(output_dir, "metrics.jsonl") if output_dir else None)
-        tensorboard_dir = args.tensorboard_dir or (os.path.join(args.save, "tensorboard") if args.save else None)
+        output_dir = save or logging.tensorboard_dir
+        metrics_file = logging.metrics_file or (os.path.join(output_dir, "metrics.jsonl") if output_dir else None)
+        tensorboard_dir = logging.tensorboard_dir or (os.path.join(save, "tensorboard") if save else None)
         self.tensorboard_dir = tensorboard_dir
         wandb_init = None
-        if args.wandb_project:
+        if logging.wandb_project:
             # As Megatron-LM: every launch is a run of its own, its settings as the run's config; a resumed
             # job's curves continue where its checkpoint left off, the steps being iterations.
-            wandb_init = dict(project=args.wandb_project, name=args.wandb_exp_name, entity=args.wandb_entity,
-                              dir=args.wandb_save_dir or os.path.join(args.save, "wandb"), config=vars(args))
+            wandb_init = dict(project=logging.wandb_project, name=logging.wandb_exp_name, entity=logging.wandb_entity,
+                              dir=logging.wandb_save_dir or os.path.join(save, "wandb"), config=run.flags())
         self.metrics = MetricsLogger(metrics_file, tensorboard_dir, enabled=self.is_reporting_rank,
-                                     wandb_init=wandb_init,
-                                     timers_to_tensorboard=getattr(args, "log_timers_to_tensorboard", False))
+                                     wandb_init=wandb_init, timers_to_tensorboard=logging.log_timers_to_tensorboard)
         self.health = HealthProbe(chunks)
         self.telemetry = DeviceTelemetry()
-        self.flops_per_token = model_flops_per_token(config, args.seq_length, vocab_size)
+        self.flops_per_token = model_flops_per_token(config, self.seq_length, vocab_size)
         self.peak_flops = peak_flops_per_device(config.params_dtype)
         self.world_size = dist.get_world_size()
-        self.progress = ProgressBar(args.train_iters, start_iteration, enabled=self.is_reporting_rank)
+        self.progress = ProgressBar(self.train_iters, start_iteration, enabled=self.is_reporting_rank)
         self.start_iteration = start_iteration
         self.stragglers = None
-        if getattr(args, "log_straggler", False):
+        if logging.log_straggler:
             self.stragglers = StragglerReport(self.world_size, rank, parallel_state.get_pipeline_model_parallel_rank(),
-                                              args.straggler_minmax_count, args.straggler_ctrlr_port,
-                                              enabled=not args.disable_straggler_on_startup)
+                                              logging.straggler_minmax_count, logging.straggler_ctrlr_port,
+                                              enabled=not logging.disable_straggler_on_startup)
         # As Megatron-LM: the last rank writes the snapshots.
-        self.memory_snapshot = (args.memory_snapshot_path if getattr(args, "record_memory_history", False)
+        self.memory_snapshot = (run.memory.memory_snapshot_path if run.memory.record_memory_history
                                 and rank == self.world_size - 1 else None)
         self._reset_window()
         # Marks where the steps logged after it start: a resumed run logs again the steps its checkpoint
         # did not hold, and readers (angpt.telemetry.metrics_reader.read_metrics) drop the first run's records of them.
-        tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
-        self.metrics.log({"kind": "start", "iteration": start_iteration, "train_iters": args.train_iters,
+        parallel = run.parallel
+        tp, pp, cp = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                      parallel.context_parallel_size)
+        self.metrics.log({"kind": "start", "iteration": start_iteration, "train_iters": self.train_iters,
                           "resumed": start_iteration > 0, "checkpoint": loaded_from, "world_size": self.world_size,
                           "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                           "context_parallel_size": cp, "data_parallel_size": self.world_size // (tp * pp * cp)})
@@ -70,7 +76,7 @@ class TrainingMonitor:
         self.window_samples = 0
 
     def _reports(self, iteration: int) -> bool:
-        return iteration % self.args.log_interval == 0 or iteration == self.args.train_iters
+        return iteration % self.logging.log_interval == 0 or iteration == self.train_iters
 
     @contextmanager
     def step(self, iteration: int):
@@ -95,14 +101,14 @@ class TrainingMonitor:
         if not self._reports(iteration):
             return
         seconds_per_step = self.window_seconds / max(self.window_steps, 1)
-        tokens_per_second_per_device = (self.window_samples * self.args.seq_length / max(self.window_seconds, 1e-9)
+        tokens_per_second_per_device = (self.window_samples * self.seq_length / max(self.window_seconds, 1e-9)
                                         / self.world_size)
         record = {
             "kind": "train",
             "iteration": iteration,
-            "train_iters": self.args.train_iters,
+            "train_iters": self.train_iters,
             "consumed_samples": step["consumed_samples"],
-            "consumed_tokens": step["consumed_samples"] * self.args.seq_length,
+            "consumed_tokens": step["consumed_samples"] * self.seq_length,
             "global_batch_size": step["global_batch_size"],
             **({"loss_scale": step["loss_scale"]} if "loss_scale" in step else {}),
             "lm_loss": (sum(self.window_losses) / len(self.window_losses)) if self.window_losses else float("nan"),
@@ -117,9 +123,9 @@ class TrainingMonitor:
         record.update(memory_stats())
         record.update(self.telemetry.read())
         record.update(self.health.summary())
-        if getattr(self.args, "log_params_norm", False):
+        if self.logging.log_params_norm:
             record["params_norm"] = params_l2_norm(self.chunks)
-        if getattr(self.args, "log_num_zeros_in_grad", False) and self.optimizer is not None:
+        if self.logging.log_num_zeros_in_grad and self.optimizer is not None:
             # The last step's gradients (clipped, as Megatron-LM counts them; clipping keeps zeros), over the model.
             record["num_zeros"] = int(self.optimizer.count_zeros())
         if self.timers is not None:

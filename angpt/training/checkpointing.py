@@ -28,6 +28,7 @@ import random
 import re
 import shutil
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Callable, Optional
 
 import numpy as np
@@ -40,8 +41,11 @@ from megatron.core.dist_checkpointing.serialization import get_default_save_shar
 from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from torch.distributed.checkpoint.api import CheckpointException
 
+from angpt.config.saved import config_from_saved, shape_differences
+from angpt.config.sections import RunConfig
 from angpt.megatron_compat import checkpoint_unpickling, patches
 from angpt.training import digests
+from angpt.training.faults import NO_HOOKS, Hooks
 
 logger = logging.getLogger("angpt.checkpointing")
 
@@ -306,14 +310,12 @@ def save_checkpoint(
     tokenizer: Optional[dict] = None,
     keep_last: Optional[int] = None,
     async_queue=None,
-    before_commit: Optional[Callable[[], None]] = None,
-    before_background_write: Optional[Callable[[], None]] = None,
+    hooks: Hooks = NO_HOOKS,
 ) -> None:
     """Save collectively (every rank calls this). With `async_queue` (megatron-core's AsyncCallsQueue)
     the tensors are written in the background and the checkpoint is committed when the queue finalizes
-    the request; otherwise it is committed before this returns. `before_commit` runs on every rank after
-    the files are written and before the commit, `before_background_write` in an async save's writer process
-    before it writes (tests pause there to kill a save midway). A save that
+    the request; otherwise it is committed before this returns (`hooks`: the points tests pause at, to kill a
+    save midway; angpt.training.faults). A save that
     cannot fit in the free space is refused before it writes anything, and one that fills the disk is
     removed; both raise a CheckpointError that says so."""
     iteration = state.iteration  # the state moves on while an async save is being written
@@ -347,8 +349,7 @@ def save_checkpoint(
     )
 
     def commit():
-        if before_commit is not None:
-            before_commit()
+        hooks.before_commit(iteration)
         dist.barrier()
         commit_checkpoint(root, iteration, tokenizer, keep_last)
 
@@ -361,8 +362,7 @@ def save_checkpoint(
         _refusing_a_full_disk(commit, root, iteration, needed)()
         return
     request = _refusing_a_full_disk(write, root, iteration, needed)()
-    if before_background_write is not None:
-        request = request._replace(async_fn=_after(before_background_write, request.async_fn))
+    request = request._replace(async_fn=_after(partial(hooks.before_background_write, iteration), request.async_fn))
     steps = [*request.finalize_fns, commit]
 
     def finalize():
@@ -449,6 +449,33 @@ def intact_checkpoint(root: str, fallback: bool = False) -> Optional[str]:
     raise CheckpointError(f"no intact checkpoint in {root} (iterations {', '.join(map(str, candidates))} checked)")
 
 
+def _refusing_unsafe(function: Callable):
+    """`function()`, a read of a checkpoint; a file that would run code when unpickled is refused by a
+    CheckpointError of one line naming it, also when torch or megatron-core wrapped the refusal."""
+    try:
+        return function()
+    except (Exception, CheckpointException) as error:
+        unsafe = checkpoint_unpickling.refusal_in(error)
+        if unsafe is not None:
+            raise CheckpointError(str(unsafe)) from None
+        raise
+
+
+def read_common_state(path: str) -> dict:
+    """The common state of the checkpoint directory `path` (`args`, `train_state`, `layout`, ...) read as data
+    only: a common.pt that would run code is refused by a CheckpointError naming it; megatron-core's other errors
+    pass as they are."""
+    return _refusing_unsafe(lambda: dist_checkpointing.load_common_state_dict(path))
+
+
+def read_plain_tensors(path: str) -> dict:
+    """Every tensor (and object) of the distributed checkpoint `path` whole, by its global name: the checkpoint
+    as one process reads it, whatever layout saved it (the Hugging Face export). Read as data only, .metadata
+    checked first; refusals and other errors as `read_common_state`."""
+    _refusing_unsafe(lambda: checkpoint_unpickling.check_metadata(path))
+    return _refusing_unsafe(lambda: dist_checkpointing.load_plain_tensors(path))
+
+
 def _unreadable(error: BaseException, path: str) -> CheckpointError:
     """A failed read of a checkpoint without digests (a truncated or missing file) said in one line."""
     first_line = (str(error).strip().splitlines() or [""])[0]
@@ -461,27 +488,33 @@ def load_checkpoint(
     chunks,
     optimizer,
     scheduler,
+    config: Optional[RunConfig] = None,
     load_optimizer: bool = True,
     load_rng: bool = True,
     finetune: bool = False,
 ) -> TrainState:
     """Load the checkpoint directory `path` (`intact_checkpoint`'s) into the model (and optimizer, scheduler,
-    RNG), collectively. Returns its training state."""
+    RNG), collectively. Returns its training state. With the run's `config`, a checkpoint of a model of another
+    shape is refused by a CheckpointError naming the flags that differ."""
     iteration = _iteration_of(path)
     verified = os.path.isfile(os.path.join(path, digests.DIGESTS))
 
     def read(function: Callable):
         try:
-            return function()
+            return _refusing_unsafe(function)
+        except CheckpointError:
+            raise
         except (Exception, CheckpointException) as error:
-            unsafe = checkpoint_unpickling.refusal_in(error)
-            if unsafe is not None:
-                raise CheckpointError(str(unsafe)) from None
             if verified:
                 raise
             raise _unreadable(error, path) from error
 
     common = read(lambda: dist_checkpointing.load_common_state_dict(path))
+    if config is not None and isinstance(common.get("args"), dict):
+        differences = shape_differences(config_from_saved(common["args"]), config)
+        if differences:
+            raise CheckpointError(f"{path} holds a model of another shape: {', '.join(differences)}; give the flags "
+                                  "it was saved with (or --load another directory)")
     if finetune:
         load_optimizer = load_rng = False
     same_layout = _saved_layout(common) == _layout()

@@ -8,7 +8,6 @@ and, with --suggest-layout, ranks the layouts that fit (angpt.training.layout_se
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from collections import defaultdict
 
@@ -16,20 +15,16 @@ import torch
 from megatron.core import tensor_parallel
 
 from angpt import kernels
+from angpt.config.batch_schedule import ramp
 from angpt.config.pipeline_split import stage_layers, stage_of_layer, uneven
+from angpt.config.sections import RunConfig
 from angpt.data.gpt_datasets import dataset_vocabulary
 from angpt.data.indexed import check_indexed_dataset
 from angpt.models.gpt import build_model
 from angpt.telemetry.performance import peak_flops_per_device
 from angpt.training import distributed
-from angpt.training.batch_schedule import ramp, set_train_iters
-from angpt.training.config_from_args import (
-    data_arguments,
-    model_config_from_args,
-    padded_vocab_size,
-    virtual_pipeline_stages,
-)
 from angpt.training.layout_search import Estimate, candidate_layouts, describe_ranking, step_seconds
+from angpt.training.megatron_configs import transformer_config
 from angpt.training.memory_estimate import CUDA_CONTEXT_BYTES, GIB, Layout, stage_memory
 
 H100_BF16_FLOPS = 989.5e12  # the dense BF16 peak --suggest-layout assumes without a GPU here
@@ -68,21 +63,22 @@ def _count(n: float) -> str:
     return f"{n:.0f}"
 
 
-def describe(args: argparse.Namespace, world_size: int) -> str:
-    """The report; `args` were validated for `world_size` by angpt.config.arguments.parse_args."""
-    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
-    vp = virtual_pipeline_stages(args)
-    dp = world_size // (tp * pp * cp)
-    micro_batches = args.global_batch_size // (args.micro_batch_size * dp)
-    set_train_iters(args)
-    steps = ramp(args)
-    tokens = sum(size * count for size, count in steps) * args.seq_length
-    tokens_per_step = args.global_batch_size * args.seq_length
-    vocabulary = dataset_vocabulary(data_arguments(args))  # the trainer's checks of the data, and its vocabulary
-    vocab_size = padded_vocab_size(vocabulary.vocab_size, args.make_vocab_size_divisible_by, tp)
+def describe(run: RunConfig) -> str:
+    """The report of a configuration validated for its world size (--dry-run's WORLD_SIZE)."""
+    parallel, training, seq_length = run.parallel, run.training, run.model.seq_length
+    world_size = parallel.world_size
+    tp, pp, cp = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                  parallel.context_parallel_size)
+    vp, dp = parallel.virtual_pipeline_stages, parallel.data_parallel_size
+    micro_batches = training.global_batch_size // (training.micro_batch_size * dp)
+    steps = ramp(training)
+    tokens = sum(size * count for size, count in steps) * seq_length
+    tokens_per_step = training.global_batch_size * seq_length
+    vocabulary = dataset_vocabulary(run.data)  # the trainer's checks of the data, and its vocabulary
+    vocab_size = run.padded_vocab_size(vocabulary.vocab_size)
 
     distributed.initialize()  # one process: the model is built whole, on the meta device
-    config = dataclasses.replace(model_config_from_args(args), tensor_model_parallel_size=1,
+    config = dataclasses.replace(transformer_config(run), tensor_model_parallel_size=1,
                                  pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
                                  num_layers_in_first_pipeline_stage=None, num_layers_in_last_pipeline_stage=None,
                                  account_for_embedding_in_pipeline_split=False,
@@ -90,56 +86,57 @@ def describe(args: argparse.Namespace, world_size: int) -> str:
                                  sequence_parallel=False, context_parallel_size=1, use_cpu_initialization=True,
                                  perform_initialization=False)
     with torch.device("meta"), kernels.reference_only():  # no fused kernel for tensors without data
-        model = build_model(config, vocab_size, args.seq_length)
+        model = build_model(config, vocab_size, seq_length)
     total = sum(p.numel() for p in model.parameters())
     embedding = model.embedding.word_embeddings.weight.numel()
     head = 0 if config.share_embeddings_and_output_weights else model.output_layer.weight.numel()
-    layer_split = stage_layers(args)
+    layer_split = stage_layers(run.model.num_layers, parallel)
     stages = parameters_by_stage(model, layer_split)
     per_rank = {stage: split / tp + replicated for stage, (split, replicated) in stages.items()}
     lines = [
-        f"dry run of --model-family {args.model_family} on {world_size} processes: the configuration is valid",
+        f"dry run of --model-family {run.model.model_family} on {world_size} processes: the configuration is valid",
         "",
         "layout",
         f"  tensor parallel {tp} x pipeline parallel {pp} x context parallel {cp} x data parallel {dp} = "
         f"{world_size} processes"
         + (f"; {vp} virtual stages per pipeline rank" if vp else "")
-        + ("; sequence parallel" if args.sequence_parallel else "")
-        + (f"; each sequence in {2 * cp} chunks of {args.seq_length // (2 * cp)} tokens, 2 per context-parallel rank "
-           f"(--cp-comm-type {' '.join(args.cp_comm_type)})" if cp > 1 else ""),
-        f"  {args.num_layers} layers: "
+        + ("; sequence parallel" if parallel.sequence_parallel else "")
+        + (f"; each sequence in {2 * cp} chunks of {seq_length // (2 * cp)} tokens, 2 per context-parallel rank "
+           f"(--cp-comm-type {' '.join(parallel.cp_comm_type)})" if cp > 1 else ""),
+        f"  {run.model.num_layers} layers: "
         + (f"{layer_split[0]} per pipeline stage" if len(set(layer_split)) == 1 else
-           "by pipeline stage " + ", ".join(map(str, layer_split)) + f" ({', '.join(uneven(args))})")
-        + (f", {args.num_layers // pp // vp} per virtual stage" if vp else ""),
+           "by pipeline stage " + ", ".join(map(str, layer_split)) + f" ({', '.join(uneven(parallel))})")
+        + (f", {run.model.num_layers // pp // vp} per virtual stage" if vp else ""),
         "",
         "batch",
-        f"  global batch {args.global_batch_size} sequences = micro-batch {args.micro_batch_size} x {micro_batches} "
-        f"micro-batches x data parallel {dp}",
-        f"  {tokens_per_step:,} tokens per step (sequence length {args.seq_length}); {args.train_iters:,} steps = "
+        f"  global batch {training.global_batch_size} sequences = micro-batch {training.micro_batch_size} x "
+        f"{micro_batches} micro-batches x data parallel {dp}",
+        f"  {tokens_per_step:,} tokens per step (sequence length {seq_length}); {training.train_iters:,} steps = "
         f"{tokens / 1e9:.3g}B tokens",
     ]
-    if args.rampup_batch_size:
+    if training.rampup_batch_size:
         lines.append("  ramp-up (--rampup-batch-size): " + ", ".join(f"{count:,} steps at {size}"
                                                                       for size, count in steps))
-    if args.train_samples is not None:
-        trained = tokens // args.seq_length
-        left_out = args.train_samples - trained
-        lines.append(f"  --train-samples {args.train_samples:,}: {trained:,} samples in whole global batches"
+    if training.train_samples is not None:
+        trained = tokens // seq_length
+        left_out = training.train_samples - trained
+        lines.append(f"  --train-samples {training.train_samples:,}: {trained:,} samples in whole global batches"
                      + (f", the last {left_out:,} left out" if left_out > 0 else ""))
     if pp > 1:
         bubble = (pp - 1) / (micro_batches * (vp or 1))
         lines.append(f"  pipeline bubble (p - 1) / (m x v) = {bubble:.1%} of a step")
-    if args.eval_iters and args.eval_interval:
-        lines.append(f"  evaluation every {args.eval_interval} steps on {args.eval_iters * args.global_batch_size:,} "
-                     "sequences")
+    evaluation = run.evaluation
+    if evaluation.eval_iters and evaluation.eval_interval:
+        lines.append(f"  evaluation every {evaluation.eval_interval} steps on "
+                     f"{evaluation.eval_iters * training.global_batch_size:,} sequences")
     lines += ["", "data"]
-    if args.mock_data:
+    if run.data.mock_data:
         lines.append(f"  mock data, vocabulary {vocabulary.vocab_size}, padded to {vocab_size}")
     else:
         tokenizer = vocabulary.unique_identifiers.get("tokenizer") or {}
         lines.append(f"  vocabulary {vocabulary.vocab_size} (tokenizer {tokenizer.get('type', 'unknown')}), "
-                     f"padded to {vocab_size} (a multiple of {args.make_vocab_size_divisible_by} x TP {tp})")
-        for prefix in data_arguments(args).prefixes():
+                     f"padded to {vocab_size} (a multiple of {run.data.make_vocab_size_divisible_by} x TP {tp})")
+        for prefix in run.data.prefixes():
             tokens = check_indexed_dataset(prefix).get("tokens")
             lines.append(f"  {prefix}: {tokens:,} tokens" if tokens is not None else f"  {prefix}")
     lines += [
@@ -150,39 +147,40 @@ def describe(args: argparse.Namespace, world_size: int) -> str:
         + f", the rest {_count(total - embedding - head)}",
         "  per process, by pipeline stage: " + ", ".join(f"stage {s} {_count(n)}" for s, n in per_rank.items()),
     ]
-    layout = layout_from_args(args, world_size)
-    gpu_bytes, gpu = gpu_memory(args)
-    memory = stage_memory(config, layout, stages, layer_split, vocab_size, args.seq_length, args.micro_batch_size,
-                          micro_batches, args.bf16, args.use_distributed_optimizer)
-    lines += ["", *memory_report(memory, layout, args, gpu_bytes - CUDA_CONTEXT_BYTES, gpu)]
-    if args.suggest_layout:
+    layout = layout_of(run)
+    gpu_bytes, gpu = gpu_memory(run)
+    memory = stage_memory(config, layout, stages, layer_split, vocab_size, seq_length, training.micro_batch_size,
+                          micro_batches, run.precision.bf16, parallel.use_distributed_optimizer)
+    lines += ["", *memory_report(memory, layout, run, gpu_bytes - CUDA_CONTEXT_BYTES, gpu)]
+    if run.dry_run.suggest_layout:
         lines += ["", f"layouts of {world_size} GPUs (--suggest-layout; the model of time: docs/scaling.md)",
-                  *suggest(model, config, args, world_size, vocab_size, gpu_bytes - CUDA_CONTEXT_BYTES)]
+                  *suggest(model, config, run, world_size, vocab_size, gpu_bytes - CUDA_CONTEXT_BYTES)]
     lines += ["", "nothing was started (--dry-run)"]
     return "\n".join(lines)
 
 
-def layout_from_args(args: argparse.Namespace, world_size: int) -> Layout:
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    cp = args.context_parallel_size
-    selective = args.recompute_granularity == "selective"
-    return Layout(tp, pp, cp, world_size // (tp * pp * cp), virtual_pipeline_stages(args), args.sequence_parallel,
-                  args.recompute_granularity, tuple(args.recompute_modules or ("core_attn",)) if selective else (),
-                  args.recompute_method, args.recompute_num_layers)
+def layout_of(run: RunConfig) -> Layout:
+    parallel, model = run.parallel, run.model
+    selective = model.recompute_granularity == "selective"
+    return Layout(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                  parallel.context_parallel_size, parallel.data_parallel_size, parallel.virtual_pipeline_stages,
+                  parallel.sequence_parallel, model.recompute_granularity,
+                  tuple(model.recompute_modules or ("core_attn",)) if selective else (), model.recompute_method,
+                  model.recompute_num_layers)
 
 
-def gpu_memory(args: argparse.Namespace) -> tuple[float, str]:
+def gpu_memory(run: RunConfig) -> tuple[float, str]:
     """The bytes of one GPU the estimate is held against, and where that figure comes from."""
-    if args.gpu_memory_gib:
-        return args.gpu_memory_gib * GIB, "--gpu-memory-gib"
+    if run.dry_run.gpu_memory_gib:
+        return run.dry_run.gpu_memory_gib * GIB, "--gpu-memory-gib"
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name()
     return 80 * GIB, "no GPU here: 80 GiB assumed, set --gpu-memory-gib"
 
 
-def memory_report(memory: list, layout: Layout, args: argparse.Namespace, usable: float, gpu: str) -> list[str]:
+def memory_report(memory: list, layout: Layout, run: RunConfig, usable: float, gpu: str) -> list[str]:
     """The table of stages and its verdict against `usable` bytes (the GPU's less the CUDA context)."""
-    precision = "BF16" if args.bf16 else "FP16" if getattr(args, "fp16", False) else "FP32"
+    precision = "BF16" if run.precision.bf16 else "FP16" if run.precision.fp16 else "FP32"
     lines = [f"memory per GPU, estimated ({precision} activations of the GPU's code path, "
              f"{layout.describe()}; docs/scaling.md)",
              f"  {'stage':>5} {'weights, grads, optimizer':>26} {'activations':>12} {'micro-batches held':>19} "
@@ -204,31 +202,32 @@ def memory_report(memory: list, layout: Layout, args: argparse.Namespace, usable
     return lines
 
 
-def suggest(model: torch.nn.Module, config, args: argparse.Namespace, world_size: int, vocab_size: int,
+def suggest(model: torch.nn.Module, config, run: RunConfig, world_size: int, vocab_size: int,
             usable: float) -> list[str]:
     """The layouts that fit, fastest first (angpt.training.layout_search)."""
+    training, parallel, seq_length = run.training, run.parallel, run.model.seq_length
     elementwise = ("qk_norm", "residual_update") if config.normalized else ("layernorm", "qk_norm")
     recompute_choices = [(None, ()), ("selective", elementwise), ("selective", (*elementwise, "mlp")),
                          ("full", ())]
     peak = peak_flops_per_device(torch.bfloat16) or H100_BF16_FLOPS
     by_pipeline = {}
     estimates = []
-    for layout in candidate_layouts(config, world_size, args.seq_length, args.global_batch_size,
-                                    args.micro_batch_size, recompute_choices):
+    for layout in candidate_layouts(config, world_size, seq_length, training.global_batch_size,
+                                    training.micro_batch_size, recompute_choices):
         pp = layout.pipeline_parallel
         split = [config.num_layers // pp] * pp
         if pp not in by_pipeline:
             by_pipeline[pp] = parameters_by_stage(model, split)
         stages = by_pipeline[pp]
-        micro_batches = args.global_batch_size // (args.micro_batch_size * layout.data_parallel)
-        memory = stage_memory(config, layout, stages, split, vocab_size, args.seq_length, args.micro_batch_size,
-                              micro_batches, args.bf16, args.use_distributed_optimizer)
-        seconds = step_seconds(config, layout, vocab_size, args.seq_length, args.global_batch_size,
-                               args.micro_batch_size, max(m.parameters for m in memory), peak,
-                               args.overlap_grad_reduce, args.overlap_param_gather,
-                               2 if args.grad_reduce_in_bf16 else 4)
+        micro_batches = training.global_batch_size // (training.micro_batch_size * layout.data_parallel)
+        memory = stage_memory(config, layout, stages, split, vocab_size, seq_length, training.micro_batch_size,
+                              micro_batches, run.precision.bf16, parallel.use_distributed_optimizer)
+        seconds = step_seconds(config, layout, vocab_size, seq_length, training.global_batch_size,
+                               training.micro_batch_size, max(m.parameters for m in memory), peak,
+                               parallel.overlap_grad_reduce, parallel.overlap_param_gather,
+                               2 if run.precision.grad_reduce_in_bf16 else 4)
         estimates.append(Estimate(layout, memory, seconds))
     lines = describe_ranking(estimates, usable)
-    if args.transformer_impl == "local":
+    if run.precision.transformer_impl == "local":
         lines.append("  (context parallelism in the local spec: add --cp-comm-type all_gather)")
     return lines

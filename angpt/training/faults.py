@@ -1,5 +1,6 @@
-"""Faults injected on purpose, so that tests can check the trainer's handling of them. Set only by
-tests, through the environment of the training processes:
+"""The points at which the trainer and checkpointing call out (`Hooks`: nothing happens there in production), and
+the faults tests inject at them on purpose, to check the trainer's handling of them. Set only by tests, through
+the environment of the training processes:
 
     ANGPT_TEST_NAN_AT_ITERATIONS=5,6      these steps get a NaN loss (and NaN gradients), on every rerun of them
     ANGPT_TEST_NAN_IN_MICRO_BATCH=2       only in this micro-batch (1-based) of each rank (default: in all)
@@ -30,6 +31,7 @@ import os
 import signal
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -42,10 +44,38 @@ CRASH_AT = "ANGPT_TEST_CRASH_AT"
 STEP_SECONDS = "ANGPT_TEST_STEP_SECONDS"
 STALL_BEFORE = "ANGPT_TEST_STALL_BEFORE"
 SLOW_RANK = "ANGPT_TEST_SLOW_RANK"
+VARIABLES = (NAN_AT_ITERATIONS, NAN_IN_MICRO_BATCH, PAUSE_IN_SAVE_AT, PAUSE_IN_WRITER_AT, WAIT_FOR_SIGNAL_BEFORE,
+             CRASH_AT, STEP_SECONDS, STALL_BEFORE, SLOW_RANK)
+
+
+class Hooks:
+    """The named points at which the trainer and checkpointing call out, all doing nothing: production's hooks.
+    `from_environment` gives `Faults` instead when a test sets one of the variables above."""
+
+    def model_built(self, chunks) -> None:
+        """After the model is built on this rank."""
+
+    @contextmanager
+    def step(self, iteration: int, exit_received: Callable[[], bool]):
+        """Around one training step (`exit_received`: whether an exit signal has reached the process)."""
+        yield
+
+    def batches(self, iteration: int, batches: list[dict]) -> list[dict]:
+        """The micro-batches of a training step, before the step reads them."""
+        return batches
+
+    def before_commit(self, iteration: int) -> None:
+        """In a save, on every rank, after the checkpoint's files are written and before it is committed."""
+
+    def before_background_write(self, iteration: int) -> None:
+        """In an async save's writer process, before it writes."""
+
+
+NO_HOOKS = Hooks()
 
 
 @dataclass(frozen=True)
-class Faults:
+class Faults(Hooks):
     nan_iterations: frozenset = field(default_factory=frozenset)
     pause_in_save_at: Optional[int] = None
     pause_in_writer_at: Optional[int] = None
@@ -59,20 +89,40 @@ class Faults:
     slow_forward_seconds: float = 0.0  # this rank's
     nan_micro_batch: Optional[int] = None  # 1-based; None: all
 
-    def stall_if_due(self, iteration: int) -> None:
-        if iteration == self.stall_before:
-            stall(self.stall_seconds)
-
-    def slow_down(self, chunks) -> None:
+    def model_built(self, chunks) -> None:
         """Each forward pass of `chunks` (this rank's model) starts `slow_forward_seconds` late."""
         if self.slow_forward_seconds:
             for chunk in chunks:
                 chunk.register_forward_pre_hook(lambda *_: time.sleep(self.slow_forward_seconds))
 
-    def crash_if_due(self, iteration: int) -> None:
+    @contextmanager
+    def step(self, iteration: int, exit_received: Callable[[], bool]):
         if iteration == self.crash_before:
             say(f"rank {os.environ.get('RANK', '0')} crashes before iteration {iteration}")
             os.kill(os.getpid(), signal.SIGKILL)
+        if iteration == self.stall_before:
+            stall(self.stall_seconds)
+        if iteration == self.wait_for_signal_before:
+            wait_for_signal(exit_received, iteration)
+        started = time.monotonic()
+        yield
+        time.sleep(max(0.0, self.step_seconds - (time.monotonic() - started)))
+
+    def batches(self, iteration: int, batches: list[dict]) -> list[dict]:
+        """A NaN loss (and NaN gradients) in this step."""
+        if iteration in self.nan_iterations:
+            for number, batch in enumerate(batches, 1):
+                if self.nan_micro_batch in (None, number):
+                    batch["loss_mask"] = batch["loss_mask"].float() * float("nan")
+        return batches
+
+    def before_commit(self, iteration: int) -> None:
+        if iteration == self.pause_in_save_at:
+            pause("inside the save", self.pause_in_save_seconds)
+
+    def before_background_write(self, iteration: int) -> None:
+        if iteration == self.pause_in_writer_at:
+            pause("in the save's background writer", self.pause_in_writer_seconds)
 
 
 def _iteration_and_seconds(value: Optional[str]) -> tuple[Optional[int], float]:
@@ -82,7 +132,10 @@ def _iteration_and_seconds(value: Optional[str]) -> tuple[Optional[int], float]:
     return int(iteration), float(seconds) if seconds else math.inf
 
 
-def from_environment() -> Faults:
+def from_environment() -> Hooks:
+    """Faults, when a test set one of the variables; else the hooks that do nothing."""
+    if not any(os.environ.get(name) for name in VARIABLES):
+        return NO_HOOKS
     nan = os.environ.get(NAN_AT_ITERATIONS, "")
     pause, pause_seconds = _iteration_and_seconds(os.environ.get(PAUSE_IN_SAVE_AT))
     wait = os.environ.get(WAIT_FOR_SIGNAL_BEFORE)

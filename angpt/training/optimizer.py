@@ -16,9 +16,11 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import get_model_config
 
 from angpt.config.choices import FAMILY_NAMES
+from angpt.config.sections import RunConfig
 from angpt.megatron_compat import patches
 from angpt.models import WEIGHT_CONSTRAINTS
 from angpt.models.bounding import attach_weight_constraint
+from angpt.training.megatron_configs import by_name
 
 logger = logging.getLogger("angpt.optimizer")
 
@@ -119,106 +121,75 @@ def _fuse(adam: torch.optim.Adam) -> None:
                 state["step"] = state["step"].to(device=param.device, dtype=torch.float32)
 
 
-def build_optimizer(
-    model_chunks,
-    model_family: str,
-    lr: float,
-    train_iters: int,
-    min_lr: Optional[float] = None,
-    weight_decay: Optional[float] = None,
-    lr_warmup_iters: Optional[int] = None,
-    lr_warmup_fraction: Optional[float] = None,
-    lr_warmup_init: float = 0.0,
-    lr_decay_style: str = "cosine",
-    lr_decay_iters: Optional[int] = None,
-    lr_wsd_decay_iters: Optional[int] = None,
-    lr_wsd_decay_style: str = "exponential",
-    decoupled_lr: Optional[float] = None,
-    decoupled_min_lr: Optional[float] = None,
-    train_samples: Optional[int] = None,
-    lr_decay_samples: Optional[int] = None,
-    lr_warmup_samples: Optional[int] = None,
-    lr_wsd_decay_samples: Optional[int] = None,
-    clip_grad: float = 1.0,
-    adam_beta1: float = 0.9,
-    adam_beta2: float = 0.95,
-    adam_eps: float = 1e-8,
-    use_distributed_optimizer: bool = False,
-    bf16: bool = False,
-    loss_scaling: Optional[dict] = None,
-    fused_adam: Optional[bool] = None,
-):
-    """megatron-core's Adam(W) with the family's defaults (each overridable), the family's post-step
-    weight projection attached, and its lr schedule (megatron-core's: constant, linear, cosine or WSD,
-    over `lr_decay_iters`, default `train_iters`). Returns (optimizer, scheduler).
+def optimizer_config(config: RunConfig) -> OptimizerConfig:
+    """megatron-core's Adam(W) settings (Megatron-LM's `OptimizerConfig` from the flags), with the family's recipe
+    where --min-lr and --weight-decay are not given."""
+    schedule, recipe = config.optimizer, RECIPES[config.model.model_family]
+    return OptimizerConfig(**{
+        **by_name(config, OptimizerConfig),
+        "optimizer": "adam",
+        "min_lr": recipe.min_lr_ratio * schedule.lr if schedule.min_lr is None else schedule.min_lr,
+        "weight_decay": recipe.weight_decay if schedule.weight_decay is None else schedule.weight_decay,
+        # Counted by angpt.telemetry.monitoring at the logged steps only, not by the optimizer at every step.
+        "log_num_zeros_in_grad": False,
+    })
 
-    With `train_samples` the schedule counts samples, as Megatron-LM's does then (`lr_decay_samples`, default
-    `train_samples`; `lr_warmup_samples`, else the warm-up fraction of the decay, not rounded): step the
+
+def build_optimizer(model_chunks, config: RunConfig, fused_adam: Optional[bool] = None):
+    """megatron-core's Adam(W) with the family's defaults (each overridable by a flag), the family's post-step
+    weight projection attached, and its lr schedule (megatron-core's: constant, linear, cosine or WSD, over
+    --lr-decay-iters, default --train-iters). Returns (optimizer, scheduler).
+
+    With --train-samples the schedule counts samples, as Megatron-LM's does then (--lr-decay-samples, default
+    --train-samples; --lr-warmup-samples, else the warm-up fraction of the decay, not rounded): step the
     scheduler by each step's global batch. Otherwise it counts iterations: step it by 1.
 
     Weight decay reaches 2-D weights only: megatron-core exempts 1-D parameters (norms and scales).
-    `fused_adam`: see `use_fused_adam`; default on with CUDA. `loss_scaling`: the loss scaler's settings
-    (OptimizerConfig's loss_scale, initial_loss_scale, min_loss_scale, loss_scale_window, hysteresis) of an fp16
-    model."""
-    recipe = RECIPES[model_family]
-    min_lr = recipe.min_lr_ratio * lr if min_lr is None else min_lr
-    weight_decay_given = weight_decay
-    weight_decay = recipe.weight_decay if weight_decay is None else weight_decay
-    fraction = recipe.warmup_fraction if lr_warmup_fraction is None else lr_warmup_fraction
-    if train_samples is not None:
-        decay_steps, wsd_decay_steps = lr_decay_samples or train_samples, lr_wsd_decay_samples
-        warmup = lr_warmup_samples if lr_warmup_samples is not None else fraction * decay_steps
-        warmup_given = lr_warmup_samples
+    `fused_adam`: see `use_fused_adam`; default on with CUDA. With --fp16, megatron-core's loss scaler (a
+    constant --loss-scale, else dynamic), as Megatron-LM builds it."""
+    family, schedule, training = config.model.model_family, config.optimizer, config.training
+    megatron_config = optimizer_config(config)
+    lr, min_lr, weight_decay = megatron_config.lr, megatron_config.min_lr, megatron_config.weight_decay
+    fraction = RECIPES[family].warmup_fraction if schedule.lr_warmup_fraction is None else schedule.lr_warmup_fraction
+    if training.train_samples is not None:
+        decay_steps = schedule.lr_decay_samples or training.train_samples
+        wsd_decay_steps = schedule.lr_wsd_decay_samples
+        warmup_given = schedule.lr_warmup_samples
+        warmup = warmup_given if warmup_given is not None else fraction * decay_steps
     else:
-        decay_steps, wsd_decay_steps = lr_decay_iters or train_iters, lr_wsd_decay_iters
+        decay_steps, wsd_decay_steps = schedule.lr_decay_iters or training.train_iters, schedule.lr_wsd_decay_iters
         # The warm-up: --lr-warmup-iters, else --lr-warmup-fraction of the decay, else the family's fraction.
-        warmup = lr_warmup_iters if lr_warmup_iters is not None else round(fraction * decay_steps)
-        warmup_given = lr_warmup_iters
-    config = OptimizerConfig(
-        optimizer="adam",
-        lr=lr,
-        min_lr=min_lr,
-        weight_decay=weight_decay,
-        adam_beta1=adam_beta1,
-        adam_beta2=adam_beta2,
-        adam_eps=adam_eps,
-        clip_grad=clip_grad,
-        # The embedding and output head's own max and min lr (megatron-core's param groups).
-        decoupled_lr=decoupled_lr,
-        decoupled_min_lr=decoupled_min_lr,
-        bf16=bf16,
-        # fp16: megatron-core's loss scaler (a constant --loss-scale, else dynamic), as Megatron-LM builds it.
-        **({} if loss_scaling is None else dict(fp16=True, **loss_scaling)),
-        use_distributed_optimizer=use_distributed_optimizer,
-    )
+        warmup_given = schedule.lr_warmup_iters
+        warmup = warmup_given if warmup_given is not None else round(fraction * decay_steps)
     model_config = get_model_config(model_chunks[0])
-    log_backends(model_config, recipe_departures(model_family, weight_decay_given, warmup_given, lr_warmup_fraction,
-                                                 "samples" if train_samples is not None else "iters"))
-    optimizer = get_megatron_optimizer(config, model_chunks)
-    if decoupled_lr is not None:
-        decoupled = (decoupled_lr, min_lr if decoupled_min_lr is None else decoupled_min_lr)
+    log_backends(model_config, recipe_departures(family, schedule.weight_decay, warmup_given,
+                                                 schedule.lr_warmup_fraction,
+                                                 "samples" if training.train_samples is not None else "iters"))
+    optimizer = get_megatron_optimizer(megatron_config, model_chunks)
+    if schedule.decoupled_lr is not None:
+        decoupled = (schedule.decoupled_lr, min_lr if schedule.decoupled_min_lr is None else schedule.decoupled_min_lr)
         if decoupled == (lr, min_lr):
-            raise ValueError(f"--decoupled-lr {decoupled_lr} with the min lr {decoupled[1]} decouples nothing: they "
-                             "are --lr's and --min-lr's; leave them out")
+            raise ValueError(f"--decoupled-lr {schedule.decoupled_lr} with the min lr {decoupled[1]} decouples "
+                             "nothing: they are --lr's and --min-lr's; leave them out")
         patches.mark_decoupled_lr_groups(optimizer, *decoupled)
     if torch.cuda.is_available() if fused_adam is None else fused_adam:
         use_fused_adam(optimizer)
-    constraint = WEIGHT_CONSTRAINTS[model_family]
+    constraint = WEIGHT_CONSTRAINTS[family]
     if constraint is not None:
         attach_weight_constraint(optimizer, constraint)
     scheduler = OptimizerParamScheduler(
         optimizer,
-        init_lr=lr_warmup_init if warmup else lr,
+        init_lr=schedule.lr_warmup_init if warmup else lr,
         max_lr=lr,
         min_lr=min_lr,
         lr_warmup_steps=warmup,
         lr_decay_steps=decay_steps,
-        lr_decay_style=lr_decay_style,
+        lr_decay_style=schedule.lr_decay_style,
         start_wd=weight_decay,
         end_wd=weight_decay,
         wd_incr_steps=decay_steps,
         wd_incr_style="constant",
         wsd_decay_steps=wsd_decay_steps,
-        lr_wsd_decay_style=lr_wsd_decay_style,
+        lr_wsd_decay_style=schedule.lr_wsd_decay_style,
     )
     return optimizer, scheduler

@@ -22,7 +22,6 @@ own state is not saved in the checkpoint, so its second rerun ("on another GPU")
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 from functools import partial
@@ -44,7 +43,7 @@ from megatron.core.rerun_state_machine import (
     get_rerun_state_machine,
 )
 
-from angpt.config.arguments import nan_checks_on
+from angpt.config.sections import RerunSection
 
 logger = logging.getLogger("angpt.rerun")
 
@@ -70,8 +69,8 @@ class Checks(NamedTuple):
     large_grads: bool
 
 
-def checks(args: argparse.Namespace) -> Checks:
-    return Checks(nan_checks_on(args), args.check_for_spiky_loss, args.check_for_large_grads)
+def checks(rerun: RerunSection) -> Checks:
+    return Checks(rerun.nan_checks, rerun.check_for_spiky_loss, rerun.check_for_large_grads)
 
 
 class ResultValidationExit(Exception):
@@ -146,7 +145,7 @@ class _Machine(RerunStateMachine):
                         self.stats[caller].print_stats())
 
 
-def initialize(args: argparse.Namespace, iteration: int) -> None:
+def initialize(rerun: RerunSection, iteration: int) -> None:
     """The process's machine (a new one, as Megatron-LM's initialize_megatron builds it), at `iteration`, the
     number of steps already done (Megatron-LM's train sets it so: the machine numbers steps from 1)."""
     def save_rng_tracker():
@@ -159,15 +158,15 @@ def initialize(args: argparse.Namespace, iteration: int) -> None:
     rerun_state_machine.destroy_rerun_state_machine()
     try:
         machine = _Machine(
-            state_save_func=save_rng_tracker, state_restore_func=restore_rng_tracker, mode=MODES[args.rerun_mode],
-            error_injector=RerunErrorInjector(args.error_injection_rate, RerunDiagnostic(args.error_injection_type)),
-            result_rejected_tracker_filename=args.result_rejected_tracker_filename)
+            state_save_func=save_rng_tracker, state_restore_func=restore_rng_tracker, mode=MODES[rerun.rerun_mode],
+            error_injector=RerunErrorInjector(rerun.error_injection_rate, RerunDiagnostic(rerun.error_injection_type)),
+            result_rejected_tracker_filename=rerun.result_rejected_tracker_filename)
     except RuntimeError as error:  # the tracker file cannot be appended to
-        raise ValueError(f"--result-rejected-tracker-filename {args.result_rejected_tracker_filename}: {error}") \
+        raise ValueError(f"--result-rejected-tracker-filename {rerun.result_rejected_tracker_filename}: {error}") \
             from None
     rerun_state_machine._set_rerun_state_machine(machine)
     machine.current_iteration = iteration
-    if (args.check_for_nan_in_loss_and_grad and args.rerun_mode != "disabled" and not nan_checks_on(args)
+    if (rerun.check_for_nan_in_loss_and_grad and rerun.rerun_mode != "disabled" and not rerun.nan_checks
             and dist.get_rank() == 0):
         logger.info("--check-for-nan-in-loss-and-grad: off with --fp16's dynamic loss scale, as in Megatron-LM (its "
                     "overflows are expected): a NaN/Inf step is skipped")

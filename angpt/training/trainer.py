@@ -1,18 +1,17 @@
 """The pretraining loop: megatron-core's schedules and optimizer, evaluation, checkpoints, graceful exits
-and what users watch. `angpt.pretrain` parses the flags and calls `pretrain(args)`.
+and what users watch. `angpt.pretrain` parses the flags and calls `pretrain(config)` with the run's
+configuration (angpt.config.sections.RunConfig).
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import logging
 import math
 import os
+import signal
 import sys
-import time
 from dataclasses import dataclass
-from functools import partial
 from typing import Optional
 
 import torch
@@ -23,7 +22,8 @@ from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 from megatron.core.timers import Timers
 from megatron.core.utils import get_model_config
 
-from angpt.config.arguments import exit_signals
+from angpt.config.batch_schedule import BatchSchedule
+from angpt.config.sections import RunConfig
 from angpt.data.gpt_datasets import (
     MicroBatchIndices,
     TrainingBatches,
@@ -40,16 +40,9 @@ from angpt.telemetry.monitoring import TrainingMonitor
 from angpt.telemetry.profiling import StepProfiler
 from angpt.telemetry.timers import timer
 from angpt.training import checkpointing, distributed, faults, rerun, save_lock
-from angpt.training.batch_schedule import BatchSchedule, set_train_iters
 from angpt.training.checkpointing import TrainState
-from angpt.training.config_from_args import (
-    data_arguments,
-    ddp_config_from_args,
-    model_config_from_args,
-    padded_vocab_size,
-    virtual_pipeline_stages,
-)
 from angpt.training.exits import ExitRequests
+from angpt.training.megatron_configs import ddp_config, transformer_config
 from angpt.training.optimizer import build_optimizer
 from angpt.training.step import build_model_chunks, eval_step, train_step
 
@@ -68,153 +61,140 @@ class Data:
 
 
 class Trainer:
-    """One pretraining job on this rank: built from the flags, run by `run()`."""
+    """One pretraining job on this rank: built from the run's configuration, run by `run()`."""
 
-    def __init__(self, args: argparse.Namespace):
-        self.args = args
-        set_train_iters(args)
-        self.faults = faults.from_environment()
-        data_args = data_arguments(args)
-        self.vocabulary = dataset_vocabulary(data_args)
+    def __init__(self, config: RunConfig):
+        self.run_config = config
+        model, parallel, training, checkpoint = config.model, config.parallel, config.training, config.checkpoint
+        self.hooks = faults.from_environment()  # production's do nothing
+        self.vocabulary = dataset_vocabulary(config.data)
         self.tokenizer = self.vocabulary.unique_identifiers.get("tokenizer")
-        distributed.initialize(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                               virtual_pipeline_stages(args), args.seed, args.distributed_timeout_minutes,
-                               cuda_graphs=args.cuda_graph_impl == "local",
-                               context_parallel_size=args.context_parallel_size,
-                               flight_recorder_dump_path=args.flight_recorder_dump_path,
-                               flight_recorder_trace_buffer_size=args.flight_recorder_trace_buffer_size)
+        distributed.initialize(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                               parallel.virtual_pipeline_stages, training.seed, parallel.distributed_timeout_minutes,
+                               cuda_graphs=config.fusion.cuda_graph_impl == "local",
+                               context_parallel_size=parallel.context_parallel_size,
+                               flight_recorder_dump_path=parallel.flight_recorder_dump_path,
+                               flight_recorder_trace_buffer_size=parallel.flight_recorder_trace_buffer_size)
         self.rank = dist.get_rank()
-        if args.save:  # one run writes into a --save directory: locked before anything is written there
-            save_lock.take(args.save)
-        self.config = model_config_from_args(args)
+        if checkpoint.save:  # one run writes into a --save directory: locked before anything is written there
+            save_lock.take(checkpoint.save)
+        self.config = transformer_config(config)
         if self.config.cuda_graph_impl == "local" and self.rank == 0:
             logger.warning("--cuda-graph-impl local is not verified yet: on an H200 the steps replayed from CUDA "
                            "graphs had wrong gradients, and the fix (angpt.megatron_compat.patches) has not run on "
                            "a GPU since (docs/gpu.md, CUDA graphs); use it to measure speed, not to train")
-        self.vocab_size = padded_vocab_size(self.vocabulary.vocab_size, args.make_vocab_size_divisible_by,
-                                            args.tensor_model_parallel_size)
-        if args.record_memory_history:  # before the model is built, as Megatron-LM's model_provider starts it
-            memory_history.start(args.memory_snapshot_path)
-        self.chunks = build_model_chunks(self.config, self.vocab_size, args.seq_length, ddp_config_from_args(args))
-        self.faults.slow_down(self.chunks)
-        self.optimizer, self.scheduler = build_optimizer(
-            self.chunks, args.model_family, lr=args.lr, train_iters=args.train_iters, min_lr=args.min_lr,
-            weight_decay=args.weight_decay, lr_warmup_iters=args.lr_warmup_iters,
-            lr_warmup_fraction=args.lr_warmup_fraction, lr_warmup_init=args.lr_warmup_init,
-            lr_decay_style=args.lr_decay_style, lr_decay_iters=args.lr_decay_iters,
-            lr_wsd_decay_iters=args.lr_wsd_decay_iters, lr_wsd_decay_style=args.lr_wsd_decay_style,
-            decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
-            train_samples=args.train_samples, lr_decay_samples=args.lr_decay_samples,
-            lr_warmup_samples=args.lr_warmup_samples, lr_wsd_decay_samples=args.lr_wsd_decay_samples,
-            clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
-            adam_eps=args.adam_eps, use_distributed_optimizer=args.use_distributed_optimizer, bf16=args.bf16,
-            loss_scaling=dict(loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
-                              min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
-                              hysteresis=args.hysteresis) if args.fp16 else None,
-        )
-        if args.fp16:
+        self.vocab_size = config.padded_vocab_size(self.vocabulary.vocab_size)
+        if config.memory.record_memory_history:  # before the model is built, as Megatron-LM's model_provider does
+            memory_history.start(config.memory.memory_snapshot_path)
+        self.chunks = build_model_chunks(self.config, self.vocab_size, model.seq_length, ddp_config(config))
+        self.hooks.model_built(self.chunks)
+        self.optimizer, self.scheduler = build_optimizer(self.chunks, config)
+        if config.precision.fp16:
             # The schedules scale each micro-batch's loss before its backward (Megatron-LM's setup_model_and_optimizer).
             get_model_config(self.chunks[0]).grad_scale_func = self.optimizer.scale_loss
         # megatron-core times its schedules and optimizer with the Timers its configs hold (as Megatron-LM sets them).
-        self.timers = Timers(args.timing_log_level, args.timing_log_option)
-        for config in [get_model_config(self.chunks[0]),
-                       *(inner.config for inner in getattr(self.optimizer, "chained_optimizers", [self.optimizer]))]:
-            config.timers, config.barrier_with_L1_time = self.timers, args.barrier_with_l1_time
+        logging_section = config.logging
+        self.timers = Timers(logging_section.timing_log_level, logging_section.timing_log_option)
+        for inner_config in [get_model_config(self.chunks[0]),
+                             *(inner.config for inner in getattr(self.optimizer, "chained_optimizers",
+                                                                 [self.optimizer]))]:
+            inner_config.timers, inner_config.barrier_with_L1_time = self.timers, logging_section.barrier_with_l1_time
         self.state = TrainState()
         self.loaded_from: Optional[str] = None  # the checkpoint directory this run starts from
-        if args.save and self.rank == 0:
-            checkpointing.remove_incomplete(args.save)
-        if args.load:
-            self.loaded_from = checkpointing.intact_checkpoint(args.load, fallback=args.load_fallback_to_intact)
+        if checkpoint.save and self.rank == 0:
+            checkpointing.remove_incomplete(checkpoint.save)
+        if checkpoint.load:
+            self.loaded_from = checkpointing.intact_checkpoint(checkpoint.load,
+                                                               fallback=checkpoint.load_fallback_to_intact)
         if self.loaded_from is not None:
             timer(self.timers, "load-checkpoint").start()
             self.state = checkpointing.load_checkpoint(
-                self.loaded_from, self.chunks, self.optimizer, self.scheduler, load_optimizer=not args.no_load_optim,
-                load_rng=not args.no_load_rng, finetune=args.finetune,
+                self.loaded_from, self.chunks, self.optimizer, self.scheduler, config,
+                load_optimizer=not checkpoint.no_load_optim, load_rng=not checkpoint.no_load_rng,
+                finetune=checkpoint.finetune,
             )
             timer(self.timers, "load-checkpoint").stop()
         # Nothing to save before the first step of this run (a resumed state is in its checkpoint).
         self.saved_iteration = self.state.iteration
         self.async_queue = None
-        if args.async_save:
+        if checkpoint.async_save:
             self.async_queue = AsyncCallsQueue()
-        self.checks = rerun.checks(args)
-        rerun.initialize(args, self.state.iteration)
+        self.checks = rerun.checks(config.rerun)
+        rerun.initialize(config.rerun, self.state.iteration)
 
-        evaluation_samples = args.eval_iters * args.global_batch_size
+        evaluation_samples = config.evaluation.eval_iters * training.global_batch_size
         # As Megatron-LM: the samples a run by samples asks for, else its iterations' global batches.
-        train_samples = args.train_samples or args.train_iters * args.global_batch_size
-        self.data = Data(*build_datasets(data_args, self.vocabulary, args.seq_length, args.seed,
+        train_samples = training.train_samples or training.train_iters * training.global_batch_size
+        self.data = Data(*build_datasets(config.data, self.vocabulary, model.seq_length, training.seed,
                                          [train_samples, evaluation_samples, evaluation_samples]))
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
-        self.batches = BatchSchedule(args.global_batch_size, args.micro_batch_size, self.dp_size,
-                                     args.rampup_batch_size, self.rank)
+        self.batches = BatchSchedule(training.global_batch_size, training.micro_batch_size, self.dp_size,
+                                     training.rampup_batch_size, self.rank)
         # Forked after the exit-signal handlers are installed (below): the workers inherit them.
         self.train_batches = None
         self.profiler = None  # --profile's (below)
         self.hang_watchdog: Optional[HangWatchdog] = None  # --hang-timeout-minutes', while run() runs
         # The schedule counts samples in a run by samples (Megatron-LM's), else iterations (angpt.training.optimizer).
-        self.by_samples = args.train_samples is not None
-        self.exits = ExitRequests(exit_signals(args), args.exit_duration_in_mins)
-        self.monitor = TrainingMonitor(args, self.config, self.chunks, self.vocab_size, self.rank,
+        self.by_samples = training.train_samples is not None
+        self.exits = ExitRequests([getattr(signal, name) for name in config.exits.save_and_exit_signals],
+                                  config.exits.exit_duration_in_mins)
+        self.monitor = TrainingMonitor(config, self.config, self.chunks, self.vocab_size, self.rank,
                                        self.state.iteration, self.loaded_from, self.timers, self.optimizer)
-        if args.profile and self.rank in args.profile_ranks:
-            self.profiler = StepProfiler(args.profile_step_start, args.profile_step_end, args.use_pytorch_profiler,
-                                         self.monitor.tensorboard_dir)
+        if logging_section.profile and self.rank in logging_section.profile_ranks:
+            self.profiler = StepProfiler(logging_section.profile_step_start, logging_section.profile_step_end,
+                                         logging_section.use_pytorch_profiler, self.monitor.tensorboard_dir)
         if self.rank == 0:
             parameters = sum(p.numel() for c in self.chunks for p in c.parameters())
             logger.info("%s: %d layers, d=%d, vocabulary %d (padded %d), %d parameters on rank 0; world %d "
                         "(TP %d, PP %d, CP %d, DP %d); starting at iteration %d of %d",
-                        args.model_family, args.num_layers, args.hidden_size, self.vocabulary.vocab_size,
-                        self.vocab_size, parameters, dist.get_world_size(), args.tensor_model_parallel_size,
-                        args.pipeline_model_parallel_size, args.context_parallel_size, self.dp_size,
-                        self.state.iteration, args.train_iters)
+                        model.model_family, model.num_layers, model.hidden_size, self.vocabulary.vocab_size,
+                        self.vocab_size, parameters, dist.get_world_size(), parallel.tensor_model_parallel_size,
+                        parallel.pipeline_model_parallel_size, parallel.context_parallel_size, self.dp_size,
+                        self.state.iteration, training.train_iters)
 
     # -- data ---------------------------------------------------------------------------------------
-    def _iterators(self, batches: list[dict], poison: bool = False):
-        if poison:  # fault injection: a NaN loss (and NaN gradients) in this step
-            for number, batch in enumerate(batches, 1):
-                if self.faults.nan_micro_batch in (None, number):
-                    batch["loss_mask"] = batch["loss_mask"].float() * float("nan")
+    def _iterators(self, batches: list[dict]):
         iterators = [iter(batches) for _ in self.chunks] if len(self.chunks) > 1 else iter(batches)
         return iterators, len(batches)
 
     # -- steps --------------------------------------------------------------------------------------
     def train_one_step(self) -> dict:
-        args, state = self.args, self.state
+        training, state = self.run_config.training, self.state
         iteration = state.iteration + 1
         global_batch_size = self.batches.global_batch_size(state.consumed_samples)
         if self.train_batches is None:
-            self.train_batches = TrainingBatches(self.data.train, state.consumed_samples, args.micro_batch_size,
-                                                 self.dp_rank, self.dp_size, args.num_workers,
+            self.train_batches = TrainingBatches(self.data.train, state.consumed_samples, training.micro_batch_size,
+                                                 self.dp_rank, self.dp_size, self.run_config.data.num_workers,
                                                  self.vocabulary.vocab_size)
         timer(self.timers, "batch-generator").start()
-        batches = self.train_batches.take(global_batch_size // (args.micro_batch_size * self.dp_size))
+        batches = self.train_batches.take(global_batch_size // (training.micro_batch_size * self.dp_size))
         timer(self.timers, "batch-generator").stop()
-        iterators, num_micro_batches = self._iterators(batches, poison=iteration in self.faults.nan_iterations)
+        iterators, num_micro_batches = self._iterators(self.hooks.batches(iteration, batches))
         lr = get_canonical_lr_for_logging(self.optimizer.param_groups)  # --lr's group (megatron-core's choice)
         try:
             with self.monitor.step(iteration):
                 loss, grad_norm, updated = train_step(iterators, self.chunks, self.optimizer, self.scheduler,
-                                                      num_micro_batches, args.micro_batch_size, args.seq_length,
+                                                      num_micro_batches, training.micro_batch_size,
+                                                      self.run_config.model.seq_length,
                                                       global_batch_size if self.by_samples else 1,
-                                                      args.empty_unused_memory_level, self.timers,
-                                                      args.barrier_with_l1_time, self.checks)
+                                                      self.run_config.memory.empty_unused_memory_level, self.timers,
+                                                      self.run_config.logging.barrier_with_l1_time, self.checks)
         finally:
             self._report_failed_checks(iteration, global_batch_size)
-        if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
+        memory, fp16 = self.run_config.memory, self.run_config.precision.fp16
+        if memory.manual_gc and memory.manual_gc_interval and iteration % memory.manual_gc_interval == 0:
             gc.collect()
         state.iteration = iteration
         state.consumed_samples += global_batch_size
         # A step skipped because fp16 gradients overflowed while the scale can still come down is the loss
         # scaler finding its scale (2^32 at first), as in Megatron-LM: it does not count towards --max-skipped-steps.
-        calibrating = (args.fp16 and grad_norm is None and math.isfinite(loss)
-                       and self.optimizer.get_loss_scale().item() > args.min_loss_scale)
+        calibrating = (fp16 and grad_norm is None and math.isfinite(loss)
+                       and self.optimizer.get_loss_scale().item() > self.run_config.precision.min_loss_scale)
         state.skipped_steps = 0 if updated else state.skipped_steps + (not calibrating)
         record = dict(iteration=iteration, loss=loss, grad_norm=grad_norm, lr=lr, skipped=not updated,
                       consumed_samples=state.consumed_samples, global_batch_size=global_batch_size)
-        if args.fp16:
+        if fp16:
             record.update(loss_scale=self.optimizer.get_loss_scale().item(), calibrating=calibrating)
         return record
 
@@ -223,8 +203,9 @@ class Trainer:
         check names its micro-batch's samples, a grad check this rank's share of the global batch."""
         for finding in rerun.findings():
             first = self.state.consumed_samples  # the step's first sample: the step is not counted yet
-            micro_batches_here = list(MicroBatchIndices(first, first + global_batch_size, self.args.micro_batch_size,
-                                                        self.dp_rank, self.dp_size))
+            micro_batches_here = list(MicroBatchIndices(first, first + global_batch_size,
+                                                        self.run_config.training.micro_batch_size, self.dp_rank,
+                                                        self.dp_size))
             if finding.micro_batch is not None:
                 where = f"micro-batch {finding.micro_batch} of {len(micro_batches_here)}"
                 micro_batches_here = [micro_batches_here[finding.micro_batch - 1]]
@@ -238,24 +219,26 @@ class Trainer:
     def evaluate(self, dataset, name: str) -> Optional[float]:
         """Mean loss over the first --eval-iters global batches of a split: the same samples at every
         evaluation, so that evaluations are comparable along the run."""
-        if dataset is None or self.args.eval_iters == 0:
+        eval_iters, training, memory = (self.run_config.evaluation.eval_iters, self.run_config.training,
+                                        self.run_config.memory)
+        if dataset is None or eval_iters == 0:
             return None
-        if len(dataset) < self.args.eval_iters * self.args.global_batch_size:
+        if len(dataset) < eval_iters * training.global_batch_size:
             raise ValueError(f"the {name} split has {len(dataset)} samples, fewer than --eval-iters "
-                             f"{self.args.eval_iters} x --global-batch-size {self.args.global_batch_size}")
-        manual_gc = self.args.manual_gc and self.args.manual_gc_eval
+                             f"{eval_iters} x --global-batch-size {training.global_batch_size}")
+        manual_gc = memory.manual_gc and memory.manual_gc_eval
         if manual_gc:
             gc.collect()
         losses = []
         timer(self.timers, "evaluate").start()
-        for batch_index in range(self.args.eval_iters):
-            batches = micro_batches(dataset, batch_index * self.args.global_batch_size, self.args.global_batch_size,
-                                    self.args.micro_batch_size, self.dp_rank, self.dp_size,
+        for batch_index in range(eval_iters):
+            batches = micro_batches(dataset, batch_index * training.global_batch_size, training.global_batch_size,
+                                    training.micro_batch_size, self.dp_rank, self.dp_size,
                                     vocab_size=self.vocabulary.vocab_size)
             iterators, num_micro_batches = self._iterators(batches)
-            losses.append(eval_step(iterators, self.chunks, num_micro_batches, self.args.micro_batch_size,
-                                    self.args.seq_length))
-            if self.args.empty_unused_memory_level >= 1:
+            losses.append(eval_step(iterators, self.chunks, num_micro_batches, training.micro_batch_size,
+                                    self.run_config.model.seq_length))
+            if memory.empty_unused_memory_level >= 1:
                 torch.cuda.empty_cache()
         timer(self.timers, "evaluate").stop()
         if manual_gc:
@@ -265,21 +248,15 @@ class Trainer:
         return loss
 
     def save(self) -> None:
-        args = self.args
-        if not args.save or self.saved_iteration == self.state.iteration:
+        checkpoint = self.run_config.checkpoint
+        if not checkpoint.save or self.saved_iteration == self.state.iteration:
             return
         self.saved_iteration = self.state.iteration
-        pause = pause_writer = None
-        if self.faults.pause_in_save_at == self.state.iteration:
-            pause = partial(faults.pause, "inside the save", self.faults.pause_in_save_seconds)
-        if self.faults.pause_in_writer_at == self.state.iteration:
-            pause_writer = partial(faults.pause, "in the save's background writer",
-                                   self.faults.pause_in_writer_seconds)
         timer(self.timers, "save-checkpoint").start(barrier=True)  # as Megatron-LM: the ranks' time together
         checkpointing.save_checkpoint(
-            args.save, self.state, self.chunks, self.optimizer, self.scheduler, vars(args), self.tokenizer,
-            keep_last=args.keep_last_n_checkpoints, async_queue=self.async_queue, before_commit=pause,
-            before_background_write=pause_writer,
+            checkpoint.save, self.state, self.chunks, self.optimizer, self.scheduler, self.run_config.flags(),
+            self.tokenizer, keep_last=checkpoint.keep_last_n_checkpoints, async_queue=self.async_queue,
+            hooks=self.hooks,
         )
         timer(self.timers, "save-checkpoint").stop(barrier=True)
 
@@ -287,8 +264,9 @@ class Trainer:
     def run(self) -> int:
         """Train to --train-iters (or a graceful exit). Returns the process exit code."""
         parent_watch.on_launcher_death(self.exits.launcher_gone)
-        if self.args.hang_timeout_minutes:
-            self.hang_watchdog = HangWatchdog(self.args.hang_timeout_minutes * 60, f"rank {self.rank}")
+        hang_timeout = self.run_config.parallel.hang_timeout_minutes
+        if hang_timeout:
+            self.hang_watchdog = HangWatchdog(hang_timeout * 60, f"rank {self.rank}")
         try:
             return self._run()
         finally:
@@ -297,25 +275,20 @@ class Trainer:
                 self.hang_watchdog.close()
 
     def _run(self) -> int:
-        args = self.args
-        if args.manual_gc:
+        training, evaluation, exits = self.run_config.training, self.run_config.evaluation, self.run_config.exits
+        save_dir, save_interval = self.run_config.checkpoint.save, self.run_config.checkpoint.save_interval
+        if self.run_config.memory.manual_gc:
             # Collections at the same steps on every rank, not when each rank's allocations trigger one.
             gc.disable()
             gc.collect()
         try:
-            while self.state.iteration < args.train_iters:
+            while self.state.iteration < training.train_iters:
                 if self.hang_watchdog is not None:  # each iteration's clock; stopped when the run ends
                     self.hang_watchdog.arm(self.state.iteration + 1)
-                self.faults.crash_if_due(self.state.iteration + 1)
-                self.faults.stall_if_due(self.state.iteration + 1)
-                if self.state.iteration + 1 == self.faults.wait_for_signal_before:
-                    faults.wait_for_signal(lambda: self.exits.received is not None, self.state.iteration + 1)
                 if self.profiler is not None:
                     self.profiler.before_step(self.state.iteration)
-                started = time.monotonic()
-                record = self.train_one_step()
-                if self.faults.step_seconds:
-                    time.sleep(max(0.0, self.faults.step_seconds - (time.monotonic() - started)))
+                with self.hooks.step(self.state.iteration + 1, lambda: self.exits.received is not None):
+                    record = self.train_one_step()
                 iteration = record["iteration"]
                 if self.profiler is not None:
                     self.profiler.after_step(iteration)
@@ -326,28 +299,29 @@ class Trainer:
                 elif record["skipped"] and self.rank == 0:
                     logger.warning("iteration %d: loss %s, grad norm %s: step skipped (%d in a row)", iteration,
                                    record["loss"], record["grad_norm"], self.state.skipped_steps)
-                if self.state.skipped_steps > args.max_skipped_steps:
+                if self.state.skipped_steps > exits.max_skipped_steps:
                     self.save()
                     raise SkippedStepsError(
                         f"{self.state.skipped_steps} steps in a row had a NaN or Inf loss or grad norm "
-                        f"(--max-skipped-steps {args.max_skipped_steps}); stopped at iteration {iteration}"
-                        + (f", the last good state saved in {args.save}" if args.save else ""))
+                        f"(--max-skipped-steps {exits.max_skipped_steps}); stopped at iteration {iteration}"
+                        + (f", the last good state saved in {save_dir}" if save_dir else ""))
                 if self.async_queue is not None:
                     self.async_queue.maybe_finalize_async_calls(blocking=False)
-                if args.eval_interval and iteration % args.eval_interval == 0:
+                if evaluation.eval_interval and iteration % evaluation.eval_interval == 0:
                     self.evaluate(self.data.valid, "validation")
-                if args.save_interval and iteration % args.save_interval == 0:
+                if save_interval and iteration % save_interval == 0:
                     self.save()
                 reason = self.exits.check()
-                if reason is None and args.exit_interval and iteration % args.exit_interval == 0:
-                    reason = f"iteration {iteration} is a multiple of --exit-interval {args.exit_interval}"
+                if reason is None and exits.exit_interval and iteration % exits.exit_interval == 0:
+                    reason = f"iteration {iteration} is a multiple of --exit-interval {exits.exit_interval}"
                 if reason is not None:
                     self.save()
                     self._finish()
                     if self.rank == 0:
                         logger.info("exiting at iteration %d: %s", iteration, reason)
                     return 0
-            if args.eval_iters and (not args.eval_interval or self.state.iteration % args.eval_interval):
+            if evaluation.eval_iters and (not evaluation.eval_interval
+                                          or self.state.iteration % evaluation.eval_interval):
                 self.evaluate(self.data.valid, "validation")
             self.evaluate(self.data.test, "test")
             self.save()
@@ -363,8 +337,8 @@ class Trainer:
                 self.save()
             self._finish()
             if self.rank == 0:
-                saved = (f"; the state before it (iteration {self.state.iteration}) is saved in {args.save}"
-                         if stop.save and args.save else "")
+                saved = (f"; the state before it (iteration {self.state.iteration}) is saved in {save_dir}"
+                         if stop.save and save_dir else "")
                 logger.error("iteration %d failed its result validation (the lines above name the ranks and "
                              "data): exiting with %s%s", self.state.iteration + 1, stop, saved)
             return stop.exit_code
@@ -374,22 +348,22 @@ class Trainer:
             self.profiler.close()
         if self.train_batches is not None:
             self.train_batches.close()
-        if self.args.manual_gc:
+        if self.run_config.memory.manual_gc:
             gc.enable()
         if self.async_queue is not None:
             self.async_queue.maybe_finalize_async_calls(blocking=True, no_dist=False)
             self.async_queue.close()
         self.monitor.close()
-        if self.args.record_memory_history:
+        if self.run_config.memory.record_memory_history:
             memory_history.stop()
-        if self.args.save and self.rank == 0:
-            save_lock.release(self.args.save)
+        if self.run_config.checkpoint.save and self.rank == 0:
+            save_lock.release(self.run_config.checkpoint.save)
 
 
-def pretrain(args: argparse.Namespace) -> int:
-    """Run the job described by the flags; returns the exit code (0 also after a graceful exit)."""
+def pretrain(config: RunConfig) -> int:
+    """Run the job the configuration describes; returns the exit code (0 also after a graceful exit)."""
     try:
-        trainer = Trainer(args)
+        trainer = Trainer(config)
     except (ValueError, OSError, checkpointing.CheckpointError) as error:
         # Every rank checks the same flags, data and checkpoint the same way: one line from each node (whose
         # files may differ from another's), not one per rank; every rank exits non-zero.

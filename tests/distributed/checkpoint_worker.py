@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
+from angpt.config.sections import RunConfig
 from angpt.training import distributed
 from angpt.training.optimizer import build_optimizer
 from angpt.training.step import build_model_chunks, train_step
@@ -49,7 +50,8 @@ def round_trip(family: str, path: str, save: tuple[int, int], load: tuple[int, i
     dist.barrier()
     chunks = build(family, *save, seed=1)
     # One training step so that the scales and weights are not at their initial values.
-    optimizer, scheduler = build_optimizer(chunks, family, lr=1e-2, train_iters=1)
+    optimizer, scheduler = build_optimizer(chunks, RunConfig.from_flags(dict(model_family=family, lr=1e-2,
+                                                                              train_iters=1)))
     train_step(iter(fixed_batches()[:1]), chunks, optimizer, scheduler, 1, 2, S)
     saved = gather_full(chunks)
     dist_checkpointing.save(sharded_state(chunks), path)

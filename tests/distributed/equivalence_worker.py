@@ -23,6 +23,7 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.utils import get_batch_on_this_cp_rank
 
+from angpt.config.sections import RunConfig
 from angpt.models import WEIGHT_CONSTRAINTS
 from angpt.models.attention import clear_attention_backend_environment
 from angpt.models.bounding import _optimizer_pieces, project_parameters_
@@ -202,8 +203,8 @@ def run_family(family: str, args, layout: dict, world: int) -> dict | None:
     logits = from_last_stage(torch.cat(outputs) if is_last and dp_rank == 0 else None)
 
     # Loss and gradients over the global batch, then three optimizer steps.
-    optimizer, scheduler = build_optimizer(chunks, family, lr=LR, train_iters=3,
-                                           use_distributed_optimizer=distributed_optimizer)
+    optimizer, scheduler = build_optimizer(chunks, RunConfig.from_flags(dict(
+        model_family=family, lr=LR, train_iters=3, use_distributed_optimizer=distributed_optimizer)))
     for chunk in chunks:
         chunk.zero_grad_buffer()
     losses = schedule(forward_step_func=forward_step, data_iterator=iterators(mine), num_microbatches=len(mine),
@@ -240,8 +241,8 @@ def run_family(family: str, args, layout: dict, world: int) -> dict | None:
                                config.virtual_pipeline_model_parallel_size, context_parallel_size=cp)
         chunks = build_model_chunks(small_config(family, **layout), V, S, ddp_config)
         load_full(chunks, perturbed)
-        optimizer, _ = build_optimizer(chunks, family, lr=0.0, train_iters=1, min_lr=0.0,
-                                       use_distributed_optimizer=distributed_optimizer)
+        optimizer, _ = build_optimizer(chunks, RunConfig.from_flags(dict(
+            model_family=family, lr=0.0, train_iters=1, min_lr=0.0, use_distributed_optimizer=distributed_optimizer)))
         for chunk in chunks:
             chunk.zero_grad_buffer()
         optimizer.step()

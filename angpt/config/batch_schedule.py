@@ -4,13 +4,14 @@ takes the same steps here."""
 
 from __future__ import annotations
 
-import argparse
 from typing import Optional, Sequence
 
 from megatron.core.num_microbatches_calculator import (
     ConstantNumMicroBatchesCalculator,
     RampupBatchsizeNumMicroBatchesCalculator,
 )
+
+from angpt.config.sections import TrainingSection
 
 
 class BatchSchedule:
@@ -32,14 +33,14 @@ class BatchSchedule:
         return self.calculator.get_current_global_batch_size()
 
 
-def ramp(args: argparse.Namespace) -> list[tuple[int, int]]:
+def ramp(training: TrainingSection) -> list[tuple[int, int]]:
     """[(global batch, steps at it)] of the whole run, in order."""
-    schedule = BatchSchedule(args.global_batch_size, 1, 1, args.rampup_batch_size, rank=1)
+    schedule = BatchSchedule(training.global_batch_size, 1, 1, training.rampup_batch_size, rank=1)
     steps, consumed, done = [], 0, 0
-    while done < args.train_iters:
+    while done < training.train_iters:
         size = schedule.global_batch_size(consumed)
         # Once at --global-batch-size, the batch stays there: the remaining steps at once.
-        count = args.train_iters - done if size == args.global_batch_size else 1
+        count = training.train_iters - done if size == training.global_batch_size else 1
         consumed, done = consumed + size * count, done + count
         if steps and steps[-1][0] == size:
             steps[-1] = (size, steps[-1][1] + count)
@@ -48,18 +49,16 @@ def ramp(args: argparse.Namespace) -> list[tuple[int, int]]:
     return steps
 
 
-def set_train_iters(args: argparse.Namespace) -> None:
-    """--train-iters of a run given --train-samples with a ramp-up (Megatron-LM's `update_train_iters`): the
-    ramp-up's steps while at most SAMPLES (and --train-samples) are consumed, then whole global batches; the
-    samples of a last, partial batch are left out. Without a ramp-up the parser has set it."""
-    if args.rampup_batch_size is None:
-        return
+def rampup_train_iters(global_batch_size: int, rampup: Sequence[int], train_samples: int) -> int:
+    """The steps of a run given --train-samples with a ramp-up (Megatron-LM's `update_train_iters`): the ramp-up's
+    steps while at most SAMPLES (and --train-samples) are consumed, then whole global batches; the samples of a
+    last, partial batch are left out."""
     # Counted with one micro-batch on one rank: the batches do not depend on the layout.
-    schedule = BatchSchedule(args.global_batch_size, 1, 1, args.rampup_batch_size, rank=1)
+    schedule = BatchSchedule(global_batch_size, 1, 1, rampup, rank=1)
     iterations = consumed = 0
-    while consumed <= args.rampup_batch_size[2] and consumed <= args.train_samples:
+    while consumed <= rampup[2] and consumed <= train_samples:
         consumed += schedule.global_batch_size(consumed)
         iterations += 1
-    if args.train_samples > consumed:
-        iterations += (args.train_samples - consumed) // args.global_batch_size
-    args.train_iters = iterations
+    if train_samples > consumed:
+        iterations += (train_samples - consumed) // global_batch_size
+    return iterations

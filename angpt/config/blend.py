@@ -1,5 +1,6 @@
 """Megatron-LM's --data-path: one dataset prefix, or weight/prefix pairs of a blend. Read here, apart
-from the datasets, so that the command line checks it before torch and megatron-core are loaded."""
+from the datasets (angpt.data.gpt_datasets), so that the command line checks it before torch and megatron-core
+are loaded."""
 
 from __future__ import annotations
 

@@ -1,0 +1,49 @@
+"""The one reader of the flags a checkpoint recorded (its `args`, `RunConfig.flags()` at the time): today's
+configuration of them, for resuming, --finetune and the Hugging Face export and import.
+
+A checkpoint saved before a flag existed does not record it: the field's default stands in for it, which is
+what the run had (each flag was added with a default that keeps the earlier behaviour). Flags a checkpoint
+records that no longer exist are left out; the values derived from the flags are derived again.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from angpt.config.sections import FIELD_SECTIONS, MEGATRON_PREFIX, RunConfig
+from angpt.config.validation import derive
+
+# The model's shape: what a checkpoint's tensors must match (a resume, --finetune) and what an export writes.
+MODEL_SHAPE = ("model_family", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+               "ffn_hidden_size", "kv_channels", "tie_embeddings_and_output_weights")
+
+
+def config_from_saved(saved: Mapping[str, Any]) -> RunConfig:
+    """The configuration a checkpoint's recorded flags describe, at the world size it was saved with."""
+    if "model_family" not in saved:
+        raise ValueError("the recorded flags name no model family: not an angpt checkpoint's")
+    defaults = RunConfig().flags()
+    known = {key: value for key, value in saved.items()
+             if key in FIELD_SECTIONS or key == "config" or key.startswith(MEGATRON_PREFIX)}
+    flags = {**defaults, **known}
+    return RunConfig.from_flags({**flags, **derive(flags, saved.get("world_size") or 1)})
+
+
+def single_process(config: RunConfig) -> RunConfig:
+    """The same model at one process (TP = PP = CP = 1, no virtual stages or sequence parallelism), in fp32
+    without recompute: how the export and import build it."""
+    return config.replace(
+        parallel=dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
+                      sequence_parallel=False, num_layers_per_virtual_pipeline_stage=None,
+                      virtual_pipeline_stages=None, world_size=1, data_parallel_size=1),
+        precision=dict(bf16=False, fp16=False),
+        model=dict(recompute_granularity=None),
+    )
+
+
+def shape_differences(saved: RunConfig, run: RunConfig) -> list[str]:
+    """'--flag SAVED (this run: VALUE)' for each flag of the model's shape in which a checkpoint differs."""
+    ours, theirs = run.flags(), saved.flags()
+    return [f"--{name.replace('_', '-')} {theirs[name]} (this run: {ours[name]})"
+            for name in MODEL_SHAPE if theirs[name] != ours[name]]
+

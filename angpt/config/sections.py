@@ -1,0 +1,570 @@
+"""The configuration of a run, in typed sections: one frozen dataclass per concern, composed into `RunConfig`.
+
+Each field is a flag of `angpt.pretrain` (its name is the flag's destination, `--num-layers` for `num_layers`):
+`flag()` holds its default, help and what argparse needs beyond the type, and `angpt.config.parser` builds the
+command line from the sections, so that a flag is declared in one place. Fields made with `derived()` are not
+flags: `angpt.config.validation` computes them once from the others (the world size and data-parallel size, the
+length of training from samples or a ramp-up, ...). Nothing rewrites a configuration after validation returns it.
+
+This module imports nothing heavy, so that `--help` and flag errors are instant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Mapping, Optional
+
+from angpt.config.blend import parse_blend
+from angpt.config.choices import (
+    FACTOR_MODES,
+    MODEL_FAMILIES,
+    NU_P_READINGS,
+    POST_NORMS,
+    RECOMPUTE_MODULES,
+    RESIDUALS,
+    TRANSFORMER_IMPLS,
+)
+from angpt.config.tiktoken_layout import TIKTOKEN_NUM_SPECIAL_TOKENS, TIKTOKEN_PATTERNS
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "WSD")
+WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+EXIT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
+# Megatron-LM's; a2a+p2p needs --hierarchical-context-parallel-sizes, which is refused (angpt.config.megatron_lm).
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("delayed", "tensorwise", "mxfp8")
+FP8_AMAX_ALGOS = ("max", "most_recent")
+# Megatron-LM's values (megatron/training/resilience_config.py); angpt.training.rerun maps them to megatron-core's.
+RERUN_MODES = ("disabled", "validate_results", "report_stats")
+ERROR_INJECTION_TYPES = ("correct_result", "transient_error", "persistent_error")
+
+
+def flag(default=None, help: Optional[str] = None, *, option: Optional[str] = None, switch: bool = False,
+         exclusive: Optional[str] = None, **argparse_kwargs):
+    """A field that is a flag. `option`: its name when not the field's (`--rope-fusion` for apply_rope_fusion; a
+    `--no-...` name for a field that defaults to True); `switch`: on/off with a `--no-...` form as well, so that
+    a --config file's value can be switched off again; `exclusive`: the name of a group of flags of which one
+    may be given; the rest (choices, metavar, nargs, const) go to argparse as they are. The type comes from the
+    annotation: bool is an on/off flag, tuple[...] takes one or more values."""
+    return field(default=default, metadata={"flag": dict(help=help, option=option, switch=switch,
+                                                         exclusive=exclusive, argparse=argparse_kwargs)})
+
+
+def derived(default=None):
+    """A field computed by validation from the flags (not a flag itself)."""
+    return field(default=default, metadata={"derived": True})
+
+
+@dataclass(frozen=True)
+class DryRunSection:
+    """--dry-run: check the configuration and its data, report, and exit without training."""
+
+    GROUP: ClassVar[str] = 'dry run'
+
+    dry_run: Optional[int] = flag(None, "check the configuration for WORLD_SIZE processes (default: $WORLD_SIZE, "
+        "else 1) and its data, print the parallel layout, batch arithmetic and parameter count, and exit without "
+        "training", metavar='WORLD_SIZE', nargs='?', const=0)
+    gpu_memory_gib: Optional[float] = flag(None, "with --dry-run: the memory of one GPU the estimate is checked "
+        "against (default: this machine's GPU, else 80)")
+    suggest_layout: bool = flag(False, "with --dry-run WORLD_SIZE: rank the tensor, pipeline, context and data "
+        "parallel sizes and recompute choices that fit the GPU's memory by an estimate of step time "
+        "(docs/scaling.md)")
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """The model: its family, shape, dropout and activation recompute."""
+
+    GROUP: ClassVar[str] = 'model'
+
+    model_family: str = flag('angpt', choices=MODEL_FAMILIES)
+    num_layers: int = flag(4)
+    hidden_size: int = flag(128)
+    num_attention_heads: int = flag(4)
+    num_query_groups: Optional[int] = flag(None, 'key/value heads (grouped-query attention)')
+    ffn_hidden_size: Optional[int] = flag(None, 'width of each SwiGLU half (default 4 x hidden)')
+    kv_channels: Optional[int] = flag(None, 'head dim (default hidden / heads)')
+    seq_length: int = flag(128)
+    max_position_embeddings: Optional[int] = flag(None, "accepted for Megatron-LM scripts; RoPE needs only "
+        "--seq-length (must not be below it)")
+    rotary_base: int = flag(10000)
+    norm_epsilon: float = flag(1e-05, "epsilon of GPT+'s RMSNorms (anGPT and nGPT replace them by their own "
+        "normalization)")
+    init_method_std: float = flag(0.02, 'GPT+ weight init (anGPT and nGPT put every row on the unit sphere instead)')
+    tie_embeddings_and_output_weights: bool = flag(False, "use the embedding as the output head (default: untied, "
+        "as in docs/model.md)", exclusive="tying")
+    untie_embeddings_and_output_weights: bool = flag(False, "accepted for Megatron-LM scripts; untied is already "
+        "the default", exclusive="tying")
+    attention_dropout: float = flag(0.0, "dropout on the attention probabilities, all families (default 0: no "
+        "dropout, as in the paper; Megatron-LM's is 0.1)")
+    hidden_dropout: float = flag(0.0, "dropout on the embeddings and on each sub-block output before its residual "
+        "add, GPT+ only (default 0: no dropout, as in the paper; Megatron-LM's is 0.1)")
+    recompute_granularity: Optional[str] = flag(None, "recompute activations in the backward pass: whole layers "
+        "(full, with --recompute-method and --recompute-num-layers) or the parts named by --recompute-modules "
+        "(selective); docs/guide.md, Activation recompute", choices=('full', 'selective'))
+    recompute_method: str = flag('uniform', 'full recompute only', choices=('uniform', 'block'))
+    recompute_num_layers: int = flag(1, 'full recompute only')
+    recompute_modules: Optional[tuple[str, ...]] = flag(None, "what --recompute-granularity selective recomputes "
+        "(default: core_attn, as Megatron-LM): core_attn, mlp, layernorm (GPT+'s pre-norms), qk_norm (the "
+        "normalization of q and k), residual_update (anGPT's and nGPT's normalized residual update)",
+        choices=RECOMPUTE_MODULES)
+    recompute_activations: bool = flag(False, "Megatron-LM's alias of --recompute-granularity selective")
+
+
+@dataclass(frozen=True)
+class SwitchesSection:
+    """anGPT's ablation switches; nGPT reads three of them, GPT+ none (angpt.config.validation)."""
+
+    GROUP: ClassVar[str] = 'anGPT switches (docs/model.md, Families and switches)'
+
+    angpt_post_norm: str = flag('l2', choices=POST_NORMS)
+    angpt_nu_p: str = flag('one', choices=NU_P_READINGS)
+    angpt_alpha_init: Optional[float] = flag(None, 'default 0.01 (anGPT), 0.05 (nGPT)')
+    angpt_constant_factors: str = flag('analytic', choices=FACTOR_MODES)
+    angpt_constant_factor_multiplier: float = flag(1.0)
+    angpt_nu_alpha: str = flag('analytic', choices=FACTOR_MODES)
+    angpt_nu_alpha_multiplier: float = flag(1.0)
+    angpt_no_nu_alpha_grad: bool = flag(False, 'treat nu(alpha) as a constant')
+    angpt_residual: str = flag('lerp', choices=RESIDUALS)
+
+
+@dataclass(frozen=True)
+class ParallelSection:
+    """The parallel layout, data-parallel gradient reduction and the process groups' timeouts."""
+
+    GROUP: ClassVar[str] = 'parallelism'
+
+    tensor_model_parallel_size: int = flag(1)
+    pipeline_model_parallel_size: int = flag(1)
+    num_layers_per_virtual_pipeline_stage: Optional[int] = flag(None)
+    decoder_first_pipeline_num_layers: Optional[int] = flag(None, "layers of the first pipeline stage (the rest "
+        "split evenly over the others; angpt.config.pipeline_split)")
+    decoder_last_pipeline_num_layers: Optional[int] = flag(None, 'layers of the last pipeline stage')
+    account_for_embedding_in_pipeline_split: bool = flag(False, "count the embedding as a layer of the first stage "
+        "when splitting the layers")
+    account_for_loss_in_pipeline_split: bool = flag(False, "count the output layer and loss as a layer of the last "
+        "stage")
+    pipeline_model_parallel_layout: Optional[str] = flag(None, "each stage's layers, as Megatron-LM writes them: E "
+        "the embedding, t a layer, L the loss, | between stages (\"Et|tt|ttL\"; (tt|)*3 repeats)")
+    sequence_parallel: bool = flag(False, switch=True)
+    context_parallel_size: int = flag(1, "split each sequence over this many ranks (Megatron-LM's 2 x CP chunks, "
+        "rank i holding chunks i and 2 CP - 1 - i); world size = TP x PP x CP x DP")
+    cp_comm_type: tuple[str, ...] = flag(('p2p',), "how attention exchanges keys and values under context "
+        "parallelism (one value for all layers): all_gather on --transformer-impl local (the only one built "
+        "there); p2p, all_gather or a2a on Transformer Engine", choices=CP_COMM_TYPES)
+    use_distributed_optimizer: bool = flag(False, switch=True)
+    overlap_grad_reduce: bool = flag(False, switch=True)
+    overlap_param_gather: bool = flag(False, switch=True)
+    distributed_timeout_minutes: float = flag(10, "how long a collective waits for the other ranks before the job "
+        "fails (every process group)")
+    hang_timeout_minutes: Optional[float] = flag(None, "angpt's: when one iteration (its step, evaluation and "
+        "save) runs longer than this, every thread's Python stack of each rank is written to its log, again each "
+        "time it passes, so that a hang shows where each rank waits before --distributed-timeout-minutes ends the "
+        "job (default: off)")
+    flight_recorder_dump_path: Optional[str] = flag(None, "NCCL's flight recorder (CUDA): the last collectives of "
+        "each rank, written when a collective times out to this file prefix, one file per rank (a directory: "
+        "<dir>/_dump_<rank>), for `torchfrtrace`; sets torch's TORCH_FR_DUMP_TEMP_FILE, TORCH_NCCL_* variables "
+        "before the process group is created, as Megatron-LM does (ones already in the environment win) (default: "
+        "off)")
+    flight_recorder_trace_buffer_size: int = flag(2000, "with --flight-recorder-dump-path: the collectives the "
+        "recorder keeps per rank (TORCH_NCCL_TRACE_BUFFER_SIZE)")
+    ddp_bucket_size: Optional[int] = flag(None, "elements per gradient bucket of data-parallel reduction (default: "
+        "megatron-core's, at least 40M and 1M per data-parallel rank)")
+    world_size: int = derived(1)  # the processes of the job (of --dry-run's WORLD_SIZE)
+    data_parallel_size: int = derived(1)  # world size / (TP x PP x CP)
+    virtual_pipeline_stages: Optional[int] = derived(None)  # of --num-layers-per-virtual-pipeline-stage
+    # --sequence-parallel given with TP 1, where Megatron-LM turns it off (and a log line says so).
+    sequence_parallel_disabled: bool = derived(False)
+
+
+@dataclass(frozen=True)
+class TrainingSection:
+    """The batch of each step, the length of training and the seed."""
+
+    GROUP: ClassVar[str] = 'batch and length of training'
+
+    micro_batch_size: int = flag(4)
+    global_batch_size: int = flag(8)
+    train_iters: Optional[int] = flag(None, 'required, or --train-samples', exclusive="length")
+    train_samples: Optional[int] = flag(None, "train for this many samples (as Megatron-LM: whole global batches, "
+        "the rest left out); required, or --train-iters. The lr schedule then counts samples: --lr-decay-samples, "
+        "--lr-warmup-samples, --lr-wsd-decay-samples", exclusive="length")
+    rampup_batch_size: Optional[tuple[int, ...]] = flag(None, "grow the global batch from START by INCREMENT up to "
+        "--global-batch-size over the first SAMPLES samples, in equal steps (Megatron-LM's ramp-up, "
+        "megatron-core's calculator); needs --train-samples", nargs=3, metavar=('START', 'INCREMENT', 'SAMPLES'))
+    seed: int = flag(1234)
+
+
+@dataclass(frozen=True)
+class OptimizerSection:
+    """Adam(W), its learning-rate schedule and the loss's averaging; unset values are the family's recipe."""
+
+    GROUP: ClassVar[str] = "learning rate and optimizer (defaults: the family's recipe, docs/model.md)"
+
+    lr: float = flag(0.003)
+    min_lr: Optional[float] = flag(None, "default: the family's (0.1 lr; 0 for nGPT)")
+    lr_decay_style: str = flag('cosine', choices=LR_DECAY_STYLES)
+    lr_decay_iters: Optional[int] = flag(None, 'default: --train-iters')
+    lr_warmup_iters: Optional[int] = flag(None, "default: the family's (none; 1%% for GPT+)", exclusive="warmup")
+    lr_warmup_fraction: Optional[float] = flag(None, 'warm-up as a fraction of --lr-decay-iters', exclusive="warmup")
+    lr_warmup_init: float = flag(0.0, 'lr at the start of warm-up')
+    lr_wsd_decay_iters: Optional[int] = flag(None, "length of WSD's final decay")
+    lr_decay_samples: Optional[int] = flag(None, "with --train-samples: decay over this many samples (default: "
+        "--train-samples)")
+    lr_warmup_samples: Optional[int] = flag(None, "with --train-samples: warm up over this many samples (default: "
+        "the family's fraction of the decay)")
+    lr_wsd_decay_samples: Optional[int] = flag(None, "with --train-samples: length of WSD's final decay")
+    lr_wsd_decay_style: str = flag('exponential', choices=WSD_DECAY_STYLES)
+    weight_decay: Optional[float] = flag(None, "default: the family's (0; 0.1 for GPT+)")
+    decoupled_lr: Optional[float] = flag(None, "max lr of the input and output layers (the embedding and the "
+        "output head), decoupled from --lr; the same schedule")
+    decoupled_min_lr: Optional[float] = flag(None, "min lr of the input and output layers (with --decoupled-lr; "
+        "default --min-lr's)")
+    calculate_per_token_loss: bool = flag(False, "the loss and its gradients as the mean over all the tokens of "
+        "the global batch, not the mean of each micro-batch's mean (they differ when micro-batches count different "
+        "tokens, e.g. with --eod-mask-loss)")
+    clip_grad: float = flag(1.0)
+    adam_beta1: float = flag(0.9)
+    adam_beta2: float = flag(0.95)
+    adam_eps: float = flag(1e-08)
+
+
+@dataclass(frozen=True)
+class PrecisionSection:
+    """The dtypes, the loss scaling of fp16, FP8, the layers' implementation and the fused cross-entropy."""
+
+    GROUP: ClassVar[str] = 'precision'
+
+    bf16: bool = flag(False, "bf16 weights and activations, fp32 main weights in the optimizer (learnable scales "
+        "stay fp32)", switch=True)
+    fp16: bool = flag(False, "fp16 weights and activations, fp32 main weights in the optimizer (learnable scales "
+        "stay fp32), the loss scaled (dynamically unless --loss-scale); a step whose gradients overflow is skipped "
+        "and the scale lowered")
+    loss_scale: Optional[float] = flag(None, 'with --fp16: a constant loss scale (default: dynamic)')
+    initial_loss_scale: float = flag(4294967296.0, "with --fp16: the dynamic scale's start")
+    min_loss_scale: float = flag(1.0, "with --fp16: the dynamic scale's floor")
+    loss_scale_window: int = flag(1000, 'with --fp16: steps without overflow before the dynamic scale doubles')
+    hysteresis: int = flag(2, 'with --fp16: overflows in a row before the dynamic scale halves')
+    grad_reduce_in_bf16: bool = flag(False, "with --bf16: accumulate and reduce gradients in bf16 (default fp32, "
+        "as Megatron-LM's)")
+    transformer_impl: str = flag('local', "megatron-core's own layers (default; CPU and GPU) or NVIDIA Transformer "
+        "Engine's (GPU; needed for FP8)", choices=TRANSFORMER_IMPLS)
+    attention_backend: str = flag('auto', "core attention: auto = FlashAttention on GPUs (torch's kernels with the "
+        "local implementation, TE's with Transformer Engine) and megatron's unfused attention on CPU; flash forces "
+        "the fused kernels, unfused/local megatron's path", choices=('auto', 'flash', 'fused', 'unfused', 'local'))
+    cross_entropy_loss_fusion: Optional[bool] = flag(None, "megatron-core's fused cross-entropy (compiled kernels "
+        "over the logits). Default: on with --bf16 on a GPU, where it gives the unfused loss and gradients; off on "
+        "CPU, where compiling it costs 4-30 s per process for little gain. Needs --bf16: it rounds the logits' "
+        "gradient to bf16, which the bf16 logits are anyway", switch=True)
+    cross_entropy_fusion_impl: str = flag('native', "the fused cross-entropy's implementation: megatron-core's own "
+        "(torch.compile) or Transformer Engine's", choices=('native', 'te'))
+    fp8_format: Optional[str] = flag(None, "FP8 GEMMs in the transformer layers (Transformer Engine): e4m3 "
+        "everywhere, or hybrid (e5m2 for gradients); docs/fp8.md", choices=FP8_FORMATS)
+    fp8_recipe: Optional[str] = flag(None, "scaling recipe (default delayed); mxfp8 needs Blackwell (compute "
+        "capability 10) and a Transformer Engine that has it", choices=FP8_RECIPES)
+    fp8_margin: Optional[int] = flag(None, 'delayed scaling: scale margin, a power of 2 (default 0)')
+    fp8_amax_history_len: Optional[int] = flag(None, 'delayed scaling: amax history window (default 1)')
+    fp8_amax_compute_algo: Optional[str] = flag(None, "delayed scaling: amax of the window (max) or the latest "
+        "(most_recent, default)", choices=FP8_AMAX_ALGOS)
+
+
+@dataclass(frozen=True)
+class FusionSection:
+    """Fused kernels and CUDA graphs; None: on with a GPU, off on the CPU."""
+
+    GROUP: ClassVar[str] = 'fusions and CUDA graphs (GPU)'
+
+    apply_rope_fusion: Optional[bool] = flag(None, "RoPE as one kernel forward and one backward (Transformer "
+        "Engine's where installed, else a torch.compile'd one; cos and sin inside it). Default: on with a GPU, off "
+        "on CPU (compiling costs seconds per process there)", option='--rope-fusion', switch=True)
+    bias_swiglu_fusion: Optional[bool] = flag(None, "GPT+'s SwiGLU as megatron-core's compiled kernels (anGPT and "
+        "nGPT always use their own nu-scaled SwiGLU kernel). Default: on with a GPU, off on CPU", switch=True)
+    cuda_graph_impl: str = flag('none', "local: capture each transformer layer's forward and backward as CUDA "
+        "graphs (megatron-core's own implementation; no Transformer Engine needed) after the first step, and "
+        "replay them: for launch-bound steps (small micro-batches). Needs a GPU. NOT VERIFIED: its gradients were "
+        "wrong on an H200, the fix has not run on a GPU since (docs/gpu.md); for speed measurements",
+        choices=('none', 'local'))
+    cuda_graph_warmup_steps: int = flag(3, 'eager runs of each layer inside the capture, before it is recorded')
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """Megatron-LM's data and tokenizer flags."""
+
+    GROUP: ClassVar[str] = 'data'
+
+    data_path: Optional[tuple[str, ...]] = flag(None, 'PREFIX, or W1 PREFIX1 W2 PREFIX2 ... to blend')
+    split: str = flag('969,30,1', 'train,valid,test weights of --data-path')
+    train_data_path: Optional[tuple[str, ...]] = flag(None)
+    valid_data_path: Optional[tuple[str, ...]] = flag(None)
+    test_data_path: Optional[tuple[str, ...]] = flag(None)
+    data_cache_path: Optional[str] = flag(None, 'where GPTDataset caches its indices')
+    mock_data: bool = flag(False, "megatron-core's synthetic sequences")
+    num_workers: int = flag(0, "DataLoader worker processes per rank that read the training samples ahead of the "
+        "step (0: read in the training process, at each step; Megatron-LM's default is 2); evaluations read in the "
+        "training process")
+    eod_mask_loss: bool = flag(False, "leave the end-of-document tokens out of the loss (megatron-core's "
+        "GPTDataset masks them)")
+    reset_position_ids: bool = flag(False, "restart the position ids after each end-of-document token; RoPE "
+        "rotates each token by its position id")
+    reset_attention_mask: bool = flag(False, "attend within each document only (a [seq, seq] mask per sample, from "
+        "megatron-core's GPTDataset; not with --transformer-impl transformer_engine)")
+    mmap_bin_files: bool = flag(True, "read the .bin files by file reads rather than through a memory map",
+        option='--no-mmap-bin-files')
+    vocab_size: Optional[int] = flag(None, "vocabulary of --mock-data, NullTokenizer's ids (its end-of-document id "
+        "comes after them), or TikTokenizer's with a Megatron-LM .json vocabulary (default 131072, as "
+        "Megatron-LM); with a dataset's .json, it must be the vocab_size it records")
+    tokenizer_type: Optional[str] = flag(None, "HuggingFaceTokenizer, TikTokenizer, GPT2BPETokenizer, "
+        "SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer or NullTokenizer (with --vocab-size)")
+    tokenizer_model: Optional[str] = flag(None, "tokenizer.json or its directory, a Megatron-LM tiktoken .json "
+        "vocabulary or a .tiktoken ranks file (TikTokenizer), or a SentencePiece .model")
+    tiktoken_pattern: Optional[str] = flag(None, "TikTokenizer's split pattern with a Megatron-LM .json vocabulary "
+        "(v2 when not given, as Megatron-LM)", choices=TIKTOKEN_PATTERNS)
+    tiktoken_num_special_tokens: int = flag(TIKTOKEN_NUM_SPECIAL_TOKENS, "the special tokens before the ranks of "
+        "TikTokenizer's Megatron-LM .json vocabulary")
+    vocab_file: Optional[str] = flag(None, "GPT2BPETokenizer's vocab.json")
+    merge_file: Optional[str] = flag(None, "GPT2BPETokenizer's merges.txt")
+    make_vocab_size_divisible_by: int = flag(128, "pad the vocabulary to a multiple of this times the "
+        "tensor-parallel size")
+
+    def prefixes(self) -> list[str]:
+        """The dataset prefixes of every split's blend."""
+        paths = [self.data_path, self.train_data_path, self.valid_data_path, self.test_data_path]
+        return [prefix for path in paths if path for prefix in parse_blend(list(path))[0]]
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    """Saving and loading megatron-core distributed checkpoints."""
+
+    GROUP: ClassVar[str] = 'checkpoints (megatron-core distributed checkpoints, torch_dist)'
+
+    save: Optional[str] = flag(None, 'directory of checkpoints: iter_XXXXXXX/ and latest_checkpointed_iteration.txt')
+    load: Optional[str] = flag(None, "resume from the latest complete checkpoint in this directory (nothing there: "
+        "start from scratch)")
+    load_fallback_to_intact: bool = flag(False, "when the latest checkpoint fails its digests (a damaged, "
+        "truncated or missing file) or the latest file is missing, resume from the newest intact checkpoint before "
+        "it instead of stopping")
+    save_interval: Optional[int] = flag(None, 'save every this many iterations')
+    keep_last_n_checkpoints: Optional[int] = flag(None, 'delete older checkpoints once a newer one is complete')
+    ckpt_format: str = flag('torch_dist', choices=('torch_dist',))
+    async_save: bool = flag(False, "write checkpoints from a background process while training goes on "
+        "(megatron-core's async save); committed at a later step", switch=True)
+    no_load_optim: bool = flag(False, 'do not load the optimizer state')
+    no_load_rng: bool = flag(False, 'do not load the RNG states')
+    finetune: bool = flag(False, 'load the model only and start at iteration 0')
+
+
+@dataclass(frozen=True)
+class EvaluationSection:
+    """Evaluation on the validation and test splits."""
+
+    GROUP: ClassVar[str] = 'evaluation and logging'
+
+    eval_interval: int = flag(1000)
+    eval_iters: int = flag(100, 'global batches of the validation split per evaluation (0: no evaluation)')
+
+
+@dataclass(frozen=True)
+class LoggingSection:
+    """What a run reports: the log line, timers, TensorBoard, W&B, profiles and stragglers."""
+
+    GROUP: ClassVar[str] = 'evaluation and logging'
+
+    log_interval: int = flag(100)
+    log_params_norm: bool = flag(False, "the L2 norm of all the weights in the log line and metrics.jsonl (each "
+        "weight once over the tensor and pipeline ranks, as Megatron-LM)")
+    log_num_zeros_in_grad: bool = flag(False, 'the number of zero gradient elements of the logged step, over the model')
+    timing_log_level: int = flag(0, "megatron-core's timers, per step in the log line and metrics.jsonl every "
+        "--log-interval: 0 saves and loads, 1 also the forward-backward pass, the optimizer (and its parts, "
+        "anGPT's bounding), evaluation, gradient reductions; 2 also data reads and each micro-batch's forward and "
+        "backward", choices=(0, 1, 2))
+    timing_log_option: str = flag('minmax', "each timer over the ranks: the slowest, the fastest and slowest, or "
+        "every rank's", choices=('max', 'minmax', 'all'))
+    log_timers_to_tensorboard: bool = flag(False, "the timers (the slowest rank's) as TensorBoard scalars "
+        "timers/<name>-time")
+    barrier_with_l1_time: bool = flag(True, "start the forward-backward and optimizer timers without a barrier "
+        "(which makes them time the step, not the wait for the slowest rank)",
+        option='--no-barrier-with-level-1-timing')
+    tensorboard_dir: Optional[str] = flag(None, 'TensorBoard scalars (default: <save>/tensorboard)')
+    profile: bool = flag(False, "profile the steps from --profile-step-start to --profile-step-end on "
+        "--profile-ranks: an Nsight Systems capture range (run under `nsys profile "
+        "--capture-range=cudaProfilerApi`; needs CUDA), or with --use-pytorch-profiler PyTorch profiler traces in "
+        "the TensorBoard directory")
+    profile_step_start: int = flag(10, "with --profile: the first step profiled (counted from 0, as Megatron-LM "
+        "counts it)")
+    profile_step_end: int = flag(12, 'with --profile: the step the range ends before')
+    use_pytorch_profiler: bool = flag(False, 'with --profile: the PyTorch profiler')
+    profile_ranks: tuple[int, ...] = flag((0,), 'with --profile: the ranks profiled')
+    log_straggler: bool = flag(False, "each rank's time in its forward passes, compared over the ranks every "
+        "--log-interval: the fastest and slowest ranks, and the stragglers (over their pipeline stage's median by "
+        "more than 10%%), in the log line and metrics.jsonl (megatron-core's StragglerDetector times them on CUDA)")
+    straggler_minmax_count: int = flag(1, "with --log-straggler: how many of the fastest, slowest and straggling "
+        "ranks are named")
+    straggler_ctrlr_port: int = flag(65535, "with --log-straggler on CUDA: the port of megatron-core's controller "
+        "on rank 0; a connection to it (`curl host:port`) turns the timing off or on from the next --log-interval")
+    disable_straggler_on_startup: bool = flag(False, "with --log-straggler on CUDA: start with the timing off "
+        "(turned on through --straggler-ctrlr-port)")
+    metrics_file: Optional[str] = flag(None, "JSON lines of every logged figure (default: <save or tensorboard "
+        "dir>/metrics.jsonl)")
+    wandb_project: Optional[str] = flag(None, "also log the TensorBoard scalars (same names and steps) and these "
+        "settings to this Weights & Biases project, from rank 0; needs `pip install wandb`; WANDB_MODE=offline "
+        "keeps the run on disk for `wandb sync` (default: no W&B)")
+    wandb_exp_name: Optional[str] = flag(None, "the W&B run's name (default: one W&B makes up)")
+    wandb_entity: Optional[str] = flag(None, "the W&B team or user that holds the project (default: W&B's default "
+        "entity of the logged-in user)")
+    wandb_save_dir: Optional[str] = flag(None, "where W&B writes its local files, in a wandb/ folder inside it "
+        "(default: <save>/wandb)")
+
+
+@dataclass(frozen=True)
+class MemorySection:
+    """Python's garbage collection, CUDA memory history and the caching allocator."""
+
+    GROUP: ClassVar[str] = 'memory'
+
+    manual_gc: bool = flag(False, "turn Python's garbage collector off and collect at chosen steps, the same on "
+        "every rank (a collection on one rank stalls the others)")
+    manual_gc_interval: int = flag(0, 'with --manual-gc: collect every this many steps (0: only around evaluations)')
+    manual_gc_eval: bool = flag(True, "with --manual-gc: no collection before and after each evaluation",
+        option='--no-manual-gc-eval')
+    record_memory_history: bool = flag(False, "CUDA: record the caching allocator's allocations and frees with "
+        "their stacks (the last 100,000), as Megatron-LM: the last rank writes a snapshot to "
+        "--memory-snapshot-path every --log-interval, and every rank one to oom_rank-<rank>_<path> when it runs "
+        "out of memory; open them at https://pytorch.org/memory_viz")
+    memory_snapshot_path: str = flag('snapshot.pickle', "with --record-memory-history: the snapshot's file")
+    empty_unused_memory_level: int = flag(0, "release the CUDA caching allocator's unused memory: 1 after each "
+        "forward-backward and evaluation step, 2 also after each optimizer step (slower; for fragmentation)",
+        choices=(0, 1, 2))
+
+
+@dataclass(frozen=True)
+class RerunSection:
+    """megatron-core's rerun state machine: the checks of each step's results (Megatron-LM's
+    RerunStateMachineConfig)."""
+
+    GROUP: ClassVar[str] = ("result validation (megatron-core's rerun state machine; docs/guide.md, A loss spike, "
+                            "a NaN, or a suspect GPU)")
+
+    rerun_mode: str = flag('validate_results', "validate_results: rerun a step whose loss or grads fail a check, "
+        "to tell a hardware fault (exit code 17) from the data (a checkpoint, exit code 16); report_stats: rerun "
+        "every step and report how much the results vary; disabled: no reruns, a NaN/Inf step is skipped "
+        "(--max-skipped-steps)", choices=RERUN_MODES)
+    check_for_nan_in_loss_and_grad: bool = flag(True, "do not check each micro-batch's loss and the local grads "
+        "for NaN/Inf (off by itself with --fp16's dynamic loss scale, whose overflows are expected)",
+        option='--no-check-for-nan-in-loss-and-grad')
+    check_for_spiky_loss: bool = flag(False, "check for a micro-batch loss 10x the largest of the first 100 (not "
+        "fatal)")
+    check_for_large_grads: bool = flag(False, 'check for local grads 10x the largest of the first 100 (not fatal)')
+    error_injection_rate: int = flag(0, 'for testing: inject a failed check once in this many (0: never)')
+    error_injection_type: str = flag('transient_error', "for testing: what the rerun of an injected failure finds",
+        choices=ERROR_INJECTION_TYPES)
+    result_rejected_tracker_filename: Optional[str] = flag(None, "append a line for each failed check and rerun "
+        "outcome to this file")
+    # Whether the state machine checks losses and local grads for NaN/Inf: not with --rerun-mode disabled
+    # (angpt's skip instead; megatron-core would raise), nor with --fp16's dynamic loss scale, whose overflows
+    # are the scaler's signal (Megatron-LM's validate_args turns the check off there too).
+    nan_checks: bool = derived(True)
+
+
+@dataclass(frozen=True)
+class ExitSection:
+    """When a run saves and exits before its end, and when it gives up."""
+
+    GROUP: ClassVar[str] = 'exiting'
+
+    exit_signal_handler: bool = flag(False, "also save and exit on --exit-signal (SIGTERM always does when --save "
+        "is set)")
+    exit_signal: str = flag('SIGTERM', choices=EXIT_SIGNALS)
+    exit_interval: Optional[int] = flag(None, 'save and exit when the iteration is a multiple of this')
+    exit_duration_in_mins: Optional[float] = flag(None, 'save and exit after this many minutes')
+    max_skipped_steps: int = flag(10, 'stop when more than this many steps in a row have a NaN/Inf loss or grad norm')
+    # The signals that save a checkpoint and exit: SIGTERM whenever there is somewhere to save, and --exit-signal
+    # with --exit-signal-handler (SIGUSR1 on clusters that warn before a time limit).
+    save_and_exit_signals: tuple[str, ...] = derived(())
+
+
+SECTIONS = {
+    "dry_run": DryRunSection,
+    "model": ModelSection,
+    "switches": SwitchesSection,
+    "parallel": ParallelSection,
+    "training": TrainingSection,
+    "optimizer": OptimizerSection,
+    "precision": PrecisionSection,
+    "fusion": FusionSection,
+    "data": DataSection,
+    "checkpoint": CheckpointSection,
+    "evaluation": EvaluationSection,
+    "logging": LoggingSection,
+    "memory": MemorySection,
+    "rerun": RerunSection,
+    "exits": ExitSection,
+}
+MEGATRON_PREFIX = "megatron_"  # the destinations of the Megatron-LM flags that the families imply (megatron_lm)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One run's configuration: every section, the Megatron-LM flags the family implies (as given), and the
+    --config file the flags came from. `flags()` is its flat form, {destination: value}: what checkpoints record
+    and W&B shows."""
+
+    dry_run: DryRunSection = field(default_factory=DryRunSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    switches: SwitchesSection = field(default_factory=SwitchesSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    training: TrainingSection = field(default_factory=TrainingSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    precision: PrecisionSection = field(default_factory=PrecisionSection)
+    fusion: FusionSection = field(default_factory=FusionSection)
+    data: DataSection = field(default_factory=DataSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    evaluation: EvaluationSection = field(default_factory=EvaluationSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    memory: MemorySection = field(default_factory=MemorySection)
+    rerun: RerunSection = field(default_factory=RerunSection)
+    exits: ExitSection = field(default_factory=ExitSection)
+    # {megatron_<flag>: value} of the implied Megatron-LM flags given (angpt.config.megatron_lm).
+    megatron: Mapping[str, Any] = field(default_factory=dict)
+    config: Optional[str] = None  # the --config file
+
+    @classmethod
+    def from_flags(cls, flags: Mapping[str, Any]) -> "RunConfig":
+        """The configuration of {destination: value}; fields not given keep their defaults. Lists become tuples.
+        A key that is no field is an error (angpt.config.saved reads older checkpoints' flags)."""
+        unknown = set(flags) - set(FIELD_SECTIONS) - {"config"}
+        unknown = {key for key in unknown if not key.startswith(MEGATRON_PREFIX)}
+        if unknown:
+            raise KeyError(f"not a field of the run configuration: {', '.join(sorted(unknown))}")
+        values: dict[str, dict] = {name: {} for name in SECTIONS}
+        for key, value in flags.items():
+            if key in FIELD_SECTIONS:
+                values[FIELD_SECTIONS[key]][key] = tuple(value) if isinstance(value, list) else value
+        return cls(**{name: SECTIONS[name](**values[name]) for name in SECTIONS},
+                   megatron={key: value for key, value in flags.items() if key.startswith(MEGATRON_PREFIX)},
+                   config=flags.get("config"))
+
+    def flags(self) -> dict[str, Any]:
+        """{destination: value} of every field (tuples as lists, as argparse gives them)."""
+        flat: dict[str, Any] = {"config": self.config}
+        for name in SECTIONS:
+            for key, value in dataclasses.asdict(getattr(self, name)).items():
+                flat[key] = list(value) if isinstance(value, tuple) else value
+        return {**flat, **self.megatron}
+
+    def padded_vocab_size(self, vocab_size: int) -> int:
+        """Megatron-LM's padding of the vocabulary, so that the output head splits evenly over tensor-parallel
+        ranks: a multiple of --make-vocab-size-divisible-by x TP."""
+        multiple = self.data.make_vocab_size_divisible_by * self.parallel.tensor_model_parallel_size
+        return -(-vocab_size // multiple) * multiple
+
+    def replace(self, **sections_fields: Mapping[str, Any]) -> "RunConfig":
+        """A copy with fields of some sections replaced: replace(parallel=dict(tensor_model_parallel_size=1))."""
+        return dataclasses.replace(self, **{name: dataclasses.replace(getattr(self, name), **changes)
+                                            for name, changes in sections_fields.items()})
+
+
+# The section of each field, by the field's name (names are unique over the sections: they are destinations).
+FIELD_SECTIONS = {f.name: name for name, section in SECTIONS.items() for f in dataclasses.fields(section)}

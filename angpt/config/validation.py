@@ -1,0 +1,445 @@
+"""Validation of the parsed flags (command line and --config file alike): impossible combinations are refused
+before any process-group work, by one line naming the flags; then the values the flags imply are derived, once,
+and the run's configuration (angpt.config.sections.RunConfig) is returned. Nothing rewrites it afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+from typing import Any, Optional
+
+from angpt.config import megatron_lm, pipeline_split, transformer_engine_support
+from angpt.config.blend import parse_blend
+from angpt.config.choices import recompute_module_refusal
+from angpt.config.sections import FIELD_SECTIONS, SECTIONS, RunConfig
+
+# Megatron-LM's defaults of the FP8 details; they apply only with --fp8-format (None here = not given).
+FP8_DEFAULTS = dict(fp8_recipe="delayed", fp8_margin=0, fp8_amax_history_len=1, fp8_amax_compute_algo="most_recent")
+# The range of every numeric flag (a test holds the parser to it), checked before anything divides by one:
+# (what the error says, the test, the flags). A flag left unset (None) is not checked; floats must be finite.
+NUMERIC_RANGES = (
+    ("must be at least 1", lambda value: value >= 1, (
+        "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "kv_channels",
+        "seq_length", "max_position_embeddings", "rotary_base", "recompute_num_layers", "tensor_model_parallel_size",
+        "pipeline_model_parallel_size", "context_parallel_size", "num_layers_per_virtual_pipeline_stage",
+        "decoder_first_pipeline_num_layers",
+        "decoder_last_pipeline_num_layers", "micro_batch_size",
+        "global_batch_size", "train_iters", "train_samples", "lr_decay_iters", "lr_wsd_decay_iters",
+        "lr_decay_samples", "lr_wsd_decay_samples",
+        "fp8_amax_history_len", "vocab_size", "make_vocab_size_divisible_by", "save_interval",
+        "keep_last_n_checkpoints", "eval_interval", "log_interval", "exit_interval", "ddp_bucket_size",
+        "loss_scale_window", "hysteresis", "tiktoken_num_special_tokens", "flight_recorder_trace_buffer_size",
+        "straggler_minmax_count")),
+    ("cannot be negative", lambda value: value >= 0, (
+        "angpt_alpha_init", "timing_log_level", "min_lr", "lr_warmup_iters", "lr_warmup_samples", "lr_warmup_init",
+        "weight_decay",
+        "clip_grad", "seed", "fp8_margin", "eval_iters", "max_skipped_steps", "dry_run", "cuda_graph_warmup_steps",
+        "megatron_local_rank", "rampup_batch_size", "manual_gc_interval", "empty_unused_memory_level",
+        "num_workers", "decoupled_min_lr", "profile_step_start", "profile_step_end", "profile_ranks",
+        "straggler_ctrlr_port", "error_injection_rate")),
+    ("must be positive", lambda value: value > 0, (
+        "init_method_std", "norm_epsilon", "angpt_constant_factor_multiplier", "angpt_nu_alpha_multiplier",
+        "distributed_timeout_minutes", "hang_timeout_minutes", "lr", "adam_eps", "exit_duration_in_mins",
+        "megatron_rotary_percent", "loss_scale", "initial_loss_scale", "min_loss_scale", "decoupled_lr",
+        "gpu_memory_gib")),
+    ("must be in [0, 1)", lambda value: 0 <= value < 1, (
+        "attention_dropout", "hidden_dropout", "lr_warmup_fraction", "adam_beta1", "adam_beta2")),
+)
+
+
+def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_size: int) -> RunConfig:
+    """Refuse impossible settings before any process-group work, naming the flags; return the run's
+    configuration, with the values the flags imply (`derive`)."""
+    _validate_ranges(parser, args)
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    if world_size % (tp * pp * cp):
+        parser.error(f"the world size {world_size} is not divisible by --tensor-model-parallel-size {tp} "
+                     f"x --pipeline-model-parallel-size {pp} x --context-parallel-size {cp}")
+    dp = world_size // (tp * pp * cp)
+    _validate_context_parallel(parser, args)
+    if args.num_attention_heads % tp:
+        parser.error(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                     f"--tensor-model-parallel-size {tp}")
+    if args.num_query_groups and (args.num_attention_heads % args.num_query_groups or args.num_query_groups % tp):
+        parser.error(f"--num-query-groups {args.num_query_groups} must divide --num-attention-heads "
+                     f"{args.num_attention_heads} and be divisible by --tensor-model-parallel-size {tp}")
+    try:
+        pipeline_split.stage_layers(args.num_layers, args)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.num_layers_per_virtual_pipeline_stage:
+        if pp == 1:
+            parser.error("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+        if (args.num_layers // pp) % args.num_layers_per_virtual_pipeline_stage:
+            parser.error("--num-layers / --pipeline-model-parallel-size is not divisible by "
+                         "--num-layers-per-virtual-pipeline-stage")
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        parser.error(f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
+                     f"{args.micro_batch_size} x data-parallel size {dp}")
+    for half in ("bf16", "fp16"):
+        if getattr(args, half) and not args.use_distributed_optimizer:
+            # Its state-dict mapping skips fp32 parameters inside a 16-bit model, which the learnable scales are.
+            parser.error(f"--{half} needs --use-distributed-optimizer (megatron-core's other 16-bit optimizer "
+                         "cannot checkpoint the fp32 learnable scales)")
+    if args.bf16 and args.fp16:
+        parser.error("give one of --bf16 and --fp16")
+    _validate_dependent_flags(parser, args)
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        parser.error("--overlap-param-gather needs --use-distributed-optimizer")
+    if args.max_position_embeddings is not None and args.max_position_embeddings < args.seq_length:
+        parser.error(f"--max-position-embeddings {args.max_position_embeddings} is below --seq-length "
+                     f"{args.seq_length}")
+    _validate_dropout(parser, args)
+    _validate_recompute(parser, args)
+    _validate_switches(parser, args)
+    _validate_schedule(parser, args, dp)
+    _validate_precision(parser, args)
+    _validate_checkpoints(parser, args)
+    _validate_hang_timeout(parser, args)
+    _validate_dry_run(parser, args)
+    _validate_result_checks(parser, args)
+    _validate_data(parser, args)
+    _validate_wandb(parser, args)
+    megatron_lm.check_implied(parser, args)
+    flags = vars(args)
+    return RunConfig.from_flags({**flags, **derive(flags, world_size)})
+
+
+def _validate_context_parallel(parser, args) -> None:
+    """Megatron-LM's checks of --context-parallel-size, and the local spec's one exchange (all_gather)."""
+    cp = args.context_parallel_size
+    if cp == 1:
+        return
+    if args.seq_length % (2 * cp):
+        parser.error(f"--seq-length {args.seq_length} is not divisible by 2 x --context-parallel-size {cp} (each "
+                     "rank holds two of 2 x CP chunks)")
+    tp = args.tensor_model_parallel_size
+    if args.sequence_parallel and tp > 1 and (args.seq_length // cp) % tp:
+        parser.error(f"--sequence-parallel: --seq-length {args.seq_length} / --context-parallel-size {cp} is not "
+                     f"divisible by --tensor-model-parallel-size {tp}")
+    kinds = args.cp_comm_type
+    if len(kinds) > 1:
+        # Megatron-LM's per-layer form: megatron-core 0.16.1 reads the list at the 1-based layer number, so each
+        # layer would take the next layer's value and the last one none.
+        parser.error(f"--cp-comm-type takes one value here (got {len(kinds)}): megatron-core 0.16.1 misreads a list "
+                     "of one per layer")
+    if args.transformer_impl == "local" and kinds != ["all_gather"]:
+        parser.error(f"--cp-comm-type {kinds[0]}: context parallelism on --transformer-impl local is all_gather "
+                     "only: pass --cp-comm-type all_gather (or use --transformer-impl transformer_engine)")
+
+
+def _validate_ranges(parser, args) -> None:
+    for requirement, holds, dests in NUMERIC_RANGES:
+        for dest in dests:
+            given = getattr(args, dest)
+            flag = "--" + dest.removeprefix("megatron_").replace("_", "-")
+            for value in given if isinstance(given, list) else [] if given is None else [given]:
+                if isinstance(value, float) and not math.isfinite(value):
+                    parser.error(f"{flag} {value} must be a finite number")
+                if not holds(value):
+                    parser.error(f"{flag} {value} {requirement}")
+
+
+# The anGPT switches each other family reads (docs/model.md, Families and switches); the rest would be
+# ignored there, so they are refused: GPT+ has none of the normalized blocks, and nGPT normalizes exactly
+# (no constant factors, no nu(alpha)) but has the post-norm, alpha and the residual update.
+FAMILY_SWITCHES = {
+    "gptplus": (),
+    "ngpt": ("angpt_post_norm", "angpt_alpha_init", "angpt_residual"),
+}
+
+
+def _validate_switches(parser, args) -> None:
+    if args.model_family not in FAMILY_SWITCHES:
+        return
+    for action in parser._actions:
+        dest = action.dest
+        if dest.startswith("angpt_") and dest not in FAMILY_SWITCHES[args.model_family] \
+                and getattr(args, dest) != action.default:
+            parser.error(f"{action.option_strings[0]} does not apply to --model-family {args.model_family} "
+                         "(docs/model.md, Families and switches)")
+
+
+def _validate_dropout(parser, args) -> None:
+    if args.hidden_dropout and args.model_family != "gptplus":
+        # Their layers have no bias-dropout-add; megatron-core would drop out only the embeddings.
+        parser.error(f"--hidden-dropout is not supported for --model-family {args.model_family} (its normalized "
+                     "residual has no hidden dropout; GPT+ only); use --attention-dropout")
+
+
+def _validate_recompute(parser, args) -> None:
+    """--recompute-activations becomes --recompute-granularity selective (Megatron-LM's alias); each flag of the
+    other granularity is refused, and each module the family or implementation lacks."""
+    if args.recompute_activations and args.recompute_granularity == "full":
+        parser.error("--recompute-activations is --recompute-granularity selective: give one of them")
+    granularity = _recompute_granularity(args)
+    if granularity != "full":
+        for dest in ("recompute_method", "recompute_num_layers"):
+            if getattr(args, dest) != default(dest):
+                parser.error(f"--{dest.replace('_', '-')} needs --recompute-granularity full")
+    if granularity != "selective":
+        if args.recompute_modules is not None:
+            parser.error("--recompute-modules needs --recompute-granularity selective (or --recompute-activations)")
+        return
+    for module in args.recompute_modules or ["core_attn"]:
+        refusal = recompute_module_refusal(module, args.model_family, args.transformer_impl)
+        if refusal:
+            parser.error(f"--recompute-modules {module} with --model-family {args.model_family}: {refusal}")
+
+
+# Flags that act only with another (its destination): (their destinations, that one, the error; None: "--FLAG
+# needs --THAT"). Each is refused when given a value other than its default without the one it needs.
+DEPENDENT_FLAGS = (
+    (("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis"), "fp16",
+     "{flag} needs --fp16 (loss scaling is for fp16)"),
+    (("decoupled_min_lr",), "decoupled_lr", None),
+    (("grad_reduce_in_bf16",), "bf16", None),
+    (("manual_gc_interval", "manual_gc_eval"), "manual_gc", None),
+    (("use_pytorch_profiler", "profile_ranks", "profile_step_start", "profile_step_end"), "profile",
+     "--use-pytorch-profiler, --profile-ranks, --profile-step-start and --profile-step-end need --profile"),
+    (("straggler_minmax_count", "straggler_ctrlr_port", "disable_straggler_on_startup"), "log_straggler", None),
+    (("memory_snapshot_path",), "record_memory_history", None),
+    (("flight_recorder_trace_buffer_size",), "flight_recorder_dump_path", None),
+)
+
+
+def _validate_dependent_flags(parser, args) -> None:
+    flags = {action.dest: action.option_strings[0] for action in parser._actions if action.option_strings}
+    for dests, needed, error in DEPENDENT_FLAGS:
+        given = [dest for dest in dests if getattr(args, dest) != default(dest)]
+        if given and not getattr(args, needed):
+            parser.error((error or "{flag} needs {needed}").format(flag=flags[given[0]], needed=flags[needed]))
+
+
+def _validate_rampup(parser, args, dp: int) -> None:
+    """What megatron-core's ramp-up calculator asserts (or divides by zero on), as errors naming the flags: every
+    batch of the ramp-up must split into micro-batches on every data-parallel rank."""
+    start, increment, samples = args.rampup_batch_size
+    shown = f"--rampup-batch-size {start} {increment} {samples}"
+    if args.train_samples is None:
+        parser.error(f"{shown} needs --train-samples (the ramp-up is counted in samples)")
+    if min(start, increment, samples) < 1:  # SAMPLES 0: megatron-core divides by zero
+        parser.error(f"{shown}: START, INCREMENT and SAMPLES must be at least 1")
+    if start >= args.global_batch_size or (args.global_batch_size - start) % increment:
+        parser.error(f"{shown}: START must be below --global-batch-size {args.global_batch_size} and reach it in "
+                     "whole INCREMENTs")
+    if start % (args.micro_batch_size * dp) or increment % (args.micro_batch_size * dp):
+        parser.error(f"{shown}: START and INCREMENT must be multiples of --micro-batch-size {args.micro_batch_size} "
+                     f"x data-parallel size {dp}")
+
+
+def _validate_schedule(parser, args, dp: int) -> None:
+    if args.train_iters is None and args.train_samples is None:
+        parser.error("give the length of training: --train-iters or --train-samples")
+    # As Megatron-LM (megatron/training/arguments.py): a run counts iterations or samples, not both.
+    by_samples = args.train_samples is not None
+    unit, other = ("samples", "iters") if by_samples else ("iters", "samples")
+    for name in ("lr_decay", "lr_warmup", "lr_wsd_decay"):
+        if getattr(args, f"{name}_{other}") is not None:
+            parser.error(f"--{name.replace('_', '-')}-{other} needs --train-{other} (this run gives --train-{unit}: "
+                         f"use --{name.replace('_', '-')}-{unit})")
+    if args.lr_warmup_fraction is not None and getattr(args, f"lr_warmup_{unit}") is not None:
+        parser.error(f"give one of --lr-warmup-fraction and --lr-warmup-{unit}")
+    if args.rampup_batch_size is not None:
+        _validate_rampup(parser, args, dp)
+    if by_samples and args.rampup_batch_size is None and args.train_samples < args.global_batch_size:
+        parser.error(f"--train-samples {args.train_samples} is less than one --global-batch-size "
+                     f"{args.global_batch_size}")
+    if args.lr_decay_style == "WSD" and getattr(args, f"lr_wsd_decay_{unit}") is None:
+        parser.error(f"--lr-decay-style WSD needs --lr-wsd-decay-{unit}")
+    if args.min_lr is not None and args.min_lr > args.lr:
+        parser.error(f"--min-lr {args.min_lr} is above --lr {args.lr}")
+
+
+def _validate_precision(parser, args) -> None:
+    """--transformer-impl, the fused cross-entropy and the FP8 flags (Megatron-LM's names); fills in the FP8
+    defaults."""
+    granularity = _recompute_granularity(args)
+    if args.cuda_graph_impl == "local" and granularity == "full":
+        parser.error("--cuda-graph-impl local cannot capture layers that --recompute-granularity full recomputes "
+                     "(megatron-core supports that only for whole-iteration graphs); drop one of them")
+    if args.cuda_graph_impl == "local" and granularity == "selective":
+        parser.error("--cuda-graph-impl local with --recompute-granularity selective is not built: the recomputed "
+                     "parts run inside each layer's captured graph, which no test has checked on a GPU; drop one of "
+                     "them")
+    if args.cross_entropy_loss_fusion and not args.bf16:
+        parser.error("--cross-entropy-loss-fusion needs --bf16 (the fused cross-entropy rounds the logits' gradient "
+                     "to bf16; in fp32 the unfused one is exact)")
+    if args.cross_entropy_fusion_impl == "te" and transformer_engine_support.transformer_engine_error() is not None:
+        parser.error(f"--cross-entropy-fusion-impl te needs NVIDIA Transformer Engine, which is not importable here "
+                     f"({transformer_engine_support.transformer_engine_error()}); use --cross-entropy-fusion-impl "
+                     "native (the default)")
+    fp8 = args.fp8_format is not None
+    if not fp8:
+        for flag in ("fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo"):
+            if getattr(args, flag) not in (None, False):
+                parser.error(f"--{flag.replace('_', '-')} needs --fp8-format (FP8 is off without it)")
+    recipe = args.fp8_recipe or FP8_DEFAULTS["fp8_recipe"]
+    if fp8:
+        if args.transformer_impl != "transformer_engine":
+            parser.error(f"--fp8-format {args.fp8_format} needs --transformer-impl transformer_engine (FP8 GEMMs "
+                         f"are Transformer Engine's; got --transformer-impl {args.transformer_impl})")
+        if not args.bf16:
+            parser.error(f"--fp8-format {args.fp8_format} needs --bf16 (the weights and activations FP8 does not "
+                         "cover stay bf16)")
+        if recipe != "delayed":
+            for flag in ("fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo"):
+                if getattr(args, flag) not in (None, FP8_DEFAULTS[flag]):
+                    parser.error(f"--{flag.replace('_', '-')} applies to --fp8-recipe delayed only (got "
+                                 f"--fp8-recipe {recipe})")
+        multiple = 32 if recipe == "mxfp8" else 16
+        ffn = args.ffn_hidden_size or 4 * args.hidden_size
+        if args.hidden_size % multiple or ffn % multiple:
+            parser.error(f"FP8 GEMMs (--fp8-recipe {recipe}) need --hidden-size {args.hidden_size} and "
+                         f"--ffn-hidden-size {ffn} to be multiples of {multiple}")
+    if args.transformer_impl == "transformer_engine":
+        if transformer_engine_support.transformer_engine_error() is not None:
+            parser.error(transformer_engine_support.unavailable_message())
+        if fp8:
+            problem = transformer_engine_support.fp8_recipe_problem(recipe)
+            if problem:
+                parser.error(f"--fp8-recipe {recipe}: {problem}")
+
+
+def _validate_dry_run(parser, args) -> None:
+    for flag in ("suggest_layout", "gpu_memory_gib"):
+        if getattr(args, flag) not in (None, False) and args.dry_run is None:
+            parser.error(f"--{flag.replace('_', '-')} is part of the dry run's report: add --dry-run WORLD_SIZE")
+
+
+def _nan_checks(flags: dict) -> bool:
+    """RerunSection.nan_checks."""
+    return (flags["check_for_nan_in_loss_and_grad"] and flags["rerun_mode"] != "disabled"
+            and not (flags["fp16"] and not flags["loss_scale"]))
+
+
+def _validate_result_checks(parser, args) -> None:
+    if args.error_injection_type != "transient_error" and not args.error_injection_rate:
+        parser.error("--error-injection-type needs --error-injection-rate")
+    checked = _nan_checks(vars(args)) or args.check_for_spiky_loss or args.check_for_large_grads
+    if args.error_injection_rate and not (args.rerun_mode == "validate_results" and checked):
+        parser.error("--error-injection-rate makes checks of --rerun-mode validate_results fail, and this run has "
+                     "none (the NaN check is off with --no-check-for-nan-in-loss-and-grad and with --fp16's dynamic "
+                     "loss scale)")
+
+
+def _validate_hang_timeout(parser, args) -> None:
+    if args.hang_timeout_minutes is not None and args.hang_timeout_minutes >= args.distributed_timeout_minutes:
+        parser.error(f"--hang-timeout-minutes {args.hang_timeout_minutes} must be below --distributed-timeout-minutes "
+                     f"{args.distributed_timeout_minutes}: the stacks are for before the collective times out")
+
+
+def _validate_checkpoints(parser, args) -> None:
+    for flag in ("save_interval", "keep_last_n_checkpoints", "async_save"):
+        if getattr(args, flag) and not args.save:
+            parser.error(f"--{flag.replace('_', '-')} needs --save")
+    if (args.exit_signal_handler or args.exit_interval or args.exit_duration_in_mins) and not args.save:
+        # Megatron-LM exits without saving then; a user who asks for a graceful exit wants the state.
+        parser.error("--exit-signal-handler, --exit-interval and --exit-duration-in-mins need --save")
+    for flag in ("finetune", "load_fallback_to_intact"):
+        if getattr(args, flag) and not args.load:
+            parser.error(f"--{flag.replace('_', '-')} needs --load")
+
+
+def _validate_wandb(parser, args) -> None:
+    if not args.wandb_project:
+        for flag in ("wandb_exp_name", "wandb_entity", "wandb_save_dir"):
+            if getattr(args, flag):
+                parser.error(f"--{flag.replace('_', '-')} needs --wandb-project (W&B is off without it)")
+        return
+    if not (args.wandb_save_dir or args.save):
+        parser.error("--wandb-project needs --wandb-save-dir or --save (W&B's files go to <save>/wandb)")
+    # Found, not imported: importing wandb takes a second, and only rank 0 uses it.
+    if importlib.util.find_spec("wandb") is None:
+        parser.error("--wandb-project needs the wandb package: pip install wandb")
+
+
+def _validate_data(parser, args) -> None:
+    if not (args.data_path or args.train_data_path or args.mock_data):
+        parser.error("no training data: give --data-path, --train-data-path or --mock-data")
+    given = [f"--{flag.replace('_', '-')}" for flag in ("data_path", "train_data_path", "mock_data")
+             if getattr(args, flag)]
+    if len(given) > 1:
+        parser.error(f"{' and '.join(given)} both name the training data: give one")
+    if args.data_path and (args.valid_data_path or args.test_data_path):
+        parser.error("--data-path splits one blend into train, validation and test (--split); "
+                     "--valid-data-path and --test-data-path go with --train-data-path")
+    if args.mock_data and not args.vocab_size:
+        parser.error("--mock-data needs --vocab-size")
+    if args.reset_attention_mask and args.transformer_impl == "transformer_engine":
+        parser.error("--reset-attention-mask: Transformer Engine's attention here is causal by its mask type and "
+                     "takes no document mask; use --transformer-impl local")
+    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        values = getattr(args, flag)
+        if not values:
+            continue
+        name = f"--{flag.replace('_', '-')}"
+        try:
+            prefixes, _ = parse_blend(values)
+        except ValueError as error:
+            parser.error(str(error).replace("--data-path", name))
+        prefixes, _ = parse_blend(_blend_of_prefixes(values))
+        for prefix in prefixes:
+            missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+            if missing:
+                parser.error(f"{name} {prefix}: no {' or '.join(prefix + e for e in missing)}")
+
+
+
+
+def _blend_of_prefixes(values: list[str]) -> list[str]:
+    """A blend's values with each prefix written as one of its files (`corpus_text_document.bin`) as that prefix."""
+    prefixes, _ = parse_blend(values)
+    return [value[:-len(".bin")] if value in prefixes and value.endswith((".bin", ".idx")) else value
+            for value in values]
+
+
+def _recompute_granularity(args: argparse.Namespace) -> Optional[str]:
+    """--recompute-granularity, with Megatron-LM's alias --recompute-activations (selective)."""
+    return "selective" if args.recompute_activations else args.recompute_granularity
+
+
+def default(dest: str) -> Any:
+    """The default of a flag field (a --config file's values are the parser's defaults, not the field's)."""
+    value = SECTIONS[FIELD_SECTIONS[dest]].__dataclass_fields__[dest].default
+    return list(value) if isinstance(value, tuple) else value  # as argparse gives it
+
+
+def derive(flags: dict, world_size: int) -> dict:
+    """The values the flags imply, computed once: the layout's sizes, sequence parallelism (off with TP 1, as in
+    Megatron-LM), the recompute granularity of --recompute-activations, the steps of a run by samples, the FP8
+    details' defaults, the data prefixes, the NaN checks and the exit signals. Also for the flags an older
+    checkpoint recorded (angpt.config.saved)."""
+    tp, pp, cp = (flags["tensor_model_parallel_size"], flags["pipeline_model_parallel_size"],
+                  flags["context_parallel_size"])
+    layers_per_virtual = flags["num_layers_per_virtual_pipeline_stage"]
+    derived = dict(
+        world_size=world_size,
+        data_parallel_size=world_size // (tp * pp * cp),
+        virtual_pipeline_stages=flags["num_layers"] // pp // layers_per_virtual if layers_per_virtual else None,
+        # Sequence parallelism is within the tensor-parallel group (said in one line, megatron_lm.notes).
+        sequence_parallel=flags["sequence_parallel"] and tp > 1,
+        sequence_parallel_disabled=flags["sequence_parallel"] and tp == 1,
+        recompute_granularity=_recompute_granularity(argparse.Namespace(**flags)),
+        nan_checks=_nan_checks(flags),
+        save_and_exit_signals=tuple(sorted({"SIGTERM", *([flags["exit_signal"]] if flags["exit_signal_handler"]
+                                                         else [])})) if flags["save"] else (),
+    )
+    if flags["train_samples"] is not None:
+        if flags["rampup_batch_size"] is None:
+            # Whole global batches; the samples of a last, partial one are left out, as in Megatron-LM.
+            derived["train_iters"] = flags["train_samples"] // flags["global_batch_size"]
+        else:
+            # megatron-core's calculator, imported only for a ramp-up: flag errors stay instant.
+            from angpt.config.batch_schedule import rampup_train_iters  # noqa: PLC0415
+
+            derived["train_iters"] = rampup_train_iters(flags["global_batch_size"], flags["rampup_batch_size"],
+                                                        flags["train_samples"])
+    derived.update({flag: value for flag, value in FP8_DEFAULTS.items() if flags[flag] is None})
+    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        if flags[flag]:
+            derived[flag] = _blend_of_prefixes(list(flags[flag]))
+    return derived

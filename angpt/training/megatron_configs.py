@@ -1,0 +1,112 @@
+"""megatron-core's configs from the run's configuration, as Megatron-LM's `core_transformer_config_from_args`
+fills them (and angpt.training.optimizer its OptimizerConfig): every field of a section whose name is a field of
+megatron-core's config goes there by name, so a Megatron-LM flag whose destination is such a field reaches
+megatron-core with Megatron-LM's meaning without code of its own. Then the named overrides: flags whose names
+differ from the fields, and what a family fixes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.transformer.enums import AttnBackend
+
+from angpt.config import transformer_engine_support
+from angpt.config.sections import SECTIONS, RunConfig
+from angpt.models import AnGPTConfig, model_config
+
+# anGPT's switches and the model config's fields they set (docs/model.md, Families and switches).
+SWITCH_FIELDS = dict(angpt_post_norm="post_norm", angpt_nu_p="nu_p_reading", angpt_alpha_init="alpha_init",
+                     angpt_constant_factors="constant_factors",
+                     angpt_constant_factor_multiplier="constant_factor_multiplier", angpt_nu_alpha="nu_alpha_mode",
+                     angpt_nu_alpha_multiplier="nu_alpha_multiplier", angpt_residual="residual")
+
+
+def by_name(config: RunConfig, megatron_config: type) -> dict[str, Any]:
+    """{field: value} of the run's fields that `megatron_config` (a dataclass) has by name; tuples as lists."""
+    fields = {field.name for field in dataclasses.fields(megatron_config)}
+    values = {}
+    for name in SECTIONS:
+        for key, value in dataclasses.asdict(getattr(config, name)).items():
+            if key in fields:
+                values[key] = list(value) if isinstance(value, tuple) else value
+    return values
+
+
+def params_dtype(config: RunConfig) -> torch.dtype:
+    precision = config.precision
+    return torch.bfloat16 if precision.bf16 else torch.float16 if precision.fp16 else torch.float32
+
+
+def transformer_config(config: RunConfig) -> AnGPTConfig:
+    """The model config of the run (Megatron-LM's `core_transformer_config_from_args`)."""
+    model, parallel, precision = config.model, config.parallel, config.precision
+    values = by_name(config, AnGPTConfig)
+    values.update(
+        # Flags named otherwise than the fields they set.
+        num_layers_in_first_pipeline_stage=parallel.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=parallel.decoder_last_pipeline_num_layers,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_stages,
+        layernorm_epsilon=model.norm_epsilon,
+        share_embeddings_and_output_weights=model.tie_embeddings_and_output_weights,
+        rope_position_ids=config.data.reset_position_ids,
+        params_dtype=params_dtype(config),
+        pipeline_dtype=params_dtype(config),
+        attention_backend=AttnBackend[precision.attention_backend],
+        # One exchange for all layers (validated): megatron-core reads a list per layer.
+        cp_comm_type=parallel.cp_comm_type[0],
+        nu_alpha_grad=not config.switches.angpt_no_nu_alpha_grad,
+        **{field: getattr(config.switches, switch) for switch, field in SWITCH_FIELDS.items()},
+        **_fusions(config),
+        # The recompute flags' defaults are Megatron-LM's for full recompute: each applies to its granularity.
+        recompute_method=model.recompute_method if model.recompute_granularity == "full" else None,
+        recompute_num_layers=model.recompute_num_layers if model.recompute_granularity == "full" else None,
+        recompute_modules=(list(model.recompute_modules) if model.recompute_granularity == "selective"
+                           and model.recompute_modules else None),
+    )
+    # FP8 GEMMs in the transformer layers (Transformer Engine; docs/fp8.md): --fp8-format is Megatron-LM's `fp8`.
+    values["fp8"] = precision.fp8_format
+    if model.model_family == "ngpt":  # nGPT fixes its own factors.
+        for key in ("constant_factors", "nu_alpha_mode"):
+            values.pop(key)
+    if not torch.cuda.is_available():
+        # The interleaved schedule's batched p2p gives wrong gradients on gloo at PP=2.
+        values.update(batch_p2p_comm=False, batch_p2p_sync=False)
+    return model_config(values.pop("model_family"), **values)
+
+
+def _fusions(config: RunConfig) -> dict:
+    """The fusions (on by default with a GPU, where each pays for its compilation) and CUDA graphs."""
+    on_gpu = torch.cuda.is_available()
+    fusion, precision = config.fusion, config.precision
+    rope_fusion = fusion.apply_rope_fusion
+    if fusion.cuda_graph_impl != "none" and not on_gpu:
+        raise ValueError(f"--cuda-graph-impl {fusion.cuda_graph_impl} needs a CUDA device; there is none here")
+    if config.data.reset_position_ids and transformer_engine_support.transformer_engine_error() is None:
+        # Transformer Engine's fused RoPE takes one angle per position ([s, 1, 1, dim]), not one per token.
+        if rope_fusion:
+            raise ValueError("--rope-fusion: Transformer Engine's fused RoPE cannot follow --reset-position-ids "
+                             "(one angle per position, not per token); leave --rope-fusion out")
+        rope_fusion = False
+    cross_entropy_fusion = precision.cross_entropy_loss_fusion
+    return dict(
+        apply_rope_fusion=on_gpu if rope_fusion is None else rope_fusion,
+        # megatron-core's SwiGLU fusion, used by GPT+'s MLP (the normalized families' MLP has its own kernel).
+        bias_activation_fusion=on_gpu if fusion.bias_swiglu_fusion is None else fusion.bias_swiglu_fusion,
+        # Where it is exact and pays for its compilation (angpt.config.validation).
+        cross_entropy_loss_fusion=(precision.bf16 and on_gpu) if cross_entropy_fusion is None else cross_entropy_fusion,
+    )
+
+
+def ddp_config(config: RunConfig) -> DistributedDataParallelConfig:
+    """Data-parallel gradient reduction (Megatron-LM's `get_model`): in fp32 unless --grad-reduce-in-bf16; the local
+    grads checked before it (the rerun state machine's checks)."""
+    return DistributedDataParallelConfig(**{
+        **by_name(config, DistributedDataParallelConfig),
+        "check_for_nan_in_grad": config.rerun.nan_checks,
+        "grad_reduce_in_fp32": not config.precision.grad_reduce_in_bf16,
+        "bucket_size": config.parallel.ddp_bucket_size,
+    })
