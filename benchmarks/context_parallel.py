@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from angpt.config.sections import RunConfig
 from angpt.models import model_config
 from angpt.training import distributed
 from angpt.training.optimizer import build_optimizer
@@ -51,7 +52,8 @@ def block(cp: int, args, init: dict | None, steps: int):
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(init[name])
-    optimizer, scheduler = build_optimizer(chunks, args.family, lr=1e-3, train_iters=steps + 1, clip_grad=0.0)
+    optimizer, scheduler = build_optimizer(
+        chunks, RunConfig.from_flags(dict(model_family=args.family, lr=1e-3, train_iters=steps + 1, clip_grad=0.0)))
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     batch = global_batch(world, args.seq_length, args.vocab_size)[dp_rank::dp]
     merged = {key: torch.cat([sample[key] for sample in batch]) for key in batch[0]}

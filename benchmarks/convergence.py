@@ -106,11 +106,11 @@ def worker(result_path: str, argv: list[str], probe_batches: int) -> None:
     from angpt.config.arguments import parse_args  # noqa: PLC0415 (runs only)
     from angpt.training.trainer import Trainer  # noqa: PLC0415 (runs only)
 
-    args = parse_args(argv)
+    config = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("angpt").setLevel(logging.INFO)
     start = time.perf_counter()
-    trainer = Trainer(args)
+    trainer = Trainer(config)
     code = trainer.run()
     seconds = time.perf_counter() - start
     try:
@@ -133,13 +133,13 @@ def probe_norms(trainer, num_batches: int) -> dict:
     from angpt.data.gpt_datasets import micro_batches  # noqa: PLC0415 (runs only)
     from angpt.telemetry.health import HealthProbe  # noqa: PLC0415 (runs only)
 
-    args = trainer.args
+    training = trainer.run_config.training
     model = trainer.chunks[0]
     model.eval()
     probe = HealthProbe(trainer.chunks)
     batches = [b for i in range(num_batches)
-               for b in micro_batches(trainer.data.valid, i * args.global_batch_size, args.global_batch_size,
-                                      args.micro_batch_size, 0, 1)]
+               for b in micro_batches(trainer.data.valid, i * training.global_batch_size, training.global_batch_size,
+                                      training.micro_batch_size, 0, 1)]
     token = Counter(torch.cat([b["tokens"].flatten() for b in batches]).tolist()).most_common(1)[0][0]
 
     def norms(inputs) -> list[float]:
@@ -166,20 +166,21 @@ def step_times(result_path: str, rounds: int, configs: dict) -> None:
     from angpt.config.arguments import parse_args  # noqa: PLC0415 (runs only)
     from angpt.data.gpt_datasets import dataset_vocabulary  # noqa: PLC0415 (runs only)
     from angpt.training import distributed  # noqa: PLC0415 (runs only)
-    from angpt.training.config_from_args import data_arguments, model_config_from_args, padded_vocab_size  # noqa: PLC0415 (runs only)
+    from angpt.training.megatron_configs import transformer_config  # noqa: PLC0415 (runs only)
     from angpt.training.optimizer import build_optimizer  # noqa: PLC0415 (runs only)
     from angpt.training.step import build_model_chunks  # noqa: PLC0415 (runs only)
 
     distributed.initialize()
     built = {}
     for name, argv in configs.items():
-        args = parse_args(argv)
+        config = parse_args(argv)
         # The vocabulary of the runs: that of their corpus, padded as the trainer pads it.
-        vocab_size = padded_vocab_size(dataset_vocabulary(data_arguments(args)).vocab_size,
-                                       args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
-        chunks = build_model_chunks(model_config_from_args(args), vocab_size, args.seq_length)
-        built[name] = (chunks, *build_optimizer(chunks, args.model_family, lr=args.lr, train_iters=args.train_iters))
-    times = interleaved_step_times(built, random_batch(args.micro_batch_size, args.seq_length, vocab_size), rounds)
+        vocab_size = config.padded_vocab_size(dataset_vocabulary(config.data).vocab_size)
+        chunks = build_model_chunks(transformer_config(config), vocab_size, config.model.seq_length)
+        # The runs' flags set the family, lr and length only: the optimizer of their run.
+        built[name] = (chunks, *build_optimizer(chunks, config))
+    times = interleaved_step_times(built, random_batch(config.training.micro_batch_size, config.model.seq_length,
+                                                       vocab_size), rounds)
     with open(result_path, "w") as file:
         json.dump({"ms": {n: 1000 * statistics.median(t) for n, t in times.items()}, "rounds": rounds,
                    "threads": torch.get_num_threads()}, file)

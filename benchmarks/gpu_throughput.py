@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import functools
 import gc
-import inspect
 import itertools
 import json
 import shlex
@@ -56,7 +55,7 @@ from angpt.megatron_compat import patches
 from angpt.models.attention import clear_attention_backend_environment
 from angpt.telemetry.performance import model_flops_per_token, peak_flops_per_device
 from angpt.training import distributed
-from angpt.training.config_from_args import model_config_from_args, padded_vocab_size
+from angpt.training.megatron_configs import transformer_config
 from angpt.training.optimizer import build_optimizer
 from angpt.training.step import build_model_chunks, train_step
 
@@ -160,18 +159,17 @@ def pretrain_flags(args, shape: str, family: str, precision: str, extra: list[st
 def build(flags: list[str]):
     """Model chunks, optimizer and scheduler as the trainer builds them from these flags."""
     clear_attention_backend_environment()  # this script builds several models
-    pretrain_args = parse_pretrain_args(flags, world_size=1)
-    config = model_config_from_args(pretrain_args)
+    run_config = parse_pretrain_args(flags, world_size=1)
+    config = transformer_config(run_config)
     # Each model from the same seed; RNG states that CUDA graphs can capture where the flags ask for them.
-    distributed.set_random_seed(pretrain_args.seed, cuda_graphs=config.cuda_graph_impl == "local")
-    vocab_size = padded_vocab_size(pretrain_args.vocab_size, pretrain_args.make_vocab_size_divisible_by, 1)
-    chunks = build_model_chunks(config, vocab_size, pretrain_args.seq_length, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=pretrain_args.use_distributed_optimizer,
-        overlap_grad_reduce=pretrain_args.overlap_grad_reduce, overlap_param_gather=pretrain_args.overlap_param_gather))
-    # Every optimizer setting the flags have, as the trainer passes them (and any a newer build_optimizer takes).
-    settings = {name: getattr(pretrain_args, name) for name in inspect.signature(build_optimizer).parameters
-                if name not in ("model_chunks", "model_family") and hasattr(pretrain_args, name)}
-    optimizer, scheduler = build_optimizer(chunks, pretrain_args.model_family, **settings)
+    distributed.set_random_seed(run_config.training.seed, cuda_graphs=config.cuda_graph_impl == "local")
+    vocab_size = run_config.padded_vocab_size(run_config.data.vocab_size)
+    parallel = run_config.parallel
+    chunks = build_model_chunks(config, vocab_size, run_config.model.seq_length, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=parallel.use_distributed_optimizer,
+        overlap_grad_reduce=parallel.overlap_grad_reduce, overlap_param_gather=parallel.overlap_param_gather))
+    # Every optimizer setting the flags have, as the trainer passes them.
+    optimizer, scheduler = build_optimizer(chunks, run_config)
     return config, vocab_size, chunks, optimizer, scheduler
 
 
@@ -364,7 +362,7 @@ def main(argv=None):
     # A variant's flags are checked before anything is measured, so that a typo fails in seconds.
     for variant, extra in args.variants.items():
         flags = parse_pretrain_args(pretrain_flags(args, args.shapes[0], args.families[0], "bf16", extra), world_size=1)
-        if flags.cuda_graph_impl != "none" and len(args.kernels) > 1:
+        if flags.fusion.cuda_graph_impl != "none" and len(args.kernels) > 1:
             sys.exit(f"gpu_throughput.py: --variant {variant}: CUDA graphs replay the kernels they captured, so "
                      "--kernels cannot alternate in it; give one --kernels setting")
     on_cuda = args.device.type == "cuda"

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from angpt import kernels
+from angpt.config.sections import RunConfig
 from angpt.models import WEIGHT_CONSTRAINTS, model_config
 from angpt.models.bounding import project_parameters_
 from angpt.telemetry.launch_count import compiled_kernels_profiled, kernel_launches
@@ -104,7 +105,8 @@ def main():
         config = model_config(family, num_layers=args.num_layers, hidden_size=args.hidden_size,
                               num_attention_heads=args.num_attention_heads, apply_rope_fusion=args.compiled)
         chunks = build_model_chunks(config, v, s)
-        optimizer, scheduler = build_optimizer(chunks, family, lr=1e-3, train_iters=10 * args.rounds)
+        optimizer, scheduler = build_optimizer(
+            chunks, RunConfig.from_flags(dict(model_family=family, lr=1e-3, train_iters=10 * args.rounds)))
         runs[family] = (chunks, optimizer, scheduler)
 
     projections = {family: [] for family in FAMILIES if WEIGHT_CONSTRAINTS[family]}

@@ -54,7 +54,8 @@ from megatron.core.timers import Timers
 from megatron.core.utils import get_model_config
 
 from angpt.config.arguments import parse_args as parse_pretrain_args
-from angpt.data.gpt_datasets import DataArguments, TrainingBatches, build_datasets, dataset_vocabulary
+from angpt.config.sections import DataSection, RunConfig
+from angpt.data.gpt_datasets import TrainingBatches, build_datasets, dataset_vocabulary
 from angpt.models import WEIGHT_CONSTRAINTS, build_model, model_config
 from angpt.models.bounding import project_parameters_
 from angpt.telemetry.hang_watchdog import HangWatchdog
@@ -62,7 +63,7 @@ from angpt.telemetry.health import params_l2_norm
 from angpt.telemetry.stragglers import FORWARD_TIMER, ForwardTimer, StragglerReport
 from angpt.telemetry.timers import per_step_ms
 from angpt.training import distributed, rerun
-from angpt.training.config_from_args import ddp_config_from_args
+from angpt.training.megatron_configs import ddp_config
 from angpt.training.optimizer import build_optimizer
 from angpt.training.step import build_model_chunks, train_step
 
@@ -87,6 +88,13 @@ def parse_args():
     return parser.parse_args()
 
 
+def optimizer_flags(args) -> RunConfig:
+    """The optimizer of both paths: no warm-up (GPT+'s recipe has one) and many iterations, so that the lr stays
+    at --lr for the few steps measured here, as in the bare loop; no weight decay in either."""
+    return RunConfig.from_flags(dict(model_family=args.model_family, lr=args.lr, train_iters=1_000_000,
+                                     weight_decay=0.0, lr_warmup_iters=0))
+
+
 def fixed_batches(args) -> list[dict]:
     """`--num-microbatches` micro-batches of random tokens, the same for every step of both paths."""
     b, s = args.micro_batch_size, args.seq_length
@@ -105,11 +113,7 @@ class TrainerPath:
     def __init__(self, args, config):
         self.args = args
         self.chunks = build_model_chunks(config, args.vocab_size, args.seq_length)
-        # No warm-up (GPT+'s recipe has one) and many iterations: the lr stays at --lr for the few steps
-        # measured here, as in the bare loop; no weight decay in either.
-        self.optimizer, self.scheduler = build_optimizer(self.chunks, args.model_family, lr=args.lr,
-                                                         train_iters=1_000_000, weight_decay=0.0,
-                                                         lr_warmup_iters=0)
+        self.optimizer, self.scheduler = build_optimizer(self.chunks, optimizer_flags(args))
 
     def step(self, batches, timers=None) -> float:
         loss, _, _ = train_step(iter(batches), self.chunks, self.optimizer, self.scheduler, len(batches),
@@ -201,7 +205,7 @@ def measure_data_loading(args) -> None:
     config = model_config(args.model_family, num_layers=args.num_layers, hidden_size=args.hidden_size,
                           num_attention_heads=args.num_attention_heads)
     trainer = TrainerPath(args, config)
-    data = DataArguments(mock_data=True, vocab_size=args.vocab_size)
+    data = DataSection(mock_data=True, vocab_size=args.vocab_size)
     samples = (args.repeats + 1) * 2 * args.num_microbatches * args.micro_batch_size
     train, _, _ = build_datasets(data, dataset_vocabulary(data), args.seq_length, 1234, [samples, 0, 0])
     loaders = {f"{workers} workers": TrainingBatches(train, 0, args.micro_batch_size, 0, 1, workers, args.vocab_size)
@@ -379,12 +383,12 @@ def measure_rerun_machine(args) -> None:
                           num_attention_heads=args.num_attention_heads)
     rows = {}
     for name, flags in RERUN_ROWS.items():
-        flags = parse_pretrain_args([*shape, *flags], world_size=1)
-        chunks = build_model_chunks(config, args.vocab_size, args.seq_length, ddp_config_from_args(flags))
-        optimizer, scheduler = build_optimizer(chunks, args.model_family, lr=args.lr, train_iters=1_000_000,
-                                               weight_decay=0.0, lr_warmup_iters=0)
-        rows[name] = (chunks, optimizer, scheduler, rerun.checks(flags), rerun.MODES[flags.rerun_mode])
-    rerun.initialize(flags, 0)
+        run_config = parse_pretrain_args([*shape, *flags], world_size=1)
+        chunks = build_model_chunks(config, args.vocab_size, args.seq_length, ddp_config(run_config))
+        optimizer, scheduler = build_optimizer(chunks, optimizer_flags(args))
+        rows[name] = (chunks, optimizer, scheduler, rerun.checks(run_config.rerun),
+                      rerun.MODES[run_config.rerun.rerun_mode])
+    rerun.initialize(run_config.rerun, 0)
     machine = rerun_state_machine.get_rerun_state_machine()
     batches = fixed_batches(args)
     times = {name: [] for name in rows}
