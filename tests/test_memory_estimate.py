@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from angpt.config.sections import PrecisionSection
 from angpt.models import model_config
 from angpt.models.activation_memory import layer_bytes
 from angpt.training.dry_run import memory_report
@@ -96,12 +97,8 @@ def test_the_verdict_at_the_gpu_memory_boundary():
     layout = Layout(1, 1, 1, 1)
     memory = stage_memory(config, layout, {0: (1000, 0)}, [2], 256, 512, 2, 1, bf16=True,
                           distributed_optimizer=False)
-
-    class Args:
-        bf16 = True
-
-    fits = memory_report(memory, layout, Args, memory[0].total, "test")
-    short = memory_report(memory, layout, Args, memory[0].total - 1, "test")
+    fits = memory_report(memory, layout, PrecisionSection(bf16=True), memory[0].total, "test")
+    short = memory_report(memory, layout, PrecisionSection(bf16=True), memory[0].total - 1, "test")
     assert "fits, 0.0 GiB to spare" in fits[-2] and "does NOT fit" in short[-2]
 
 

@@ -263,6 +263,8 @@ def test_dry_run_of_the_1b_config_on_64_processes_resolves_its_layout_and_counts
     # Memory: Megatron-LM's interleaved schedule holds 1 + (p - 1) / (p v) of the layers' micro-batches on the
     # first stage (p 4, v 3: 5 micro-batches of its layers; the last stage 3); an estimate that fits 80 GiB.
     table = out[out.index("memory per GPU"):]
+    assert table.startswith("memory per GPU, estimated (BF16 activations of the GPU's code path, TP 2 x PP 4 x CP 2 x "
+                            "DP 4")  # the config's --bf16
     for stage, held in ((0, 5), (3, 3)):
         assert re.search(rf"\n\s+{stage}\s+\S+ GiB\s+\S+ GiB\s+{held}\s", table), (stage, table)
     assert "the fullest GPU (stage 0) needs" in table and "80 GiB assumed" in table and ": fits," in table

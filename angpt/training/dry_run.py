@@ -17,7 +17,7 @@ from megatron.core import tensor_parallel
 from angpt import kernels
 from angpt.config.batch_schedule import ramp
 from angpt.config.pipeline_split import stage_layers, stage_of_layer, uneven
-from angpt.config.sections import RunConfig
+from angpt.config.sections import PrecisionSection, RunConfig
 from angpt.data.gpt_datasets import dataset_vocabulary
 from angpt.data.indexed import check_indexed_dataset
 from angpt.models.gpt import build_model
@@ -151,7 +151,7 @@ def describe(run: RunConfig) -> str:
     gpu_bytes, gpu = gpu_memory(run)
     memory = stage_memory(config, layout, stages, layer_split, vocab_size, seq_length, training.micro_batch_size,
                           micro_batches, run.precision.bf16, parallel.use_distributed_optimizer)
-    lines += ["", *memory_report(memory, layout, run, gpu_bytes - CUDA_CONTEXT_BYTES, gpu)]
+    lines += ["", *memory_report(memory, layout, run.precision, gpu_bytes - CUDA_CONTEXT_BYTES, gpu)]
     if run.dry_run.suggest_layout:
         lines += ["", f"layouts of {world_size} GPUs (--suggest-layout; the model of time: docs/scaling.md)",
                   *suggest(model, config, run, world_size, vocab_size, gpu_bytes - CUDA_CONTEXT_BYTES)]
@@ -178,10 +178,10 @@ def gpu_memory(run: RunConfig) -> tuple[float, str]:
     return 80 * GIB, "no GPU here: 80 GiB assumed, set --gpu-memory-gib"
 
 
-def memory_report(memory: list, layout: Layout, run: RunConfig, usable: float, gpu: str) -> list[str]:
+def memory_report(memory: list, layout: Layout, precision: PrecisionSection, usable: float, gpu: str) -> list[str]:
     """The table of stages and its verdict against `usable` bytes (the GPU's less the CUDA context)."""
-    precision = "BF16" if run.precision.bf16 else "FP16" if run.precision.fp16 else "FP32"
-    lines = [f"memory per GPU, estimated ({precision} activations of the GPU's code path, "
+    dtype = "BF16" if precision.bf16 else "FP16" if precision.fp16 else "FP32"
+    lines = [f"memory per GPU, estimated ({dtype} activations of the GPU's code path, "
              f"{layout.describe()}; docs/scaling.md)",
              f"  {'stage':>5} {'weights, grads, optimizer':>26} {'activations':>12} {'micro-batches held':>19} "
              f"{'total':>10}"]
