@@ -99,3 +99,18 @@ def test_a_schedule_in_samples_steps_by_each_global_batch_as_megatron_lms(family
                                                                 rel=1e-12, abs=1e-15)
         scheduler.step(increment=batch_size)
         consumed += batch_size
+
+
+@pytest.mark.parametrize("argv, warmup", [(["--train-iters", "1000", "--lr-warmup-samples", "0"], 10),
+                                          (["--train-samples", "8000", "--lr-warmup-iters", "0"], 80)])
+def test_a_warm_up_of_zero_in_the_other_unit_is_megatron_lms_default_and_asks_for_nothing(argv, warmup, capsys,
+                                                                                        seeded):
+    """Megatron-LM's scripts give --lr-warmup-samples 0 with --train-iters (its default; validate_args asserts
+    it is 0): accepted, and the warm-up stays GPT+'s 1% in the run's unit. One more is refused."""
+    config = parsed("--model-family", "gptplus", *argv)
+    _, scheduler = build_optimizer(tiny_chunks("gptplus"), config)
+    assert scheduler.lr_warmup_steps == warmup  # 1% of 1000 iterations, or of 8000 samples
+    one = [*argv[:-1], "1"]
+    with pytest.raises(SystemExit):
+        parsed(*one)
+    assert f"{one[2]} needs --train-{'samples' if '--train-iters' in argv else 'iters'}" in capsys.readouterr().err

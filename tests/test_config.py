@@ -69,7 +69,8 @@ def test_flag_errors_name_the_flag_in_one_line(capsys):
 TRANSFORMER_VALUES = dict(
     account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True, apply_rope_fusion=True,
     attention_dropout=0.25, bf16=True, calculate_per_token_loss=True, context_parallel_size=2,
-    cross_entropy_fusion_impl="te", cross_entropy_loss_fusion=True, cuda_graph_warmup_steps=5, ffn_hidden_size=96,
+    cross_entropy_fusion_impl="te", cross_entropy_loss_fusion=True, cuda_graph_warmup_steps=5, deterministic_mode=True,
+    ffn_hidden_size=96,
     fp16=True, fp8_amax_compute_algo="max", fp8_amax_history_len=16, fp8_margin=1, fp8_recipe="tensorwise",
     hidden_dropout=0.25, hidden_size=64, init_method_std=0.01, kv_channels=8, model_family="gptplus",
     num_attention_heads=8, num_layers=6, num_query_groups=2, pipeline_model_parallel_layout="Et|ttt|ttL",

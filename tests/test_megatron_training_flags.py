@@ -1,22 +1,27 @@
 """Megatron-LM's training flags with its meaning: --decoupled-lr and --decoupled-min-lr, --num-workers,
 --grad-reduce-in-bf16
 and --ddp-bucket-size, --manual-gc (with --manual-gc-interval, --no-manual-gc-eval), --empty-unused-memory-level,
---no-mmap-bin-files."""
+--no-mmap-bin-files, --deterministic-mode, --dist-ckpt-strictness."""
 
 import gc
 import json
+import logging
 import math
+import os
+import re
 
 import pytest
 import torch
+from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 from test_gpt_datasets import two_prefixes  # noqa: F401 (a fixture)
 from test_optimizer import batch, tiny_chunks
 from test_trainer import losses
 
 from angpt.config.arguments import parse_args
-from angpt.config.sections import DataSection, RunConfig
+from angpt.config.sections import DIST_CKPT_STRICTNESS, DataSection, RunConfig
 from angpt.data.gpt_datasets import TrainingBatches, build_datasets, dataset_vocabulary, micro_batches
+from angpt.training import checkpointing, distributed
 from angpt.training import step as step_module
 from angpt.training.megatron_configs import ddp_config
 from angpt.training.optimizer import build_optimizer
@@ -230,3 +235,76 @@ def test_a_profile_that_cannot_run_here_is_refused_before_training(argv, message
         in_process_trainer([*MOCK, "--num-layers", "1", "--hidden-size", "32", "--seq-length", "16",
                             "--micro-batch-size", "2", "--global-batch-size", "2", "--tensorboard-dir", str(tmp_path),
                             *argv])
+
+
+TINY = [*MOCK, "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--micro-batch-size", "2", "--global-batch-size", "2", "--eval-iters", "0", "--log-interval", "1"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--cross-entropy-loss-fusion", "--bf16", "--use-distributed-optimizer"],
+     "--deterministic-mode with --cross-entropy-loss-fusion: the fused cross-entropy is not deterministic"),
+    (["--attention-backend", "flash"], "--deterministic-mode with --attention-backend flash: flash attention is not "
+     "deterministic"),
+])
+def test_deterministic_mode_refuses_what_megatron_lm_refuses(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args([*MOCK, "--deterministic-mode", *argv], world_size=1)
+    assert message in capsys.readouterr().err
+    # Each alone is accepted; deterministic mode turns the fused cross-entropy's GPU default off.
+    assert parse_args([*MOCK, *argv], world_size=1).training.deterministic_mode is False
+    assert parse_args([*MOCK, "--deterministic-mode"], world_size=1).training.deterministic_mode
+
+
+@pytest.fixture
+def deterministic_algorithms_restored():
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+def test_deterministic_mode_trains_with_torchs_deterministic_algorithms(tmp_path, single_process,
+                                                                        deterministic_algorithms_restored):
+    trainer = in_process_trainer([*TINY, "--deterministic-mode", "--save", str(tmp_path)])
+    assert torch.are_deterministic_algorithms_enabled() and trainer.config.deterministic_mode
+    assert trainer.run() == 0
+    first = losses(tmp_path)
+    torch.use_deterministic_algorithms(False)
+    again = tmp_path / "again"
+    assert in_process_trainer([*TINY, "--deterministic-mode", "--save", str(again)]).run() == 0
+    assert losses(again) == first and len(first) == 4
+
+
+def test_deterministic_mode_on_cuda_needs_a_deterministic_nccl_algorithm(monkeypatch,
+                                                                        deterministic_algorithms_restored):
+    """Megatron-LM's check, made before any communicator reads NCCL_ALGO (a GPU is pretended: only the environment
+    is read)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name in ("NCCL_ALGO", "CUBLAS_WORKSPACE_CONFIG", "NVTE_ALLOW_NONDETERMINISTIC_ALGO"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="needs NCCL_ALGO set to one of Tree, Ring, CollnetDirect, CollnetChain, "
+                                         r"\^NVLS .*; it is not set"):
+        distributed.use_deterministic_algorithms()
+    monkeypatch.setenv("NCCL_ALGO", "NVLS")
+    with pytest.raises(ValueError, match="it is NVLS"):
+        distributed.use_deterministic_algorithms()
+    monkeypatch.setenv("NCCL_ALGO", "Ring")
+    distributed.use_deterministic_algorithms(transformer_engine=True)
+    assert torch.are_deterministic_algorithms_enabled()
+    assert (os.environ["CUBLAS_WORKSPACE_CONFIG"], os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"]) == (":4096:8", "0")
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1")  # given otherwise by the user: refused
+    with pytest.raises(ValueError, match="needs NVTE_ALLOW_NONDETERMINISTIC_ALGO=0"):
+        distributed.use_deterministic_algorithms(transformer_engine=True)
+
+
+def test_dist_ckpt_strictness_takes_megatron_cores_values_and_reaches_the_load(tmp_path, single_process, caplog):
+    assert DIST_CKPT_STRICTNESS == tuple(handling.value for handling in StrictHandling)
+    assert in_process_trainer([*TINY, "--train-iters", "1", "--save", str(tmp_path)]).run() == 0
+    # Without the optimizer, the checkpoint holds tensors the run does not ask for (Adam's moments): "missing".
+    resume = [*TINY, "--load", str(tmp_path), "--no-load-optim"]
+    with caplog.at_level(logging.WARNING, logger="angpt"):
+        in_process_trainer([*resume, "--dist-ckpt-strictness", "return_all"])
+    assert "--dist-ckpt-strictness return_all:" in caplog.text and "lacks 0 it asks for (none)" in caplog.text
+    assert re.search(r"holds \d+ tensors this run does not load \(optimizer\.", caplog.text)
+    with pytest.raises(checkpointing.CheckpointError, match="--dist-ckpt-strictness raise_all: .*optimizer"):
+        in_process_trainer([*resume, "--dist-ckpt-strictness", "raise_all"])
+    assert in_process_trainer([*resume, "--dist-ckpt-strictness", "raise_unexpected"]).state.iteration == 1

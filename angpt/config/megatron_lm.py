@@ -83,7 +83,6 @@ FLAGS: dict[str, Decision] = {
                                    "the model; skipping it is not built"),
     "--use-cpu-initialization": implied("weights are initialized on the CPU where there is no GPU, on the GPU "
                                         "otherwise (megatron-core's choice)", only(False, "not built on a GPU")),
-    "--deterministic-mode": refused(f"{NOT_YET}: CPU runs are deterministic; on GPUs, kernels choose"),
     "--no-async-tensor-model-parallel-allreduce": refused("megatron-core 0.16 always overlaps it"),
     "--tp-comm-overlap-rs-dgrad": refused(TE_OVERLAP),
     "--overlap-moe-expert-parallel-comm": refused(f"MoE: {DENSE}"),
@@ -234,12 +233,9 @@ FLAGS: dict[str, Decision] = {
     "--no-use-tokenizer-model-from-checkpoint-args": refused(f"{NOT_YET}"),
     "--exit-on-missing-checkpoint": refused(f"{NOT_YET}: --load of an empty directory starts from scratch"),
     "--auto-detect-ckpt-format": implied(CHECKPOINT_FORMAT),
-    "--no-ckpt-fully-parallel-save": refused(f"{NOT_YET}"),
     "--use-persistent-ckpt-worker": refused(f"{NOT_YET}: --async-save forks a writer per save"),
-    "--ckpt-fully-parallel-load": refused(f"{NOT_YET}"),
     "--ckpt-assume-constant-structure": refused(f"{NOT_YET}"),
     "--no-strict-fsdp-dtensor-load": refused(FSDP),
-    "--dist-ckpt-strictness": refused(f"{NOT_YET}: a checkpoint loads whole or is refused"),
     "--dist-ckpt-save-pre-mcore-014": refused(CHECKPOINT_FORMAT + ", as megatron-core 0.16 writes them"),
     "--dist-ckpt-optim-fully-reshardable": implied("the optimizer state is saved per parameter and loads at "
                                                    "another layout"),
@@ -340,7 +336,8 @@ FLAGS: dict[str, Decision] = {
     "--tensorboard-log-interval": refused(f"{NOT_YET}: TensorBoard gets every --log-interval"),
     "--tensorboard-queue-size": refused(f"{NOT_YET}"),
     "--no-log-loss-scale-to-tensorboard": refused(f"{NOT_YET}: with --fp16 the loss scale is always logged"),
-    "--log-validation-ppl-to-tensorboard": refused(f"{NOT_YET}"),
+    "--log-validation-ppl-to-tensorboard": implied("every evaluation writes its perplexity to TensorBoard "
+                                                   "(validation/lm_loss_ppl, test/lm_loss_ppl), with or without it"),
     "--log-memory-to-tensorboard": implied("every record's memory figures (GPU peak allocation, or the process RSS on "
                                            "CPU) go to TensorBoard as train/memory_*"),
     "--log-memory-interval": refused(f"{NOT_YET}"),

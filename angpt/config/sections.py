@@ -38,6 +38,9 @@ FP8_AMAX_ALGOS = ("max", "most_recent")
 # Megatron-LM's values (megatron/training/resilience_config.py); angpt.training.rerun maps them to megatron-core's.
 RERUN_MODES = ("disabled", "validate_results", "report_stats")
 ERROR_INJECTION_TYPES = ("correct_result", "transient_error", "persistent_error")
+# megatron-core's StrictHandling values (megatron/core/dist_checkpointing/validation.py; a test holds them equal).
+DIST_CKPT_STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
+                        "return_unexpected", "return_all", "ignore_all")
 
 
 def flag(default=None, help: Optional[str] = None, *, option: Optional[str] = None, switch: bool = False,
@@ -194,6 +197,9 @@ class TrainingSection:
         "--global-batch-size over the first SAMPLES samples, in equal steps (Megatron-LM's ramp-up, "
         "megatron-core's calculator); needs --train-samples", nargs=3, metavar=('START', 'INCREMENT', 'SAMPLES'))
     seed: int = flag(1234)
+    deterministic_mode: bool = flag(False, "bitwise reproducible steps on GPUs, as Megatron-LM: torch's "
+        "deterministic algorithms, megatron-core's deterministic embedding; needs NCCL_ALGO (Tree, Ring, "
+        "CollnetDirect, CollnetChain or ^NVLS) with CUDA, and turns off the fused cross-entropy's default")
 
 
 @dataclass(frozen=True)
@@ -354,6 +360,14 @@ class CheckpointSection:
     no_load_optim: bool = flag(False, 'do not load the optimizer state')
     no_load_rng: bool = flag(False, 'do not load the RNG states')
     finetune: bool = flag(False, 'load the model only and start at iteration 0')
+    ckpt_fully_parallel_save: bool = flag(True, "write each tensor of a checkpoint once, from one data-parallel rank "
+        "(as Megatron-LM, the default), not from each rank of a data-parallel group's first",
+        option="--no-ckpt-fully-parallel-save")
+    ckpt_fully_parallel_load: bool = flag(False, "read each tensor of a checkpoint once, spread over the "
+        "data-parallel ranks, and exchange it between them (megatron-core's FullyParallelLoadStrategyWrapper)")
+    dist_ckpt_strictness: str = flag("assume_ok_unexpected", "what a load does with tensors this run asks for that "
+        "the checkpoint lacks (unexpected) and ones it holds that the run does not ask for (missing): megatron-core's "
+        "StrictHandling; return_* logs them", choices=DIST_CKPT_STRICTNESS)
 
 
 @dataclass(frozen=True)

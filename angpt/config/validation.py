@@ -238,7 +238,8 @@ def _validate_schedule(parser, args, dp: int) -> None:
     by_samples = args.train_samples is not None
     unit, other = ("samples", "iters") if by_samples else ("iters", "samples")
     for name in ("lr_decay", "lr_warmup", "lr_wsd_decay"):
-        if getattr(args, f"{name}_{other}") is not None:
+        # A warm-up of 0 in the other unit is Megatron-LM's default, which its scripts give: it asks for nothing.
+        if getattr(args, f"{name}_{other}") not in (None, 0 if name == "lr_warmup" else None):
             parser.error(f"--{name.replace('_', '-')}-{other} needs --train-{other} (this run gives --train-{unit}: "
                          f"use --{name.replace('_', '-')}-{unit})")
     if args.lr_warmup_fraction is not None and getattr(args, f"lr_warmup_{unit}") is not None:
@@ -265,6 +266,14 @@ def _validate_precision(parser, args) -> None:
         parser.error("--cuda-graph-impl local with --recompute-granularity selective is not built: the recomputed "
                      "parts run inside each layer's captured graph, which no test has checked on a GPU; drop one of "
                      "them")
+    if args.deterministic_mode:
+        # Megatron-LM's checks (megatron/training/arguments.py, validate_args).
+        if args.cross_entropy_loss_fusion:
+            parser.error("--deterministic-mode with --cross-entropy-loss-fusion: the fused cross-entropy is not "
+                         "deterministic (as Megatron-LM says); drop one of them")
+        if args.attention_backend == "flash":
+            parser.error("--deterministic-mode with --attention-backend flash: flash attention is not deterministic "
+                         "(as Megatron-LM says); use --attention-backend auto, fused or unfused")
     if args.cross_entropy_loss_fusion and not args.bf16:
         parser.error("--cross-entropy-loss-fusion needs --bf16 (the fused cross-entropy rounds the logits' gradient "
                      "to bf16; in fp32 the unfused one is exact)")

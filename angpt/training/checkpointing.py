@@ -35,10 +35,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory, is_main_replica
-from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
-from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+from megatron.core.dist_checkpointing.serialization import (
+    get_default_load_sharded_strategy,
+    get_default_save_sharded_strategy,
+)
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
+from megatron.core.dist_checkpointing.validation import StrictHandling
 from torch.distributed.checkpoint.api import CheckpointException
 
 from angpt.config.saved import config_from_saved, shape_differences
@@ -311,6 +319,7 @@ def save_checkpoint(
     keep_last: Optional[int] = None,
     async_queue=None,
     hooks: Hooks = NO_HOOKS,
+    fully_parallel: bool = True,
 ) -> None:
     """Save collectively (every rank calls this). With `async_queue` (megatron-core's AsyncCallsQueue)
     the tensors are written in the background and the checkpoint is committed when the queue finalizes
@@ -344,9 +353,10 @@ def save_checkpoint(
     dist.broadcast_object_list(refusal, src=0)
     if refusal[0] is not None:
         raise CheckpointError(refusal[0])
-    strategy = FullyParallelSaveStrategyWrapper(
-        get_default_save_sharded_strategy(), parallel_state.get_data_parallel_group(with_context_parallel=True)
-    )
+    strategy = get_default_save_sharded_strategy()
+    if fully_parallel:  # --no-ckpt-fully-parallel-save turns it off (Megatron-LM's default: on)
+        strategy = FullyParallelSaveStrategyWrapper(
+            strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
 
     def commit():
         hooks.before_commit(iteration)
@@ -492,10 +502,14 @@ def load_checkpoint(
     load_optimizer: bool = True,
     load_rng: bool = True,
     finetune: bool = False,
+    strictness: str = StrictHandling.ASSUME_OK_UNEXPECTED.value,
+    fully_parallel: bool = False,
 ) -> TrainState:
     """Load the checkpoint directory `path` (`intact_checkpoint`'s) into the model (and optimizer, scheduler,
     RNG), collectively. Returns its training state. With the run's `config`, a checkpoint of a model of another
-    shape is refused by a CheckpointError naming the flags that differ."""
+    shape is refused by a CheckpointError naming the flags that differ. `strictness`: --dist-ckpt-strictness
+    (megatron-core's StrictHandling; the return_* modes log what they return); `fully_parallel`:
+    --ckpt-fully-parallel-load."""
     iteration = _iteration_of(path)
     verified = os.path.isfile(os.path.join(path, digests.DIGESTS))
 
@@ -531,7 +545,25 @@ def load_checkpoint(
     if load_rng:
         request["rng_state"] = _rng_sharded_object(None)
     read(lambda: checkpoint_unpickling.check_metadata(path))
-    loaded = read(lambda: dist_checkpointing.load(request, path))
+    strategy = get_default_load_sharded_strategy(path)
+    if fully_parallel:
+        strategy = FullyParallelLoadStrategyWrapper(
+            strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+    strict = StrictHandling(strictness)
+    try:
+        loaded = read(lambda: dist_checkpointing.load(request, path, strategy, strict=strict))
+    except CheckpointingException as error:
+        if strict not in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
+            raise
+        # megatron-core's report of the mismatch (the kinds of key, then the keys), on one line.
+        raise CheckpointError(f"--dist-ckpt-strictness {strictness}: {path} does not match what this run loads: "
+                              f"{' '.join(str(error).split())}") from None
+    if StrictHandling.requires_returning_mismatch_keys(strict):
+        loaded, missing, unexpected = loaded
+        if dist.get_rank() == 0:
+            logger.warning("--dist-ckpt-strictness %s: %s holds %d tensors this run does not load (%s) and lacks %d "
+                           "it asks for (%s)", strictness, path, len(missing), ", ".join(sorted(missing)) or "none",
+                           len(unexpected), ", ".join(sorted(unexpected)) or "none")
 
     if len(chunks) == 1:
         chunks[0].module.load_state_dict(loaded["model"], strict=True)

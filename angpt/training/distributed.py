@@ -21,6 +21,29 @@ from angpt.megatron_compat import patches
 logger = logging.getLogger("angpt.distributed")
 
 
+# The all-reduce algorithms Megatron-LM's --deterministic-mode accepts in NCCL_ALGO (megatron/training/arguments.py).
+DETERMINISTIC_NCCL_ALGOS = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS")
+
+
+def use_deterministic_algorithms(transformer_engine: bool = False) -> None:
+    """--deterministic-mode as Megatron-LM sets it up: torch's deterministic algorithms, and with CUDA an NCCL_ALGO
+    of a deterministic all-reduce (before any communicator reads it). What torch and Transformer Engine need besides
+    is set when the environment leaves it unset: cuBLAS's fixed workspace (CUBLAS_WORKSPACE_CONFIG, without which
+    torch refuses a deterministic GEMM) and NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 (megatron-core refuses TE's attention
+    without it); one given otherwise is refused in one line."""
+    if torch.cuda.is_available():
+        algorithm = os.environ.get("NCCL_ALGO")
+        if algorithm not in DETERMINISTIC_NCCL_ALGOS:
+            raise ValueError(f"--deterministic-mode needs NCCL_ALGO set to one of "
+                             f"{', '.join(DETERMINISTIC_NCCL_ALGOS)} (a deterministic all-reduce, as Megatron-LM "
+                             f"requires); it is {algorithm or 'not set'}")
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        if transformer_engine and os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0") != "0":
+            raise ValueError("--deterministic-mode with Transformer Engine needs NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 "
+                             f"(it is {os.environ['NVTE_ALLOW_NONDETERMINISTIC_ALGO']})")
+    torch.use_deterministic_algorithms(True)
+
+
 def initialize(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,

@@ -96,8 +96,9 @@ def _fusions(config: RunConfig) -> dict:
         apply_rope_fusion=on_gpu if rope_fusion is None else rope_fusion,
         # megatron-core's SwiGLU fusion, used by GPT+'s MLP (the normalized families' MLP has its own kernel).
         bias_activation_fusion=on_gpu if fusion.bias_swiglu_fusion is None else fusion.bias_swiglu_fusion,
-        # Where it is exact and pays for its compilation (angpt.config.validation).
-        cross_entropy_loss_fusion=(precision.bf16 and on_gpu) if cross_entropy_fusion is None else cross_entropy_fusion,
+        # Where it is exact and pays for its compilation (angpt.config.validation); not deterministic.
+        cross_entropy_loss_fusion=(precision.bf16 and on_gpu and not config.training.deterministic_mode
+                                   if cross_entropy_fusion is None else cross_entropy_fusion),
     )
 
 

@@ -69,6 +69,8 @@ class Trainer:
         self.hooks = faults.from_environment()  # production's do nothing
         self.vocabulary = dataset_vocabulary(config.data)
         self.tokenizer = self.vocabulary.unique_identifiers.get("tokenizer")
+        if training.deterministic_mode:  # before the process groups (NCCL reads NCCL_ALGO)
+            distributed.use_deterministic_algorithms(config.precision.transformer_impl == "transformer_engine")
         distributed.initialize(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
                                parallel.virtual_pipeline_stages, training.seed, parallel.distributed_timeout_minutes,
                                cuda_graphs=config.fusion.cuda_graph_impl == "local",
@@ -111,7 +113,8 @@ class Trainer:
             self.state = checkpointing.load_checkpoint(
                 self.loaded_from, self.chunks, self.optimizer, self.scheduler, config,
                 load_optimizer=not checkpoint.no_load_optim, load_rng=not checkpoint.no_load_rng,
-                finetune=checkpoint.finetune,
+                finetune=checkpoint.finetune, strictness=checkpoint.dist_ckpt_strictness,
+                fully_parallel=checkpoint.ckpt_fully_parallel_load,
             )
             timer(self.timers, "load-checkpoint").stop()
         # Nothing to save before the first step of this run (a resumed state is in its checkpoint).
@@ -256,7 +259,7 @@ class Trainer:
         checkpointing.save_checkpoint(
             checkpoint.save, self.state, self.chunks, self.optimizer, self.scheduler, self.run_config.flags(),
             self.tokenizer, keep_last=checkpoint.keep_last_n_checkpoints, async_queue=self.async_queue,
-            hooks=self.hooks,
+            hooks=self.hooks, fully_parallel=checkpoint.ckpt_fully_parallel_save,
         )
         timer(self.timers, "save-checkpoint").stop(barrier=True)
 
