@@ -63,11 +63,11 @@ def derived(default=None):
 class DryRunSection:
     """--dry-run: check the configuration and its data, report, and exit without training."""
 
-    GROUP: ClassVar[str] = 'dry run'
+    GROUP: ClassVar[str] = "dry run"
 
     dry_run: Optional[int] = flag(None, "check the configuration for WORLD_SIZE processes (default: $WORLD_SIZE, "
         "else 1) and its data, print the parallel layout, batch arithmetic and parameter count, and exit without "
-        "training", metavar='WORLD_SIZE', nargs='?', const=0)
+        "training", metavar="WORLD_SIZE", nargs="?", const=0)
     gpu_memory_gib: Optional[float] = flag(None, "with --dry-run: the memory of one GPU the estimate is checked "
         "against (default: this machine's GPU, else 80)")
     suggest_layout: bool = flag(False, "with --dry-run WORLD_SIZE: rank the tensor, pipeline, context and data "
@@ -79,22 +79,22 @@ class DryRunSection:
 class ModelSection:
     """The model: its family, shape, dropout and activation recompute."""
 
-    GROUP: ClassVar[str] = 'model'
+    GROUP: ClassVar[str] = "model"
 
-    model_family: str = flag('angpt', choices=MODEL_FAMILIES)
+    model_family: str = flag("angpt", choices=MODEL_FAMILIES)
     num_layers: int = flag(4)
     hidden_size: int = flag(128)
     num_attention_heads: int = flag(4)
-    num_query_groups: Optional[int] = flag(None, 'key/value heads (grouped-query attention)')
-    ffn_hidden_size: Optional[int] = flag(None, 'width of each SwiGLU half (default 4 x hidden)')
-    kv_channels: Optional[int] = flag(None, 'head dim (default hidden / heads)')
+    num_query_groups: Optional[int] = flag(None, "key/value heads (grouped-query attention)")
+    ffn_hidden_size: Optional[int] = flag(None, "width of each SwiGLU half (default 4 x hidden)")
+    kv_channels: Optional[int] = flag(None, "head dim (default hidden / heads)")
     seq_length: int = flag(128)
     max_position_embeddings: Optional[int] = flag(None, "accepted for Megatron-LM scripts; RoPE needs only "
         "--seq-length (must not be below it)")
     rotary_base: int = flag(10000)
     norm_epsilon: float = flag(1e-05, "epsilon of GPT+'s RMSNorms (anGPT and nGPT replace them by their own "
         "normalization)")
-    init_method_std: float = flag(0.02, 'GPT+ weight init (anGPT and nGPT put every row on the unit sphere instead)')
+    init_method_std: float = flag(0.02, "GPT+ weight init (anGPT and nGPT put every row on the unit sphere instead)")
     tie_embeddings_and_output_weights: bool = flag(False, "use the embedding as the output head (default: untied, "
         "as in docs/model.md)", exclusive="tying")
     untie_embeddings_and_output_weights: bool = flag(False, "accepted for Megatron-LM scripts; untied is already "
@@ -105,9 +105,9 @@ class ModelSection:
         "add, GPT+ only (default 0: no dropout, as in the paper; Megatron-LM's is 0.1)")
     recompute_granularity: Optional[str] = flag(None, "recompute activations in the backward pass: whole layers "
         "(full, with --recompute-method and --recompute-num-layers) or the parts named by --recompute-modules "
-        "(selective); docs/guide.md, Activation recompute", choices=('full', 'selective'))
-    recompute_method: str = flag('uniform', 'full recompute only', choices=('uniform', 'block'))
-    recompute_num_layers: int = flag(1, 'full recompute only')
+        "(selective); docs/guide.md, Activation recompute", choices=("full", "selective"))
+    recompute_method: str = flag("uniform", "full recompute only", choices=("uniform", "block"))
+    recompute_num_layers: int = flag(1, "full recompute only")
     recompute_modules: Optional[tuple[str, ...]] = flag(None, "what --recompute-granularity selective recomputes "
         "(default: core_attn, as Megatron-LM): core_attn, mlp, layernorm (GPT+'s pre-norms), qk_norm (the "
         "normalization of q and k), residual_update (anGPT's and nGPT's normalized residual update)",
@@ -119,31 +119,31 @@ class ModelSection:
 class SwitchesSection:
     """anGPT's ablation switches; nGPT reads three of them, GPT+ none (angpt.config.validation)."""
 
-    GROUP: ClassVar[str] = 'anGPT switches (docs/model.md, Families and switches)'
+    GROUP: ClassVar[str] = "anGPT switches (docs/model.md, Families and switches)"
 
-    angpt_post_norm: str = flag('l2', choices=POST_NORMS)
-    angpt_nu_p: str = flag('one', choices=NU_P_READINGS)
-    angpt_alpha_init: Optional[float] = flag(None, 'default 0.01 (anGPT), 0.05 (nGPT)')
-    angpt_constant_factors: str = flag('analytic', choices=FACTOR_MODES)
+    angpt_post_norm: str = flag("l2", choices=POST_NORMS)
+    angpt_nu_p: str = flag("one", choices=NU_P_READINGS)
+    angpt_alpha_init: Optional[float] = flag(None, "default 0.01 (anGPT), 0.05 (nGPT)")
+    angpt_constant_factors: str = flag("analytic", choices=FACTOR_MODES)
     angpt_constant_factor_multiplier: float = flag(1.0)
-    angpt_nu_alpha: str = flag('analytic', choices=FACTOR_MODES)
+    angpt_nu_alpha: str = flag("analytic", choices=FACTOR_MODES)
     angpt_nu_alpha_multiplier: float = flag(1.0)
-    angpt_no_nu_alpha_grad: bool = flag(False, 'treat nu(alpha) as a constant')
-    angpt_residual: str = flag('lerp', choices=RESIDUALS)
+    angpt_no_nu_alpha_grad: bool = flag(False, "treat nu(alpha) as a constant")
+    angpt_residual: str = flag("lerp", choices=RESIDUALS)
 
 
 @dataclass(frozen=True)
 class ParallelSection:
     """The parallel layout, data-parallel gradient reduction and the process groups' timeouts."""
 
-    GROUP: ClassVar[str] = 'parallelism'
+    GROUP: ClassVar[str] = "parallelism"
 
     tensor_model_parallel_size: int = flag(1)
     pipeline_model_parallel_size: int = flag(1)
     num_layers_per_virtual_pipeline_stage: Optional[int] = flag(None)
     decoder_first_pipeline_num_layers: Optional[int] = flag(None, "layers of the first pipeline stage (the rest "
         "split evenly over the others; angpt.config.pipeline_split)")
-    decoder_last_pipeline_num_layers: Optional[int] = flag(None, 'layers of the last pipeline stage')
+    decoder_last_pipeline_num_layers: Optional[int] = flag(None, "layers of the last pipeline stage")
     account_for_embedding_in_pipeline_split: bool = flag(False, "count the embedding as a layer of the first stage "
         "when splitting the layers")
     account_for_loss_in_pipeline_split: bool = flag(False, "count the output layer and loss as a layer of the last "
@@ -153,7 +153,7 @@ class ParallelSection:
     sequence_parallel: bool = flag(False, switch=True)
     context_parallel_size: int = flag(1, "split each sequence over this many ranks (Megatron-LM's 2 x CP chunks, "
         "rank i holding chunks i and 2 CP - 1 - i); world size = TP x PP x CP x DP")
-    cp_comm_type: tuple[str, ...] = flag(('p2p',), "how attention exchanges keys and values under context "
+    cp_comm_type: tuple[str, ...] = flag(("p2p",), "how attention exchanges keys and values under context "
         "parallelism (one value for all layers): all_gather on --transformer-impl local (the only one built "
         "there); p2p, all_gather or a2a on Transformer Engine", choices=CP_COMM_TYPES)
     use_distributed_optimizer: bool = flag(False, switch=True)
@@ -185,17 +185,17 @@ class ParallelSection:
 class TrainingSection:
     """The batch of each step, the length of training and the seed."""
 
-    GROUP: ClassVar[str] = 'batch and length of training'
+    GROUP: ClassVar[str] = "batch and length of training"
 
     micro_batch_size: int = flag(4)
     global_batch_size: int = flag(8)
-    train_iters: Optional[int] = flag(None, 'required, or --train-samples', exclusive="length")
+    train_iters: Optional[int] = flag(None, "required, or --train-samples", exclusive="length")
     train_samples: Optional[int] = flag(None, "train for this many samples (as Megatron-LM: whole global batches, "
         "the rest left out); required, or --train-iters. The lr schedule then counts samples: --lr-decay-samples, "
         "--lr-warmup-samples, --lr-wsd-decay-samples", exclusive="length")
     rampup_batch_size: Optional[tuple[int, ...]] = flag(None, "grow the global batch from START by INCREMENT up to "
         "--global-batch-size over the first SAMPLES samples, in equal steps (Megatron-LM's ramp-up, "
-        "megatron-core's calculator); needs --train-samples", nargs=3, metavar=('START', 'INCREMENT', 'SAMPLES'))
+        "megatron-core's calculator); needs --train-samples", nargs=3, metavar=("START", "INCREMENT", "SAMPLES"))
     seed: int = flag(1234)
     deterministic_mode: bool = flag(False, "bitwise reproducible steps on GPUs, as Megatron-LM: torch's "
         "deterministic algorithms, megatron-core's deterministic embedding; needs NCCL_ALGO (Tree, Ring, "
@@ -210,18 +210,18 @@ class OptimizerSection:
 
     lr: float = flag(0.003)
     min_lr: Optional[float] = flag(None, "default: the family's (0.1 lr; 0 for nGPT)")
-    lr_decay_style: str = flag('cosine', choices=LR_DECAY_STYLES)
-    lr_decay_iters: Optional[int] = flag(None, 'default: --train-iters')
+    lr_decay_style: str = flag("cosine", choices=LR_DECAY_STYLES)
+    lr_decay_iters: Optional[int] = flag(None, "default: --train-iters")
     lr_warmup_iters: Optional[int] = flag(None, "default: the family's (none; 1%% for GPT+)", exclusive="warmup")
-    lr_warmup_fraction: Optional[float] = flag(None, 'warm-up as a fraction of --lr-decay-iters', exclusive="warmup")
-    lr_warmup_init: float = flag(0.0, 'lr at the start of warm-up')
+    lr_warmup_fraction: Optional[float] = flag(None, "warm-up as a fraction of --lr-decay-iters", exclusive="warmup")
+    lr_warmup_init: float = flag(0.0, "lr at the start of warm-up")
     lr_wsd_decay_iters: Optional[int] = flag(None, "length of WSD's final decay")
     lr_decay_samples: Optional[int] = flag(None, "with --train-samples: decay over this many samples (default: "
         "--train-samples)")
     lr_warmup_samples: Optional[int] = flag(None, "with --train-samples: warm up over this many samples (default: "
         "the family's fraction of the decay)")
     lr_wsd_decay_samples: Optional[int] = flag(None, "with --train-samples: length of WSD's final decay")
-    lr_wsd_decay_style: str = flag('exponential', choices=WSD_DECAY_STYLES)
+    lr_wsd_decay_style: str = flag("exponential", choices=WSD_DECAY_STYLES)
     weight_decay: Optional[float] = flag(None, "default: the family's (0; 0.1 for GPT+)")
     decoupled_lr: Optional[float] = flag(None, "max lr of the input and output layers (the embedding and the "
         "output head), decoupled from --lr; the same schedule")
@@ -240,37 +240,37 @@ class OptimizerSection:
 class PrecisionSection:
     """The dtypes, the loss scaling of fp16, FP8, the layers' implementation and the fused cross-entropy."""
 
-    GROUP: ClassVar[str] = 'precision'
+    GROUP: ClassVar[str] = "precision"
 
     bf16: bool = flag(False, "bf16 weights and activations, fp32 main weights in the optimizer (learnable scales "
         "stay fp32)", switch=True)
     fp16: bool = flag(False, "fp16 weights and activations, fp32 main weights in the optimizer (learnable scales "
         "stay fp32), the loss scaled (dynamically unless --loss-scale); a step whose gradients overflow is skipped "
         "and the scale lowered")
-    loss_scale: Optional[float] = flag(None, 'with --fp16: a constant loss scale (default: dynamic)')
+    loss_scale: Optional[float] = flag(None, "with --fp16: a constant loss scale (default: dynamic)")
     initial_loss_scale: float = flag(4294967296.0, "with --fp16: the dynamic scale's start")
     min_loss_scale: float = flag(1.0, "with --fp16: the dynamic scale's floor")
-    loss_scale_window: int = flag(1000, 'with --fp16: steps without overflow before the dynamic scale doubles')
-    hysteresis: int = flag(2, 'with --fp16: overflows in a row before the dynamic scale halves')
+    loss_scale_window: int = flag(1000, "with --fp16: steps without overflow before the dynamic scale doubles")
+    hysteresis: int = flag(2, "with --fp16: overflows in a row before the dynamic scale halves")
     grad_reduce_in_bf16: bool = flag(False, "with --bf16: accumulate and reduce gradients in bf16 (default fp32, "
         "as Megatron-LM's)")
-    transformer_impl: str = flag('local', "megatron-core's own layers (default; CPU and GPU) or NVIDIA Transformer "
+    transformer_impl: str = flag("local", "megatron-core's own layers (default; CPU and GPU) or NVIDIA Transformer "
         "Engine's (GPU; needed for FP8)", choices=TRANSFORMER_IMPLS)
-    attention_backend: str = flag('auto', "core attention: auto = FlashAttention on GPUs (torch's kernels with the "
+    attention_backend: str = flag("auto", "core attention: auto = FlashAttention on GPUs (torch's kernels with the "
         "local implementation, TE's with Transformer Engine) and megatron's unfused attention on CPU; flash forces "
-        "the fused kernels, unfused/local megatron's path", choices=('auto', 'flash', 'fused', 'unfused', 'local'))
+        "the fused kernels, unfused/local megatron's path", choices=("auto", "flash", "fused", "unfused", "local"))
     cross_entropy_loss_fusion: Optional[bool] = flag(None, "megatron-core's fused cross-entropy (compiled kernels "
         "over the logits). Default: on with --bf16 on a GPU, where it gives the unfused loss and gradients; off on "
         "CPU, where compiling it costs 4-30 s per process for little gain. Needs --bf16: it rounds the logits' "
         "gradient to bf16, which the bf16 logits are anyway", switch=True)
-    cross_entropy_fusion_impl: str = flag('native', "the fused cross-entropy's implementation: megatron-core's own "
-        "(torch.compile) or Transformer Engine's", choices=('native', 'te'))
+    cross_entropy_fusion_impl: str = flag("native", "the fused cross-entropy's implementation: megatron-core's own "
+        "(torch.compile) or Transformer Engine's", choices=("native", "te"))
     fp8_format: Optional[str] = flag(None, "FP8 GEMMs in the transformer layers (Transformer Engine): e4m3 "
         "everywhere, or hybrid (e5m2 for gradients); docs/fp8.md", choices=FP8_FORMATS)
     fp8_recipe: Optional[str] = flag(None, "scaling recipe (default delayed); mxfp8 needs Blackwell (compute "
         "capability 10) and a Transformer Engine that has it", choices=FP8_RECIPES)
-    fp8_margin: Optional[int] = flag(None, 'delayed scaling: scale margin, a power of 2 (default 0)')
-    fp8_amax_history_len: Optional[int] = flag(None, 'delayed scaling: amax history window (default 1)')
+    fp8_margin: Optional[int] = flag(None, "delayed scaling: scale margin, a power of 2 (default 0)")
+    fp8_amax_history_len: Optional[int] = flag(None, "delayed scaling: amax history window (default 1)")
     fp8_amax_compute_algo: Optional[str] = flag(None, "delayed scaling: amax of the window (max) or the latest "
         "(most_recent, default)", choices=FP8_AMAX_ALGOS)
 
@@ -279,33 +279,33 @@ class PrecisionSection:
 class FusionSection:
     """Fused kernels and CUDA graphs; None: on with a GPU, off on the CPU."""
 
-    GROUP: ClassVar[str] = 'fusions and CUDA graphs (GPU)'
+    GROUP: ClassVar[str] = "fusions and CUDA graphs (GPU)"
 
     apply_rope_fusion: Optional[bool] = flag(None, "RoPE as one kernel forward and one backward (Transformer "
         "Engine's where installed, else a torch.compile'd one; cos and sin inside it). Default: on with a GPU, off "
-        "on CPU (compiling costs seconds per process there)", option='--rope-fusion', switch=True)
+        "on CPU (compiling costs seconds per process there)", option="--rope-fusion", switch=True)
     bias_swiglu_fusion: Optional[bool] = flag(None, "GPT+'s SwiGLU as megatron-core's compiled kernels (anGPT and "
         "nGPT always use their own nu-scaled SwiGLU kernel). Default: on with a GPU, off on CPU", switch=True)
-    cuda_graph_impl: str = flag('none', "local: capture each transformer layer's forward and backward as CUDA "
+    cuda_graph_impl: str = flag("none", "local: capture each transformer layer's forward and backward as CUDA "
         "graphs (megatron-core's own implementation; no Transformer Engine needed) after the first step, and "
         "replay them: for launch-bound steps (small micro-batches). Needs a GPU. NOT VERIFIED: its gradients were "
         "wrong on an H200, the fix has not run on a GPU since (docs/gpu.md); for speed measurements",
-        choices=('none', 'local'))
-    cuda_graph_warmup_steps: int = flag(3, 'eager runs of each layer inside the capture, before it is recorded')
+        choices=("none", "local"))
+    cuda_graph_warmup_steps: int = flag(3, "eager runs of each layer inside the capture, before it is recorded")
 
 
 @dataclass(frozen=True)
 class DataSection:
     """Megatron-LM's data and tokenizer flags."""
 
-    GROUP: ClassVar[str] = 'data'
+    GROUP: ClassVar[str] = "data"
 
-    data_path: Optional[tuple[str, ...]] = flag(None, 'PREFIX, or W1 PREFIX1 W2 PREFIX2 ... to blend')
-    split: str = flag('969,30,1', 'train,valid,test weights of --data-path')
+    data_path: Optional[tuple[str, ...]] = flag(None, "PREFIX, or W1 PREFIX1 W2 PREFIX2 ... to blend")
+    split: str = flag("969,30,1", "train,valid,test weights of --data-path")
     train_data_path: Optional[tuple[str, ...]] = flag(None)
     valid_data_path: Optional[tuple[str, ...]] = flag(None)
     test_data_path: Optional[tuple[str, ...]] = flag(None)
-    data_cache_path: Optional[str] = flag(None, 'where GPTDataset caches its indices')
+    data_cache_path: Optional[str] = flag(None, "where GPTDataset caches its indices")
     mock_data: bool = flag(False, "megatron-core's synthetic sequences")
     num_workers: int = flag(0, "DataLoader worker processes per rank that read the training samples ahead of the "
         "step (0: read in the training process, at each step; Megatron-LM's default is 2); evaluations read in the "
@@ -317,7 +317,7 @@ class DataSection:
     reset_attention_mask: bool = flag(False, "attend within each document only (a [seq, seq] mask per sample, from "
         "megatron-core's GPTDataset; not with --transformer-impl transformer_engine)")
     mmap_bin_files: bool = flag(True, "read the .bin files by file reads rather than through a memory map",
-        option='--no-mmap-bin-files')
+        option="--no-mmap-bin-files")
     vocab_size: Optional[int] = flag(None, "vocabulary of --mock-data, NullTokenizer's ids (its end-of-document id "
         "comes after them), or TikTokenizer's with a Megatron-LM .json vocabulary (default 131072, as "
         "Megatron-LM); with a dataset's .json, it must be the vocab_size it records")
@@ -344,22 +344,22 @@ class DataSection:
 class CheckpointSection:
     """Saving and loading megatron-core distributed checkpoints."""
 
-    GROUP: ClassVar[str] = 'checkpoints (megatron-core distributed checkpoints, torch_dist)'
+    GROUP: ClassVar[str] = "checkpoints (megatron-core distributed checkpoints, torch_dist)"
 
-    save: Optional[str] = flag(None, 'directory of checkpoints: iter_XXXXXXX/ and latest_checkpointed_iteration.txt')
+    save: Optional[str] = flag(None, "directory of checkpoints: iter_XXXXXXX/ and latest_checkpointed_iteration.txt")
     load: Optional[str] = flag(None, "resume from the latest complete checkpoint in this directory (nothing there: "
         "start from scratch)")
     load_fallback_to_intact: bool = flag(False, "when the latest checkpoint fails its digests (a damaged, "
         "truncated or missing file) or the latest file is missing, resume from the newest intact checkpoint before "
         "it instead of stopping")
-    save_interval: Optional[int] = flag(None, 'save every this many iterations')
-    keep_last_n_checkpoints: Optional[int] = flag(None, 'delete older checkpoints once a newer one is complete')
-    ckpt_format: str = flag('torch_dist', choices=('torch_dist',))
+    save_interval: Optional[int] = flag(None, "save every this many iterations")
+    keep_last_n_checkpoints: Optional[int] = flag(None, "delete older checkpoints once a newer one is complete")
+    ckpt_format: str = flag("torch_dist", choices=("torch_dist",))
     async_save: bool = flag(False, "write checkpoints from a background process while training goes on "
         "(megatron-core's async save); committed at a later step", switch=True)
-    no_load_optim: bool = flag(False, 'do not load the optimizer state')
-    no_load_rng: bool = flag(False, 'do not load the RNG states')
-    finetune: bool = flag(False, 'load the model only and start at iteration 0')
+    no_load_optim: bool = flag(False, "do not load the optimizer state")
+    no_load_rng: bool = flag(False, "do not load the RNG states")
+    finetune: bool = flag(False, "load the model only and start at iteration 0")
     ckpt_fully_parallel_save: bool = flag(True, "write each tensor of a checkpoint once, from one data-parallel rank "
         "(as Megatron-LM, the default), not from each rank of a data-parallel group's first",
         option="--no-ckpt-fully-parallel-save")
@@ -374,43 +374,43 @@ class CheckpointSection:
 class EvaluationSection:
     """Evaluation on the validation and test splits."""
 
-    GROUP: ClassVar[str] = 'evaluation and logging'
+    GROUP: ClassVar[str] = "evaluation and logging"
 
     eval_interval: int = flag(1000)
-    eval_iters: int = flag(100, 'global batches of the validation split per evaluation (0: no evaluation)')
+    eval_iters: int = flag(100, "global batches of the validation split per evaluation (0: no evaluation)")
 
 
 @dataclass(frozen=True)
 class LoggingSection:
     """What a run reports: the log line, timers, TensorBoard, W&B, profiles and stragglers."""
 
-    GROUP: ClassVar[str] = 'evaluation and logging'
+    GROUP: ClassVar[str] = "evaluation and logging"
 
     log_interval: int = flag(100)
     log_params_norm: bool = flag(False, "the L2 norm of all the weights in the log line and metrics.jsonl (each "
         "weight once over the tensor and pipeline ranks, as Megatron-LM)")
-    log_num_zeros_in_grad: bool = flag(False, 'the number of zero gradient elements of the logged step, over the model')
+    log_num_zeros_in_grad: bool = flag(False, "the number of zero gradient elements of the logged step, over the model")
     timing_log_level: int = flag(0, "megatron-core's timers, per step in the log line and metrics.jsonl every "
         "--log-interval: 0 saves and loads, 1 also the forward-backward pass, the optimizer (and its parts, "
         "anGPT's bounding), evaluation, gradient reductions; 2 also data reads and each micro-batch's forward and "
         "backward", choices=(0, 1, 2))
-    timing_log_option: str = flag('minmax', "each timer over the ranks: the slowest, the fastest and slowest, or "
-        "every rank's", choices=('max', 'minmax', 'all'))
+    timing_log_option: str = flag("minmax", "each timer over the ranks: the slowest, the fastest and slowest, or "
+        "every rank's", choices=("max", "minmax", "all"))
     log_timers_to_tensorboard: bool = flag(False, "the timers (the slowest rank's) as TensorBoard scalars "
         "timers/<name>-time")
     barrier_with_l1_time: bool = flag(True, "start the forward-backward and optimizer timers without a barrier "
         "(which makes them time the step, not the wait for the slowest rank)",
-        option='--no-barrier-with-level-1-timing')
-    tensorboard_dir: Optional[str] = flag(None, 'TensorBoard scalars (default: <save>/tensorboard)')
+        option="--no-barrier-with-level-1-timing")
+    tensorboard_dir: Optional[str] = flag(None, "TensorBoard scalars (default: <save>/tensorboard)")
     profile: bool = flag(False, "profile the steps from --profile-step-start to --profile-step-end on "
         "--profile-ranks: an Nsight Systems capture range (run under `nsys profile "
         "--capture-range=cudaProfilerApi`; needs CUDA), or with --use-pytorch-profiler PyTorch profiler traces in "
         "the TensorBoard directory")
     profile_step_start: int = flag(10, "with --profile: the first step profiled (counted from 0, as Megatron-LM "
         "counts it)")
-    profile_step_end: int = flag(12, 'with --profile: the step the range ends before')
-    use_pytorch_profiler: bool = flag(False, 'with --profile: the PyTorch profiler')
-    profile_ranks: tuple[int, ...] = flag((0,), 'with --profile: the ranks profiled')
+    profile_step_end: int = flag(12, "with --profile: the step the range ends before")
+    use_pytorch_profiler: bool = flag(False, "with --profile: the PyTorch profiler")
+    profile_ranks: tuple[int, ...] = flag((0,), "with --profile: the ranks profiled")
     log_straggler: bool = flag(False, "each rank's time in its forward passes, compared over the ranks every "
         "--log-interval: the fastest and slowest ranks, and the stragglers (over their pipeline stage's median by "
         "more than 10%%), in the log line and metrics.jsonl (megatron-core's StragglerDetector times them on CUDA)")
@@ -436,18 +436,18 @@ class LoggingSection:
 class MemorySection:
     """Python's garbage collection, CUDA memory history and the caching allocator."""
 
-    GROUP: ClassVar[str] = 'memory'
+    GROUP: ClassVar[str] = "memory"
 
     manual_gc: bool = flag(False, "turn Python's garbage collector off and collect at chosen steps, the same on "
         "every rank (a collection on one rank stalls the others)")
-    manual_gc_interval: int = flag(0, 'with --manual-gc: collect every this many steps (0: only around evaluations)')
+    manual_gc_interval: int = flag(0, "with --manual-gc: collect every this many steps (0: only around evaluations)")
     manual_gc_eval: bool = flag(True, "with --manual-gc: no collection before and after each evaluation",
-        option='--no-manual-gc-eval')
+        option="--no-manual-gc-eval")
     record_memory_history: bool = flag(False, "CUDA: record the caching allocator's allocations and frees with "
         "their stacks (the last 100,000), as Megatron-LM: the last rank writes a snapshot to "
         "--memory-snapshot-path every --log-interval, and every rank one to oom_rank-<rank>_<path> when it runs "
         "out of memory; open them at https://pytorch.org/memory_viz")
-    memory_snapshot_path: str = flag('snapshot.pickle', "with --record-memory-history: the snapshot's file")
+    memory_snapshot_path: str = flag("snapshot.pickle", "with --record-memory-history: the snapshot's file")
     empty_unused_memory_level: int = flag(0, "release the CUDA caching allocator's unused memory: 1 after each "
         "forward-backward and evaluation step, 2 also after each optimizer step (slower; for fragmentation)",
         choices=(0, 1, 2))
@@ -461,18 +461,18 @@ class RerunSection:
     GROUP: ClassVar[str] = ("result validation (megatron-core's rerun state machine; docs/guide.md, A loss spike, "
                             "a NaN, or a suspect GPU)")
 
-    rerun_mode: str = flag('validate_results', "validate_results: rerun a step whose loss or grads fail a check, "
+    rerun_mode: str = flag("validate_results", "validate_results: rerun a step whose loss or grads fail a check, "
         "to tell a hardware fault (exit code 17) from the data (a checkpoint, exit code 16); report_stats: rerun "
         "every step and report how much the results vary; disabled: no reruns, a NaN/Inf step is skipped "
         "(--max-skipped-steps)", choices=RERUN_MODES)
     check_for_nan_in_loss_and_grad: bool = flag(True, "do not check each micro-batch's loss and the local grads "
         "for NaN/Inf (off by itself with --fp16's dynamic loss scale, whose overflows are expected)",
-        option='--no-check-for-nan-in-loss-and-grad')
+        option="--no-check-for-nan-in-loss-and-grad")
     check_for_spiky_loss: bool = flag(False, "check for a micro-batch loss 10x the largest of the first 100 (not "
         "fatal)")
-    check_for_large_grads: bool = flag(False, 'check for local grads 10x the largest of the first 100 (not fatal)')
-    error_injection_rate: int = flag(0, 'for testing: inject a failed check once in this many (0: never)')
-    error_injection_type: str = flag('transient_error', "for testing: what the rerun of an injected failure finds",
+    check_for_large_grads: bool = flag(False, "check for local grads 10x the largest of the first 100 (not fatal)")
+    error_injection_rate: int = flag(0, "for testing: inject a failed check once in this many (0: never)")
+    error_injection_type: str = flag("transient_error", "for testing: what the rerun of an injected failure finds",
         choices=ERROR_INJECTION_TYPES)
     result_rejected_tracker_filename: Optional[str] = flag(None, "append a line for each failed check and rerun "
         "outcome to this file")
@@ -486,14 +486,14 @@ class RerunSection:
 class ExitSection:
     """When a run saves and exits before its end, and when it gives up."""
 
-    GROUP: ClassVar[str] = 'exiting'
+    GROUP: ClassVar[str] = "exiting"
 
     exit_signal_handler: bool = flag(False, "also save and exit on --exit-signal (SIGTERM always does when --save "
         "is set)")
-    exit_signal: str = flag('SIGTERM', choices=EXIT_SIGNALS)
-    exit_interval: Optional[int] = flag(None, 'save and exit when the iteration is a multiple of this')
-    exit_duration_in_mins: Optional[float] = flag(None, 'save and exit after this many minutes')
-    max_skipped_steps: int = flag(10, 'stop when more than this many steps in a row have a NaN/Inf loss or grad norm')
+    exit_signal: str = flag("SIGTERM", choices=EXIT_SIGNALS)
+    exit_interval: Optional[int] = flag(None, "save and exit when the iteration is a multiple of this")
+    exit_duration_in_mins: Optional[float] = flag(None, "save and exit after this many minutes")
+    max_skipped_steps: int = flag(10, "stop when more than this many steps in a row have a NaN/Inf loss or grad norm")
     # The signals that save a checkpoint and exit: SIGTERM whenever there is somewhere to save, and --exit-signal
     # with --exit-signal-handler (SIGUSR1 on clusters that warn before a time limit).
     save_and_exit_signals: tuple[str, ...] = derived(())
