@@ -110,6 +110,14 @@ def test_a_wrong_flag_is_one_line_from_rank_0_only(monkeypatch, capsys):
         assert capsys.readouterr().err == expected
 
 
+def test_a_flag_cut_short_is_unknown_as_in_megatron_lm(capsys):
+    """argparse would read --train-iter as --train-iters; Megatron-LM's parser (allow_abbrev=False) refuses it."""
+    with pytest.raises(SystemExit):
+        parse_args([*MOCK, "--train-iter", "10"])
+    assert "unrecognized arguments: --train-iter 10" in capsys.readouterr().err
+    assert parse_args([*MOCK, "--train-iters", "10"]).training.train_iters == 10
+
+
 def test_help_shows_defaults_and_what_is_required_before_torch_is_imported():
     """`--help` and flag errors come before any heavy import (torch, megatron-core): they are instant."""
     probe = ("import contextlib, io, sys\n"

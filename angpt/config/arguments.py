@@ -33,7 +33,7 @@ def parse_args(argv: Optional[list[str]] = None, world_size: Optional[int] = Non
 
 
 def _config_only_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--config")
     return parser
 

@@ -74,7 +74,9 @@ def _argparse_kwargs(field: dataclasses.Field, annotation) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog="angpt.pretrain", description=DESCRIPTION, formatter_class=HelpFormatter)
+    # No abbreviations, as Megatron-LM: `--train-iter 5` is an unknown flag, not --train-iters.
+    parser = ArgumentParser(prog="angpt.pretrain", description=DESCRIPTION, formatter_class=HelpFormatter,
+                            allow_abbrev=False)
     parser.add_argument("--config", help="YAML file of flag names (dashes or underscores) to values; "
                         "flags on the command line override it")
     groups: dict[str, argparse._ArgumentGroup] = {}
