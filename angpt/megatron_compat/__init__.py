@@ -24,6 +24,12 @@ Each workaround, where it is, and what breaks without it under megatron-core 0.1
   while `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD` is unset, and torch's refusal is paragraphs that suggest turning it off.
 - The distributed optimizer loading torch's Adam (`patches.py`): without apex or Transformer Engine there
   is no sharded state dict to load into, then `KeyError: 'step'`, then Adam's bias correction restarts.
+- The 16-bit optimizer's checkpoints (`patches.py`, `float16_optimizer_sharded_state_dict`, `main_params_by_group`):
+  --bf16 or --fp16 without --use-distributed-optimizer (megatron-core's Float16OptimizerWithFloat16Params): every
+  save of anGPT or nGPT raises "Param id 10 does not match any model sharded param" (the fp32 learnable scales' Adam
+  state), and once that is fixed every load "Cannot merge two lists with different lengths" (the scales' group has
+  no 16-bit weight to keep a main copy of); in every family a save before Adam's first applied step (fp16's first
+  steps overflow) cannot be loaded (KeyError: optimizer.state.exp_avg...).
 - The --decoupled-lr groups marked (`patches.py`, `mark_decoupled_lr_groups`): without it their saved state loads
   into the other weights' group (a resumed run differs; the plain optimizer refuses the load).
 - The grad norm and clipping in foreach ops (`patches.py`, `foreach_l2_norm`): without apex or Transformer

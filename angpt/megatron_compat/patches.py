@@ -4,14 +4,21 @@ breaks without each."""
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import megatron.core
 import torch
+from megatron.core.dist_checkpointing.optimizer import (
+    get_param_id_to_sharded_param_map,
+    make_sharded_optimizer_tensor,
+    optim_state_to_sharding_state,
+)
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.optimizer import clip_grads
 from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
+from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 from megatron.core.tensor_parallel import random as mp_random
 from megatron.core.transformer import cuda_graphs
 from megatron.core.utils import local_multi_tensor_l2_norm
@@ -38,6 +45,9 @@ def install() -> None:
     parent_watch.install()
     if not HAVE_APEX_OR_TE:
         _load_only_checkpointed_states()
+    Float16OptimizerWithFloat16Params.sharded_state_dict = float16_optimizer_sharded_state_dict
+    Float16OptimizerWithFloat16Params.load_state_dict = main_params_by_group(
+        Float16OptimizerWithFloat16Params.load_state_dict)
     if clip_grads.l2_norm_impl is local_multi_tensor_l2_norm:
         clip_grads.l2_norm_impl = foreach_l2_norm
         clip_grads.multi_tensor_scale_impl = foreach_scale
@@ -132,6 +142,65 @@ def _load_only_checkpointed_states() -> None:
                 target.copy_(tensors[key])
 
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
+# megatron-core's, which install() replaces: the tests show what fails without the replacement.
+_float16_optimizer_sharded_state_dict = Float16OptimizerWithFloat16Params.sharded_state_dict
+
+
+def float16_optimizer_sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata=None):
+    """megatron-core 0.16.1's `Float16OptimizerWithFloat16Params.sharded_state_dict` (the 16-bit optimizer without
+    --use-distributed-optimizer), with the optimizer state's ids mapped to the model's parameters in the inner
+    optimizer's order, fp32 parameters included (as Megatron-LM's later fix, NVIDIA/Megatron-LM#5929, maps them).
+    megatron-core numbers only the 16-bit parameters, while torch numbers the state by every parameter of every
+    group: the fp32 learnable scales of anGPT and nGPT in a bf16 or fp16 model raised "Param id 10 does not match
+    any model sharded param" at every save, and a group mixing both dtypes would have had its states matched to
+    other parameters (megatron-core also pairs the fp32 main copies with the group's ids by position). The main
+    copies are keyed by group (`main_params_by_group`). The saved keys are megatron-core's.
+
+    Before Adam's first applied step (fp16's dynamic loss scale skips the first ones) it has no state, and a load,
+    which asks for every moment, failed on the checkpoint (KeyError: optimizer.state.exp_avg...): saved instead are
+    the zero moments and step 0 Adam starts from, which it then creates at its first step as before."""
+    before_first_step = not is_loading and not self.optimizer.state
+    if is_loading or before_first_step:
+        self.init_state_fn(self.optimizer, self.config)
+    state_dict = self.state_dict()
+    if before_first_step:
+        self.optimizer.state.clear()  # the saved state holds the zeros
+    model_param_of = {id(main): model for models, mains in zip(self.float16_groups, self.fp32_from_float16_groups)
+                      for model, main in zip(models, mains)}
+    in_state_order = [param for group in self.optimizer.param_groups for param in group["params"]]
+    id_to_sharded_param_map = get_param_id_to_sharded_param_map(
+        model_sharded_state_dict, (model_param_of.get(id(param), param) for param in in_state_order))
+    state_id = {id(param): i for i, param in enumerate(in_state_order)}
+    state_dict["fp32_from_fp16_params"] = {
+        group: [make_sharded_optimizer_tensor(id_to_sharded_param_map[state_id[id(main)]], main,
+                                              prefix="optimizer.state.fp32_param") for main in mains]
+        for group, mains in enumerate(self.fp32_from_float16_groups)
+    }
+    step = torch.tensor(0.0) if before_first_step else self._extract_common_per_param_step(state_dict["optimizer"])
+    # torch's per-parameter step is saved once, as megatron-core saves it.
+    optim_state_to_sharding_state(state_dict["optimizer"], id_to_sharded_param_map, exclude_keys="step")
+    if step is not None:
+        state_dict["optimizer"]["state"]["common_step"] = step
+    return state_dict
+
+
+def main_params_by_group(load_state_dict):
+    """megatron-core 0.16.1's `Float16OptimizerWithFloat16Params.load_state_dict`, taking the main copies keyed by
+    group (`float16_optimizer_sharded_state_dict`) as megatron-core's list. Distributed checkpointing splits a list
+    into its sharded items and the rest, renumbering both from 0: the empty list of the group without 16-bit
+    weights (anGPT's and nGPT's fp32 scales, group 1) came back at position 0, where the load merged it with group
+    0's main copies, and every load raised "Cannot merge two lists with different lengths"."""
+
+    @functools.wraps(load_state_dict)
+    def load(self, state_dict):
+        mains = state_dict.get("fp32_from_fp16_params")
+        if isinstance(mains, dict):
+            state_dict = {**state_dict, "fp32_from_fp16_params": [mains[group] for group in range(len(mains))]}
+        return load_state_dict(self, state_dict)
+
+    return load
 
 
 def mark_decoupled_lr_groups(optimizer, max_lr: float, min_lr: float) -> None:
