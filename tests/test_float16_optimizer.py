@@ -2,7 +2,8 @@
 keeps an fp32 main copy of each 16-bit weight and updates anGPT's and nGPT's fp32 learnable scales in place. Its
 steps are the distributed optimizer's at data-parallel size 1, bounding included; a run resumes from its checkpoint
 exactly, which megatron-core's own state-dict mapping cannot save or load (angpt/megatron_compat/patches.py).
-Resharding from 2 processes: test_checkpoint.py."""
+Resharding from 2 processes: test_checkpoint.py. A save before fp16's first applied step resumes exactly with either
+optimizer (angpt/megatron_compat/patches.py for both)."""
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 from megatron.core.utils import get_model_config
+from test_trainer import checkpoint_tensors, copy_checkpoint, losses, records, train
 
 from angpt.config.sections import RunConfig
 from angpt.megatron_compat import patches
@@ -188,11 +190,36 @@ def test_a_run_without_the_distributed_optimizer_resumes_exactly(family, precisi
     assert any(applied[:3]) and all(applied) == (precision == "bf16")
 
 
-def test_an_fp16_run_saved_before_its_first_applied_step_resumes_exactly(single_process, tmp_path):
+# Initial loss scales at which the first three steps overflow and a later one of the six applies.
+BEFORE_THE_FIRST_APPLIED_STEP = {"angpt": 2.0**24, "gptplus": 2.0**21}
+
+
+@pytest.mark.parametrize("use_distributed_optimizer", [False, True])
+@pytest.mark.parametrize("family", BEFORE_THE_FIRST_APPLIED_STEP)
+def test_an_fp16_run_saved_before_its_first_applied_step_resumes_exactly(family, use_distributed_optimizer,
+                                                                          single_process, tmp_path):
     """fp16's first steps overflow and are skipped: saved at step 3 with none applied yet, Adam has no state; the
-    checkpoint holds the zeros and step 0 it starts from (without them the load asked for moments it lacked)."""
-    applied = assert_resumes_exactly("angpt", "fp16", tmp_path, initial_loss_scale=2.0**24)
+    checkpoint holds the zeros and step 0 it starts from (without them the 16-bit optimizer's load asked for moments
+    it lacked, and the distributed optimizer's save failed: the next test)."""
+    applied = assert_resumes_exactly(family, "fp16", tmp_path, initial_loss_scale=BEFORE_THE_FIRST_APPLIED_STEP[family],
+                                     use_distributed_optimizer=use_distributed_optimizer)
     assert not any(applied[:3]) and any(applied[3:])
+
+
+def test_megatron_cores_distributed_optimizer_cannot_save_before_the_first_applied_step(
+        single_process, tmp_path, monkeypatch):
+    """What angpt's replacement fixes: megatron-core 0.16.1 reads torch Adam's step from each parameter's state,
+    which it does not have yet."""
+    monkeypatch.setattr(DistributedOptimizer, "sharded_state_dict", DistributedOptimizer.sharded_state_dict.__wrapped__)
+    with pytest.raises(AssertionError) as failure:
+        train_saving_at_3("angpt", "fp16", tmp_path, initial_loss_scale=2.0**24, use_distributed_optimizer=True)
+    assert str(failure.traceback[-1].statement).strip() == "assert len(steps) == 1"
+
+
+@pytest.mark.parametrize("family", ["angpt", "gptplus"])
+def test_a_bf16_run_with_the_distributed_optimizer_resumes_exactly(family, single_process, tmp_path):
+    """bf16's first step applies, so the save after it is megatron-core's own."""
+    assert all(assert_resumes_exactly(family, "bf16", tmp_path, use_distributed_optimizer=True))
 
 
 def test_megatron_cores_own_state_dict_mapping_cannot_save_the_fp32_scales(single_process, tmp_path, monkeypatch):
@@ -220,3 +247,26 @@ def test_groups_of_main_copies_load_keyed_by_group_and_not_as_a_list(single_proc
         dist_checkpointing.load({"groups": groups(0.0, keyed=False)}, str(tmp_path / "False"))
     loaded = dist_checkpointing.load({"groups": groups(0.0, keyed=True)}, str(tmp_path / "True"))["groups"]
     assert loaded.keys() == {0, 1} and torch.equal(loaded[0][0], torch.ones(2)) and loaded[1] == []
+
+
+@pytest.mark.multiprocess
+def test_an_fp16_run_of_two_processes_saved_before_its_first_applied_step_resumes_exactly(single_process, tmp_path):
+    """`angpt.pretrain --fp16 --use-distributed-optimizer` at data-parallel size 2, as users run it: its first five
+    steps overflow (hysteresis 1), and resumed from the save at 4, a skipped step and three applied ones equal the
+    uninterrupted run's, the loss scale, weights, fp32 main weights and Adam's moments included."""
+    flags = ["--use-distributed-optimizer", "--fp16", "--initial-loss-scale", str(2**28), "--hysteresis", "1",
+             "--train-iters", "8"]
+    run = tmp_path / "run"
+    train(*flags, "--save", str(run), "--save-interval", "4")
+    assert [r["skipped"] for r in records(run)] == [1] * 5 + [0] * 3
+    saved = checkpoint_tensors(run, 4)
+    moments = [value for key, value in saved.items() if key.startswith("optimizer.state.exp_avg")]
+    assert moments and not any(moment.any() for moment in moments)
+
+    resumed = copy_checkpoint(run, 4, tmp_path / "resumed")
+    train(*flags, "--save", resumed, "--load", resumed)
+    assert losses(resumed) == {i: loss for i, loss in losses(run).items() if i > 4}
+    assert [r["loss_scale"] for r in records(resumed)] == [r["loss_scale"] for r in records(run)][4:]
+    final, expected = checkpoint_tensors(resumed, 8), checkpoint_tensors(run, 8)
+    assert final.keys() == expected.keys() and any(key.startswith("optimizer.state.param.") for key in final)
+    assert [key for key in final if not torch.equal(final[key], expected[key])] == []

@@ -30,6 +30,10 @@ Each workaround, where it is, and what breaks without it under megatron-core 0.1
   state), and once that is fixed every load "Cannot merge two lists with different lengths" (the scales' group has
   no 16-bit weight to keep a main copy of); in every family a save before Adam's first applied step (fp16's first
   steps overflow) cannot be loaded (KeyError: optimizer.state.exp_avg...).
+- The distributed optimizer's save before Adam's first applied step (`patches.py`, `saved_from_adams_start`):
+  with --fp16 --use-distributed-optimizer, whose first steps overflow (the dynamic loss scale starts at 2^32),
+  a save before Adam's first applied step raises AssertionError (`assert len(steps) == 1`, torch's Adam) and ends
+  the run.
 - The --decoupled-lr groups marked (`patches.py`, `mark_decoupled_lr_groups`): without it their saved state loads
   into the other weights' group (a resumed run differs; the plain optimizer refuses the load).
 - The grad norm and clipping in foreach ops (`patches.py`, `foreach_l2_norm`): without apex or Transformer

@@ -48,6 +48,7 @@ def install() -> None:
     Float16OptimizerWithFloat16Params.sharded_state_dict = float16_optimizer_sharded_state_dict
     Float16OptimizerWithFloat16Params.load_state_dict = main_params_by_group(
         Float16OptimizerWithFloat16Params.load_state_dict)
+    DistributedOptimizer.sharded_state_dict = saved_from_adams_start(DistributedOptimizer.sharded_state_dict)
     if clip_grads.l2_norm_impl is local_multi_tensor_l2_norm:
         clip_grads.l2_norm_impl = foreach_l2_norm
         clip_grads.multi_tensor_scale_impl = foreach_scale
@@ -201,6 +202,29 @@ def main_params_by_group(load_state_dict):
         return load_state_dict(self, state_dict)
 
     return load
+
+
+def saved_from_adams_start(sharded_state_dict):
+    """megatron-core 0.16.1's `DistributedOptimizer.sharded_state_dict`, able to save before Adam's first applied step
+    (fp16's dynamic loss scale, 2^32 by default, skips the first ones). Adam has no state then: with torch's Adam the
+    save raised AssertionError (`assert len(steps) == 1`: it reads the step from each parameter's state), and the
+    gathered optimizer state reads every moment. Saved instead, as `float16_optimizer_sharded_state_dict` saves them,
+    are the zero moments (megatron-core's `init_state_fn`) and step 0 Adam starts from; it still creates its own at
+    its first applied step."""
+
+    @functools.wraps(sharded_state_dict)
+    def sharded(self, model_sharded_state_dict, is_loading: bool = False, *args, **kwargs):
+        if is_loading or self.optimizer.state:
+            return sharded_state_dict(self, model_sharded_state_dict, is_loading, *args, **kwargs)
+        self.init_state_fn(self.optimizer, self.config)
+        if not HAVE_APEX_OR_TE:  # torch's Adam counts its steps per parameter; the fused ones per group
+            for state in self.optimizer.state.values():
+                state["step"] = torch.tensor(0.0)
+        state_dict = sharded_state_dict(self, model_sharded_state_dict, is_loading, *args, **kwargs)
+        self.optimizer.state.clear()  # the live optimizer as it was; the saved state keeps the zeros
+        return state_dict
+
+    return sharded
 
 
 def mark_decoupled_lr_groups(optimizer, max_lr: float, min_lr: float) -> None:
