@@ -77,6 +77,13 @@ TRANSFORMER_VALUES = dict(
     pipeline_model_parallel_size=3, recompute_granularity="selective", rotary_base=500000, sequence_parallel=True,
     tensor_model_parallel_size=2, transformer_impl="transformer_engine",
 )
+# The architecture fields shared by name: --model-family gpt's (the other families fix their own architecture).
+ARCHITECTURE_VALUES = dict(
+    add_bias_linear=False, add_qkv_bias=True, apply_query_key_layer_scaling=True, attention_softmax_in_fp32=True,
+    layernorm_zero_centered_gamma=True, max_position_embeddings=256, normalization="RMSNorm",
+    position_embedding_type="none", qk_l2_norm=True, qk_layernorm=True, rotary_interleaved=True, rotary_percent=0.5,
+    use_rope_scaling=True,
+)
 # Fields shared by name that are set otherwise, each for a reason named in angpt.training.megatron_configs.
 TRANSFORMER_OVERRIDDEN = {
     "cp_comm_type": "one value for all layers (megatron-core reads a list per layer)",
@@ -96,10 +103,15 @@ def model_config_fields(config: RunConfig, monkeypatch) -> dict:
 
 def test_every_flag_that_is_a_field_of_the_model_config_lands_there(monkeypatch):
     shared = set(by_name(RunConfig(), AnGPTConfig))
-    assert shared == set(TRANSFORMER_VALUES) | set(TRANSFORMER_OVERRIDDEN)
+    assert shared == set(TRANSFORMER_VALUES) | set(ARCHITECTURE_VALUES) | set(TRANSFORMER_OVERRIDDEN)
     for name, value in TRANSFORMER_VALUES.items():
         config = RunConfig().replace(**{FIELD_SECTIONS[name]: {name: value}})
         assert model_config_fields(config, monkeypatch)[name] == value, name
+    for name, value in ARCHITECTURE_VALUES.items():
+        config = RunConfig().replace(**{FIELD_SECTIONS[name]: {name: value}})
+        assert name not in model_config_fields(config, monkeypatch), name  # anGPT's own
+        gpt = config.replace(model=dict(model_family="gpt"))
+        assert model_config_fields(gpt, monkeypatch)[name] == value, name
     # The flags named otherwise than their fields, and the overridden ones.
     flags = dict(fp8_format="e4m3", norm_epsilon=1e-6, decoder_first_pipeline_num_layers=3,
                  decoder_last_pipeline_num_layers=2, tie_embeddings_and_output_weights=True, reset_position_ids=True,

@@ -46,7 +46,6 @@ def test_an_fp16_run_finds_its_loss_scale_trains_and_resumes_exactly(tmp_path, s
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--fp16"], "--fp16 needs --use-distributed-optimizer"),
     (["--fp16", "--bf16", "--use-distributed-optimizer"], "give one of --bf16 and --fp16"),
     (["--loss-scale", "1024"], "--loss-scale needs --fp16"),
     (["--hysteresis", "1"], "--hysteresis needs --fp16"),
@@ -56,3 +55,11 @@ def test_fp16_flags_alone_or_out_of_range_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--mock-data", "--vocab-size", "64", "--train-iters", "2", *argv], world_size=1)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("half", ["--fp16", "--bf16"])
+def test_16_bit_without_the_distributed_optimizer_is_accepted(half):
+    """megatron-core's Float16OptimizerWithFloat16Params, checkpointed by angpt.megatron_compat.patches
+    (tests/test_float16_optimizer.py); --use-distributed-optimizer is no longer needed."""
+    config = parse_args(["--mock-data", "--vocab-size", "64", "--train-iters", "2", half], world_size=1)
+    assert getattr(config.precision, half[2:]) and not config.parallel.use_distributed_optimizer

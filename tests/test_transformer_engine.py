@@ -55,7 +55,7 @@ HAVE_TE = transformer_engine_support.transformer_engine_error() is None
 # -- one clear error without Transformer Engine --------------------------------------------------------
 
 @pytest.mark.skipif(HAVE_TE, reason="Transformer Engine is installed")
-@pytest.mark.parametrize("family", ["angpt", "gptplus", "ngpt"])
+@pytest.mark.parametrize("family", ["angpt", "gptplus", "ngpt", "gpt"])
 def test_without_transformer_engine_building_the_te_spec_fails_with_one_clear_message(family, single_process):
     config = model_config(family, **SMALL)
     with pytest.raises(transformer_engine_support.TransformerEngineUnavailable) as error:
@@ -193,8 +193,6 @@ def test_trainer_path_tags_ngpt_te_row_weights_before_the_optimizer(seeded, stan
         (["--fp8-format", "e5m2"], "--fp8-format: invalid choice"),
         (["--fp8-recipe", "blockwise"], "--fp8-recipe: invalid choice"),
         (["--transformer-impl", "te"], "--transformer-impl: invalid choice"),
-        (["--transformer-impl", "transformer_engine", "--fp8-format", "hybrid", "--bf16"],
-         "--bf16 needs --use-distributed-optimizer"),
     ],
 )
 def test_invalid_fp8_settings_are_refused_by_flag(flags, message, capsys, monkeypatch):

@@ -3,13 +3,17 @@
 command line parses (and `--help` prints) before torch and megatron-core are loaded.
 """
 
-MODEL_FAMILIES = ("angpt", "gptplus", "ngpt")
-FAMILY_NAMES = {"angpt": "anGPT", "gptplus": "GPT+", "ngpt": "nGPT"}  # as the paper writes them
+MODEL_FAMILIES = ("angpt", "gptplus", "ngpt", "gpt")
+# As the paper writes them; "gpt" is megatron-core's GPT as Megatron-LM's pretrain_gpt.py builds it.
+FAMILY_NAMES = {"angpt": "anGPT", "gptplus": "GPT+", "ngpt": "nGPT", "gpt": "GPT"}
+# The families built of angpt's normalized blocks (angpt/models/layers.py); GPT+ and GPT are megatron-core's layers.
+NORMALIZED_FAMILIES = ("angpt", "ngpt")
 # What each family is, as the model card of a Hugging Face export says it (angpt.hf.model_card).
 FAMILY_DESCRIPTIONS = {
     "angpt": "anGPT (the Approximately Normalized GPT; Franke et al., NeurIPS 2025, arXiv 2505.22014)",
     "gptplus": "GPT+ (a pre-norm GPT with RMSNorm, RoPE, SwiGLU and QK-norm: the block of Qwen3)",
     "ngpt": "nGPT (the normalized Transformer; Loshchilov et al., ICLR 2025)",
+    "gpt": "GPT (megatron-core's GPT as Megatron-LM's pretrain_gpt.py builds it from its flags)",
 }
 # The normalization factors: as derived, all 1, or the exact 1/||x|| (docs/model.md, Normalization factors).
 FACTOR_MODES = ("analytic", "one", "exact")
@@ -19,6 +23,11 @@ POST_NORMS = ("l2", "none")
 RESIDUALS = ("lerp", "plain")
 # megatron-core's layers ("local", the default and the CPU path) or Transformer Engine's (GPU, needed for FP8).
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
+# Megatron-LM's choices of --normalization and --position-embedding-type (core_v0.16.1), and its defaults, which
+# --model-family gpt takes when they are not given (the other families have their own).
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "mrope", "relative", "none")
+GPT_DEFAULTS = dict(normalization="LayerNorm", position_embedding_type="learned_absolute")
 # The weights' dtype of a Hugging Face export (tools/convert_to_hf.py).
 EXPORT_DTYPES = ("float32", "bfloat16")
 # --recompute-modules of --recompute-granularity selective (docs/guide.md, Activation recompute): megatron-core's
@@ -30,15 +39,19 @@ MEGATRON_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
 
 def recompute_module_refusal(module: str, model_family: str, transformer_impl: str = "local") -> str | None:
     """Why `module` cannot be recomputed selectively in this family and implementation, or None if it can."""
+    name = FAMILY_NAMES[model_family]
     if module not in RECOMPUTE_MODULES:
         return f"{module!r} is not one of {', '.join(RECOMPUTE_MODULES)}"
-    if module == "layernorm" and model_family != "gptplus":
-        return (f"{FAMILY_NAMES[model_family]} has no pre-norms (input_layernorm, pre_mlp_layernorm); its norms are "
-                "qk_norm and residual_update")
+    if module == "layernorm" and model_family in NORMALIZED_FAMILIES:
+        return (f"{name} has no pre-norms (input_layernorm, pre_mlp_layernorm); its norms are qk_norm and "
+                "residual_update")
     if module == "layernorm" and transformer_impl == "transformer_engine":
-        return "Transformer Engine fuses GPT+'s pre-norms into the QKV and fc1 GEMMs: there is no norm output to drop"
+        return (f"Transformer Engine fuses {name}'s pre-norms into the QKV and fc1 GEMMs: there is no norm output to "
+                "drop")
     if module == "qk_norm" and model_family == "gptplus" and transformer_impl == "transformer_engine":
         return "GPT+'s QK-norm on Transformer Engine is megatron-core's TENorm, which angpt does not wrap"
-    if module == "residual_update" and model_family == "gptplus":
-        return "GPT+'s residual is a plain add, which keeps nothing for its backward pass"
+    if module == "qk_norm" and model_family == "gpt":
+        return "GPT's QK-norm is megatron-core's own norm module, which angpt does not wrap"
+    if module == "residual_update" and model_family not in NORMALIZED_FAMILIES:
+        return f"{name}'s residual is a plain add, which keeps nothing for its backward pass"
     return None

@@ -3,9 +3,11 @@
 added, or stops at its first flag that cannot be honoured with one line saying why:
 
 - implemented: `angpt.config.arguments` defines the flag, with Megatron-LM's meaning (docs/megatron.md notes
-  where our default differs);
+  where our default differs); the architecture flags that `--model-family gpt` takes are checked against the
+  other families by angpt.config.validation (with GPT+, `--normalization RMSNorm` is its own and Megatron-LM's
+  default LayerNorm asks for nothing; `--squared-relu` is refused);
 - implied: the family implies or replaces what the flag asks for; accepted, and checked against the family
-  where a value could ask for something else (`--normalization LayerNorm` with GPT+ is refused);
+  where a value could ask for something else (`--optimizer sgd` is refused);
 - refused: asks for something angpt does not build; giving it Megatron-LM's default value asks for nothing
   and is accepted (`--context-parallel-size 1`).
 
@@ -18,9 +20,9 @@ from __future__ import annotations
 import argparse
 from typing import Callable, NamedTuple, Optional
 
-from angpt.config.choices import FAMILY_NAMES
+from angpt.config.choices import FAMILY_NAMES, NORMALIZED_FAMILIES
 from angpt.config.megatron_lm_flags import GROUPS, SOURCE
-from angpt.config.sections import RunConfig
+from angpt.config.sections import RunConfig, option_of
 
 IMPLEMENTED, IMPLIED, REFUSED = "implemented", "implied", "refused"
 
@@ -45,25 +47,14 @@ def only(expected, why: str):
     return lambda args, value: None if value == expected else why
 
 
-def _normalization(args, value):
-    if args.model_family == "gptplus" and value != "RMSNorm":
-        return "GPT+ normalizes with RMSNorm (docs/model.md)"
-    return None
-
-
-def _gptplus_refuses(why: str):
-    return lambda args, value: why if args.model_family == "gptplus" else None
-
-
 NOT_YET = "not built yet"
-NORM_REPLACED = "anGPT and nGPT replace it by their own normalization (one log line says so); "
 FSDP = "FSDP is not built: use --use-distributed-optimizer (megatron-core's ZeRO-1 sharding of the optimizer)"
 OFFLOAD = "CPU offloading is not built"
 TE_OVERLAP = "Transformer Engine's userbuffer overlap of tensor-parallel communication is not built"
 INFERENCE = "an inference setting: angpt pretrains; generate with the Hugging Face export (tools/convert_to_hf.py)"
 LEGACY = "Megatron-LM's legacy models are not part of angpt; the families are megatron-core models"
-DENSE = "angpt trains dense GPTs of its three families"
-ATTENTION = f"{DENSE}; their attention is softmax attention with RoPE (docs/model.md)"
+DENSE = "angpt trains dense GPTs of its families"
+ATTENTION = f"{DENSE}; their attention is softmax attention (docs/model.md)"
 CHECKPOINT_FORMAT = "angpt saves and loads megatron-core distributed checkpoints (torch_dist) only"
 
 # By flag (every spelling of it is looked up).
@@ -98,28 +89,20 @@ FLAGS: dict[str, Decision] = {
                                                                   "--pipeline-model-parallel-size micro-batches"),
     "--softmax-type": refused(ATTENTION),
     "--fp32-residual-connection": refused(f"{NOT_YET}: the residual stream is in the parameters' precision"),
-    "--apply-residual-connection-post-layernorm": refused("the families' residual connections are fixed by "
-                                                          "docs/model.md"),
-    "--apply-layernorm-1p": implied("GPT+: a gain 1 + w from w = 0 trains as a gain from 1 here, where norm gains "
-                                    "are not decayed (Adam sees the same gradients); " + NORM_REPLACED.rstrip("; ")),
-    "--disable-bias-linear": implied("no family has biases in its linear layers (docs/model.md)"),
-    "--add-qkv-bias": refused("no family has biases in its linear layers (docs/model.md)"),
-    "--glu-linear-offset": refused("the families' SwiGLU has no offset (docs/model.md)"),
-    "--activation-func-clamp-value": refused("the families' SwiGLU has no clamp (docs/model.md)"),
-    "--rotary-interleaved": refused("the families rotate halves of each head, not interleaved pairs"),
-    "--normalization": implied("GPT+ is RMSNorm; " + NORM_REPLACED.rstrip("; "), _normalization),
-    "--qk-layernorm": implied("GPT+ is a QK-norm GPT; " + NORM_REPLACED.rstrip("; ")),
-    "--qk-l2-norm": implied("GPT+ refuses it (RMSNorm on q and k); " + NORM_REPLACED.rstrip("; "),
-                            _gptplus_refuses("GPT+ normalizes q and k with RMSNorm, not an L2 norm")),
+    "--apply-residual-connection-post-layernorm": refused(f"{NOT_YET} for --model-family gpt; the other families' "
+                                                          "residual connections are fixed by docs/model.md"),
+    "--glu-linear-offset": refused(f"{NOT_YET} for --model-family gpt; the other families' SwiGLU has no offset "
+                                   "(docs/model.md)"),
+    "--activation-func-clamp-value": refused(f"{NOT_YET} for --model-family gpt; the other families' SwiGLU has no "
+                                             "clamp (docs/model.md)"),
     "--attention-output-gate": refused(ATTENTION),
     "--multi-latent-attention": refused(ATTENTION),
     "--experimental-attention-variant": refused(ATTENTION),
     "--embedding-init-method-std": refused(f"{NOT_YET}: the embedding is initialized as the other weights "
-                                           "(--init-method-std for GPT+, unit-norm rows for anGPT and nGPT)"),
+                                           "(--init-method-std for GPT+ and GPT, unit-norm rows for anGPT and nGPT)"),
     "--init-model-with-meta-device": refused(f"{NOT_YET}"),
-    "--apply-query-key-layer-scaling": refused("the families' softmax scale is fixed by docs/model.md"),
     "--disable-bf16-reduced-precision-matmul": refused(f"{NOT_YET}"),
-    "--use-fused-weighted-squared-relu": refused("the families use SwiGLU"),
+    "--use-fused-weighted-squared-relu": refused(f"MoE: {DENSE}"),
     "--distribute-saved-activations": refused(f"{NOT_YET} (full recompute keeps each layer's input whole)"),
     "--fp8-quantizer-factory": refused("custom FP8 quantizers are not built (docs/fp8.md)"),
     "--fp8-interval": refused("deprecated in Megatron-LM and without effect there"),
@@ -136,7 +119,8 @@ FLAGS: dict[str, Decision] = {
                                    "metrics.jsonl"),
     "--flash-decode": refused(INFERENCE),
     "--batch-invariant-mode": refused(f"{NOT_YET}"),
-    "--use-te-activation-func": refused("the families' SwiGLU is angpt's own kernel or megatron-core's"),
+    "--use-te-activation-func": refused("the MLP's activation is angpt's own kernel (anGPT, nGPT) or "
+                                        "megatron-core's"),
     "--symmetric-ar-type": refused(INFERENCE),
     "--mrope-section": refused(ATTENTION),
     "--mlp-chunks-for-prefill": refused(INFERENCE),
@@ -145,26 +129,18 @@ FLAGS: dict[str, Decision] = {
     # -- network size
     "--encoder-num-layers": refused("use --num-layers"),
     "--decoder-num-layers": refused("use --num-layers"),
-    "--group-query-attention": implied("grouped-query attention follows --num-query-groups (omitted: one group "
-                                       "per head)"),
     "--window-size": refused(ATTENTION),
     "--window-attn-skip-freq": refused(ATTENTION),
-    "--position-embedding-type": implied("every family uses RoPE (docs/model.md)",
-                                         only("rope", "every family uses RoPE (docs/model.md)")),
-    "--relative-attention-num-buckets": refused("every family uses RoPE (docs/model.md)"),
-    "--relative-attention-max-distance": refused("every family uses RoPE (docs/model.md)"),
-    "--use-rotary-position-embeddings": implied("every family uses RoPE (docs/model.md)"),
-    "--rotary-percent": implied("RoPE rotates every channel of a head",
-                                only(1.0, "RoPE rotates every channel of a head here (--rotary-percent 1.0)")),
-    "--rotary-seq-len-interpolation-factor": refused(f"RoPE interpolation is {NOT_YET}"),
-    "--use-rope-scaling": refused(f"RoPE scaling is {NOT_YET}"),
-    "--rope-scaling-factor": refused(f"RoPE scaling is {NOT_YET}"),
-    "--no-rope-freq": refused("every layer uses RoPE (docs/model.md)"),
-    "--no-position-embedding": refused("every family uses RoPE (docs/model.md)"),
-    "--openai-gelu": refused("the families use SwiGLU (docs/model.md)"),
-    "--squared-relu": refused("the families use SwiGLU (docs/model.md)"),
-    "--swiglu": implied("every family uses SwiGLU (docs/model.md)"),
-    "--quick-geglu": refused("the families use SwiGLU (docs/model.md)"),
+    "--relative-attention-num-buckets": refused(f"relative position embeddings (T5's) are {NOT_YET}"),
+    "--relative-attention-max-distance": refused(f"relative position embeddings (T5's) are {NOT_YET}"),
+    "--rotary-seq-len-interpolation-factor": refused("Megatron-LM's pretrain_gpt.py does not hand it to GPTModel: "
+                                                     "it changes nothing there"),
+    "--rope-scaling-factor": refused("Megatron-LM's pretrain_gpt.py does not hand it to GPTModel, whose factor with "
+                                     "--use-rope-scaling is 8"),
+    "--no-rope-freq": refused(f"RoPE on some layers only is {NOT_YET}"),
+    "--no-position-embedding": refused("deprecated in Megatron-LM (an error there but with rope, where it does "
+                                       "nothing): use --position-embedding-type none with --model-family gpt"),
+    "--openai-gelu": refused("Megatron-LM's legacy models only: megatron-core's GPT does not read it"),
     "--onnx-safe": refused("an export setting of Megatron-LM's legacy models"),
     "--bert-no-binary-head": refused(f"BERT: {DENSE}"),
     # -- regularization
@@ -185,8 +161,8 @@ FLAGS: dict[str, Decision] = {
     "--tp-comm-overlap-cfg": refused(TE_OVERLAP),
     "--no-masked-softmax-fusion": implied("the masked-softmax fusion is never used here (FlashAttention or "
                                           "megatron-core's unfused attention)"),
-    "--no-bias-gelu-fusion": implied("no family has a GELU"),
-    "--no-bias-dropout-fusion": refused(f"{NOT_YET}"),
+    "--no-bias-dropout-fusion": implied("the bias-dropout-add is not fused here (megatron-core's default; "
+                                        "Megatron-LM's fuses it)"),
     "--rope-type": refused("every family uses megatron-core's RoPE (docs/model.md)"),
     "--use-flash-attn": refused("deprecated in Megatron-LM: use --attention-backend flash"),
     "--optimizer": implied("every family trains with Adam with decoupled weight decay, as Megatron-LM's adam",
@@ -212,7 +188,8 @@ FLAGS: dict[str, Decision] = {
     "--te-rng-tracker": refused("Transformer Engine's RNG tracker is not used (dropout is off by default)"),
     "--inference-rng-tracker": refused(INFERENCE),
     "--data-parallel-random-init": refused("data-parallel replicas start equal, as the optimizer assumes"),
-    "--init-method-xavier-uniform": refused("the families' initialization is fixed by docs/model.md"),
+    "--init-method-xavier-uniform": refused(f"{NOT_YET} for --model-family gpt; the other families' initialization "
+                                            "is fixed by docs/model.md"),
     # -- learning rate and weight decay
     "--override-opt_param-scheduler": refused(f"{NOT_YET}: a resumed run keeps the checkpoint's schedule"),
     "--use-checkpoint-opt_param-scheduler": implied("a resumed run keeps the checkpoint's schedule"),
@@ -246,8 +223,6 @@ FLAGS: dict[str, Decision] = {
     "--dist-ckpt-format": refused("deprecated in Megatron-LM: use --ckpt-format torch_dist"),
     "--ckpt-fully-parallel-save": implied("deprecated in Megatron-LM, where it is the default"),
     # -- mixed precision
-    "--attention-softmax-in-fp32": implied("the softmax runs in fp32 in FlashAttention and in megatron-core's "
-                                           "unfused attention under --bf16"),
     "--accumulate-allreduce-grads-in-fp32": implied("gradients are accumulated and reduced in fp32"),
     "--fp16-lm-cross-entropy": refused(f"{NOT_YET}: the cross-entropy runs in fp32 from the fp16 logits"),
     "--reuse-grad-buf-for-mxfp8-param-ag": refused("FP8 parameters are not built (docs/fp8.md)"),
@@ -499,8 +474,8 @@ def check_implied(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
             parser.error(f"{action.option_strings[0]}{shown} with --model-family {args.model_family}: {reason}")
 
 
-NORM_FLAGS = ("megatron_normalization", "megatron_apply_layernorm_1p", "megatron_qk_layernorm",
-              "megatron_qk_l2_norm", "norm_epsilon")
+# The norm flags anGPT and nGPT replace by their own normalization: accepted, and said (angpt.config.validation).
+NORM_FLAGS = ("normalization", "layernorm_zero_centered_gamma", "qk_layernorm", "qk_l2_norm", "norm_epsilon")
 NORM_EPSILON = 1e-5  # Megatron-LM's default of --norm-epsilon, and angpt's
 
 
@@ -509,13 +484,10 @@ def notes(config: RunConfig) -> list[str]:
     lines = []
     if config.parallel.sequence_parallel_disabled:
         lines.append("--sequence-parallel: off, as in Megatron-LM, with --tensor-model-parallel-size 1")
-    given = [(dest, config.model.norm_epsilon if dest == "norm_epsilon" else config.megatron.get(dest))
-             for dest in NORM_FLAGS]
-    given = [(dest, value) for dest, value in given
-             if value not in (None, False) and not (dest == "norm_epsilon" and value == NORM_EPSILON)]
     family = config.model.model_family
-    if family == "gptplus" or not given:
+    values, defaults = config.flags(), RunConfig().flags()
+    given = [(dest, values[dest]) for dest in NORM_FLAGS if values[dest] != defaults[dest]]
+    if family not in NORMALIZED_FAMILIES or not given:
         return lines
-    shown = ", ".join("--" + dest.removeprefix("megatron_").replace("_", "-") + ("" if value is True else f" {value}")
-                      for dest, value in given)
+    shown = ", ".join(option_of(dest) + ("" if value is True else f" {value}") for dest, value in given)
     return [*lines, f"{shown}: replaced by {FAMILY_NAMES[family]}'s own normalization (docs/model.md)"]

@@ -18,9 +18,9 @@ from angpt.config.sections import SECTIONS
 
 # On/off settings a --config file may switch on get a --no-... form to switch them off again.
 SWITCH = argparse.BooleanOptionalAction
-DESCRIPTION = ("Pretrain anGPT, GPT+ or nGPT with Megatron-style flags, under torchrun. Required: the length of "
-               "training (--train-iters or --train-samples) and the data (--data-path, --train-data-path or "
-               "--mock-data with --vocab-size).")
+DESCRIPTION = ("Pretrain anGPT, GPT+, nGPT or Megatron-LM's GPT with Megatron-style flags, under torchrun. Required: "
+               "the length of training (--train-iters or --train-samples) and the data (--data-path, "
+               "--train-data-path or --mock-data with --vocab-size).")
 
 
 class ArgumentParser(argparse.ArgumentParser):

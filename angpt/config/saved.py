@@ -10,12 +10,16 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from angpt.config.sections import FIELD_SECTIONS, MEGATRON_PREFIX, RunConfig
+from angpt.config.sections import FIELD_SECTIONS, MEGATRON_PREFIX, RunConfig, option_of
 from angpt.config.validation import derive
 
 # The model's shape: what a checkpoint's tensors must match (a resume, --finetune) and what an export writes.
 MODEL_SHAPE = ("model_family", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                "ffn_hidden_size", "kv_channels", "tie_embeddings_and_output_weights")
+# GPT's architecture flags that change its parameters (the other families fix them).
+GPT_SHAPE = ("untie_embeddings_and_output_weights", "max_position_embeddings", "normalization", "add_bias_linear",
+             "add_qkv_bias", "qk_layernorm", "position_embedding_type", "swiglu", "quick_geglu",
+             "group_query_attention")
 
 
 def config_from_saved(saved: Mapping[str, Any]) -> RunConfig:
@@ -43,7 +47,12 @@ def single_process(config: RunConfig) -> RunConfig:
 
 def shape_differences(saved: RunConfig, run: RunConfig) -> list[str]:
     """'--flag SAVED (this run: VALUE)' for each flag of the model's shape in which a checkpoint differs."""
-    ours, theirs = run.flags(), saved.flags()
-    return [f"--{name.replace('_', '-')} {theirs[name]} (this run: {ours[name]})"
-            for name in MODEL_SHAPE if theirs[name] != ours[name]]
+    ours, theirs, defaults = run.flags(), saved.flags(), RunConfig().flags()
+    names = MODEL_SHAPE + (GPT_SHAPE if run.model.model_family == saved.model.model_family == "gpt" else ())
+
+    def shown(value, name):  # an on/off flag as on or off (--disable-bias-linear sets its field False)
+        return ("on" if value != defaults[name] else "off") if isinstance(value, bool) else value
+
+    return [f"{option_of(name)} {shown(theirs[name], name)} (this run: {shown(ours[name], name)})"
+            for name in names if theirs[name] != ours[name]]
 

@@ -19,7 +19,9 @@ from angpt.config.blend import parse_blend
 from angpt.config.choices import (
     FACTOR_MODES,
     MODEL_FAMILIES,
+    NORMALIZATIONS,
     NU_P_READINGS,
+    POSITION_EMBEDDING_TYPES,
     POST_NORMS,
     RECOMPUTE_MODULES,
     RESIDUALS,
@@ -85,24 +87,28 @@ class ModelSection:
     num_layers: int = flag(4)
     hidden_size: int = flag(128)
     num_attention_heads: int = flag(4)
-    num_query_groups: Optional[int] = flag(None, "key/value heads (grouped-query attention)")
-    ffn_hidden_size: Optional[int] = flag(None, "width of each SwiGLU half (default 4 x hidden)")
-    kv_channels: Optional[int] = flag(None, "head dim (default hidden / heads)")
+    num_query_groups: Optional[int] = flag(None, "key/value heads (grouped-query attention); with --model-family "
+        "gpt it needs --group-query-attention, as in Megatron-LM")
+    ffn_hidden_size: Optional[int] = flag(None, "width of the MLP, of each half of a gated one (default 4 x hidden; "
+        "gpt with --swiglu: Megatron-LM's 8/3 x hidden, rounded down to a multiple of 64)")
+    kv_channels: Optional[int] = flag(None, 'head dim (default hidden / heads)')
     seq_length: int = flag(128)
-    max_position_embeddings: Optional[int] = flag(None, "accepted for Megatron-LM scripts; RoPE needs only "
-        "--seq-length (must not be below it)")
+    max_position_embeddings: Optional[int] = flag(None, "gpt: the rows of the learned position embeddings (default "
+        "--seq-length; Megatron-LM requires it); the other families' RoPE needs only --seq-length (it must not be "
+        "below it)")
     rotary_base: int = flag(10000)
-    norm_epsilon: float = flag(1e-05, "epsilon of GPT+'s RMSNorms (anGPT and nGPT replace them by their own "
-        "normalization)")
-    init_method_std: float = flag(0.02, "GPT+ weight init (anGPT and nGPT put every row on the unit sphere instead)")
+    norm_epsilon: float = flag(1e-05, "epsilon of GPT+'s RMSNorms and GPT's norms (anGPT and nGPT replace them by "
+        "their own normalization)")
+    init_method_std: float = flag(0.02, "GPT+ and GPT weight init (anGPT and nGPT put every row on the unit sphere "
+        "instead)")
     tie_embeddings_and_output_weights: bool = flag(False, "use the embedding as the output head (default: untied, "
-        "as in docs/model.md)", exclusive="tying")
-    untie_embeddings_and_output_weights: bool = flag(False, "accepted for Megatron-LM scripts; untied is already "
-        "the default", exclusive="tying")
+        "as in docs/model.md; gpt: tied, as in Megatron-LM)", exclusive="tying")
+    untie_embeddings_and_output_weights: bool = flag(False, "a separate output head: gpt's (tied without it, as in "
+        "Megatron-LM); already the other families' default", exclusive="tying")
     attention_dropout: float = flag(0.0, "dropout on the attention probabilities, all families (default 0: no "
         "dropout, as in the paper; Megatron-LM's is 0.1)")
     hidden_dropout: float = flag(0.0, "dropout on the embeddings and on each sub-block output before its residual "
-        "add, GPT+ only (default 0: no dropout, as in the paper; Megatron-LM's is 0.1)")
+        "add, GPT+ and GPT only (default 0: no dropout, as in the paper; Megatron-LM's is 0.1)")
     recompute_granularity: Optional[str] = flag(None, "recompute activations in the backward pass: whole layers "
         "(full, with --recompute-method and --recompute-num-layers) or the parts named by --recompute-modules "
         "(selective); docs/guide.md, Activation recompute", choices=("full", "selective"))
@@ -113,6 +119,46 @@ class ModelSection:
         "normalization of q and k), residual_update (anGPT's and nGPT's normalized residual update)",
         choices=RECOMPUTE_MODULES)
     recompute_activations: bool = flag(False, "Megatron-LM's alias of --recompute-granularity selective")
+
+
+@dataclass(frozen=True)
+class ArchitectureSection:
+    """Megatron-LM's architecture flags of a dense GPT, with its names, meanings and defaults: what `--model-family
+    gpt` builds (megatron-core's GPTModel as Megatron-LM's pretrain_gpt.py builds it; docs/model.md, GPT). The
+    other families fix their own architecture: with them Megatron-LM's default and the family's own value are
+    accepted, any other value is refused (angpt.config.validation, PAPER_ARCHITECTURE). The two that name a kind
+    (--normalization, --position-embedding-type) default to None, so that a value given is told from one not: gpt
+    then takes Megatron-LM's (choices.GPT_DEFAULTS; validation derives it), the other families their own."""
+
+    GROUP: ClassVar[str] = "architecture of --model-family gpt (Megatron-LM's flags; docs/model.md, GPT)"
+
+    normalization: Optional[str] = flag(None, "the pre-norms, the final norm and --qk-layernorm (default: LayerNorm, "
+        "Megatron-LM's; RMSNorm in GPT+)", choices=NORMALIZATIONS)
+    layernorm_zero_centered_gamma: bool = flag(False, "each norm's gain as 1 + w, w starting at 0",
+                                               option="--apply-layernorm-1p")
+    add_bias_linear: bool = flag(True, "no biases in the linear layers", option="--disable-bias-linear")
+    add_qkv_bias: bool = flag(False, "a bias in the QKV projection (always there while the linear layers have "
+        "biases)")
+    qk_layernorm: bool = flag(False, "--normalization on each head's queries and keys")
+    qk_l2_norm: bool = flag(False, "Llama 4's L2 norm of queries and keys (Megatron-LM builds it with "
+        "--transformer-impl transformer_engine only)")
+    apply_query_key_layer_scaling: bool = flag(False, "scale the attention scores down by the layer number before "
+        "the softmax and back up inside it (then in fp32)")
+    attention_softmax_in_fp32: bool = flag(False, "the unfused attention's softmax in fp32 under --bf16 or --fp16")
+    position_embedding_type: Optional[str] = flag(None, "learned_absolute: an embedding of each position up to "
+        "--max-position-embeddings; rope: rotary embeddings; none (default: learned_absolute, Megatron-LM's; rope in "
+        "the other families)", choices=POSITION_EMBEDDING_TYPES)
+    use_rotary_position_embeddings: bool = flag(False, "Megatron-LM's deprecated spelling of "
+        "--position-embedding-type rope")
+    rotary_percent: float = flag(1.0, "with rope: the fraction of each head's channels rotated")
+    rotary_interleaved: bool = flag(False, "with rope: rotate pairs of neighbouring channels, not the two halves")
+    use_rope_scaling: bool = flag(False, "with rope: Llama 3.x's scaling of the frequencies (megatron-core's "
+        "factor, 8)")
+    swiglu: bool = flag(False, "a SwiGLU MLP (gated, SiLU) instead of GELU", exclusive="activation")
+    squared_relu: bool = flag(False, "squared ReLU instead of GELU", exclusive="activation")
+    quick_geglu: bool = flag(False, "a gated MLP with quick GELU (x sigmoid(1.702 x)) instead of GELU",
+                             exclusive="activation")
+    group_query_attention: bool = flag(False, "grouped-query attention with --num-query-groups (default 1)")
 
 
 @dataclass(frozen=True)
@@ -284,8 +330,12 @@ class FusionSection:
     apply_rope_fusion: Optional[bool] = flag(None, "RoPE as one kernel forward and one backward (Transformer "
         "Engine's where installed, else a torch.compile'd one; cos and sin inside it). Default: on with a GPU, off "
         "on CPU (compiling costs seconds per process there)", option="--rope-fusion", switch=True)
-    bias_swiglu_fusion: Optional[bool] = flag(None, "GPT+'s SwiGLU as megatron-core's compiled kernels (anGPT and "
-        "nGPT always use their own nu-scaled SwiGLU kernel). Default: on with a GPU, off on CPU", switch=True)
+    bias_swiglu_fusion: Optional[bool] = flag(None, "GPT+'s SwiGLU (GPT's with --swiglu) as megatron-core's compiled "
+        "kernels (anGPT and nGPT always use their own nu-scaled SwiGLU kernel). Default: on with a GPU, off on CPU",
+        switch=True)
+    bias_gelu_fusion: Optional[bool] = flag(None, "GPT's GELU or quick GeGLU with its bias as megatron-core's "
+        "compiled kernels (GELU needs the biases; no fusion of --squared-relu). Default: on with a GPU where "
+        "megatron-core fuses the activation, off on CPU", switch=True)
     cuda_graph_impl: str = flag("none", "local: capture each transformer layer's forward and backward as CUDA "
         "graphs (megatron-core's own implementation; no Transformer Engine needed) after the first step, and "
         "replay them: for launch-bound steps (small micro-batches). Needs a GPU. NOT VERIFIED: its gradients were "
@@ -502,6 +552,7 @@ class ExitSection:
 SECTIONS = {
     "dry_run": DryRunSection,
     "model": ModelSection,
+    "architecture": ArchitectureSection,
     "switches": SwitchesSection,
     "parallel": ParallelSection,
     "training": TrainingSection,
@@ -527,6 +578,7 @@ class RunConfig:
 
     dry_run: DryRunSection = field(default_factory=DryRunSection)
     model: ModelSection = field(default_factory=ModelSection)
+    architecture: ArchitectureSection = field(default_factory=ArchitectureSection)
     switches: SwitchesSection = field(default_factory=SwitchesSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     training: TrainingSection = field(default_factory=TrainingSection)
@@ -582,3 +634,9 @@ class RunConfig:
 
 # The section of each field, by the field's name (names are unique over the sections: they are destinations).
 FIELD_SECTIONS = {f.name: name for name, section in SECTIONS.items() for f in dataclasses.fields(section)}
+
+
+def option_of(name: str) -> str:
+    """The flag of a flag field (`--apply-layernorm-1p` for layernorm_zero_centered_gamma)."""
+    spec = SECTIONS[FIELD_SECTIONS[name]].__dataclass_fields__[name].metadata["flag"]
+    return spec["option"] or "--" + name.replace("_", "-")

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from angpt.config import megatron_lm, pipeline_split, transformer_engine_support
 from angpt.config.blend import parse_blend
-from angpt.config.choices import recompute_module_refusal
+from angpt.config.choices import FAMILY_NAMES, GPT_DEFAULTS, NORMALIZED_FAMILIES, recompute_module_refusal
 from angpt.config.sections import FIELD_SECTIONS, SECTIONS, RunConfig
 
 # Megatron-LM's defaults of the FP8 details; they apply only with --fp8-format (None here = not given).
@@ -43,10 +43,11 @@ NUMERIC_RANGES = (
     ("must be positive", lambda value: value > 0, (
         "init_method_std", "norm_epsilon", "angpt_constant_factor_multiplier", "angpt_nu_alpha_multiplier",
         "distributed_timeout_minutes", "hang_timeout_minutes", "lr", "adam_eps", "exit_duration_in_mins",
-        "megatron_rotary_percent", "loss_scale", "initial_loss_scale", "min_loss_scale", "decoupled_lr",
+        "loss_scale", "initial_loss_scale", "min_loss_scale", "decoupled_lr",
         "gpu_memory_gib")),
     ("must be in [0, 1)", lambda value: 0 <= value < 1, (
         "attention_dropout", "hidden_dropout", "lr_warmup_fraction", "adam_beta1", "adam_beta2")),
+    ("must be in (0, 1]", lambda value: 0 < value <= 1, ("rotary_percent",)),
 )
 
 
@@ -79,11 +80,6 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
     if args.global_batch_size % (args.micro_batch_size * dp):
         parser.error(f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
                      f"{args.micro_batch_size} x data-parallel size {dp}")
-    for half in ("bf16", "fp16"):
-        if getattr(args, half) and not args.use_distributed_optimizer:
-            # Its state-dict mapping skips fp32 parameters inside a 16-bit model, which the learnable scales are.
-            parser.error(f"--{half} needs --use-distributed-optimizer (megatron-core's other 16-bit optimizer "
-                         "cannot checkpoint the fp32 learnable scales)")
     if args.bf16 and args.fp16:
         parser.error("give one of --bf16 and --fp16")
     _validate_dependent_flags(parser, args)
@@ -92,6 +88,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
     if args.max_position_embeddings is not None and args.max_position_embeddings < args.seq_length:
         parser.error(f"--max-position-embeddings {args.max_position_embeddings} is below --seq-length "
                      f"{args.seq_length}")
+    _validate_architecture(parser, args)
     _validate_dropout(parser, args)
     _validate_recompute(parser, args)
     _validate_switches(parser, args)
@@ -144,10 +141,11 @@ def _validate_ranges(parser, args) -> None:
 
 
 # The anGPT switches each other family reads (docs/model.md, Families and switches); the rest would be
-# ignored there, so they are refused: GPT+ has none of the normalized blocks, and nGPT normalizes exactly
+# ignored there, so they are refused: GPT+ and GPT have none of the normalized blocks, and nGPT normalizes exactly
 # (no constant factors, no nu(alpha)) but has the post-norm, alpha and the residual update.
 FAMILY_SWITCHES = {
     "gptplus": (),
+    "gpt": (),
     "ngpt": ("angpt_post_norm", "angpt_alpha_init", "angpt_residual"),
 }
 
@@ -163,11 +161,105 @@ def _validate_switches(parser, args) -> None:
                          "(docs/model.md, Families and switches)")
 
 
+# What the families of the paper fix (docs/model.md), for each flag of the architecture section that could ask
+# them for something else: (the value they have, the refusal of any other). Megatron-LM's default is accepted too:
+# it asks for nothing. The norm flags anGPT and nGPT replace by their own normalization are accepted with them and
+# said in one log line (angpt.config.megatron_lm.notes). The flags not listed are accepted with every family: the
+# family's own (--swiglu, --disable-bias-linear, --qk-layernorm with GPT+, --use-rotary-position-embeddings), the
+# same (GPT+'s gain w from 0 as 1 + w trains as a gain from 1, norm gains not being decayed; its softmax is in
+# fp32), or followed (grouped-query attention by --num-query-groups).
+ROPE = "every family uses RoPE (docs/model.md); --model-family gpt takes the others"
+NO_BIAS = "no family has biases in its linear layers (docs/model.md); --model-family gpt has them"
+SWIGLU = "the families use SwiGLU (docs/model.md); --model-family gpt takes the others"
+PAPER_ARCHITECTURE = {
+    "normalization": ("RMSNorm", "GPT+ normalizes with RMSNorm (docs/model.md)"),
+    "add_qkv_bias": (False, NO_BIAS),
+    "qk_l2_norm": (False, "GPT+ normalizes q and k with RMSNorm, not an L2 norm"),
+    "apply_query_key_layer_scaling": (False, "the families' softmax scale is fixed by docs/model.md"),
+    "position_embedding_type": ("rope", ROPE),
+    "rotary_percent": (1.0, "RoPE rotates every channel of a head here (--rotary-percent 1.0)"),
+    "rotary_interleaved": (False, "the families rotate halves of each head, not interleaved pairs"),
+    "use_rope_scaling": (False, "the families' RoPE is not scaled (docs/model.md)"),
+    "squared_relu": (False, SWIGLU),
+    "quick_geglu": (False, SWIGLU),
+}
+NORM_FIELDS = ("normalization", "layernorm_zero_centered_gamma", "qk_layernorm", "qk_l2_norm")
+ROPE_FIELDS = ("rotary_percent", "rotary_interleaved", "use_rope_scaling")
+
+
+def _validate_architecture(parser, args) -> None:
+    """The architecture flags (ArchitectureSection): with the families of the paper, Megatron-LM's default or the
+    family's value; with gpt, what megatron-core builds and Megatron-LM hands it (refused where it would do
+    nothing there)."""
+    flags = {action.dest: action for action in parser._actions if action.option_strings}
+    family = args.model_family
+
+    def refuse(dest: str, why: str) -> None:
+        value, action = getattr(args, dest), flags[dest]
+        shown = "" if action.nargs == 0 else f" {value}"
+        parser.error(f"{action.option_strings[0]}{shown} with --model-family {family}: {why}")
+
+    if family != "gpt":
+        for dest, (expected, why) in PAPER_ARCHITECTURE.items():
+            value = getattr(args, dest)
+            if value in (default(dest), expected):
+                continue
+            if not (family in NORMALIZED_FAMILIES and dest in NORM_FIELDS):
+                refuse(dest, why)
+        if args.bias_gelu_fusion:
+            refuse("bias_gelu_fusion", f"{FAMILY_NAMES[family]} has no GELU (docs/model.md)")
+        return
+    if args.position_embedding_type in ("mrope", "relative"):
+        refuse("position_embedding_type", "megatron-core's GPTModel builds learned_absolute, rope and none here "
+               "(mrope needs a multimodal model's --mrope-section; relative is T5's)")
+    rope = args.position_embedding_type == "rope" or args.use_rotary_position_embeddings
+    for dest in ROPE_FIELDS:
+        if not rope and getattr(args, dest) != default(dest):
+            refuse(dest, "it applies to --position-embedding-type rope (Megatron-LM ignores it otherwise)")
+    if args.num_query_groups is not None and not args.group_query_attention:
+        parser.error(f"--num-query-groups {args.num_query_groups} with --model-family gpt needs "
+                     "--group-query-attention (Megatron-LM ignores --num-query-groups without it)")
+    local = args.transformer_impl == "local"
+    if args.qk_l2_norm and local:
+        refuse("qk_l2_norm", "Megatron-LM's pretrain_gpt.py hands it to the Transformer Engine spec only (the local "
+               "spec it builds has no L2 norm); use --transformer-impl transformer_engine")
+    # megatron-core's local norms are torch's (WrappedTorchNorm) for RMSNorm, and for LayerNorm without apex.
+    normalization = args.normalization or GPT_DEFAULTS["normalization"]
+    if local and (normalization == "RMSNorm" or importlib.util.find_spec("apex") is None):
+        if args.sequence_parallel and args.tensor_model_parallel_size > 1:
+            parser.error(f"--sequence-parallel with --model-family gpt --normalization {normalization} on "
+                         "--transformer-impl local: megatron-core's torch norms refuse sequence parallelism (apex's "
+                         "LayerNorm takes it); use --transformer-impl transformer_engine")
+        if args.layernorm_zero_centered_gamma:
+            refuse("layernorm_zero_centered_gamma", f"megatron-core's torch {normalization} on "
+                   "--transformer-impl local has no zero-centred gain (apex's LayerNorm has); use "
+                   "--transformer-impl transformer_engine")
+    if args.bias_gelu_fusion and (args.swiglu or args.squared_relu or not (args.quick_geglu or args.add_bias_linear)):
+        refuse("bias_gelu_fusion", "megatron-core fuses GELU with its bias (biases on) and quick GeGLU; not "
+               "--swiglu (--bias-swiglu-fusion) or --squared-relu")
+    if args.bias_swiglu_fusion and not args.swiglu:
+        refuse("bias_swiglu_fusion", "it fuses --swiglu's activation")
+    if args.swiglu and args.ffn_hidden_size is None and not ffn_hidden_size(vars(args)):
+        parser.error(f"--swiglu with --hidden-size {args.hidden_size}: Megatron-LM's MLP width, 8/3 x hidden rounded "
+                     "down to a multiple of 64, is 0; give --ffn-hidden-size")
+
+
+def ffn_hidden_size(flags: dict) -> int:
+    """The MLP's width: --ffn-hidden-size, else 4 x hidden, or for gpt with --swiglu Megatron-LM's 8/3 x hidden
+    rounded down to a multiple of 64 (its validate_args: about the parameters of a 4 x hidden GELU MLP)."""
+    hidden = flags["hidden_size"]
+    if flags["ffn_hidden_size"] is not None:
+        return flags["ffn_hidden_size"]
+    if flags["model_family"] == "gpt" and flags["swiglu"]:
+        return int((4 * hidden * 2 / 3) / 64) * 64
+    return 4 * hidden
+
+
 def _validate_dropout(parser, args) -> None:
-    if args.hidden_dropout and args.model_family != "gptplus":
+    if args.hidden_dropout and args.model_family in NORMALIZED_FAMILIES:
         # Their layers have no bias-dropout-add; megatron-core would drop out only the embeddings.
         parser.error(f"--hidden-dropout is not supported for --model-family {args.model_family} (its normalized "
-                     "residual has no hidden dropout; GPT+ only); use --attention-dropout")
+                     "residual has no hidden dropout; GPT+ and GPT only); use --attention-dropout")
 
 
 def _validate_recompute(parser, args) -> None:
@@ -300,7 +392,7 @@ def _validate_precision(parser, args) -> None:
                     parser.error(f"--{flag.replace('_', '-')} applies to --fp8-recipe delayed only (got "
                                  f"--fp8-recipe {recipe})")
         multiple = 32 if recipe == "mxfp8" else 16
-        ffn = args.ffn_hidden_size or 4 * args.hidden_size
+        ffn = ffn_hidden_size(vars(args))
         if args.hidden_size % multiple or ffn % multiple:
             parser.error(f"FP8 GEMMs (--fp8-recipe {recipe}) need --hidden-size {args.hidden_size} and "
                          f"--ffn-hidden-size {ffn} to be multiples of {multiple}")
@@ -399,6 +491,20 @@ def _validate_data(parser, args) -> None:
 
 
 
+def _gpt_derived(flags: dict) -> dict:
+    """Megatron-LM's defaults of --normalization and --position-embedding-type, and what its validate_args derives
+    from the architecture flags: the MLP's width, RoPE from the deprecated --use-rotary-position-embeddings, a QKV
+    bias wherever the linear layers have biases, and the positions' table (required there; --seq-length here)."""
+    position = flags["position_embedding_type"] or GPT_DEFAULTS["position_embedding_type"]
+    return dict(
+        normalization=flags["normalization"] or GPT_DEFAULTS["normalization"],
+        ffn_hidden_size=ffn_hidden_size(flags),
+        position_embedding_type="rope" if flags["use_rotary_position_embeddings"] else position,
+        add_qkv_bias=flags["add_qkv_bias"] or flags["add_bias_linear"],
+        max_position_embeddings=flags["max_position_embeddings"] or flags["seq_length"],
+    )
+
+
 def _blend_of_prefixes(values: list[str]) -> list[str]:
     """A blend's values with each prefix written as one of its files (`corpus_text_document.bin`) as that prefix."""
     prefixes, _ = parse_blend(values)
@@ -448,6 +554,8 @@ def derive(flags: dict, world_size: int) -> dict:
             derived["train_iters"] = rampup_train_iters(flags["global_batch_size"], flags["rampup_batch_size"],
                                                         flags["train_samples"])
     derived.update({flag: value for flag, value in FP8_DEFAULTS.items() if flags[flag] is None})
+    if flags["model_family"] == "gpt":
+        derived.update(_gpt_derived(flags))
     for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         if flags[flag]:
             derived[flag] = _blend_of_prefixes(list(flags[flag]))

@@ -83,6 +83,10 @@ def read_checkpoint(load: str, iteration: Optional[int] = None) -> Checkpoint:
     if args["model_family"] not in MODEL_FAMILIES:
         raise ExportError(f"{path}: unknown model family {args['model_family']!r} "
                           "(angpt, ngpt or gptplus can be exported)")
+    if args["model_family"] == "gpt":
+        raise ExportError(f"{path}: the export of --model-family gpt is not built: megatron-core's GPT of "
+                          "Megatron-LM's flags maps onto no one transformers class (GPT-2's for LayerNorm, learned "
+                          "positions and GELU, Llama's for RMSNorm, RoPE and SwiGLU, neither for the mixtures)")
     try:
         loaded = checkpointing.read_plain_tensors(path)
     except checkpointing.CheckpointError as error:  # a refusal of a file that would run code

@@ -32,6 +32,7 @@ from angpt.config.choices import (
     FACTOR_MODES,
     MEGATRON_RECOMPUTE_MODULES,
     MODEL_FAMILIES,
+    NORMALIZED_FAMILIES,
     NU_P_READINGS,
     POST_NORMS,
     RECOMPUTE_MODULES,
@@ -72,6 +73,13 @@ class AnGPTConfig(TransformerConfig):
     rope_position_ids: bool = False
     # docs/model.md, Embedding and logits: embedding and head are untied (our reading, the default).
     share_embeddings_and_output_weights: bool = False
+    # GPTModel's position embeddings (Megatron-LM's --position-embedding-type, --rotary-percent, --use-rope-scaling
+    # and --max-position-embeddings, the rows of learned ones; None: the sequence length): RoPE on every channel in
+    # the families of the paper, Megatron-LM's choice in gpt (docs/model.md, GPT).
+    position_embedding_type: str = "rope"
+    rotary_percent: float = 1.0
+    use_rope_scaling: bool = False
+    max_position_embeddings: Optional[int] = None
     nu_acf_samples: int = 100_000
     nu_acf_seed: int = 0
     # megatron-core defaults to Transformer Engine; this project to its own layers (angpt/models/te_specs.py).
@@ -112,8 +120,8 @@ class AnGPTConfig(TransformerConfig):
 
     @property
     def normalized(self) -> bool:
-        """anGPT and nGPT share the normalized building blocks; GPT+ uses megatron-core's own."""
-        return self.model_family in ("angpt", "ngpt")
+        """anGPT and nGPT share the normalized building blocks; GPT+ and GPT use megatron-core's own."""
+        return self.model_family in NORMALIZED_FAMILIES
 
     def normalization_factors(self) -> NormalizationFactors:
         """The constant factors in force: derived, times the multiplier, or all 1 (mode "one").
@@ -150,15 +158,9 @@ def model_config(model_family: str = "angpt", **overrides) -> AnGPTConfig:
         raise TypeError(f"unknown model config fields: {unknown}")
     hidden_size = overrides["hidden_size"]
     settings = dict(
-        # SwiGLU MLP without biases, RoPE, untied embeddings, no dropout (unless asked for): the same in all
-        # three families.
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        ffn_hidden_size=4 * hidden_size,
-        add_bias_linear=False,
+        # No dropout (unless asked for) in every family.
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        normalization="RMSNorm",
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
@@ -166,11 +168,21 @@ def model_config(model_family: str = "angpt", **overrides) -> AnGPTConfig:
         persist_layer_norm=False,
         use_cpu_initialization=not torch.cuda.is_available(),
     )
+    if model_family == "gpt":
+        # docs/model.md, GPT: megatron-core's TransformerConfig (LayerNorm, GELU, biases) and GPTModel (learned
+        # positions) with Megatron-LM's defaults where they differ: the embedding tied to the output head, the
+        # softmax in the parameters' precision (--attention-softmax-in-fp32 off).
+        settings.update(position_embedding_type="learned_absolute", share_embeddings_and_output_weights=True,
+                        attention_softmax_in_fp32=False)
+    else:
+        # SwiGLU MLP without biases, RMSNorm, RoPE, untied embeddings: the same in the three families of the paper.
+        settings.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                        ffn_hidden_size=4 * hidden_size, add_bias_linear=False, normalization="RMSNorm")
     if model_family == "gptplus":
         # docs/model.md, GPT+: QK-norm (per-head RMSNorm before RoPE), softmax scale 1/sqrt(h), N(0, 0.02)
         # init with output projections at 0.02/sqrt(2L) (megatron-core's defaults).
         settings.update(qk_layernorm=True)
-    else:
+    elif model_family in NORMALIZED_FAMILIES:
         num_heads = overrides["num_attention_heads"]
         head_dim = overrides.get("kv_channels") or hidden_size // num_heads
         # Rows are drawn from N(0, 1) and then projected onto the unit sphere when the model is built.
@@ -183,7 +195,8 @@ def model_config(model_family: str = "angpt", **overrides) -> AnGPTConfig:
         # nGPT (docs/model.md, nGPT): no nu factors, exact normalization after each residual update, |alpha|.
         settings.update(constant_factors="one", nu_alpha_mode="exact", alpha_abs=True)
     settings.update(overrides)
-    if model_family != "gptplus" and settings["hidden_dropout"]:
+    if model_family in NORMALIZED_FAMILIES and settings["hidden_dropout"]:
         # The normalized layers have no bias-dropout-add; GPTModel would drop out the embeddings alone.
-        raise ValueError(f"hidden_dropout is not supported for {model_family} (GPT+ only); attention_dropout is")
+        raise ValueError(f"hidden_dropout is not supported for {model_family} (GPT+ and GPT only); attention_dropout "
+                         "is")
     return AnGPTConfig(model_family=model_family, **settings)

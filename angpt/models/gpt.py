@@ -6,6 +6,7 @@ import dataclasses
 from typing import Optional
 
 from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from angpt.config.transformer_engine_support import require_transformer_engine
@@ -14,16 +15,19 @@ from angpt.models.config import AnGPTConfig
 from angpt.models.layers import ScaledOutputLayer, is_row_parallel_linear
 from angpt.models.norms import RMSNorm
 from angpt.models.scales import LearnableScale
-from angpt.models.specs import gptplus_layer_spec, normalized_layer_spec
-from angpt.models.te_specs import layer_and_final_norm
+from angpt.models.specs import gpt_layer_spec, gptplus_layer_spec, normalized_layer_spec
+from angpt.models.te_specs import layer_and_final_norm, te_gpt_layer_spec
 
 # What happens to each family's weight matrices after every optimizer step (docs/model.md, Bounding).
-WEIGHT_CONSTRAINTS = {"angpt": "bound", "ngpt": "normalize", "gptplus": None}
+WEIGHT_CONSTRAINTS = {"angpt": "bound", "ngpt": "normalize", "gptplus": None, "gpt": None}
 
 
-def block_spec(config: AnGPTConfig, vp_stage: int | None = None) -> TransformerBlockSubmodules:
+def block_spec(config: AnGPTConfig, vp_stage: int | None = None) -> TransformerBlockSubmodules | ModuleSpec:
     """The layers this pipeline stage builds, and the final norm (GPT+ only: anGPT has none), in the
-    config's `transformer_impl`."""
+    config's `transformer_impl`. GPT's is its layer's spec, to which megatron-core's TransformerBlock adds the
+    final norm of its choice, as it does in Megatron-LM."""
+    if config.model_family == "gpt":
+        return te_gpt_layer_spec(config) if config.transformer_impl == "transformer_engine" else gpt_layer_spec(config)
     if config.transformer_impl == "transformer_engine":
         layer, final_norm = layer_and_final_norm(config)
     elif config.normalized:
@@ -38,7 +42,7 @@ def block_spec(config: AnGPTConfig, vp_stage: int | None = None) -> TransformerB
 class PositionedGPTModel(GPTModel):
     """megatron-core's GPTModel, whose RoPE rotates each token by its position id when the config says so
     (rope_position_ids): megatron-core's rotates by the index in the sequence and leaves position ids to
-    learned position embeddings, which none of the families has."""
+    learned position embeddings (GPT's --position-embedding-type learned_absolute)."""
 
     def _preprocess(self, input_ids, position_ids, *args, **kwargs):
         decoder_input, rotary_pos_emb, *rest = super()._preprocess(input_ids, position_ids, *args, **kwargs)
@@ -84,15 +88,19 @@ def build_model(
     vp_stage: int | None = None,
     parallel_output: bool = True,
 ) -> GPTModel:
-    """One pipeline stage (or virtual stage) of the configured family."""
+    """One pipeline stage (or virtual stage) of the configured family; GPT's as Megatron-LM's gpt_builders
+    builds it, the learned positions' table `config.max_position_embeddings` rows (default
+    `max_sequence_length`)."""
     kwargs = dict(
-        max_sequence_length=max_sequence_length,
+        max_sequence_length=config.max_position_embeddings or max_sequence_length,
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=parallel_output,
         share_embeddings_and_output_weights=config.share_embeddings_and_output_weights,
-        position_embedding_type="rope",
+        position_embedding_type=config.position_embedding_type,
+        rotary_percent=config.rotary_percent,
         rotary_base=config.rotary_base,
+        rope_scaling=config.use_rope_scaling,
         vp_stage=vp_stage,
     )
     if config.normalized:

@@ -1,4 +1,4 @@
-"""megatron-core ModuleSpecs of the three families.
+"""megatron-core ModuleSpecs of the families.
 
 `transformer_impl` "local" (the default, and the CPU path) builds them from megatron-core's own layers;
 "transformer_engine" from Transformer Engine's (angpt/models/te_specs.py), with the same anGPT building
@@ -17,6 +17,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
 from angpt.models.attention import FusedDotProductAttention
+from angpt.models.config import AnGPTConfig
 from angpt.models.layers import (
     FactorScaledColumnParallelLinear,
     FactorScaledRowParallelLinear,
@@ -75,5 +76,15 @@ def gptplus_layer_spec() -> ModuleSpec:
     qk_norm = ModuleSpec(module=RMSNorm, params={"qk_norm": True})
     spec.submodules.self_attention.submodules.q_layernorm = qk_norm
     spec.submodules.self_attention.submodules.k_layernorm = qk_norm
+    spec.submodules.self_attention.submodules.core_attention = FusedDotProductAttention
+    return spec
+
+
+def gpt_layer_spec(config: AnGPTConfig) -> ModuleSpec:
+    """GPT's layer: megatron-core's local GPT layer as Megatron-LM's gpt_builders asks for it (its QK-norm and its
+    norms from the flags; no --qk-l2-norm, which it hands to the Transformer Engine spec only), with core attention
+    through torch's fused kernels where the attention backend says so (FusedDotProductAttention; megatron-core's own
+    unfused attention on CPU by default)."""
+    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
     spec.submodules.self_attention.submodules.core_attention = FusedDotProductAttention
     return spec

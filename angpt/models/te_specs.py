@@ -1,4 +1,4 @@
-"""Transformer Engine (TE) layer specs of the three families: `transformer_impl="transformer_engine"`.
+"""Transformer Engine (TE) layer specs of the families: `transformer_impl="transformer_engine"`.
 
 The layers are the local specs' (angpt/models/specs.py) with TE's modules in the implementation-specific
 places, so that FP8 (TE's `fp8_autocast`, entered per layer by megatron-core's TransformerBlock) reaches
@@ -11,6 +11,7 @@ their GEMMs:
   bounded-weight projection (which finds weights by their `unit_norm_dim`) treat both alike.
 - GPT+: megatron-core's own TE spec with QK-norm: the pre-attention and pre-MLP RMSNorms fused into the
   QKV and fc1 GEMMs (TELayerNormColumnParallelLinear), TENorm for the per-head QK-norm and the final norm.
+- GPT: megatron-core's own TE spec as Megatron-LM builds it (`te_gpt_layer_spec`).
 
 Where the normalization factors go on the TE path (TE's linear layers have no output scale; docs/model.md,
 Fused kernels):
@@ -71,6 +72,13 @@ def te_gptplus_layer_spec() -> ModuleSpec:
     """megatron-core's TE GPT layer with QK-norm (RMSNorm from config.normalization, SwiGLU from the config)."""
     require_transformer_engine()
     return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
+
+
+def te_gpt_layer_spec(config: AnGPTConfig) -> ModuleSpec:
+    """GPT's layer on Transformer Engine: megatron-core's TE GPT layer as Megatron-LM's gpt_builders asks for it
+    (the norms from config.normalization, fused into the QKV and fc1 GEMMs)."""
+    require_transformer_engine()
+    return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, qk_l2_norm=config.qk_l2_norm)
 
 
 def layer_and_final_norm(config: AnGPTConfig) -> tuple[ModuleSpec, Optional[type]]:

@@ -16,6 +16,7 @@ from megatron.core import tensor_parallel
 
 from angpt import kernels
 from angpt.config.batch_schedule import ramp
+from angpt.config.choices import recompute_module_refusal
 from angpt.config.pipeline_split import stage_layers, stage_of_layer, uneven
 from angpt.config.sections import PrecisionSection, RunConfig
 from angpt.data.gpt_datasets import dataset_vocabulary
@@ -206,7 +207,8 @@ def suggest(model: torch.nn.Module, config, run: RunConfig, world_size: int, voc
             usable: float) -> list[str]:
     """The layouts that fit, fastest first (angpt.training.layout_search)."""
     training, parallel, seq_length = run.training, run.parallel, run.model.seq_length
-    elementwise = ("qk_norm", "residual_update") if config.normalized else ("layernorm", "qk_norm")
+    elementwise = tuple(module for module in ("layernorm", "qk_norm", "residual_update")
+                        if recompute_module_refusal(module, config.model_family) is None)
     recompute_choices = [(None, ()), ("selective", elementwise), ("selective", (*elementwise, "mlp")),
                          ("full", ())]
     peak = peak_flops_per_device(torch.bfloat16) or H100_BF16_FLOPS

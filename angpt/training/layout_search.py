@@ -32,8 +32,8 @@ NVLINK_GBPS = 360.0
 NETWORK_GBPS = 45.0
 HBM_GBPS = 3350.0  # H100 SXM's HBM3 (the H200's HBM3e: 4800)
 # BF16 MFU of each family, measured on one H200 at 1B parameters, 2048 tokens of context, micro-batch 8
-# (docs/results/gpu/throughput.json, 2026-11-30).
-MEASURED_MFU = {"gptplus": 0.453, "angpt": 0.428, "ngpt": 0.418}
+# (docs/results/gpu/throughput.json, 2026-11-30). GPT, not measured, takes GPT+'s: the same megatron-core layers.
+MEASURED_MFU = {"gptplus": 0.453, "angpt": 0.428, "ngpt": 0.418, "gpt": 0.453}
 
 
 @dataclass

@@ -11,11 +11,14 @@ import dataclasses
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from megatron.core.activations import squared_relu
 from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.transformer.enums import AttnBackend
 
 from angpt.config import transformer_engine_support
-from angpt.config.sections import SECTIONS, RunConfig
+from angpt.config.sections import SECTIONS, ArchitectureSection, RunConfig
 from angpt.models import AnGPTConfig, model_config
 
 # anGPT's switches and the model config's fields they set (docs/model.md, Families and switches).
@@ -45,13 +48,18 @@ def transformer_config(config: RunConfig) -> AnGPTConfig:
     """The model config of the run (Megatron-LM's `core_transformer_config_from_args`)."""
     model, parallel, precision = config.model, config.parallel, config.precision
     values = by_name(config, AnGPTConfig)
+    if model.model_family == "gpt":
+        values.update(_gpt_architecture(config))
+    else:  # The families of the paper fix their architecture (the flags that contradict it were refused).
+        for field in [*(field.name for field in dataclasses.fields(ArchitectureSection)), "max_position_embeddings"]:
+            values.pop(field, None)
+        values["share_embeddings_and_output_weights"] = model.tie_embeddings_and_output_weights
     values.update(
         # Flags named otherwise than the fields they set.
         num_layers_in_first_pipeline_stage=parallel.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=parallel.decoder_last_pipeline_num_layers,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_stages,
         layernorm_epsilon=model.norm_epsilon,
-        share_embeddings_and_output_weights=model.tie_embeddings_and_output_weights,
         rope_position_ids=config.data.reset_position_ids,
         params_dtype=params_dtype(config),
         pipeline_dtype=params_dtype(config),
@@ -78,6 +86,24 @@ def transformer_config(config: RunConfig) -> AnGPTConfig:
     return model_config(values.pop("model_family"), **values)
 
 
+def _gpt_architecture(config: RunConfig) -> dict:
+    """GPT's flags named otherwise than the fields they set, as Megatron-LM's core_transformer_config_from_args
+    and gpt_builders set them: the activation, grouped-query attention (one group unless --num-query-groups) and
+    the tied embedding (unless --untie-embeddings-and-output-weights)."""
+    architecture = config.architecture
+    values = dict(
+        num_query_groups=(config.model.num_query_groups or 1) if architecture.group_query_attention else None,
+        share_embeddings_and_output_weights=not config.model.untie_embeddings_and_output_weights,
+    )
+    if architecture.swiglu:
+        values.update(activation_func=F.silu, gated_linear_unit=True)
+    elif architecture.squared_relu:
+        values.update(activation_func=squared_relu)
+    elif architecture.quick_geglu:
+        values.update(activation_func=quick_gelu, gated_linear_unit=True)
+    return values
+
+
 def _fusions(config: RunConfig) -> dict:
     """The fusions (on by default with a GPU, where each pays for its compilation) and CUDA graphs."""
     on_gpu = torch.cuda.is_available()
@@ -92,10 +118,18 @@ def _fusions(config: RunConfig) -> dict:
                              "(one angle per position, not per token); leave --rope-fusion out")
         rope_fusion = False
     cross_entropy_fusion = precision.cross_entropy_loss_fusion
+    # megatron-core's SwiGLU fusion, used by GPT+'s MLP (the normalized families' MLP has its own kernel).
+    activation_fusion, fusable = fusion.bias_swiglu_fusion, True
+    if config.model.model_family == "gpt":
+        architecture = config.architecture
+        # As Megatron-LM: --swiglu's fusion, or GELU's (quick GeGLU's; GELU's needs the biases, squared ReLU has none).
+        rope_fusion = rope_fusion if architecture.position_embedding_type == "rope" else False
+        if not architecture.swiglu:
+            activation_fusion = fusion.bias_gelu_fusion
+            fusable = architecture.quick_geglu or (architecture.add_bias_linear and not architecture.squared_relu)
     return dict(
         apply_rope_fusion=on_gpu if rope_fusion is None else rope_fusion,
-        # megatron-core's SwiGLU fusion, used by GPT+'s MLP (the normalized families' MLP has its own kernel).
-        bias_activation_fusion=on_gpu if fusion.bias_swiglu_fusion is None else fusion.bias_swiglu_fusion,
+        bias_activation_fusion=on_gpu and fusable if activation_fusion is None else activation_fusion,
         # Where it is exact and pays for its compilation (angpt.config.validation); not deterministic.
         cross_entropy_loss_fusion=(precision.bf16 and on_gpu and not config.training.deterministic_mode
                                    if cross_entropy_fusion is None else cross_entropy_fusion),

@@ -33,10 +33,12 @@ class Recipe:
 
 # anGPT: Adam without weight decay or warm-up, cosine to 0.1 lr. nGPT: the same, decaying to 0.
 # GPT+: AdamW with weight decay 0.1 on 2-D weights only and 1% warm-up.
+# GPT: Megatron-LM's defaults (megatron/training/arguments.py): weight decay 0.01, no warm-up, min lr 0.
 RECIPES = {
     "angpt": Recipe(weight_decay=0.0, warmup_fraction=0.0, min_lr_ratio=0.1),
     "ngpt": Recipe(weight_decay=0.0, warmup_fraction=0.0, min_lr_ratio=0.0),
     "gptplus": Recipe(weight_decay=0.1, warmup_fraction=0.01, min_lr_ratio=0.1),
+    "gpt": Recipe(weight_decay=0.01, warmup_fraction=0.0, min_lr_ratio=0.0),
 }
 
 
