@@ -128,3 +128,15 @@ def test_the_layer_estimate_is_within_10_percent_of_what_the_benchmark_measures(
                                         seq_length=32, micro_batch_size=2, vocab_size=64, attention_backend="flash")
     measured = benchmark.per_layer(family, "compiled", args, recompute)
     assert benchmark.estimated(family, args, recompute) == pytest.approx(measured, rel=0.1)
+
+
+@pytest.mark.parametrize("distributed_optimizer, per_parameter", [(False, 18), (True, 6 + 12 / 2)])
+def test_fp16_weights_count_as_bf16_ones(distributed_optimizer, per_parameter):
+    """fp16 and bf16 both keep 2-byte weights, fp32 gradients, fp32 main weights and two moments (Megatron-LM's
+    theoretical count); fp32 keeps no main copy (16 bytes, or 8 + 8 / DP)."""
+    layout = Layout(1, 1, 1, 2)
+    for fp16, expected in ((True, per_parameter), (False, 8 + 8 / 2 if distributed_optimizer else 16)):
+        config = model_config("gptplus", num_layers=2, hidden_size=128, num_attention_heads=4, fp16=fp16)
+        memory = stage_memory(config, layout, {0: (1000, 0)}, [2], 256, 64, 1, 1, bf16=False,
+                              distributed_optimizer=distributed_optimizer)
+        assert memory[0].model_bytes == pytest.approx(1000 * expected)

@@ -52,7 +52,7 @@ class Layout:
 
 def bytes_per_parameter(bf16: bool, distributed_optimizer: bool, data_parallel: int) -> float:
     """Weights, gradients and Adam's state per parameter, as Megatron-LM's theoretical memory report counts
-    them: bf16 weights, fp32 gradients, fp32 main weights and two moments (12 bytes) sharded over the
+    them: bf16 (or fp16) weights, fp32 gradients, fp32 main weights and two moments (12 bytes) sharded over the
     data-parallel ranks by the distributed optimizer; fp32 training has no main copy. With context
     parallelism the distributed optimizer shards over the data x context group."""
     if bf16:
@@ -111,7 +111,8 @@ def stage_memory(config: AnGPTConfig, layout: Layout, stage_parameters: dict[int
     """Per pipeline stage, one rank's bytes. `stage_parameters`: {stage: (tensor-parallel, replicated)}
     parameter counts of the whole model (angpt.training.dry_run.parameters_by_stage)."""
     tp, cp = layout.tensor_parallel, layout.context_parallel
-    bytes_per_element = 2 if bf16 or config.fp16 else 4
+    half = bf16 or config.fp16  # fp16 weights and activations take what bf16 ones do
+    bytes_per_element = 2 if half else 4
     tokens = micro_batch_size * seq_length
     local_tokens = tokens / cp
     hidden_split = tp if layout.sequence_parallel else 1
@@ -129,6 +130,6 @@ def stage_memory(config: AnGPTConfig, layout: Layout, stage_parameters: dict[int
             activations += local_tokens * (2 * config.hidden_size / hidden_split * bytes_per_element
                                            + LOGIT_BYTES * vocab_size / tp)
         rows.append(StageMemory(stage, parameters,
-                                parameters * bytes_per_parameter(bf16, distributed_optimizer, shard_over),
+                                parameters * bytes_per_parameter(half, distributed_optimizer, shard_over),
                                 activations, flight))
     return rows
