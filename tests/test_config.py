@@ -73,7 +73,8 @@ TRANSFORMER_VALUES = dict(
     ffn_hidden_size=96,
     fp16=True, fp8_amax_compute_algo="max", fp8_amax_history_len=16, fp8_margin=1, fp8_recipe="tensorwise",
     hidden_dropout=0.25, hidden_size=64, init_method_std=0.01, kv_channels=8, model_family="gptplus",
-    num_attention_heads=8, num_layers=6, num_query_groups=2, pipeline_model_parallel_layout="Et|ttt|ttL",
+    microbatch_group_size_per_vp_stage=4, num_attention_heads=8, num_layers=6, num_query_groups=2,
+    pipeline_model_parallel_layout="Et|ttt|ttL",
     pipeline_model_parallel_size=3, recompute_granularity="selective", rotary_base=500000, sequence_parallel=True,
     tensor_model_parallel_size=2, transformer_impl="transformer_engine",
 )
@@ -138,8 +139,8 @@ def test_every_flag_that_is_a_field_of_the_model_config_lands_there(monkeypatch)
     assert "constant_factors" not in model_config_fields(RunConfig.from_flags(dict(model_family="ngpt")), monkeypatch)
 
 
-DDP_VALUES = dict(check_for_large_grads=True, overlap_grad_reduce=True, overlap_param_gather=True,
-                  use_distributed_optimizer=True)
+DDP_VALUES = dict(average_in_collective=True, check_for_large_grads=True, overlap_grad_reduce=True,
+                  overlap_param_gather=True, use_distributed_optimizer=True)
 OPTIMIZER_VALUES = dict(adam_beta1=0.8, adam_beta2=0.99, adam_eps=1e-6, bf16=True, clip_grad=0.5, decoupled_lr=1e-4,
                         decoupled_min_lr=1e-5, fp16=True, fp8_recipe="mxfp8", hysteresis=4, initial_loss_scale=1024.0,
                         loss_scale=128.0, loss_scale_window=50, lr=0.02, min_loss_scale=2.0, min_lr=1e-3,

@@ -1,7 +1,8 @@
 """Megatron-LM's training flags with its meaning: --decoupled-lr and --decoupled-min-lr, --num-workers,
 --grad-reduce-in-bf16
 and --ddp-bucket-size, --manual-gc (with --manual-gc-interval, --no-manual-gc-eval), --empty-unused-memory-level,
---no-mmap-bin-files, --deterministic-mode, --dist-ckpt-strictness."""
+--no-mmap-bin-files, --deterministic-mode, --dist-ckpt-strictness, --use-tp-pp-dp-mapping, --ddp-average-in-collective,
+--override-opt_param-scheduler, --save-retain-interval."""
 
 import gc
 import json
@@ -12,6 +13,7 @@ import re
 
 import pytest
 import torch
+from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 from test_gpt_datasets import two_prefixes  # noqa: F401 (a fixture)
@@ -23,6 +25,7 @@ from angpt.config.sections import DIST_CKPT_STRICTNESS, DataSection, RunConfig
 from angpt.data.gpt_datasets import TrainingBatches, build_datasets, dataset_vocabulary, micro_batches
 from angpt.training import checkpointing, distributed
 from angpt.training import step as step_module
+from angpt.training import trainer as trainer_module
 from angpt.training.megatron_configs import ddp_config
 from angpt.training.optimizer import build_optimizer
 
@@ -85,6 +88,14 @@ def test_gradients_reduce_in_fp32_unless_grad_reduce_in_bf16_and_the_bucket_size
     (["--no-manual-gc-eval"], "--no-manual-gc-eval needs --manual-gc"),
     (["--empty-unused-memory-level", "3"], "invalid choice: 3"),
     (["--ddp-bucket-size", "0"], "--ddp-bucket-size 0 must be at least 1"),
+    (["--save", "x", "--save-interval", "2", "--save-retain-interval", "3"],
+     "--save-retain-interval 3 must be a multiple of --save-interval 2"),
+    (["--save", "x", "--save-retain-interval", "4"], "--save-retain-interval needs --save-interval"),
+    (["--save-retain-interval", "4"], "--save-retain-interval needs --save"),
+    (["--save", "x", "--save-interval", "2", "--save-retain-interval", "0"], "--save-retain-interval 0 must be at "
+                                                                             "least 1"),
+    (["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
+     "give one of --override-opt_param-scheduler (the flags' schedule) and --use-checkpoint-opt_param-scheduler"),
     (["--use-pytorch-profiler"], "--use-pytorch-profiler, --profile-ranks, --profile-step-start and "
                                  "--profile-step-end need --profile"),
 ])
@@ -308,3 +319,66 @@ def test_dist_ckpt_strictness_takes_megatron_cores_values_and_reaches_the_load(t
     with pytest.raises(checkpointing.CheckpointError, match="--dist-ckpt-strictness raise_all: .*optimizer"):
         in_process_trainer([*resume, "--dist-ckpt-strictness", "raise_all"])
     assert in_process_trainer([*resume, "--dist-ckpt-strictness", "raise_unexpected"]).state.iteration == 1
+
+
+def test_use_tp_pp_dp_mapping_puts_a_replicas_pipeline_stages_on_neighbouring_ranks(monkeypatch, single_process):
+    """World 4 = PP 2 x DP 2: megatron-core's groups of either order, and the order initialize hands it."""
+    def groups(order):
+        generator = parallel_state.RankGenerator(tp=1, ep=1, dp=2, pp=2, cp=1, order=order)
+        return generator.get_ranks("dp"), generator.get_ranks("pp")
+
+    assert groups("tp-cp-ep-dp-pp") == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    assert groups("tp-cp-ep-pp-dp") == ([[0, 2], [1, 3]], [[0, 1], [2, 3]])
+    orders = []
+    build = parallel_state.initialize_model_parallel
+    monkeypatch.setattr(parallel_state, "initialize_model_parallel",
+                        lambda **kwargs: orders.append(kwargs["order"]) or build(**kwargs))
+    for mapping in (True, False):
+        distributed.destroy_model_parallel()
+        distributed.initialize(use_tp_pp_dp_mapping=mapping)
+    assert orders == ["tp-cp-ep-pp-dp", "tp-cp-ep-dp-pp"]
+
+
+def test_use_tp_pp_dp_mapping_reaches_initialize(monkeypatch):
+    class Initialized(Exception):
+        pass
+
+    def initialize(*args, **kwargs):
+        raise Initialized(kwargs["use_tp_pp_dp_mapping"])
+
+    monkeypatch.setattr(trainer_module.distributed, "initialize", initialize)
+    for flags, mapping in (([], False), (["--use-tp-pp-dp-mapping"], True)):
+        with pytest.raises(Initialized) as initialized:
+            trainer_module.Trainer(parse_args([*MOCK, *flags], world_size=1))
+        assert initialized.value.args == (mapping,)
+
+
+def test_ddp_average_in_collective_reaches_the_ddp_config():
+    assert not ddp_config(parse_args(MOCK, world_size=1)).average_in_collective
+    assert ddp_config(parse_args([*MOCK, "--ddp-average-in-collective"], world_size=1)).average_in_collective
+
+
+@pytest.mark.parametrize("override", [False, True])
+def test_override_opt_param_scheduler_takes_the_flags_schedule_on_resuming(override, seeded):
+    chunks = tiny_chunks("gptplus")
+    flags = dict(model_family="gptplus", lr=1e-3, min_lr=1e-4, train_iters=10, lr_warmup_iters=2)
+    _, saved = build_optimizer(chunks, RunConfig.from_flags(flags))
+    resumed_flags = dict(flags, lr=2e-3, min_lr=2e-4, lr_warmup_iters=3, override_opt_param_scheduler=override)
+    _, resumed = build_optimizer(chunks, RunConfig.from_flags(resumed_flags))
+    resumed.load_state_dict(saved.state_dict())
+    expected = (2e-3, 2e-4, 3) if override else (1e-3, 1e-4, 2)
+    assert (resumed.max_lr, resumed.min_lr, resumed.lr_warmup_steps) == expected
+
+
+@pytest.mark.parametrize("keep_last, retain, kept", [
+    (None, None, [2, 4, 6, 8, 10]),
+    (2, None, [8, 10]),
+    (2, 4, [4, 8, 10]),  # 8 is kept as one of the last two and as a multiple alike
+    (None, 4, [4, 8, 10]),  # Megatron-LM's: the latest, and the multiples
+    (1, 6, [6, 10]),
+])
+def test_save_retain_interval_spares_its_multiples_from_deletion(keep_last, retain, kept, tmp_path):
+    for iteration in (2, 4, 6, 8, 10):
+        os.makedirs(checkpointing.checkpoint_dir(str(tmp_path), iteration))
+    checkpointing._delete_old(str(tmp_path), keep_last, retain)
+    assert checkpointing.complete_iterations(str(tmp_path)) == kept

@@ -11,9 +11,10 @@ import sys
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+from angpt.config import megatron_lm
 from angpt.config.arguments import parse_args
 from angpt.config.parser import build_parser
-from angpt.config.validation import NUMERIC_RANGES
+from angpt.config.validation import NUMERIC_RANGES, derive
 from angpt.training.megatron_configs import transformer_config
 
 from conftest import PYDOC_VOCAB_SIZE, ROOT, TRAINED_ITERS, TRAINED_RUNS
@@ -320,8 +321,8 @@ def test_the_switches_ngpt_reads_reach_its_config(flag, field, value):
     (6, ["--context-parallel-size", "4", "--cp-comm-type", "all_gather"],
      "the world size 6 is not divisible by --tensor-model-parallel-size 1 x --pipeline-model-parallel-size 1 x "
      "--context-parallel-size 4"),
-    (2, ["--context-parallel-size", "2"], "--cp-comm-type p2p: context parallelism on --transformer-impl local is "
-     "all_gather only: pass --cp-comm-type all_gather"),
+    (2, ["--context-parallel-size", "2", "--cp-comm-type", "p2p"], "--cp-comm-type p2p: context parallelism on "
+     "--transformer-impl local is all_gather only: pass --cp-comm-type all_gather"),
     (2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a"], "--cp-comm-type a2a: context parallelism"),
     (6, ["--context-parallel-size", "3", "--cp-comm-type", "all_gather"],
      "--seq-length 64 is not divisible by 2 x --context-parallel-size 3"),
@@ -338,6 +339,20 @@ def test_context_parallel_layouts_are_checked_by_flag(world_size, flags, message
         parse_args([*FLAGS, *MOCK, "--train-iters", "10", *flags], world_size=world_size)
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert message in error
+
+
+def test_context_parallelism_alone_on_the_local_spec_is_all_gather_and_said():
+    args = parse_args([*FLAGS, *MOCK, "--train-iters", "10", "--context-parallel-size", "2"], world_size=2)
+    assert (args.parallel.cp_comm_type, transformer_config(args).cp_comm_type) == (("all_gather",), "all_gather")
+    assert megatron_lm.notes(args) == ["--cp-comm-type: all_gather, the only one built on --transformer-impl local "
+                                       "(Megatron-LM's default p2p needs Transformer Engine)"]
+    # Without context parallelism, or on Transformer Engine, it is Megatron-LM's p2p, and nothing is said.
+    alone = parse_args([*FLAGS, *MOCK, "--train-iters", "10"])
+    assert (alone.parallel.cp_comm_type, megatron_lm.notes(alone)) == (("p2p",), [])
+    engine = {**alone.flags(), "cp_comm_type": None, "context_parallel_size": 2,
+              "transformer_impl": "transformer_engine"}
+    assert derive(engine, 2)["cp_comm_type"] == ("p2p",)
+    assert derive({**engine, "transformer_impl": "local"}, 2)["cp_comm_type"] == ("all_gather",)
 
 
 def test_context_parallelism_reaches_the_model_config():

@@ -83,10 +83,10 @@ FLAGS: dict[str, Decision] = {
     "--defer-embedding-wgrad-compute": refused(f"{NOT_YET} (it needs gradient-accumulation fusion, apex or "
                                                "Transformer Engine)"),
     "--wgrad-deferral-limit": refused(f"{NOT_YET} (with --defer-embedding-wgrad-compute)"),
-    "--overlap-p2p-communication-warmup-flush": refused(f"{NOT_YET}: the interleaved schedule runs megatron-core's "
-                                                        "default"),
-    "--microbatch-group-size-per-virtual-pipeline-stage": refused(f"{NOT_YET}: the interleaved schedule groups "
-                                                                  "--pipeline-model-parallel-size micro-batches"),
+    "--overlap-p2p-communication-warmup-flush": refused(f"{NOT_YET}: megatron-core takes it only with "
+                                                        "--overlap-p2p-communication's overlap of unbatched p2p, and "
+                                                        "the pipeline runs megatron-core's default (batched p2p on "
+                                                        "a GPU, no overlap)"),
     "--softmax-type": refused(ATTENTION),
     "--fp32-residual-connection": refused(f"{NOT_YET}: the residual stream is in the parameters' precision"),
     "--apply-residual-connection-post-layernorm": refused(f"{NOT_YET} for --model-family gpt; the other families' "
@@ -191,8 +191,8 @@ FLAGS: dict[str, Decision] = {
     "--init-method-xavier-uniform": refused(f"{NOT_YET} for --model-family gpt; the other families' initialization "
                                             "is fixed by docs/model.md"),
     # -- learning rate and weight decay
-    "--override-opt_param-scheduler": refused(f"{NOT_YET}: a resumed run keeps the checkpoint's schedule"),
-    "--use-checkpoint-opt_param-scheduler": implied("a resumed run keeps the checkpoint's schedule"),
+    "--use-checkpoint-opt_param-scheduler": implied("a resumed run keeps the checkpoint's schedule (unless "
+                                                    "--override-opt_param-scheduler)"),
     "--start-weight-decay": refused(f"weight-decay schedules are {NOT_YET}: --weight-decay is constant"),
     "--end-weight-decay": refused(f"weight-decay schedules are {NOT_YET}: --weight-decay is constant"),
     "--weight-decay-incr-style": refused(f"weight-decay schedules are {NOT_YET}: --weight-decay is constant"),
@@ -200,7 +200,6 @@ FLAGS: dict[str, Decision] = {
     # -- checkpointing
     "--save-wgrads-interval": refused(f"{NOT_YET}"),
     "--save-dgrads-interval": refused(f"{NOT_YET}"),
-    "--save-retain-interval": refused(f"{NOT_YET}: use --keep-last-n-checkpoints"),
     "--load-main-params-from-ckpt": refused(f"{NOT_YET}"),
     "--pretrained-checkpoint": refused("use --load with --finetune"),
     "--ckpt-step": refused(f"{NOT_YET}: --load resumes from the latest complete checkpoint"),
@@ -241,7 +240,6 @@ FLAGS: dict[str, Decision] = {
     "--ddp-num-buckets": refused(f"{NOT_YET}"),
     "--ddp-pad-buckets-for-high-nccl-busbw": refused(f"{NOT_YET}"),
     "--ddp-reduce-scatter-with-fp32-accumulation": refused(f"{NOT_YET}"),
-    "--ddp-average-in-collective": refused(f"{NOT_YET}"),
     "--overlap-param-gather-with-optimizer-step": refused(f"{NOT_YET}"),
     "--no-align-param-gather": refused(f"{NOT_YET}"),
     "--no-scatter-gather-tensors-in-pipeline": refused(f"{NOT_YET}"),
@@ -259,12 +257,12 @@ FLAGS: dict[str, Decision] = {
     "--suggested-communication-unit-size": refused(FSDP),
     "--keep-fp8-transpose-cache": refused(FSDP),
     "--enable-full-sharding-in-hsdp": refused(FSDP),
-    "--num-distributed-optimizer-instances": refused(f"{NOT_YET}: one distributed optimizer instance spans the "
-                                                     "data-parallel group"),
+    "--num-distributed-optimizer-instances": refused(f"{NOT_YET}: megatron-core 0.16.1 reduces between the "
+                                                     "instances on a CUDA stream of its own (no CPU path); one "
+                                                     "distributed optimizer instance spans the data-parallel group"),
     "--use-torch-fsdp2": refused(FSDP),
     "--torch-fsdp2-no-reshard-after-forward": refused(FSDP),
     "--nccl-communicator-config-path": refused(f"{NOT_YET}"),
-    "--use-tp-pp-dp-mapping": refused(f"{NOT_YET}: ranks are ordered as megatron-core's default (tp-cp-ep-dp-pp)"),
     "--fake-process-group": refused(f"{NOT_YET}"),
     # -- validation
     "--skip-train": refused(f"{NOT_YET}"),
@@ -484,6 +482,9 @@ def notes(config: RunConfig) -> list[str]:
     lines = []
     if config.parallel.sequence_parallel_disabled:
         lines.append("--sequence-parallel: off, as in Megatron-LM, with --tensor-model-parallel-size 1")
+    if config.parallel.cp_comm_type_all_gather_default:
+        lines.append("--cp-comm-type: all_gather, the only one built on --transformer-impl local (Megatron-LM's "
+                     "default p2p needs Transformer Engine)")
     family = config.model.model_family
     values, defaults = config.flags(), RunConfig().flags()
     given = [(dest, values[dest]) for dest in NORM_FLAGS if values[dest] != defaults[dest]]

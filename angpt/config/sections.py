@@ -199,9 +199,12 @@ class ParallelSection:
     sequence_parallel: bool = flag(False, switch=True)
     context_parallel_size: int = flag(1, "split each sequence over this many ranks (Megatron-LM's 2 x CP chunks, "
         "rank i holding chunks i and 2 CP - 1 - i); world size = TP x PP x CP x DP")
-    cp_comm_type: tuple[str, ...] = flag(("p2p",), "how attention exchanges keys and values under context "
+    cp_comm_type: Optional[tuple[str, ...]] = flag(None, "how attention exchanges keys and values under context "
         "parallelism (one value for all layers): all_gather on --transformer-impl local (the only one built "
-        "there); p2p, all_gather or a2a on Transformer Engine", choices=CP_COMM_TYPES)
+        "there, its default); p2p (default), all_gather or a2a on Transformer Engine", choices=CP_COMM_TYPES)
+    use_tp_pp_dp_mapping: bool = flag(False, "order the ranks tensor, context, pipeline, then data parallel "
+        "(megatron-core's tp-cp-ep-pp-dp): a model replica's pipeline stages on neighbouring ranks, its "
+        "data-parallel peers far apart (default: tp-cp-ep-dp-pp)")
     use_distributed_optimizer: bool = flag(False, switch=True)
     overlap_grad_reduce: bool = flag(False, switch=True)
     overlap_param_gather: bool = flag(False, switch=True)
@@ -218,6 +221,11 @@ class ParallelSection:
         "off)")
     flight_recorder_trace_buffer_size: int = flag(2000, "with --flight-recorder-dump-path: the collectives the "
         "recorder keeps per rank (TORCH_NCCL_TRACE_BUFFER_SIZE)")
+    average_in_collective: bool = flag(False, "average the gradients in the data-parallel collective itself "
+        "instead of dividing them by the data-parallel size before a sum", option="--ddp-average-in-collective")
+    microbatch_group_size_per_vp_stage: Optional[int] = flag(None, "the interleaved schedule: micro-batches run "
+        "in a row on each virtual stage (default: --pipeline-model-parallel-size)",
+        option="--microbatch-group-size-per-virtual-pipeline-stage")
     ddp_bucket_size: Optional[int] = flag(None, "elements per gradient bucket of data-parallel reduction (default: "
         "megatron-core's, at least 40M and 1M per data-parallel rank)")
     world_size: int = derived(1)  # the processes of the job (of --dry-run's WORLD_SIZE)
@@ -225,6 +233,9 @@ class ParallelSection:
     virtual_pipeline_stages: Optional[int] = derived(None)  # of --num-layers-per-virtual-pipeline-stage
     # --sequence-parallel given with TP 1, where Megatron-LM turns it off (and a log line says so).
     sequence_parallel_disabled: bool = derived(False)
+    # --context-parallel-size without --cp-comm-type on --transformer-impl local, where all_gather stands in for
+    # Megatron-LM's default p2p (and a log line says so).
+    cp_comm_type_all_gather_default: bool = derived(False)
 
 
 @dataclass(frozen=True)
@@ -273,6 +284,8 @@ class OptimizerSection:
         "output head), decoupled from --lr; the same schedule")
     decoupled_min_lr: Optional[float] = flag(None, "min lr of the input and output layers (with --decoupled-lr; "
         "default --min-lr's)")
+    override_opt_param_scheduler: bool = flag(False, "on resuming, take the learning-rate schedule of these flags "
+        "(--lr, --min-lr, warm-up and decay lengths and styles) instead of the checkpoint's")
     calculate_per_token_loss: bool = flag(False, "the loss and its gradients as the mean over all the tokens of "
         "the global batch, not the mean of each micro-batch's mean (they differ when micro-batches count different "
         "tokens, e.g. with --eod-mask-loss)")
@@ -404,6 +417,9 @@ class CheckpointSection:
         "it instead of stopping")
     save_interval: Optional[int] = flag(None, "save every this many iterations")
     keep_last_n_checkpoints: Optional[int] = flag(None, "delete older checkpoints once a newer one is complete")
+    save_retain_interval: Optional[int] = flag(None, "never delete the checkpoints of multiples of this many "
+        "iterations (a multiple of --save-interval); without --keep-last-n-checkpoints the others are deleted once "
+        "a newer one is complete, as in Megatron-LM")
     ckpt_format: str = flag("torch_dist", choices=("torch_dist",))
     async_save: bool = flag(False, "write checkpoints from a background process while training goes on "
         "(megatron-core's async save); committed at a later step", switch=True)

@@ -30,7 +30,8 @@ NUMERIC_RANGES = (
         "global_batch_size", "train_iters", "train_samples", "lr_decay_iters", "lr_wsd_decay_iters",
         "lr_decay_samples", "lr_wsd_decay_samples",
         "fp8_amax_history_len", "vocab_size", "make_vocab_size_divisible_by", "save_interval",
-        "keep_last_n_checkpoints", "eval_interval", "log_interval", "exit_interval", "ddp_bucket_size",
+        "keep_last_n_checkpoints", "save_retain_interval", "microbatch_group_size_per_vp_stage",
+        "eval_interval", "log_interval", "exit_interval", "ddp_bucket_size",
         "loss_scale_window", "hysteresis", "tiktoken_num_special_tokens", "flight_recorder_trace_buffer_size",
         "straggler_minmax_count")),
     ("cannot be negative", lambda value: value >= 0, (
@@ -118,6 +119,8 @@ def _validate_context_parallel(parser, args) -> None:
         parser.error(f"--sequence-parallel: --seq-length {args.seq_length} / --context-parallel-size {cp} is not "
                      f"divisible by --tensor-model-parallel-size {tp}")
     kinds = args.cp_comm_type
+    if kinds is None:  # derive: all_gather on local, Megatron-LM's p2p on Transformer Engine
+        return
     if len(kinds) > 1:
         # Megatron-LM's per-layer form: megatron-core 0.16.1 reads the list at the 1-based layer number, so each
         # layer would take the next layer's value and the last one none.
@@ -434,9 +437,18 @@ def _validate_hang_timeout(parser, args) -> None:
 
 
 def _validate_checkpoints(parser, args) -> None:
-    for flag in ("save_interval", "keep_last_n_checkpoints", "async_save"):
+    for flag in ("save_interval", "keep_last_n_checkpoints", "save_retain_interval", "async_save"):
         if getattr(args, flag) and not args.save:
             parser.error(f"--{flag.replace('_', '-')} needs --save")
+    retain = args.save_retain_interval
+    if retain and not args.save_interval:
+        parser.error("--save-retain-interval needs --save-interval")
+    if retain and retain % args.save_interval:
+        parser.error(f"--save-retain-interval {retain} must be a multiple of --save-interval {args.save_interval} "
+                     "(Megatron-LM's check)")
+    if args.override_opt_param_scheduler and args.megatron_use_checkpoint_opt_param_scheduler:
+        parser.error("give one of --override-opt_param-scheduler (the flags' schedule) and "
+                     "--use-checkpoint-opt_param-scheduler (the checkpoint's)")
     if (args.exit_signal_handler or args.exit_interval or args.exit_duration_in_mins) and not args.save:
         # Megatron-LM exits without saving then; a user who asks for a graceful exit wants the state.
         parser.error("--exit-signal-handler, --exit-interval and --exit-duration-in-mins need --save")
@@ -531,6 +543,9 @@ def derive(flags: dict, world_size: int) -> dict:
     tp, pp, cp = (flags["tensor_model_parallel_size"], flags["pipeline_model_parallel_size"],
                   flags["context_parallel_size"])
     layers_per_virtual = flags["num_layers_per_virtual_pipeline_stage"]
+    # --cp-comm-type not given: Megatron-LM's p2p, but for context parallelism on the local spec, which builds
+    # all_gather only (said in one line, megatron_lm.notes). Old checkpoints record ["p2p"].
+    all_gather_default = flags["cp_comm_type"] is None and cp > 1 and flags["transformer_impl"] == "local"
     derived = dict(
         world_size=world_size,
         data_parallel_size=world_size // (tp * pp * cp),
@@ -538,6 +553,7 @@ def derive(flags: dict, world_size: int) -> dict:
         # Sequence parallelism is within the tensor-parallel group (said in one line, megatron_lm.notes).
         sequence_parallel=flags["sequence_parallel"] and tp > 1,
         sequence_parallel_disabled=flags["sequence_parallel"] and tp == 1,
+        cp_comm_type_all_gather_default=all_gather_default,
         recompute_granularity=_recompute_granularity(argparse.Namespace(**flags)),
         nan_checks=_nan_checks(flags),
         save_and_exit_signals=tuple(sorted({"SIGTERM", *([flags["exit_signal"]] if flags["exit_signal_handler"]
@@ -554,6 +570,8 @@ def derive(flags: dict, world_size: int) -> dict:
             derived["train_iters"] = rampup_train_iters(flags["global_batch_size"], flags["rampup_batch_size"],
                                                         flags["train_samples"])
     derived.update({flag: value for flag, value in FP8_DEFAULTS.items() if flags[flag] is None})
+    if flags["cp_comm_type"] is None:
+        derived["cp_comm_type"] = ("all_gather",) if all_gather_default else ("p2p",)
     if flags["model_family"] == "gpt":
         derived.update(_gpt_derived(flags))
     for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):

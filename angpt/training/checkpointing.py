@@ -216,16 +216,23 @@ def write_latest_iteration(root: str, iteration: int) -> None:
     os.replace(temporary, os.path.join(root, LATEST))
 
 
-def _delete_old(root: str, keep_last: Optional[int]) -> None:
-    if not keep_last:
+def _delete_old(root: str, keep_last: Optional[int], retain_interval: Optional[int] = None) -> None:
+    """--keep-last-n-checkpoints, sparing the multiples of --save-retain-interval; that alone keeps the latest one
+    besides them (Megatron-LM's: each save deletes the one before, unless retained)."""
+    keep = keep_last or (1 if retain_interval else None)
+    if not keep:
         return
-    for iteration in complete_iterations(root)[:-keep_last]:
+    for iteration in complete_iterations(root)[:-keep]:
+        if retain_interval and iteration % retain_interval == 0:
+            continue
         shutil.rmtree(checkpoint_dir(root, iteration), ignore_errors=True)
-        logger.info("deleted %s (--keep-last-n-checkpoints %d)", checkpoint_dir(root, iteration), keep_last)
+        why = (f"--keep-last-n-checkpoints {keep_last}" if keep_last else
+               f"--save-retain-interval {retain_interval}: the latest and its multiples are kept")
+        logger.info("deleted %s (%s)", checkpoint_dir(root, iteration), why)
 
 
 def commit_checkpoint(root: str, iteration: int, tokenizer: Optional[dict] = None,
-                      keep_last: Optional[int] = None) -> None:
+                      keep_last: Optional[int] = None, retain_interval: Optional[int] = None) -> None:
     """Collectively turn the written `iter_XXXXXXX.incomplete` into the latest checkpoint: the tokenizer
     files are added, every file's digest recorded, the directory renamed and named in the latest file."""
     final = checkpoint_dir(root, iteration)
@@ -238,7 +245,7 @@ def commit_checkpoint(root: str, iteration: int, tokenizer: Optional[dict] = Non
             shutil.rmtree(final)
         os.rename(staging, final)
         write_latest_iteration(root, iteration)
-        _delete_old(root, keep_last)
+        _delete_old(root, keep_last, retain_interval)
         logger.info("saved checkpoint %s", final)
     dist.barrier()
 
@@ -317,6 +324,7 @@ def save_checkpoint(
     args: dict,
     tokenizer: Optional[dict] = None,
     keep_last: Optional[int] = None,
+    retain_interval: Optional[int] = None,
     async_queue=None,
     hooks: Hooks = NO_HOOKS,
     fully_parallel: bool = True,
@@ -361,7 +369,7 @@ def save_checkpoint(
     def commit():
         hooks.before_commit(iteration)
         dist.barrier()
-        commit_checkpoint(root, iteration, tokenizer, keep_last)
+        commit_checkpoint(root, iteration, tokenizer, keep_last, retain_interval)
 
     def write():
         return dist_checkpointing.save(sharded, staging, sharded_strategy=strategy,

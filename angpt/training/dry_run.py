@@ -229,7 +229,4 @@ def suggest(model: torch.nn.Module, config, run: RunConfig, world_size: int, voc
                                parallel.overlap_grad_reduce, parallel.overlap_param_gather,
                                2 if run.precision.grad_reduce_in_bf16 else 4)
         estimates.append(Estimate(layout, memory, seconds))
-    lines = describe_ranking(estimates, usable)
-    if run.precision.transformer_impl == "local":
-        lines.append("  (context parallelism in the local spec: add --cp-comm-type all_gather)")
-    return lines
+    return describe_ranking(estimates, usable)

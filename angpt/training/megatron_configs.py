@@ -64,8 +64,9 @@ def transformer_config(config: RunConfig) -> AnGPTConfig:
         params_dtype=params_dtype(config),
         pipeline_dtype=params_dtype(config),
         attention_backend=AttnBackend[precision.attention_backend],
-        # One exchange for all layers (validated): megatron-core reads a list per layer.
-        cp_comm_type=parallel.cp_comm_type[0],
+        # One exchange for all layers (validated): megatron-core reads a list per layer. None: a configuration
+        # not derived by validation, megatron-core's default.
+        cp_comm_type=parallel.cp_comm_type[0] if parallel.cp_comm_type else None,
         nu_alpha_grad=not config.switches.angpt_no_nu_alpha_grad,
         **{field: getattr(config.switches, switch) for switch, field in SWITCH_FIELDS.items()},
         **_fusions(config),

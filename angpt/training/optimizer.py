@@ -193,5 +193,8 @@ def build_optimizer(model_chunks, config: RunConfig, fused_adam: Optional[bool] 
         wd_incr_style="constant",
         wsd_decay_steps=wsd_decay_steps,
         lr_wsd_decay_style=schedule.lr_wsd_decay_style,
+        # megatron-core's default keeps the checkpoint's schedule; overriding it excludes that.
+        use_checkpoint_opt_param_scheduler=not schedule.override_opt_param_scheduler,
+        override_opt_param_scheduler=schedule.override_opt_param_scheduler,
     )
     return optimizer, scheduler

@@ -76,7 +76,8 @@ class Trainer:
                                cuda_graphs=config.fusion.cuda_graph_impl == "local",
                                context_parallel_size=parallel.context_parallel_size,
                                flight_recorder_dump_path=parallel.flight_recorder_dump_path,
-                               flight_recorder_trace_buffer_size=parallel.flight_recorder_trace_buffer_size)
+                               flight_recorder_trace_buffer_size=parallel.flight_recorder_trace_buffer_size,
+                               use_tp_pp_dp_mapping=parallel.use_tp_pp_dp_mapping)
         self.rank = dist.get_rank()
         if checkpoint.save:  # one run writes into a --save directory: locked before anything is written there
             save_lock.take(checkpoint.save)
@@ -258,7 +259,8 @@ class Trainer:
         timer(self.timers, "save-checkpoint").start(barrier=True)  # as Megatron-LM: the ranks' time together
         checkpointing.save_checkpoint(
             checkpoint.save, self.state, self.chunks, self.optimizer, self.scheduler, self.run_config.flags(),
-            self.tokenizer, keep_last=checkpoint.keep_last_n_checkpoints, async_queue=self.async_queue,
+            self.tokenizer, keep_last=checkpoint.keep_last_n_checkpoints,
+            retain_interval=checkpoint.save_retain_interval, async_queue=self.async_queue,
             hooks=self.hooks, fully_parallel=checkpoint.ckpt_fully_parallel_save,
         )
         timer(self.timers, "save-checkpoint").stop(barrier=True)
