@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from megatron.core.activations import squared_relu
 from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.gpt.gpt_layer_specs import LNImpl
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.identity_op import IdentityOp
 from test_trainer import losses
@@ -29,7 +30,7 @@ from angpt.models.attention import clear_attention_backend_environment
 from angpt.training import checkpointing, distributed
 from angpt.training.dry_run import describe
 from angpt.training.megatron_configs import transformer_config
-from angpt.training.optimizer import build_optimizer, optimizer_config
+from angpt.training.optimizer import build_optimizer, norm_backend, optimizer_config
 from angpt.training.step import build_model_chunks
 
 from conftest import in_process_trainer, load_benchmark
@@ -286,3 +287,9 @@ def test_megatron_lms_model_provider_builds_the_same_model(tmp_path):
     row = reference.compare(megatron, angpt)
     assert row["names_match"] and row["shapes_match"]
     assert (row["weights_max_abs_diff"], row["logits_max_abs_diff"], row["grads_max_abs_diff"]) == (0.0, 0.0, 0.0)
+
+
+@pytest.mark.parametrize("argv, normalization", [([], "LayerNorm"), (["--normalization", "RMSNorm"], "RMSNorm")])
+def test_the_norms_log_line_names_gpts_normalization_and_megatron_cores_class(argv, normalization):
+    line = norm_backend(transformer_config(gpt(*argv)))
+    assert line == f"{normalization} by megatron-core's {LNImpl.__name__}"

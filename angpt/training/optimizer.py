@@ -20,6 +20,7 @@ from angpt.config.sections import RunConfig
 from angpt.megatron_compat import patches
 from angpt.models import WEIGHT_CONSTRAINTS
 from angpt.models.bounding import attach_weight_constraint
+from angpt.models.specs import gpt_layer_spec
 from angpt.training.megatron_configs import by_name
 
 logger = logging.getLogger("angpt.optimizer")
@@ -75,6 +76,13 @@ def norm_backend(config) -> str:
     """What normalizes activations in the config's family and implementation."""
     if config.normalized:
         return "exact L2 norms in torch ops (post-norms and QK-norm; anGPT/nGPT have no norm layers)"
+    if config.model_family == "gpt":
+        if config.transformer_impl == "transformer_engine":
+            return (f"Transformer Engine {config.normalization}, fused into the QKV and fc1 GEMMs "
+                    "(TELayerNormColumnParallelLinear)")
+        # The class megatron-core's local spec picks: apex's FusedLayerNorm where installed, else torch's norms.
+        norm = gpt_layer_spec(config).submodules.input_layernorm
+        return f"{config.normalization} by megatron-core's {getattr(norm, 'module', norm).__name__}"
     if config.transformer_impl == "transformer_engine":
         return ("Transformer Engine RMSNorm, fused into the QKV and fc1 GEMMs (TELayerNormColumnParallelLinear); "
                 "TENorm for QK-norm and the final norm")
