@@ -270,7 +270,7 @@ def _validate_recompute(parser, args) -> None:
     other granularity is refused, and each module the family or implementation lacks."""
     if args.recompute_activations and args.recompute_granularity == "full":
         parser.error("--recompute-activations is --recompute-granularity selective: give one of them")
-    granularity = _recompute_granularity(args)
+    granularity = _recompute_granularity(vars(args))
     if granularity != "full":
         for dest in ("recompute_method", "recompute_num_layers"):
             if getattr(args, dest) != default(dest):
@@ -353,7 +353,7 @@ def _validate_schedule(parser, args, dp: int) -> None:
 def _validate_precision(parser, args) -> None:
     """--transformer-impl, the fused cross-entropy and the FP8 flags (Megatron-LM's names); fills in the FP8
     defaults."""
-    granularity = _recompute_granularity(args)
+    granularity = _recompute_granularity(vars(args))
     if args.cuda_graph_impl == "local" and granularity == "full":
         parser.error("--cuda-graph-impl local cannot capture layers that --recompute-granularity full recomputes "
                      "(megatron-core supports that only for whole-iteration graphs); drop one of them")
@@ -524,9 +524,9 @@ def _blend_of_prefixes(values: list[str]) -> list[str]:
             for value in values]
 
 
-def _recompute_granularity(args: argparse.Namespace) -> Optional[str]:
+def _recompute_granularity(flags: dict) -> Optional[str]:
     """--recompute-granularity, with Megatron-LM's alias --recompute-activations (selective)."""
-    return "selective" if args.recompute_activations else args.recompute_granularity
+    return "selective" if flags["recompute_activations"] else flags["recompute_granularity"]
 
 
 def default(dest: str) -> Any:
@@ -554,7 +554,7 @@ def derive(flags: dict, world_size: int) -> dict:
         sequence_parallel=flags["sequence_parallel"] and tp > 1,
         sequence_parallel_disabled=flags["sequence_parallel"] and tp == 1,
         cp_comm_type_all_gather_default=all_gather_default,
-        recompute_granularity=_recompute_granularity(argparse.Namespace(**flags)),
+        recompute_granularity=_recompute_granularity(flags),
         nan_checks=_nan_checks(flags),
         save_and_exit_signals=tuple(sorted({"SIGTERM", *([flags["exit_signal"]] if flags["exit_signal_handler"]
                                                          else [])})) if flags["save"] else (),
