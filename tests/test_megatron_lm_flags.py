@@ -40,7 +40,7 @@ def test_every_flag_of_megatron_lms_parser_is_a_flag_here_with_a_status():
     assert [name for name in spellings if name not in options] == []
     statuses = collections.Counter(status for *_, status, _ in megatron_flags_doc.flag_rows(build_parser()))
     assert sum(statuses.values()) == sum(map(len, GROUPS.values()))
-    assert set(statuses) == {megatron_lm.IMPLEMENTED, megatron_lm.IMPLIED, megatron_lm.REFUSED}
+    assert set(statuses) == {megatron_lm.IMPLEMENTED, megatron_lm.IMPLIED, megatron_lm.IGNORED, megatron_lm.REFUSED}
 
 
 def test_docs_megatron_md_is_what_the_parser_and_the_table_say():
@@ -100,6 +100,22 @@ def test_implied_flags_are_accepted_and_the_replaced_norm_flags_are_said_once():
     assert not alone.parallel.sequence_parallel
     assert megatron_lm.notes(alone) == ["--sequence-parallel: off, as in Megatron-LM, with "
                                         "--tensor-model-parallel-size 1"]
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--no-async-tensor-model-parallel-allreduce"], "--no-async-tensor-model-parallel-allreduce: ignored, as in "
+     "Megatron-LM (deprecated in megatron-core 0.16 and ignored there)"),
+    (["--disable-async-tensor-model-parallel-allreduce"], "--no-async-tensor-model-parallel-allreduce: ignored"),
+    (["--fp8-interval", "4"], "--fp8-interval: ignored, as in Megatron-LM (deprecated since Transformer Engine 1.8"),
+    (["--use-dist-ckpt"], "--use-dist-ckpt: ignored, as in Megatron-LM (deprecated in Megatron-LM and without "
+     "effect there: --ckpt-format decides)"),
+    (["--dist-ckpt-format", "zarr"], "--dist-ckpt-format: ignored"),
+    (["--ckpt-fully-parallel-save"], "--ckpt-fully-parallel-save: ignored"),
+])
+def test_what_megatron_lm_accepts_and_ignores_is_accepted_and_said_in_one_line(argv, line):
+    notes = megatron_lm.notes(parse_args([*BASE, *argv], world_size=1))
+    assert len(notes) == 1 and notes[0].startswith(line), notes
+    assert megatron_lm.notes(parse_args(BASE, world_size=1)) == []
 
 
 def test_a_refused_flag_in_a_config_file_is_refused_and_megatron_lms_default_accepted(tmp_path, capsys):

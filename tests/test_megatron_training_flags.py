@@ -2,7 +2,9 @@
 --grad-reduce-in-bf16
 and --ddp-bucket-size, --manual-gc (with --manual-gc-interval, --no-manual-gc-eval), --empty-unused-memory-level,
 --no-mmap-bin-files, --deterministic-mode, --dist-ckpt-strictness, --use-tp-pp-dp-mapping, --ddp-average-in-collective,
---override-opt_param-scheduler, --save-retain-interval."""
+--override-opt_param-scheduler, --save-retain-interval, --num-virtual-stages-per-pipeline-rank,
+--no-overlap-p2p-communication and --overlap-p2p-communication-warmup-flush, --test-mode,
+--check-weight-hash-across-dp-replicas-interval."""
 
 import gc
 import json
@@ -16,6 +18,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
+from megatron.core.transformer.attention import SelfAttention
 from test_gpt_datasets import two_prefixes  # noqa: F401 (a fixture)
 from test_optimizer import batch, tiny_chunks
 from test_trainer import losses
@@ -26,7 +29,7 @@ from angpt.data.gpt_datasets import TrainingBatches, build_datasets, dataset_voc
 from angpt.training import checkpointing, distributed
 from angpt.training import step as step_module
 from angpt.training import trainer as trainer_module
-from angpt.training.megatron_configs import ddp_config
+from angpt.training.megatron_configs import ddp_config, transformer_config
 from angpt.training.optimizer import build_optimizer
 
 from conftest import in_process_trainer
@@ -382,3 +385,96 @@ def test_save_retain_interval_spares_its_multiples_from_deletion(keep_last, reta
         os.makedirs(checkpointing.checkpoint_dir(str(tmp_path), iteration))
     checkpointing._delete_old(str(tmp_path), keep_last, retain)
     assert checkpointing.complete_iterations(str(tmp_path)) == kept
+
+
+PIPELINE = [*MOCK, "--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16"]
+
+
+def pipeline(pp: int, *flags: str):
+    return parse_args([*PIPELINE, "--pipeline-model-parallel-size", str(pp), *flags], world_size=pp)
+
+
+@pytest.mark.parametrize("per_rank, per_stage, stages", [("2", "2", 2), ("4", "1", 4), ("1", "4", None)])
+def test_virtual_stages_per_pipeline_rank_are_the_layers_per_virtual_stage_turned_round(per_rank, per_stage, stages):
+    """8 layers over 2 pipeline ranks; one virtual stage per rank is no interleaving at all (None), as in
+    Megatron-LM."""
+    by_rank = pipeline(2, "--num-virtual-stages-per-pipeline-rank", per_rank)
+    by_layers = pipeline(2, "--num-layers-per-virtual-pipeline-stage", per_stage)
+    assert by_rank.parallel.virtual_pipeline_stages == by_layers.parallel.virtual_pipeline_stages == stages
+    assert transformer_config(by_rank).virtual_pipeline_model_parallel_size == stages
+
+
+@pytest.mark.parametrize("pp, argv, message", [
+    (2, ["--num-virtual-stages-per-pipeline-rank", "2", "--num-layers-per-virtual-pipeline-stage", "2"],
+     "give one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank"),
+    (2, ["--num-virtual-stages-per-pipeline-rank", "3"], "--num-layers / --pipeline-model-parallel-size (4) is not "
+     "divisible by --num-virtual-stages-per-pipeline-rank 3"),
+    (2, ["--num-virtual-stages-per-pipeline-rank", "0"], "--num-virtual-stages-per-pipeline-rank 0 must be at least 1"),
+    (1, ["--num-virtual-stages-per-pipeline-rank", "2"], "--num-virtual-stages-per-pipeline-rank needs "
+     "--pipeline-model-parallel-size > 1"),
+    (2, ["--num-virtual-stages-per-pipeline-rank", "2", "--decoder-first-pipeline-num-layers", "2"],
+     "with --num-virtual-stages-per-pipeline-rank: virtual stages of an uneven split are not built yet"),
+    (2, ["--num-virtual-stages-per-pipeline-rank", "2", "--no-overlap-p2p-communication"],
+     "--no-overlap-p2p-communication with the interleaved schedule needs --pipeline-model-parallel-size > 2"),
+    (4, ["--num-virtual-stages-per-pipeline-rank", "2", "--no-overlap-p2p-communication",
+         "--overlap-p2p-communication-warmup-flush"], "--overlap-p2p-communication-warmup-flush needs the overlap"),
+    (2, ["--overlap-p2p-communication-warmup-flush"], "--overlap-p2p-communication-warmup-flush needs the "
+     "interleaved schedule"),
+    (2, ["--num-virtual-stages-per-pipeline-rank", "1", "--overlap-p2p-communication-warmup-flush"],
+     "--overlap-p2p-communication-warmup-flush needs the interleaved schedule"),
+])
+def test_the_interleaved_schedules_flags_refuse_what_megatron_lm_refuses(pp, argv, message, capsys):
+    with pytest.raises(SystemExit):
+        pipeline(pp, *argv)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("pp, argv, overlap, flush", [
+    (2, [], False, False),  # no interleaving: nothing to overlap
+    (2, ["--num-virtual-stages-per-pipeline-rank", "2"], True, False),  # Megatron-LM's default overlaps
+    (2, ["--num-virtual-stages-per-pipeline-rank", "2", "--overlap-p2p-communication-warmup-flush"], True, True),
+    (4, ["--num-virtual-stages-per-pipeline-rank", "2", "--no-overlap-p2p-communication"], False, False),
+    (2, ["--no-overlap-p2p-communication"], False, False),  # accepted without interleaving (nothing to turn off)
+])
+def test_the_interleaved_schedules_exchanges_follow_megatron_lm(pp, argv, overlap, flush, monkeypatch):
+    """Megatron-LM's core_transformer_config_from_args: batch_p2p_comm = not overlap_p2p_comm (a GPU is pretended;
+    on the CPU the exchanges are never batched)."""
+    config = pipeline(pp, *argv, "--no-rope-fusion", "--no-bias-swiglu-fusion")  # no Transformer Engine here
+    for cuda, batched in ((True, not overlap), (False, False)):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        built = transformer_config(config)
+        assert (built.overlap_p2p_comm, built.batch_p2p_comm, built.overlap_p2p_comm_warmup_flush) == (
+            overlap, batched, flush)
+
+
+GPT_QK = [*TINY, "--model-family", "gpt", "--qk-layernorm"]
+
+
+def test_test_mode_runs_megatron_cores_real_time_test_in_each_attention(single_process, monkeypatch):
+    checked = []
+    real_time_tests = SelfAttention.run_realtime_tests
+    monkeypatch.setattr(SelfAttention, "run_realtime_tests", lambda self: checked.append(real_time_tests(self)))
+    trainer = in_process_trainer([*GPT_QK, "--test-mode", "--train-iters", "1"])
+    assert trainer.config.test_mode and trainer.run() == 0
+    assert len(checked) == 1  # one layer, one micro-batch; megatron-core's check raised nothing
+    checked.clear()
+    assert in_process_trainer([*GPT_QK, "--train-iters", "1"]).run() == 0 and checked == []
+
+
+@pytest.mark.parametrize("argv", [["--model-family", "gptplus"], ["--model-family", "gpt", "--qk-layernorm",
+                                                                  "--normalization", "RMSNorm"]])
+def test_test_mode_is_refused_where_megatron_cores_check_would_fail_on_rmsnorm(argv, capsys):
+    with pytest.raises(SystemExit):
+        parse_args([*MOCK, "--test-mode", *argv], world_size=1)
+    assert "--test-mode checks the q and k layer norms' weights and biases, and this model's are RMSNorm" in \
+        capsys.readouterr().err
+    assert parse_args([*MOCK, "--test-mode", "--model-family", "gpt", "--qk-layernorm", "--normalization",
+                       "LayerNorm"], world_size=1).rerun.test_mode
+
+
+def test_the_weight_hash_check_runs_at_its_interval(tmp_path, single_process, caplog):
+    """The check itself, across two replicas, is in tests/test_parallel_equivalence.py."""
+    with caplog.at_level(logging.INFO, logger="angpt"):
+        assert in_process_trainer([*TINY, "--check-weight-hash-across-dp-replicas-interval", "2"]).run() == 0
+    lines = [record.getMessage() for record in caplog.records if "data-parallel replica" in record.getMessage()]
+    assert lines == [f"iteration {n}: the weights are the same on every data-parallel replica" for n in (2, 4)]

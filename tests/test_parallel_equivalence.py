@@ -12,7 +12,8 @@ from conftest import run_workers
 
 FAMILIES = ["angpt", "gptplus", "ngpt"]
 LR = 1e-2  # the worker's learning rate
-LAYOUTS = ["tp2", "tp2_sequence_parallel", "pp2", "pp2_interleaved", "pp2_uneven", "pp2_layout", "dp2",
+LAYOUTS = ["tp2", "tp2_sequence_parallel", "pp2", "pp2_interleaved", "pp2_interleaved_overlap",
+           "pp2_interleaved_warmup_flush", "pp2_uneven", "pp2_layout", "dp2",
            "dp2_distributed_optimizer", "tp2_sequence_parallel_recompute", "cp2"]
 # Context parallelism with the other splits: one launch of four processes, 75-115 s on the 2 cores of the test
 # machine, so with the long checks (make test-long).
@@ -115,3 +116,14 @@ def test_context_parallel_attention_paths_match_cp1(family, name, request):
     for path in ("sdpa", "documents"):
         assert relative(par["cp_logits"][path], par["cp1_logits"][path]) < 1e-5, path
     assert relative(par["cp1_logits"]["documents"], par["cp1_logits"]["sdpa"]) > 1e-2
+
+
+@pytest.mark.usefixtures("reference")
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", ["dp2", "dp2_distributed_optimizer"])
+def test_the_weight_hash_check_finds_a_replica_one_ulp_apart(family, name, request):
+    """--check-weight-hash-across-dp-replicas-interval's check passes on replicas as trained (the distributed
+    optimizer's gathered shards included) and fails on every rank when one weight of one replica is one ulp off."""
+    par = torch.load(request.getfixturevalue("layouts") / f"{family}_{name}.pt")
+    assert par["replicas"] == {"as trained": True, "one weight changed on rank 1": False}

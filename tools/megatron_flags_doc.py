@@ -11,7 +11,7 @@ import argparse
 import collections
 import os
 
-from angpt.config.megatron_lm import IMPLEMENTED, IMPLIED, REFUSED, Refuse, decide, megatron_lm_flags
+from angpt.config.megatron_lm import IGNORED, IMPLEMENTED, IMPLIED, REFUSED, Refuse, decide, megatron_lm_flags
 from angpt.config.megatron_lm_flags import COMMIT, SOURCE
 from angpt.config.parser import build_parser
 
@@ -50,12 +50,14 @@ def document(parser: argparse.ArgumentParser) -> str:
         "`tools/megatron_flags_doc.py` from the parser and `angpt/config/megatron_lm.py`; do not edit.",
         "",
         f"{len(rows)} flags: {counts[IMPLEMENTED]} implemented, {counts[IMPLIED]} implied by the family, "
-        f"{counts[REFUSED]} refused; none unrecognized.",
+        f"{counts[IGNORED]} ignored as in Megatron-LM, {counts[REFUSED]} refused; none unrecognized.",
         "",
         "- **implemented**: a flag of `angpt.pretrain` with Megatron-LM's meaning (`--help` says more); where our "
         "default differs, the note says so.",
         "- **implied**: the family implies or replaces what it asks for: accepted, and refused with a value or a "
         "family that asks for something else.",
+        "- **ignored**: Megatron-LM accepts it without effect (deprecated there): accepted, and the run says so in "
+        "one log line.",
         "- **refused**: stops the run with one line saying why, unless given Megatron-LM's default value, which "
         "asks for nothing.",
     ]

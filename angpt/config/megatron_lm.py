@@ -8,6 +8,8 @@ added, or stops at its first flag that cannot be honoured with one line saying w
   default LayerNorm asks for nothing; `--squared-relu` is refused);
 - implied: the family implies or replaces what the flag asks for; accepted, and checked against the family
   where a value could ask for something else (`--optimizer sgd` is refused);
+- ignored: Megatron-LM accepts it and ignores it (deprecated there); accepted, and a run given it says so in
+  one log line (`notes`);
 - refused: asks for something angpt does not build; giving it Megatron-LM's default value asks for nothing
   and is accepted (`--context-parallel-size 1`).
 
@@ -24,7 +26,7 @@ from angpt.config.choices import FAMILY_NAMES, NORMALIZED_FAMILIES
 from angpt.config.megatron_lm_flags import GROUPS, SOURCE
 from angpt.config.sections import RunConfig, option_of
 
-IMPLEMENTED, IMPLIED, REFUSED = "implemented", "implied", "refused"
+IMPLEMENTED, IMPLIED, IGNORED, REFUSED = "implemented", "implied", "ignored", "refused"
 
 
 class Decision(NamedTuple):
@@ -36,6 +38,11 @@ class Decision(NamedTuple):
 
 def implied(why: str, check=None) -> Decision:
     return Decision(IMPLIED, why, check)
+
+
+def ignored(why: str) -> Decision:
+    """A flag Megatron-LM accepts without effect: accepted, and said in one log line."""
+    return Decision(IGNORED, why)
 
 
 def refused(why: str) -> Decision:
@@ -74,7 +81,7 @@ FLAGS: dict[str, Decision] = {
                                    "the model; skipping it is not built"),
     "--use-cpu-initialization": implied("weights are initialized on the CPU where there is no GPU, on the GPU "
                                         "otherwise (megatron-core's choice)", only(False, "not built on a GPU")),
-    "--no-async-tensor-model-parallel-allreduce": refused("megatron-core 0.16 always overlaps it"),
+    "--no-async-tensor-model-parallel-allreduce": ignored("deprecated in megatron-core 0.16 and ignored there"),
     "--tp-comm-overlap-rs-dgrad": refused(TE_OVERLAP),
     "--overlap-moe-expert-parallel-comm": refused(f"MoE: {DENSE}"),
     "--delay-wgrad-compute": refused(f"{NOT_YET} (it needs Transformer Engine's split weight gradients)"),
@@ -83,10 +90,6 @@ FLAGS: dict[str, Decision] = {
     "--defer-embedding-wgrad-compute": refused(f"{NOT_YET} (it needs gradient-accumulation fusion, apex or "
                                                "Transformer Engine)"),
     "--wgrad-deferral-limit": refused(f"{NOT_YET} (with --defer-embedding-wgrad-compute)"),
-    "--overlap-p2p-communication-warmup-flush": refused(f"{NOT_YET}: megatron-core takes it only with "
-                                                        "--overlap-p2p-communication's overlap of unbatched p2p, and "
-                                                        "the pipeline runs megatron-core's default (batched p2p on "
-                                                        "a GPU, no overlap)"),
     "--softmax-type": refused(ATTENTION),
     "--fp32-residual-connection": refused(f"{NOT_YET}: the residual stream is in the parameters' precision"),
     "--apply-residual-connection-post-layernorm": refused(f"{NOT_YET} for --model-family gpt; the other families' "
@@ -105,7 +108,7 @@ FLAGS: dict[str, Decision] = {
     "--use-fused-weighted-squared-relu": refused(f"MoE: {DENSE}"),
     "--distribute-saved-activations": refused(f"{NOT_YET} (full recompute keeps each layer's input whole)"),
     "--fp8-quantizer-factory": refused("custom FP8 quantizers are not built (docs/fp8.md)"),
-    "--fp8-interval": refused("deprecated in Megatron-LM and without effect there"),
+    "--fp8-interval": ignored("deprecated since Transformer Engine 1.8 and ignored by megatron-core"),
     "--no-fp8-wgrad": refused(f"{NOT_YET} (docs/fp8.md)"),
     "--first-last-layers-bf16": refused(f"{NOT_YET} (docs/fp8.md)"),
     "--num-layers-at-start-in-bf16": refused(f"{NOT_YET} (with --first-last-layers-bf16)"),
@@ -149,7 +152,6 @@ FLAGS: dict[str, Decision] = {
     "--no-weight-decay-cond-type": refused(f"{NOT_YET}: norm gains, scales and biases are never decayed"),
     # -- training
     "--decrease-batch-size-if-needed": refused(f"{NOT_YET} (it goes with --rampup-batch-size)"),
-    "--check-weight-hash-across-dp-replicas-interval": refused(f"{NOT_YET}"),
     "--train-sync-interval": refused(f"{NOT_YET}"),
     "--exit-signal-handler-for-dataloader": implied("the DataLoader workers inherit the training process's "
                                                     "handlers of the exit signals: a signal to the group does not "
@@ -218,9 +220,10 @@ FLAGS: dict[str, Decision] = {
     "--distrib-optim-fully-reshardable-mem-efficient": refused(f"{NOT_YET}"),
     "--no-save-optim": refused(f"{NOT_YET}: checkpoints hold the optimizer state, for exact resume"),
     "--no-save-rng": refused(f"{NOT_YET}: checkpoints hold the RNG states, for exact resume"),
-    "--use-dist-ckpt": implied(CHECKPOINT_FORMAT),
-    "--dist-ckpt-format": refused("deprecated in Megatron-LM: use --ckpt-format torch_dist"),
-    "--ckpt-fully-parallel-save": implied("deprecated in Megatron-LM, where it is the default"),
+    "--use-dist-ckpt": ignored("deprecated in Megatron-LM and without effect there: --ckpt-format decides"),
+    "--dist-ckpt-format": ignored("deprecated in Megatron-LM and without effect there: --ckpt-format decides"),
+    "--ckpt-fully-parallel-save": ignored("deprecated in Megatron-LM and without effect there: fully parallel "
+                                          "saving is the default (--no-ckpt-fully-parallel-save turns it off)"),
     # -- mixed precision
     "--accumulate-allreduce-grads-in-fp32": implied("gradients are accumulated and reduced in fp32"),
     "--fp16-lm-cross-entropy": refused(f"{NOT_YET}: the cross-entropy runs in fp32 from the fp16 logits"),
@@ -231,8 +234,6 @@ FLAGS: dict[str, Decision] = {
                                   "happen in each GEMM)"),
     # -- distributed
     "--model-parallel-size": refused("deprecated in Megatron-LM: use --tensor-model-parallel-size"),
-    "--num-virtual-stages-per-pipeline-rank": refused("use --num-layers-per-virtual-pipeline-stage"),
-    "--no-overlap-p2p-communication": refused(f"{NOT_YET}"),
     "--distributed-backend": refused("the backend follows the device: NCCL with CUDA, gloo without"),
     "--distributed-timeout-seconds-after-init": refused(f"{NOT_YET}: --distributed-timeout-minutes applies "
                                                         "throughout"),
@@ -266,7 +267,6 @@ FLAGS: dict[str, Decision] = {
     "--fake-process-group": refused(f"{NOT_YET}"),
     # -- validation
     "--skip-train": refused(f"{NOT_YET}"),
-    "--test-mode": refused(f"{NOT_YET}"),
     "--full-validation": refused(f"{NOT_YET}: each evaluation reads --eval-iters global batches"),
     "--multiple-validation-sets": refused(f"{NOT_YET}"),
     # -- data and dataloader
@@ -431,8 +431,8 @@ def add_megatron_lm_flags(parser: argparse.ArgumentParser) -> None:
     """Add every Megatron-LM flag the parser does not define: the implied ones (shown in --help) and the
     refused ones (in docs/megatron.md)."""
     defined = {name: action for action in parser._actions for name in action.option_strings}
-    group = parser.add_argument_group(f"Megatron-LM flags ({SOURCE}) that the family implies or replaces "
-                                      "(docs/megatron.md lists every Megatron-LM flag)")
+    group = parser.add_argument_group(f"Megatron-LM flags ({SOURCE}) that the family implies or replaces, or that "
+                                      "Megatron-LM ignores (docs/megatron.md lists every Megatron-LM flag)")
     for megatron_group, (flag, spellings, nargs, kind, default) in megatron_lm_flags():
         names = [name for name in (flag, *spellings) if name not in defined]
         ours = next((defined[name] for name in (flag, *spellings) if name in defined), None)
@@ -477,11 +477,26 @@ NORM_FLAGS = ("normalization", "layernorm_zero_centered_gamma", "qk_layernorm", 
 NORM_EPSILON = 1e-5  # Megatron-LM's default of --norm-epsilon, and angpt's
 
 
-def notes(config: RunConfig) -> list[str]:
-    """The lines a run logs once about Megatron-LM flags the family replaced, or that Megatron-LM turns off."""
+def _ignored(config: RunConfig) -> list[str]:
+    """A line for each given flag that Megatron-LM ignores."""
     lines = []
+    for dest, value in config.megatron.items():
+        flag = "--" + dest[len("megatron_"):].replace("_", "-")
+        decision = decide("", flag)
+        if decision is not None and decision.status == IGNORED and value not in (None, False):
+            lines.append(f"{flag}: ignored, as in Megatron-LM ({decision.why})")
+    return lines
+
+
+def notes(config: RunConfig) -> list[str]:
+    """The lines a run logs once about Megatron-LM flags the family replaced, that Megatron-LM turns off, or that it
+    ignores."""
+    lines = _ignored(config)
     if config.parallel.sequence_parallel_disabled:
         lines.append("--sequence-parallel: off, as in Megatron-LM, with --tensor-model-parallel-size 1")
+    if config.rerun.test_mode and not (config.model.model_family == "gpt" and config.architecture.qk_layernorm):
+        lines.append("--test-mode: megatron-core's real-time test checks the q and k layer norms, which this model "
+                     "has none of: nothing to check")
     if config.parallel.cp_comm_type_all_gather_default:
         lines.append("--cp-comm-type: all_gather, the only one built on --transformer-impl local (Megatron-LM's "
                      "default p2p needs Transformer Engine)")

@@ -30,9 +30,11 @@ def stage_layers(num_layers: int, parallel) -> list[int]:
     layers, stages = num_layers, parallel.pipeline_model_parallel_size
     args = parallel
     given = uneven(args)
-    if given and args.num_layers_per_virtual_pipeline_stage:
-        raise ValueError(f"{' and '.join(given)} with --num-layers-per-virtual-pipeline-stage: virtual stages of "
-                         "an uneven split are not built yet")
+    virtual = ("--num-layers-per-virtual-pipeline-stage" if args.num_layers_per_virtual_pipeline_stage else
+               "--num-virtual-stages-per-pipeline-rank" if args.num_virtual_stages_per_pipeline_rank
+               else None)
+    if given and virtual:
+        raise ValueError(f"{' and '.join(given)} with {virtual}: virtual stages of an uneven split are not built yet")
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
     embedding, loss = args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split
     if args.pipeline_model_parallel_layout:

@@ -223,14 +223,25 @@ class ParallelSection:
         "recorder keeps per rank (TORCH_NCCL_TRACE_BUFFER_SIZE)")
     average_in_collective: bool = flag(False, "average the gradients in the data-parallel collective itself "
         "instead of dividing them by the data-parallel size before a sum", option="--ddp-average-in-collective")
+    num_virtual_stages_per_pipeline_rank: Optional[int] = flag(None, "the interleaved schedule's virtual stages "
+        "on each pipeline rank (or give --num-layers-per-virtual-pipeline-stage)")
     microbatch_group_size_per_vp_stage: Optional[int] = flag(None, "the interleaved schedule: micro-batches run "
         "in a row on each virtual stage (default: --pipeline-model-parallel-size)",
         option="--microbatch-group-size-per-virtual-pipeline-stage")
+    overlap_p2p_comm: bool = flag(True, "the interleaved schedule: exchange activations between pipeline stages "
+        "one send or receive at a time, waited for when needed, instead of overlapped with the computation "
+        "(Megatron-LM's default overlaps; batched exchanges then, which need --pipeline-model-parallel-size > 2)",
+        option="--no-overlap-p2p-communication")
+    overlap_p2p_comm_warmup_flush: bool = flag(False, "the interleaved schedule: overlap the exchanges of the "
+        "warm-up and flush phases too (megatron-core's tunable overlap)",
+        option="--overlap-p2p-communication-warmup-flush")
     ddp_bucket_size: Optional[int] = flag(None, "elements per gradient bucket of data-parallel reduction (default: "
         "megatron-core's, at least 40M and 1M per data-parallel rank)")
     world_size: int = derived(1)  # the processes of the job (of --dry-run's WORLD_SIZE)
     data_parallel_size: int = derived(1)  # world size / (TP x PP x CP)
-    virtual_pipeline_stages: Optional[int] = derived(None)  # of --num-layers-per-virtual-pipeline-stage
+    # Of --num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank; None for one, as
+    # Megatron-LM (the interleaved schedule needs two or more).
+    virtual_pipeline_stages: Optional[int] = derived(None)
     # --sequence-parallel given with TP 1, where Megatron-LM turns it off (and a log line says so).
     sequence_parallel_disabled: bool = derived(False)
     # --context-parallel-size without --cp-comm-type on --transformer-impl local, where all_gather stands in for
@@ -542,6 +553,12 @@ class RerunSection:
         choices=ERROR_INJECTION_TYPES)
     result_rejected_tracker_filename: Optional[str] = flag(None, "append a line for each failed check and rerun "
         "outcome to this file")
+    check_weight_hash_across_dp_replicas_interval: Optional[int] = flag(None, "every this many iterations, check "
+        "that each weight is the same on every data-parallel replica (SHA-1 hashes, megatron-core's check); a "
+        "difference stops the run naming the weights (default: never)")
+    test_mode: bool = flag(False, "megatron-core's real-time test: each attention's forward checks that its q and k "
+        "layer norms' weights and biases are the same on every data-parallel and tensor-parallel rank (--model-family "
+        "gpt with --qk-layernorm and LayerNorm; the paper's families have no such norms to check)")
     # Whether the state machine checks losses and local grads for NaN/Inf: not with --rerun-mode disabled
     # (angpt's skip instead; megatron-core would raise), nor with --fp16's dynamic loss scale, whose overflows
     # are the scaler's signal (Megatron-LM's validate_args turns the check off there too).

@@ -25,12 +25,13 @@ NUMERIC_RANGES = (
         "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "kv_channels",
         "seq_length", "max_position_embeddings", "rotary_base", "recompute_num_layers", "tensor_model_parallel_size",
         "pipeline_model_parallel_size", "context_parallel_size", "num_layers_per_virtual_pipeline_stage",
-        "decoder_first_pipeline_num_layers",
+        "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
         "decoder_last_pipeline_num_layers", "micro_batch_size",
         "global_batch_size", "train_iters", "train_samples", "lr_decay_iters", "lr_wsd_decay_iters",
         "lr_decay_samples", "lr_wsd_decay_samples",
         "fp8_amax_history_len", "vocab_size", "make_vocab_size_divisible_by", "save_interval",
         "keep_last_n_checkpoints", "save_retain_interval", "microbatch_group_size_per_vp_stage",
+        "check_weight_hash_across_dp_replicas_interval",
         "eval_interval", "log_interval", "exit_interval", "ddp_bucket_size",
         "loss_scale_window", "hysteresis", "tiktoken_num_special_tokens", "flight_recorder_trace_buffer_size",
         "straggler_minmax_count")),
@@ -72,12 +73,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
         pipeline_split.stage_layers(args.num_layers, args)
     except ValueError as error:
         parser.error(str(error))
-    if args.num_layers_per_virtual_pipeline_stage:
-        if pp == 1:
-            parser.error("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
-        if (args.num_layers // pp) % args.num_layers_per_virtual_pipeline_stage:
-            parser.error("--num-layers / --pipeline-model-parallel-size is not divisible by "
-                         "--num-layers-per-virtual-pipeline-stage")
+    _validate_virtual_stages(parser, args, pp)
     if args.global_batch_size % (args.micro_batch_size * dp):
         parser.error(f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
                      f"{args.micro_batch_size} x data-parallel size {dp}")
@@ -104,6 +100,43 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
     megatron_lm.check_implied(parser, args)
     flags = vars(args)
     return RunConfig.from_flags({**flags, **derive(flags, world_size)})
+
+
+def _validate_virtual_stages(parser, args, pp: int) -> None:
+    """Megatron-LM's checks of the interleaved schedule's flags."""
+    per_stage, per_rank = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
+    if per_stage and per_rank:
+        parser.error("give one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank")
+    given = "--num-layers-per-virtual-pipeline-stage" if per_stage else "--num-virtual-stages-per-pipeline-rank"
+    if per_stage and (args.num_layers // pp) % per_stage:
+        parser.error("--num-layers / --pipeline-model-parallel-size is not divisible by "
+                     "--num-layers-per-virtual-pipeline-stage")
+    if per_rank and (args.num_layers // pp) % per_rank:
+        parser.error(f"--num-layers / --pipeline-model-parallel-size ({args.num_layers // pp}) is not divisible by "
+                     f"--num-virtual-stages-per-pipeline-rank {per_rank}")
+    stages = _virtual_stages(vars(args))
+    if stages is None:
+        if args.overlap_p2p_comm_warmup_flush:
+            parser.error("--overlap-p2p-communication-warmup-flush needs the interleaved schedule (two or more "
+                         "virtual stages per pipeline rank)")
+        return
+    if pp == 1:
+        parser.error(f"{given} needs --pipeline-model-parallel-size > 1")
+    if not args.overlap_p2p_comm:
+        if pp == 2:  # Megatron-LM's check: batched exchanges would pair two sends between the same two ranks
+            parser.error("--no-overlap-p2p-communication with the interleaved schedule needs "
+                         "--pipeline-model-parallel-size > 2 (Megatron-LM's check)")
+        if args.overlap_p2p_comm_warmup_flush:
+            parser.error("--overlap-p2p-communication-warmup-flush needs the overlap that --no-overlap-p2p-"
+                         "communication turns off")
+
+
+def _virtual_stages(flags: dict) -> Optional[int]:
+    """The virtual stages per pipeline rank; None for one (Megatron-LM's: no interleaved schedule then)."""
+    per_stage = flags["num_layers_per_virtual_pipeline_stage"]
+    stages = flags.get("num_virtual_stages_per_pipeline_rank") or (
+        flags["num_layers"] // flags["pipeline_model_parallel_size"] // per_stage if per_stage else None)
+    return stages if stages and stages > 1 else None
 
 
 def _validate_context_parallel(parser, args) -> None:
@@ -421,6 +454,12 @@ def _nan_checks(flags: dict) -> bool:
 
 
 def _validate_result_checks(parser, args) -> None:
+    # megatron-core's real-time test reads the q and k norms' biases, which RMSNorm has not (an AttributeError in
+    # Megatron-LM).
+    if args.test_mode and (args.model_family == "gptplus" or (args.model_family == "gpt" and args.qk_layernorm
+                                                              and args.normalization == "RMSNorm")):
+        parser.error("--test-mode checks the q and k layer norms' weights and biases, and this model's are RMSNorm, "
+                     "without biases (megatron-core's check needs --qk-layernorm with LayerNorm)")
     if args.error_injection_type != "transient_error" and not args.error_injection_rate:
         parser.error("--error-injection-type needs --error-injection-rate")
     checked = _nan_checks(vars(args)) or args.check_for_spiky_loss or args.check_for_large_grads
@@ -542,14 +581,13 @@ def derive(flags: dict, world_size: int) -> dict:
     checkpoint recorded (angpt.config.saved)."""
     tp, pp, cp = (flags["tensor_model_parallel_size"], flags["pipeline_model_parallel_size"],
                   flags["context_parallel_size"])
-    layers_per_virtual = flags["num_layers_per_virtual_pipeline_stage"]
     # --cp-comm-type not given: Megatron-LM's p2p, but for context parallelism on the local spec, which builds
     # all_gather only (said in one line, megatron_lm.notes). Old checkpoints record ["p2p"].
     all_gather_default = flags["cp_comm_type"] is None and cp > 1 and flags["transformer_impl"] == "local"
     derived = dict(
         world_size=world_size,
         data_parallel_size=world_size // (tp * pp * cp),
-        virtual_pipeline_stages=flags["num_layers"] // pp // layers_per_virtual if layers_per_virtual else None,
+        virtual_pipeline_stages=_virtual_stages(flags),
         # Sequence parallelism is within the tensor-parallel group (said in one line, megatron_lm.notes).
         sequence_parallel=flags["sequence_parallel"] and tp > 1,
         sequence_parallel_disabled=flags["sequence_parallel"] and tp == 1,

@@ -81,6 +81,10 @@ def transformer_config(config: RunConfig) -> AnGPTConfig:
     if model.model_family == "ngpt":  # nGPT fixes its own factors.
         for key in ("constant_factors", "nu_alpha_mode"):
             values.pop(key)
+    # As Megatron-LM: the interleaved schedule overlaps its exchanges unless --no-overlap-p2p-communication, and
+    # batches them otherwise; there is nothing to overlap without it.
+    overlap = parallel.virtual_pipeline_stages is not None and parallel.overlap_p2p_comm
+    values.update(overlap_p2p_comm=overlap, batch_p2p_comm=not overlap)
     if not torch.cuda.is_available():
         # The interleaved schedule's batched p2p gives wrong gradients on gloo at PP=2.
         values.update(batch_p2p_comm=False, batch_p2p_sync=False)

@@ -44,6 +44,7 @@ from angpt.training.checkpointing import TrainState
 from angpt.training.exits import ExitRequests
 from angpt.training.megatron_configs import ddp_config, transformer_config
 from angpt.training.optimizer import build_optimizer
+from angpt.training.replica_check import ReplicasDifferError, check_weight_hashes
 from angpt.training.step import build_model_chunks, eval_step, train_step
 
 logger = logging.getLogger("angpt.trainer")
@@ -312,6 +313,14 @@ class Trainer:
                         + (f", the last good state saved in {save_dir}" if save_dir else ""))
                 if self.async_queue is not None:
                     self.async_queue.maybe_finalize_async_calls(blocking=False)
+                hash_interval = self.run_config.rerun.check_weight_hash_across_dp_replicas_interval
+                if hash_interval and iteration % hash_interval == 0:
+                    parallel = self.run_config.parallel
+                    check_weight_hashes(self.chunks, iteration,
+                                        parallel.use_distributed_optimizer and parallel.overlap_param_gather)
+                    if self.rank == 0:
+                        logger.info("iteration %d: the weights are the same on every data-parallel replica",
+                                    iteration)
                 if evaluation.eval_interval and iteration % evaluation.eval_interval == 0:
                     self.evaluate(self.data.valid, "validation")
                 if save_interval and iteration % save_interval == 0:
@@ -332,7 +341,7 @@ class Trainer:
             self.save()
             self._finish()
             return 0
-        except SkippedStepsError as error:
+        except (SkippedStepsError, ReplicasDifferError) as error:
             self._finish()
             if self.rank == 0:
                 logger.error("%s", error)

@@ -29,6 +29,7 @@ from angpt.models.attention import clear_attention_backend_environment
 from angpt.models.bounding import _optimizer_pieces, project_parameters_
 from angpt.training import distributed
 from angpt.training.optimizer import build_optimizer
+from angpt.training.replica_check import ReplicasDifferError, check_weight_hashes
 from angpt.training.step import build_model_chunks, forward_step, train_step
 
 from common import MICRO_BATCH, S, V, fixed_batches, gather_full, load_full, small_config, unwrap
@@ -40,6 +41,12 @@ LAYOUTS = {
     "tp2_sequence_parallel": dict(tensor_model_parallel_size=2, sequence_parallel=True),
     "pp2": dict(pipeline_model_parallel_size=2),
     "pp2_interleaved": dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+    # Megatron-LM's default for the interleaved schedule (overlapped exchanges), and its tunable overlap of the
+    # warm-up and flush (--overlap-p2p-communication-warmup-flush).
+    "pp2_interleaved_overlap": dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                                    overlap_p2p_comm=True),
+    "pp2_interleaved_warmup_flush": dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                                         overlap_p2p_comm=True, overlap_p2p_comm_warmup_flush=True),
     # Uneven splits of the 4 layers: 1 + 3, and the layout string's 3 + 1.
     "pp2_uneven": dict(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=1),
     "pp2_layout": dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ettt|tL"),
@@ -157,6 +164,24 @@ def describe_shards(optimizer) -> dict:
     return dict(optimizer=type(inner).__name__, rows_cut_by_shards=sum(counts))
 
 
+def replica_checks(chunks) -> dict[str, bool]:
+    """--check-weight-hash-across-dp-replicas-interval's check, as trained and with one weight of data-parallel
+    rank 1 changed by one ulp: {case: whether every rank found the replicas the same}."""
+    found = {}
+    param = next(unwrap(chunks[0]).parameters())
+    for case in ("as trained", "one weight changed on rank 1"):
+        original = param.data.clone()
+        if case != "as trained" and parallel_state.get_data_parallel_rank() == 1:
+            param.data.view(-1)[0] = torch.nextafter(param.data.view(-1)[0], torch.tensor(float("inf")))
+        try:
+            check_weight_hashes(chunks, 3, param_gather_overlapped=False)
+            found[case] = True
+        except ReplicasDifferError:
+            found[case] = False
+        param.data.copy_(original)
+    return found
+
+
 def run_family(family: str, args, layout: dict, world: int) -> dict | None:
     layout = dict(layout)
     distributed_optimizer = layout.pop("distributed_optimizer", False)
@@ -230,6 +255,8 @@ def run_family(family: str, args, layout: dict, world: int) -> dict | None:
     params = gather_full(chunks)
 
     result = dict(logits=logits, loss=loss, grads=grads, params=params)
+    if dp > 1:
+        result["replicas"] = replica_checks(chunks)
 
     constraint = WEIGHT_CONSTRAINTS[family]
     if constraint:
