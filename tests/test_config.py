@@ -73,8 +73,8 @@ TRANSFORMER_VALUES = dict(
     ffn_hidden_size=96,
     fp16=True, fp8_amax_compute_algo="max", fp8_amax_history_len=16, fp8_margin=1, fp8_recipe="tensorwise",
     hidden_dropout=0.25, hidden_size=64, init_method_std=0.01, kv_channels=8, model_family="gptplus",
-    microbatch_group_size_per_vp_stage=4, num_attention_heads=8, overlap_p2p_comm_warmup_flush=True, num_layers=6, num_query_groups=2,
-    pipeline_model_parallel_layout="Et|ttt|ttL",
+    microbatch_group_size_per_vp_stage=4, num_attention_heads=8, num_layers=6, num_query_groups=2,
+    overlap_p2p_comm_warmup_flush=True, pipeline_model_parallel_layout="Et|ttt|ttL",
     pipeline_model_parallel_size=3, recompute_granularity="selective", rotary_base=500000, sequence_parallel=True,
     tensor_model_parallel_size=2, test_mode=True, transformer_impl="transformer_engine",
 )
