@@ -23,6 +23,7 @@ from test_gpt_datasets import two_prefixes  # noqa: F401 (a fixture)
 from test_optimizer import batch, tiny_chunks
 from test_trainer import losses
 
+from angpt.config import megatron_lm
 from angpt.config.arguments import parse_args
 from angpt.config.sections import DIST_CKPT_STRICTNESS, DataSection, RunConfig
 from angpt.data.gpt_datasets import TrainingBatches, build_datasets, dataset_vocabulary, micro_batches
@@ -478,3 +479,30 @@ def test_the_weight_hash_check_runs_at_its_interval(tmp_path, single_process, ca
         assert in_process_trainer([*TINY, "--check-weight-hash-across-dp-replicas-interval", "2"]).run() == 0
     lines = [record.getMessage() for record in caplog.records if "data-parallel replica" in record.getMessage()]
     assert lines == [f"iteration {n}: the weights are the same on every data-parallel replica" for n in (2, 4)]
+
+
+@pytest.mark.parametrize("assume, validated", [(False, [True, True, True]), (True, [True, False, False])])
+def test_ckpt_assume_constant_structure_checks_the_first_saves_sharding_only(assume, validated, tmp_path,
+                                                                            single_process, monkeypatch):
+    """Megatron-LM's: one save strategy for the run; with the flag, the later saves reuse the first's plan and skip
+    megatron-core's sharding checks. The saves' tensors are what a run without it writes
+    (tests/test_trainer.py::test_an_async_save_writes_what_a_synchronous_one_does, over two ranks)."""
+    calls = []
+    save = checkpointing.dist_checkpointing.save
+    monkeypatch.setattr(checkpointing.dist_checkpointing, "save",
+                        lambda *args, **kwargs: calls.append(kwargs) or save(*args, **kwargs))
+    flags = [*TINY, "--save", str(tmp_path), "--save-interval", "1", "--train-iters", "3"]
+    trainer = in_process_trainer([*flags, *(["--ckpt-assume-constant-structure"] if assume else [])])
+    assert trainer.run() == 0
+    assert [call["validate_access_integrity"] for call in calls] == validated
+    strategies = {id(call["sharded_strategy"]) for call in calls}
+    assert len(strategies) == 1
+    assert calls[0]["sharded_strategy"].base_strategy.use_cached_ckpt_structure is assume
+
+
+def test_a_persistent_checkpoint_worker_without_async_save_is_said_to_have_nothing_to_do():
+    notes = megatron_lm.notes(parse_args([*MOCK, "--save", "x", "--use-persistent-ckpt-worker"], world_size=1))
+    assert notes == ["--use-persistent-ckpt-worker: without --async-save, saves are written by the training "
+                     "processes, with no background writer (as in Megatron-LM)"]
+    assert megatron_lm.notes(parse_args([*MOCK, "--save", "x", "--async-save", "--use-persistent-ckpt-worker"],
+                                        world_size=1)) == []

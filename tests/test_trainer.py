@@ -185,11 +185,16 @@ def test_dropout_draws_from_the_rng_states_a_checkpoint_restores(family, backend
     assert torch.equal(forward(), forward())
 
 
-def test_an_async_save_writes_what_a_synchronous_one_does(uninterrupted, tmp_path, single_process):
-    train(*LAYOUTS["tp2"], *ITERS, "--save", str(tmp_path), "--save-interval", "3", "--async-save")
+# A writer forked per save; megatron-core's persistent writer, with the second save reusing the first's plan and
+# who-writes-what over the two data-parallel ranks (--ckpt-assume-constant-structure).
+@pytest.mark.parametrize("layout, flags", [
+    ("tp2", []), ("dp2_distributed_optimizer", ["--use-persistent-ckpt-worker", "--ckpt-assume-constant-structure"])])
+def test_an_async_save_writes_what_a_synchronous_one_does(layout, flags, uninterrupted, tmp_path, single_process):
+    train(*LAYOUTS[layout], *ITERS, "--save", str(tmp_path), "--save-interval", "3", "--async-save", *flags)
     assert latest(tmp_path) == 6
     for iteration in (3, 6):
-        written, expected = checkpoint_tensors(tmp_path, iteration), checkpoint_tensors(uninterrupted["tp2"], iteration)
+        written = checkpoint_tensors(tmp_path, iteration)
+        expected = checkpoint_tensors(uninterrupted[layout], iteration)
         assert written.keys() == expected.keys()
         assert all(torch.equal(written[key], expected[key]) for key in written)
 

@@ -211,8 +211,6 @@ FLAGS: dict[str, Decision] = {
     "--no-use-tokenizer-model-from-checkpoint-args": refused(f"{NOT_YET}"),
     "--exit-on-missing-checkpoint": refused(f"{NOT_YET}: --load of an empty directory starts from scratch"),
     "--auto-detect-ckpt-format": implied(CHECKPOINT_FORMAT),
-    "--use-persistent-ckpt-worker": refused(f"{NOT_YET}: --async-save forks a writer per save"),
-    "--ckpt-assume-constant-structure": refused(f"{NOT_YET}"),
     "--no-strict-fsdp-dtensor-load": refused(FSDP),
     "--dist-ckpt-save-pre-mcore-014": refused(CHECKPOINT_FORMAT + ", as megatron-core 0.16 writes them"),
     "--dist-ckpt-optim-fully-reshardable": implied("the optimizer state is saved per parameter and loads at "
@@ -497,6 +495,9 @@ def notes(config: RunConfig) -> list[str]:
     if config.rerun.test_mode and not (config.model.model_family == "gpt" and config.architecture.qk_layernorm):
         lines.append("--test-mode: megatron-core's real-time test checks the q and k layer norms, which this model "
                      "has none of: nothing to check")
+    if config.checkpoint.use_persistent_ckpt_worker and not config.checkpoint.async_save:
+        lines.append("--use-persistent-ckpt-worker: without --async-save, saves are written by the training "
+                     "processes, with no background writer (as in Megatron-LM)")
     if config.parallel.cp_comm_type_all_gather_default:
         lines.append("--cp-comm-type: all_gather, the only one built on --transformer-impl local (Megatron-LM's "
                      "default p2p needs Transformer Engine)")

@@ -434,12 +434,17 @@ class CheckpointSection:
     ckpt_format: str = flag("torch_dist", choices=("torch_dist",))
     async_save: bool = flag(False, "write checkpoints from a background process while training goes on "
         "(megatron-core's async save); committed at a later step", switch=True)
+    use_persistent_ckpt_worker: bool = flag(False, "with --async-save: one background writer process per rank for "
+        "the whole run (megatron-core's persistent worker, spawned at the first save) instead of one forked per save")
     no_load_optim: bool = flag(False, "do not load the optimizer state")
     no_load_rng: bool = flag(False, "do not load the RNG states")
     finetune: bool = flag(False, "load the model only and start at iteration 0")
     ckpt_fully_parallel_save: bool = flag(True, "write each tensor of a checkpoint once, from one data-parallel rank "
         "(as Megatron-LM, the default), not from each rank of a data-parallel group's first",
         option="--no-ckpt-fully-parallel-save")
+    ckpt_assume_constant_structure: bool = flag(False, "the model and optimizer state keep their structure from "
+        "one save to the next: megatron-core caches the first save's plan and metadata (and, with the fully parallel "
+        "save, who writes what) and skips the later saves' checks of them")
     ckpt_fully_parallel_load: bool = flag(False, "read each tensor of a checkpoint once, spread over the "
         "data-parallel ranks, and exchange it between them (megatron-core's FullyParallelLoadStrategyWrapper)")
     dist_ckpt_strictness: str = flag("assume_ok_unexpected", "what a load does with tensors this run asks for that "

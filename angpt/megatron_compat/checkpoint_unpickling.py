@@ -35,6 +35,8 @@ METADATA_GLOBALS = frozenset({
     *((f"{_CHECKPOINT}.planner", name) for name in (
         "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "LoadPlan", "ReadItem", "LoadItemType")),
     (f"{_CHECKPOINT}.filesystem", "_StorageInfo"),
+    # A save plan's file prefix (one str), in the metadata of a save with --ckpt-assume-constant-structure.
+    (f"{_CHECKPOINT}.filesystem", "_StoragePrefix"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
     ("collections", "OrderedDict"),

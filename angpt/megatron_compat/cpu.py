@@ -16,9 +16,12 @@ import megatron.core.fusions.fused_softmax as fused_softmax
 import megatron.core.pipeline_parallel.schedules as schedules
 import megatron.core.tensor_parallel.random as mp_random
 import torch
+from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
 from torch.overrides import TorchFunctionMode
 
 _enabled = False
+# Captured on import, before `enable()` replaces it (also in the persistent writer's own interpreter).
+_persistent_async_loop = PersistentAsyncCaller.async_loop
 
 
 def _is_cuda(device) -> bool:
@@ -89,6 +92,21 @@ def enable() -> bool:
     cpu_torch.zeros = lambda *args, device=None, **kwargs: torch.zeros(*args, **kwargs)
     schedules.torch = cpu_torch
 
+    # The persistent checkpoint writer (--use-persistent-ckpt-worker), a spawned interpreter without these
+    # patches, starts with `torch.cuda.set_device(rank % torch.cuda.device_count())`: a ZeroDivisionError that
+    # kills it, and the training processes wait for it forever.
+    PersistentAsyncCaller.async_loop = staticmethod(_cpu_persistent_async_loop)
+
     _CudaToCpu().__enter__()
     return True
+
+
+def _cpu_persistent_async_loop(*args, **kwargs):
+    """The persistent writer's loop on a machine without CUDA, with this module's patches in its interpreter too
+    (it synchronizes the device before it writes); the device it selects is the CPU. A module-level function: the
+    spawned interpreter receives it by name."""
+    enable()
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.set_device = lambda device: None
+    return _persistent_async_loop(*args, **kwargs)
 

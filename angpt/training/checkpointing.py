@@ -328,13 +328,17 @@ def save_checkpoint(
     async_queue=None,
     hooks: Hooks = NO_HOOKS,
     fully_parallel: bool = True,
+    assume_constant_structure: bool = False,
+    context: Optional[dict] = None,
 ) -> None:
     """Save collectively (every rank calls this). With `async_queue` (megatron-core's AsyncCallsQueue)
     the tensors are written in the background and the checkpoint is committed when the queue finalizes
     the request; otherwise it is committed before this returns (`hooks`: the points tests pause at, to kill a
     save midway; angpt.training.faults). A save that
     cannot fit in the free space is refused before it writes anything, and one that fills the disk is
-    removed; both raise a CheckpointError that says so."""
+    removed; both raise a CheckpointError that says so. `context` (Megatron-LM's checkpointing_context, one dict
+    for the run) keeps the save strategy from one save to the next; with `assume_constant_structure` it caches the
+    first save's plan and metadata, and the later saves skip megatron-core's checks of the sharding."""
     iteration = state.iteration  # the state moves on while an async save is being written
     staging = checkpoint_dir(root, iteration) + INCOMPLETE
     model = _model_state(chunks)
@@ -361,10 +365,10 @@ def save_checkpoint(
     dist.broadcast_object_list(refusal, src=0)
     if refusal[0] is not None:
         raise CheckpointError(refusal[0])
-    strategy = get_default_save_sharded_strategy()
-    if fully_parallel:  # --no-ckpt-fully-parallel-save turns it off (Megatron-LM's default: on)
-        strategy = FullyParallelSaveStrategyWrapper(
-            strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+    context = {} if context is None else context
+    validate = "save_strategy" not in context or not assume_constant_structure
+    strategy = context.get("save_strategy") or _save_strategy(fully_parallel, assume_constant_structure)
+    context["save_strategy"] = strategy
 
     def commit():
         hooks.before_commit(iteration)
@@ -373,14 +377,17 @@ def save_checkpoint(
 
     def write():
         return dist_checkpointing.save(sharded, staging, sharded_strategy=strategy,
-                                       async_sharded_save=async_queue is not None)
+                                       async_sharded_save=async_queue is not None,
+                                       validate_access_integrity=validate)
 
     if async_queue is None:
         _refusing_a_full_disk(write, root, iteration, needed)()
         _refusing_a_full_disk(commit, root, iteration, needed)()
         return
     request = _refusing_a_full_disk(write, root, iteration, needed)()
-    request = request._replace(async_fn=_after(partial(hooks.before_background_write, iteration), request.async_fn))
+    # A partial of module-level functions: megatron-core's persistent worker receives it pickled.
+    request = request._replace(async_fn=partial(_after, partial(hooks.before_background_write, iteration),
+                                                request.async_fn))
     steps = [*request.finalize_fns, commit]
 
     def finalize():
@@ -392,12 +399,20 @@ def save_checkpoint(
         request._replace(finalize_fns=[_refusing_a_full_disk(finalize, root, iteration, needed)]))
 
 
-def _after(first: Callable[[], None], function: Callable) -> Callable:
-    def both(*args, **kwargs):
-        first()
-        return function(*args, **kwargs)
+def _after(first: Callable[[], None], function: Callable, *args, **kwargs):
+    """`first()`, then `function(*args, **kwargs)`."""
+    first()
+    return function(*args, **kwargs)
 
-    return both
+
+def _save_strategy(fully_parallel: bool, assume_constant_structure: bool):
+    """megatron-core's torch_dist save strategy as Megatron-LM builds it."""
+    strategy = get_default_save_sharded_strategy()
+    strategy.use_cached_ckpt_structure = assume_constant_structure
+    if fully_parallel:  # --no-ckpt-fully-parallel-save turns it off (Megatron-LM's default: on)
+        strategy = FullyParallelSaveStrategyWrapper(
+            strategy, parallel_state.get_data_parallel_group(with_context_parallel=True), assume_constant_structure)
+    return strategy
 
 
 def _iteration_of(path: str) -> int:

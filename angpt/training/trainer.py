@@ -122,8 +122,9 @@ class Trainer:
         # Nothing to save before the first step of this run (a resumed state is in its checkpoint).
         self.saved_iteration = self.state.iteration
         self.async_queue = None
+        self.checkpointing_context: dict = {}  # Megatron-LM's: what one save leaves for the next
         if checkpoint.async_save:
-            self.async_queue = AsyncCallsQueue()
+            self.async_queue = AsyncCallsQueue(persistent=checkpoint.use_persistent_ckpt_worker)
         self.checks = rerun.checks(config.rerun)
         rerun.initialize(config.rerun, self.state.iteration)
 
@@ -263,6 +264,7 @@ class Trainer:
             self.tokenizer, keep_last=checkpoint.keep_last_n_checkpoints,
             retain_interval=checkpoint.save_retain_interval, async_queue=self.async_queue,
             hooks=self.hooks, fully_parallel=checkpoint.ckpt_fully_parallel_save,
+            assume_constant_structure=checkpoint.ckpt_assume_constant_structure, context=self.checkpointing_context,
         )
         timer(self.timers, "save-checkpoint").stop(barrier=True)
 
@@ -367,6 +369,8 @@ class Trainer:
         if self.async_queue is not None:
             self.async_queue.maybe_finalize_async_calls(blocking=True, no_dist=False)
             self.async_queue.close()
+            # Dropped while the process groups live: the persistent writer's __del__ asks for this rank.
+            self.async_queue = None
         self.monitor.close()
         if self.run_config.memory.record_memory_history:
             memory_history.stop()
