@@ -357,6 +357,16 @@ def test_use_tp_pp_dp_mapping_reaches_initialize(monkeypatch):
         assert initialized.value.args == (mapping,)
 
 
+def test_disable_gloo_process_groups_reaches_megatron_cores_groups_and_optimizer(single_process, monkeypatch):
+    """Trained over two ranks in tests/test_trainer.py (the dp2_distributed_optimizer layout)."""
+    for flags, gloo in (([], True), (["--disable-gloo-process-groups"], False)):
+        trainer = in_process_trainer([*TINY, "--use-distributed-optimizer", *flags])
+        assert (parallel_state._DATA_PARALLEL_GROUP_GLOO is not None) == gloo
+        (inner,) = trainer.optimizer.chained_optimizers
+        assert (inner.data_parallel_group_gloo is not None) == gloo
+        assert trainer.run() == 0
+
+
 def test_ddp_average_in_collective_reaches_the_ddp_config():
     assert not ddp_config(parse_args(MOCK, world_size=1)).average_in_collective
     assert ddp_config(parse_args([*MOCK, "--ddp-average-in-collective"], world_size=1)).average_in_collective
@@ -506,3 +516,33 @@ def test_a_persistent_checkpoint_worker_without_async_save_is_said_to_have_nothi
                      "processes, with no background writer (as in Megatron-LM)"]
     assert megatron_lm.notes(parse_args([*MOCK, "--save", "x", "--async-save", "--use-persistent-ckpt-worker"],
                                         world_size=1)) == []
+
+
+@pytest.mark.parametrize("apply", [False, True])
+def test_apply_wd_to_qk_layernorm_decays_the_q_and_k_norm_gains_only(apply, seeded):
+    """megatron-core's parameter groups: with the flag, the q and k norms' gains join the decayed weights; the other
+    norms' gains and the biases stay undecayed."""
+    chunks = tiny_chunks("gpt", qk_layernorm=True)
+    optimizer, _ = build_optimizer(chunks, RunConfig.from_flags(dict(
+        model_family="gpt", lr=1e-3, train_iters=10, weight_decay=0.1, apply_wd_to_qk_layernorm=apply)))
+    names = {id(param): name for name, param in chunks[0].module.named_parameters()}
+    decayed = {names[id(param)] for group in optimizer.param_groups if group["wd_mult"] > 0
+               for param in group["params"]}
+    qk_norms = {name for name in names.values() if "q_layernorm" in name or "k_layernorm" in name}
+    assert qk_norms and qk_norms & decayed == (qk_norms if apply else set())
+    others = {name for name in names.values() if name.endswith(".bias") or "layernorm" in name} - qk_norms
+    assert others and not others & decayed
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in decayed
+
+
+@pytest.mark.parametrize("family, argv, line", [
+    ("gptplus", [], "--apply-wd-to-qk-layernorm: GPT+'s q and k norm gains are decayed, which the paper's recipe "
+                    "leaves undecayed (docs/model.md)"),
+    ("angpt", [], "--apply-wd-to-qk-layernorm: this model has no q and k norm gains to decay"),
+    ("gpt", [], "--apply-wd-to-qk-layernorm: this model has no q and k norm gains to decay"),
+    ("gpt", ["--qk-layernorm"], None),
+])
+def test_apply_wd_to_qk_layernorm_says_what_it_changes(family, argv, line):
+    notes = megatron_lm.notes(parse_args([*MOCK, "--model-family", family, "--apply-wd-to-qk-layernorm", *argv],
+                                         world_size=1))
+    assert notes == ([line] if line else [])

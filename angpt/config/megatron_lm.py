@@ -147,7 +147,6 @@ FLAGS: dict[str, Decision] = {
     "--onnx-safe": refused("an export setting of Megatron-LM's legacy models"),
     "--bert-no-binary-head": refused(f"BERT: {DENSE}"),
     # -- regularization
-    "--apply-wd-to-qk-layernorm": refused(f"{NOT_YET}: GPT+'s norm gains are not decayed"),
     "--sgd-momentum": refused("the families train with Adam"),
     "--no-weight-decay-cond-type": refused(f"{NOT_YET}: norm gains, scales and biases are never decayed"),
     # -- training
@@ -159,7 +158,6 @@ FLAGS: dict[str, Decision] = {
     "--iterations-to-skip": refused(f"{NOT_YET}"),
     "--batch-size": refused("deprecated in Megatron-LM: use --micro-batch-size"),
     "--checkpoint-activations": refused("deprecated in Megatron-LM: use --recompute-granularity full"),
-    "--disable-gloo-process-groups": refused("angpt needs gloo groups (the CPU path and checkpoint metadata)"),
     "--tp-comm-overlap-cfg": refused(TE_OVERLAP),
     "--no-masked-softmax-fusion": implied("the masked-softmax fusion is never used here (FlashAttention or "
                                           "megatron-core's unfused attention)"),
@@ -486,15 +484,29 @@ def _ignored(config: RunConfig) -> list[str]:
     return lines
 
 
+def family_has_qk_norms(config: RunConfig) -> bool:
+    """Whether the model normalizes queries and keys with norm layers of their own (GPT+ always; GPT with
+    --qk-layernorm; anGPT and nGPT normalize them without gains of a norm layer)."""
+    family = config.model.model_family
+    return family == "gptplus" or (family == "gpt" and config.architecture.qk_layernorm)
+
+
 def notes(config: RunConfig) -> list[str]:
     """The lines a run logs once about Megatron-LM flags the family replaced, that Megatron-LM turns off, or that it
     ignores."""
     lines = _ignored(config)
     if config.parallel.sequence_parallel_disabled:
         lines.append("--sequence-parallel: off, as in Megatron-LM, with --tensor-model-parallel-size 1")
-    if config.rerun.test_mode and not (config.model.model_family == "gpt" and config.architecture.qk_layernorm):
+    if config.rerun.test_mode and not family_has_qk_norms(config):
         lines.append("--test-mode: megatron-core's real-time test checks the q and k layer norms, which this model "
                      "has none of: nothing to check")
+    if config.optimizer.apply_wd_to_qk_layernorm:
+        if family_has_qk_norms(config):
+            if config.model.model_family == "gptplus":
+                lines.append("--apply-wd-to-qk-layernorm: GPT+'s q and k norm gains are decayed, which the paper's "
+                             "recipe leaves undecayed (docs/model.md)")
+        else:
+            lines.append("--apply-wd-to-qk-layernorm: this model has no q and k norm gains to decay")
     if config.checkpoint.use_persistent_ckpt_worker and not config.checkpoint.async_save:
         lines.append("--use-persistent-ckpt-worker: without --async-save, saves are written by the training "
                      "processes, with no background writer (as in Megatron-LM)")

@@ -208,6 +208,9 @@ class ParallelSection:
     use_distributed_optimizer: bool = flag(False, switch=True)
     overlap_grad_reduce: bool = flag(False, switch=True)
     overlap_param_gather: bool = flag(False, switch=True)
+    enable_gloo_process_groups: bool = flag(True, "build no gloo process groups beside the NCCL ones (megatron-core "
+        "builds them for the distributed optimizer's legacy checkpoints, which angpt does not write; on a machine "
+        "without CUDA every group is gloo)", option="--disable-gloo-process-groups")
     distributed_timeout_minutes: float = flag(10, "how long a collective waits for the other ranks before the job "
         "fails (every process group)")
     hang_timeout_minutes: Optional[float] = flag(None, "angpt's: when one iteration (its step, evaluation and "
@@ -297,6 +300,8 @@ class OptimizerSection:
         "default --min-lr's)")
     override_opt_param_scheduler: bool = flag(False, "on resuming, take the learning-rate schedule of these flags "
         "(--lr, --min-lr, warm-up and decay lengths and styles) instead of the checkpoint's")
+    apply_wd_to_qk_layernorm: bool = flag(False, "decay the q and k norms' gains too (megatron-core's parameter "
+        "groups; other norm gains, biases and scales stay undecayed)")
     calculate_per_token_loss: bool = flag(False, "the loss and its gradients as the mean over all the tokens of "
         "the global batch, not the mean of each micro-batch's mean (they differ when micro-batches count different "
         "tokens, e.g. with --eod-mask-loss)")

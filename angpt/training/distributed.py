@@ -55,10 +55,12 @@ def initialize(
     flight_recorder_dump_path: Optional[str] = None,
     flight_recorder_trace_buffer_size: int = 2000,
     use_tp_pp_dp_mapping: bool = False,
+    create_gloo_process_groups: bool = True,
 ) -> None:
     """Join the torchrun job (if not already joined), build megatron-core's groups and seed every RNG
     (`set_random_seed`). The ranks' order is Megatron-LM's: tp-cp-ep-dp-pp, or tp-cp-ep-pp-dp with
-    --use-tp-pp-dp-mapping."""
+    --use-tp-pp-dp-mapping. Without `create_gloo_process_groups` (--disable-gloo-process-groups), megatron-core
+    builds no gloo groups beside its others."""
     patches.install()  # megatron-core workarounds (the CPU adapter among them), before anything is built
     if flight_recorder_dump_path and not torch.cuda.is_available():
         raise ValueError("--flight-recorder-dump-path: NCCL's flight recorder records NCCL's collectives, which "
@@ -80,6 +82,7 @@ def initialize(
         context_parallel_size=context_parallel_size,
         distributed_timeout_minutes=timeout_minutes,  # megatron-core's groups default to 30 minutes
         order="tp-cp-ep-pp-dp" if use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp",
+        create_gloo_process_groups=create_gloo_process_groups,
     )
     # megatron-core 0.16.1 builds its expert data-parallel gloo groups without that timeout (torch's 30 minutes):
     # idle in a dense model, but held to the flag like every other group.

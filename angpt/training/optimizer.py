@@ -175,7 +175,8 @@ def build_optimizer(model_chunks, config: RunConfig, fused_adam: Optional[bool] 
     log_backends(model_config, recipe_departures(family, schedule.weight_decay, warmup_given,
                                                  schedule.lr_warmup_fraction,
                                                  "samples" if training.train_samples is not None else "iters"))
-    optimizer = get_megatron_optimizer(megatron_config, model_chunks)
+    optimizer = get_megatron_optimizer(megatron_config, model_chunks,
+                                       use_gloo_process_groups=config.parallel.enable_gloo_process_groups)
     if schedule.decoupled_lr is not None:
         decoupled = (schedule.decoupled_lr, min_lr if schedule.decoupled_min_lr is None else schedule.decoupled_min_lr)
         if decoupled == (lr, min_lr):
