@@ -11,10 +11,12 @@ import sys
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from angpt.config import megatron_lm
+from angpt.config import megatron_lm, transformer_engine_support
 from angpt.config.arguments import parse_args
 from angpt.config.parser import build_parser
 from angpt.config.validation import NUMERIC_RANGES, derive
+from angpt.training import megatron_configs
+from angpt.training import trainer as trainer_module
 from angpt.training.megatron_configs import transformer_config
 
 from conftest import PYDOC_VOCAB_SIZE, ROOT, TRAINED_ITERS, TRAINED_RUNS
@@ -331,8 +333,14 @@ def test_the_switches_ngpt_reads_reach_its_config(flag, field, value):
     (2, ["--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--global-batch-size", "3",
          "--micro-batch-size", "2"], "--global-batch-size 3 is not divisible by --micro-batch-size 2 x data-parallel "
      "size 1"),
-    (4, ["--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "2", "1"],
-     "hierarchical context parallelism (--cp-comm-type a2a+p2p) is not built yet"),
+    (4, ["--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "2", "2"],
+     "--hierarchical-context-parallel-sizes 2 2 must multiply to --context-parallel-size 2"),
+    (1, ["--hierarchical-context-parallel-sizes", "2"],
+     "--hierarchical-context-parallel-sizes 2 must multiply to --context-parallel-size 1"),
+    (4, ["--context-parallel-size", "4", "--transformer-impl", "transformer_engine", "--cp-comm-type", "a2a+p2p"],
+     "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes (Megatron-LM's check)"),
+    (4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2",
+         "2"], "--cp-comm-type a2a+p2p: context parallelism on --transformer-impl local is all_gather only"),
 ])
 def test_context_parallel_layouts_are_checked_by_flag(world_size, flags, message, capsys):
     with pytest.raises(SystemExit):
@@ -353,6 +361,30 @@ def test_context_parallelism_alone_on_the_local_spec_is_all_gather_and_said():
               "transformer_impl": "transformer_engine"}
     assert derive(engine, 2)["cp_comm_type"] == ("p2p",)
     assert derive({**engine, "transformer_impl": "local"}, 2)["cp_comm_type"] == ("all_gather",)
+
+
+def test_hierarchical_context_parallelism_reaches_megatron_cores_groups_and_config(monkeypatch):
+    """Megatron-LM's a2a+p2p reaches megatron-core's groups and config; the exchange itself is Transformer Engine's
+    attention, on a GPU (never run here)."""
+    monkeypatch.setattr(transformer_engine_support, "transformer_engine_error", lambda: None)
+    args = parse_args([*FLAGS, *MOCK, "--train-iters", "10", "--context-parallel-size", "4", "--transformer-impl",
+                       "transformer_engine", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2",
+                       "2", "--global-batch-size", "4", "--micro-batch-size", "4"], world_size=4)
+    assert args.parallel.hierarchical_context_parallel_sizes == (2, 2)
+    monkeypatch.setattr(megatron_configs, "model_config", lambda family, **fields: fields)
+    fields = transformer_config(args)
+    assert (fields["cp_comm_type"], fields["hierarchical_context_parallel_sizes"]) == ("a2a+p2p", [2, 2])
+
+    class Initialized(Exception):
+        pass
+
+    def initialize(*args, **kwargs):
+        raise Initialized(kwargs["hierarchical_context_parallel_sizes"])
+
+    monkeypatch.setattr(trainer_module.distributed, "initialize", initialize)
+    with pytest.raises(Initialized) as initialized:
+        trainer_module.Trainer(args)
+    assert initialized.value.args == ([2, 2],)
 
 
 def test_context_parallelism_reaches_the_model_config():

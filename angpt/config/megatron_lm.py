@@ -69,9 +69,6 @@ FLAGS: dict[str, Decision] = {
     # -- transformer configuration
     "--pipeline-model-parallel-comm-backend": refused("the pipeline's communication backend follows the device "
                                                       "(NCCL with CUDA, gloo without)"),
-    "--hierarchical-context-parallel-sizes": refused(f"hierarchical context parallelism (--cp-comm-type a2a+p2p) is "
-                                                     f"{NOT_YET}: use --context-parallel-size with p2p, all_gather or "
-                                                     "a2a"),
     "--max-seqlen-per-dp-cp-rank": refused(f"{NOT_YET}: it goes with --hybrid-context-parallel"),
     "--hybrid-context-parallel": refused(f"hybrid (per-sample) context parallelism is {NOT_YET}; "
                                          "--context-parallel-size splits every sequence alike"),

@@ -32,8 +32,8 @@ from angpt.config.tiktoken_layout import TIKTOKEN_NUM_SPECIAL_TOKENS, TIKTOKEN_P
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 EXIT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT")
-# Megatron-LM's; a2a+p2p needs --hierarchical-context-parallel-sizes, which is refused (angpt.config.megatron_lm).
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+# Megatron-LM's; a2a+p2p needs --hierarchical-context-parallel-sizes.
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8")
 FP8_AMAX_ALGOS = ("max", "most_recent")
@@ -201,7 +201,11 @@ class ParallelSection:
         "rank i holding chunks i and 2 CP - 1 - i); world size = TP x PP x CP x DP")
     cp_comm_type: Optional[tuple[str, ...]] = flag(None, "how attention exchanges keys and values under context "
         "parallelism (one value for all layers): all_gather on --transformer-impl local (the only one built "
-        "there, its default); p2p (default), all_gather or a2a on Transformer Engine", choices=CP_COMM_TYPES)
+        "there, its default); p2p (default), all_gather, a2a or a2a+p2p (with --hierarchical-context-parallel-sizes) "
+        "on Transformer Engine", choices=CP_COMM_TYPES)
+    hierarchical_context_parallel_sizes: Optional[tuple[int, ...]] = flag(None, "with --cp-comm-type a2a+p2p: the "
+        "context-parallel group as nested groups of these sizes (their product: --context-parallel-size), a2a "
+        "within the first, p2p across the others (Transformer Engine)")
     use_tp_pp_dp_mapping: bool = flag(False, "order the ranks tensor, context, pipeline, then data parallel "
         "(megatron-core's tp-cp-ep-pp-dp): a model replica's pipeline stages on neighbouring ranks, its "
         "data-parallel peers far apart (default: tp-cp-ep-dp-pp)")

@@ -26,6 +26,7 @@ NUMERIC_RANGES = (
         "seq_length", "max_position_embeddings", "rotary_base", "recompute_num_layers", "tensor_model_parallel_size",
         "pipeline_model_parallel_size", "context_parallel_size", "num_layers_per_virtual_pipeline_stage",
         "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
+        "hierarchical_context_parallel_sizes",
         "decoder_last_pipeline_num_layers", "micro_batch_size",
         "global_batch_size", "train_iters", "train_samples", "lr_decay_iters", "lr_wsd_decay_iters",
         "lr_decay_samples", "lr_wsd_decay_samples",
@@ -142,6 +143,10 @@ def _virtual_stages(flags: dict) -> Optional[int]:
 def _validate_context_parallel(parser, args) -> None:
     """Megatron-LM's checks of --context-parallel-size, and the local spec's one exchange (all_gather)."""
     cp = args.context_parallel_size
+    hierarchical = args.hierarchical_context_parallel_sizes
+    if hierarchical and math.prod(hierarchical) != cp:
+        parser.error(f"--hierarchical-context-parallel-sizes {' '.join(map(str, hierarchical))} must multiply to "
+                     f"--context-parallel-size {cp}")
     if cp == 1:
         return
     if args.seq_length % (2 * cp):
@@ -154,6 +159,8 @@ def _validate_context_parallel(parser, args) -> None:
     kinds = args.cp_comm_type
     if kinds is None:  # derive: all_gather on local, Megatron-LM's p2p on Transformer Engine
         return
+    if "a2a+p2p" in kinds and not hierarchical:
+        parser.error("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes (Megatron-LM's check)")
     if len(kinds) > 1:
         # Megatron-LM's per-layer form: megatron-core 0.16.1 reads the list at the 1-based layer number, so each
         # layer would take the next layer's value and the last one none.

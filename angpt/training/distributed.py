@@ -56,6 +56,7 @@ def initialize(
     flight_recorder_trace_buffer_size: int = 2000,
     use_tp_pp_dp_mapping: bool = False,
     create_gloo_process_groups: bool = True,
+    hierarchical_context_parallel_sizes: Optional[list[int]] = None,
 ) -> None:
     """Join the torchrun job (if not already joined), build megatron-core's groups and seed every RNG
     (`set_random_seed`). The ranks' order is Megatron-LM's: tp-cp-ep-dp-pp, or tp-cp-ep-pp-dp with
@@ -83,6 +84,7 @@ def initialize(
         distributed_timeout_minutes=timeout_minutes,  # megatron-core's groups default to 30 minutes
         order="tp-cp-ep-pp-dp" if use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp",
         create_gloo_process_groups=create_gloo_process_groups,
+        hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
     )
     # megatron-core 0.16.1 builds its expert data-parallel gloo groups without that timeout (torch's 30 minutes):
     # idle in a dense model, but held to the flag like every other group.

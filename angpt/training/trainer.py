@@ -79,7 +79,10 @@ class Trainer:
                                flight_recorder_dump_path=parallel.flight_recorder_dump_path,
                                flight_recorder_trace_buffer_size=parallel.flight_recorder_trace_buffer_size,
                                use_tp_pp_dp_mapping=parallel.use_tp_pp_dp_mapping,
-                               create_gloo_process_groups=parallel.enable_gloo_process_groups)
+                               create_gloo_process_groups=parallel.enable_gloo_process_groups,
+                               hierarchical_context_parallel_sizes=(list(parallel.hierarchical_context_parallel_sizes)
+                                                                    if parallel.hierarchical_context_parallel_sizes
+                                                                    else None))
         self.rank = dist.get_rank()
         if checkpoint.save:  # one run writes into a --save directory: locked before anything is written there
             save_lock.take(checkpoint.save)
