@@ -105,7 +105,13 @@ def build_model(
     )
     if config.normalized:
         return NormalizedGPTModel(config, vocab_size, **kwargs)
-    return PositionedGPTModel(config, block_spec(config, vp_stage), vocab_size, **kwargs)
+    model = PositionedGPTModel(config, block_spec(config, vp_stage), vocab_size, **kwargs)
+    if config.model_family == "gpt" and config.transformer_impl == "local":
+        # Megatron-LM runs a 16-bit GPT in its Float16Module, which casts the whole model: the learned positions'
+        # table (a torch Embedding) and the local spec's torch norms ignore params_dtype, and the 16-bit linear
+        # layers after them refuse their fp32 outputs.
+        model.to(config.params_dtype)
+    return model
 
 
 def build_model_with_impl(config: AnGPTConfig, vocab_size: int, max_sequence_length: int,

@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.utils import check_param_hashes_across_dp_replicas
 
+from angpt.training.step import param_gather_finished
+
 
 class ReplicasDifferError(RuntimeError):
     """Some data-parallel replica's weights differ from the others'."""
@@ -17,16 +19,9 @@ class ReplicasDifferError(RuntimeError):
 def check_weight_hashes(chunks: list, iteration: int, param_gather_overlapped: bool) -> None:
     """Raise ReplicasDifferError on every rank if any data-parallel group's replicas hold different weights.
     With the distributed optimizer's overlapped param gather, the gather of the last step's weights is finished
-    first (Megatron-LM turns the forward pre-hook off and on again around the check, which does so)."""
-    if param_gather_overlapped:
-        for chunk in chunks:
-            chunk.disable_forward_pre_hook()
-    try:
+    first."""
+    with param_gather_finished(chunks, param_gather_overlapped):
         same = check_param_hashes_across_dp_replicas(chunks, cross_check=True)
-    finally:
-        if param_gather_overlapped:
-            for chunk in chunks:
-                chunk.enable_forward_pre_hook()
     everywhere = torch.tensor([int(same)])
     dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
     if not everywhere.item():

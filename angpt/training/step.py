@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Iterator
 
@@ -54,6 +54,22 @@ def build_model_chunks(
         if len(chunks) == 1:
             config.no_sync_func, config.grad_sync_func = config.no_sync_func[0], config.grad_sync_func[0]
     return chunks
+
+
+@contextmanager
+def param_gather_finished(model_chunks, overlapped: bool):
+    """With the distributed optimizer's overlapped param gather, the all-gather of a step's updated weights finishes
+    in the next forward's pre-hook; what reads the weights between steps (a save, the weight-hash check) finishes it
+    first, as Megatron-LM does by turning the pre-hook off (which syncs the params) and on again."""
+    if overlapped:
+        for chunk in model_chunks:
+            chunk.disable_forward_pre_hook()
+    try:
+        yield
+    finally:
+        if overlapped:
+            for chunk in model_chunks:
+                chunk.enable_forward_pre_hook()
 
 
 def language_model_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor, *,

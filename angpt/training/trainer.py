@@ -45,7 +45,7 @@ from angpt.training.exits import ExitRequests
 from angpt.training.megatron_configs import ddp_config, transformer_config
 from angpt.training.optimizer import build_optimizer
 from angpt.training.replica_check import ReplicasDifferError, check_weight_hashes
-from angpt.training.step import build_model_chunks, eval_step, train_step
+from angpt.training.step import build_model_chunks, eval_step, param_gather_finished, train_step
 
 logger = logging.getLogger("angpt.trainer")
 
@@ -263,13 +263,17 @@ class Trainer:
             return
         self.saved_iteration = self.state.iteration
         timer(self.timers, "save-checkpoint").start(barrier=True)  # as Megatron-LM: the ranks' time together
-        checkpointing.save_checkpoint(
-            checkpoint.save, self.state, self.chunks, self.optimizer, self.scheduler, self.run_config.flags(),
-            self.tokenizer, keep_last=checkpoint.keep_last_n_checkpoints,
-            retain_interval=checkpoint.save_retain_interval, async_queue=self.async_queue,
-            hooks=self.hooks, fully_parallel=checkpoint.ckpt_fully_parallel_save,
-            assume_constant_structure=checkpoint.ckpt_assume_constant_structure, context=self.checkpointing_context,
-        )
+        parallel = self.run_config.parallel
+        # The weights of the last step, not those before its (overlapped) all-gather.
+        with param_gather_finished(self.chunks, parallel.use_distributed_optimizer and parallel.overlap_param_gather):
+            checkpointing.save_checkpoint(
+                checkpoint.save, self.state, self.chunks, self.optimizer, self.scheduler, self.run_config.flags(),
+                self.tokenizer, keep_last=checkpoint.keep_last_n_checkpoints,
+                retain_interval=checkpoint.save_retain_interval, async_queue=self.async_queue,
+                hooks=self.hooks, fully_parallel=checkpoint.ckpt_fully_parallel_save,
+                assume_constant_structure=checkpoint.ckpt_assume_constant_structure,
+                context=self.checkpointing_context,
+            )
         timer(self.timers, "save-checkpoint").stop(barrier=True)
 
     # -- the loop -----------------------------------------------------------------------------------
