@@ -53,8 +53,8 @@ def test_docs_megatron_md_is_what_the_parser_and_the_table_say():
     (["--use-legacy-models"], "argument --use-legacy-models: not supported: Megatron-LM's legacy models"),
     (["--moe-router-topk", "4"], "argument --moe-router-topk: not supported: mixture of experts"),
     (["--num-experts", "8"], "argument --num-experts: not supported: mixture of experts"),
-    (["--hierarchical-context-parallel-sizes", "2", "2"], "argument --hierarchical-context-parallel-sizes: not "
-     "supported: hierarchical context parallelism"),
+    (["--hybrid-context-parallel"], "argument --hybrid-context-parallel: not supported: hybrid (per-sample) context "
+     "parallelism"),
     (["--rl-use-sequence-packing"], "not supported: reinforcement learning"),
     (["--use-torch-fsdp2"], "argument --use-torch-fsdp2: not supported: FSDP is not built: use "
                             "--use-distributed-optimizer"),
@@ -151,3 +151,9 @@ def test_the_table_reads_megatron_lms_own_parser_output():
     assert rows["--rampup-batch-size"][1][2] == 3
     assert rows["--save-interval"][1][1] == ("--persistent-save-interval",)
     assert rows["--num-experts"][0] == "moe"
+
+
+def test_first_last_layers_bf16_without_fp8_is_accepted_and_said_to_change_nothing():
+    notes = megatron_lm.notes(parse_args([*BASE, "--first-last-layers-bf16"], world_size=1))
+    assert notes == ["--first-last-layers-bf16: without --fp8-format every layer is in BF16 already (as in "
+                     "Megatron-LM, nothing changes)"]

@@ -24,6 +24,7 @@ import torch
 from megatron.core import optimizer as megatron_optimizer
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.enums import ModelType
+from megatron.core.fp8_utils import is_first_last_bf16_layer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -190,6 +191,12 @@ def test_trainer_path_tags_ngpt_te_row_weights_before_the_optimizer(seeded, stan
         ([*FP8, "--fp8-margin", "-1"], "--fp8-margin -1 cannot be negative"),
         ([*FP8, "--hidden-size", "72", "--num-attention-heads", "2"], "--hidden-size 72"),
         ([*FP8, "--fp8-recipe", "mxfp8", "--hidden-size", "80", "--num-attention-heads", "5"], "multiples of 32"),
+        ([*FP8, "--first-last-layers-bf16"], "--first-last-layers-bf16: Transformer Engine's delayed scaling cannot "
+                                             "leave layers in BF16 (megatron-core's check)"),
+        ([*FP8, "--fp8-recipe", "tensorwise", "--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "3"],
+         "--num-layers-at-end-in-bf16 3 must be between 0 and the layers of a pipeline stage (2)"),
+        ([*FP8, "--fp8-recipe", "tensorwise", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "-1"],
+         "--num-layers-at-start-in-bf16 -1 must be between 0 and the layers of a pipeline stage (2)"),
         (["--fp8-format", "e5m2"], "--fp8-format: invalid choice"),
         (["--fp8-recipe", "blockwise"], "--fp8-recipe: invalid choice"),
         (["--transformer-impl", "te"], "--transformer-impl: invalid choice"),
@@ -250,13 +257,15 @@ def test_mxfp8_needs_a_transformer_engine_that_has_it(fake_te_runtime, monkeypat
 
 def test_valid_fp8_flags_reach_the_transformer_config(fake_te_runtime):
     fake_te_runtime((9, 0))
-    run_config = parse_args([*ARGS, *FP8, "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max"],
-                            world_size=1)
+    # The pretended GPU has no fused RoPE here: the fusions' GPU defaults are turned off (megatron-core refuses them).
+    unfused = ["--no-rope-fusion", "--no-bias-swiglu-fusion"]
+    run_config = parse_args([*ARGS, *FP8, *unfused, "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo",
+                             "max"], world_size=1)
     config = transformer_config(run_config)
     assert (config.transformer_impl, config.fp8, config.fp8_recipe, config.fp8_margin) == (
         "transformer_engine", "hybrid", "delayed", 0)
     assert (config.fp8_amax_history_len, config.fp8_amax_compute_algo, config.fp8_param) == (1024, "max", False)
-    plain = transformer_config(parse_args(ARGS, world_size=1))
+    plain = transformer_config(parse_args([*ARGS, *unfused], world_size=1))
     assert plain.fp8 is None and plain.transformer_impl == "local"
 
 
@@ -635,3 +644,18 @@ def _worker(task: str) -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1])
+
+
+def test_first_last_layers_bf16_leaves_those_layers_to_bf16_in_megatron_cores_per_layer_choice(fake_te_runtime):
+    """megatron-core's TransformerBlock asks is_first_last_bf16_layer for each layer's FP8 context: with 2 layers,
+    the start's and the end's counts at their limits (2) and at 0."""
+    fake_te_runtime((9, 0))
+    unfused = ["--no-rope-fusion", "--no-bias-swiglu-fusion"]  # as above
+    for start, end, bf16 in (("1", "1", [True, True]), ("0", "1", [False, True]), ("2", "0", [True, True]),
+                             ("0", "0", [False, False])):
+        config = transformer_config(parse_args([
+            *ARGS, *FP8, *unfused, "--fp8-recipe", "tensorwise", "--first-last-layers-bf16",
+            "--num-layers-at-start-in-bf16", start, "--num-layers-at-end-in-bf16", end], world_size=1))
+        assert [is_first_last_bf16_layer(config, layer) for layer in range(config.num_layers)] == bf16
+    config = transformer_config(parse_args([*ARGS, *FP8, *unfused, "--fp8-recipe", "tensorwise"], world_size=1))
+    assert [is_first_last_bf16_layer(config, layer) for layer in range(config.num_layers)] == [False, False]

@@ -107,9 +107,6 @@ FLAGS: dict[str, Decision] = {
     "--fp8-quantizer-factory": refused("custom FP8 quantizers are not built (docs/fp8.md)"),
     "--fp8-interval": ignored("deprecated since Transformer Engine 1.8 and ignored by megatron-core"),
     "--no-fp8-wgrad": refused(f"{NOT_YET} (docs/fp8.md)"),
-    "--first-last-layers-bf16": refused(f"{NOT_YET} (docs/fp8.md)"),
-    "--num-layers-at-start-in-bf16": refused(f"{NOT_YET} (with --first-last-layers-bf16)"),
-    "--num-layers-at-end-in-bf16": refused(f"{NOT_YET} (with --first-last-layers-bf16)"),
     "--use-kitchen-attention": refused("NVIDIA Kitchen is not built"),
     "--enable-cuda-graph": refused("deprecated in Megatron-LM: use --cuda-graph-impl local"),
     "--external-cuda-graph": refused("deprecated in Megatron-LM: use --cuda-graph-impl local"),
@@ -504,6 +501,9 @@ def notes(config: RunConfig) -> list[str]:
                              "recipe leaves undecayed (docs/model.md)")
         else:
             lines.append("--apply-wd-to-qk-layernorm: this model has no q and k norm gains to decay")
+    if config.precision.first_last_layers_bf16 and not config.precision.fp8_format:
+        lines.append("--first-last-layers-bf16: without --fp8-format every layer is in BF16 already (as in "
+                     "Megatron-LM, nothing changes)")
     if config.checkpoint.use_persistent_ckpt_worker and not config.checkpoint.async_save:
         lines.append("--use-persistent-ckpt-worker: without --async-save, saves are written by the training "
                      "processes, with no background writer (as in Megatron-LM)")

@@ -350,6 +350,10 @@ class PrecisionSection:
         "capability 10) and a Transformer Engine that has it", choices=FP8_RECIPES)
     fp8_margin: Optional[int] = flag(None, "delayed scaling: scale margin, a power of 2 (default 0)")
     fp8_amax_history_len: Optional[int] = flag(None, "delayed scaling: amax history window (default 1)")
+    first_last_layers_bf16: bool = flag(False, "with --fp8-format: keep the first and last transformer layers' GEMMs "
+        "in BF16 (megatron-core's choice per layer; not with --fp8-recipe delayed)")
+    num_layers_at_start_in_bf16: int = flag(1, "with --first-last-layers-bf16: the layers kept in BF16 at the start")
+    num_layers_at_end_in_bf16: int = flag(1, "with --first-last-layers-bf16: the layers kept in BF16 at the end")
     fp8_amax_compute_algo: Optional[str] = flag(None, "delayed scaling: amax of the window (max) or the latest "
         "(most_recent, default)", choices=FP8_AMAX_ALGOS)
 

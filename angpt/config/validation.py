@@ -434,6 +434,15 @@ def _validate_precision(parser, args) -> None:
                 if getattr(args, flag) not in (None, FP8_DEFAULTS[flag]):
                     parser.error(f"--{flag.replace('_', '-')} applies to --fp8-recipe delayed only (got "
                                  f"--fp8-recipe {recipe})")
+        if args.first_last_layers_bf16:  # megatron-core's checks (TransformerConfig)
+            if recipe == "delayed":
+                parser.error("--first-last-layers-bf16: Transformer Engine's delayed scaling cannot leave layers in "
+                             "BF16 (megatron-core's check): give --fp8-recipe tensorwise or mxfp8")
+            per_stage = args.num_layers // args.pipeline_model_parallel_size
+            for flag in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+                if not 0 <= getattr(args, flag) <= per_stage:
+                    parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be between 0 and the layers "
+                                 f"of a pipeline stage ({per_stage})")
         multiple = 32 if recipe == "mxfp8" else 16
         ffn = ffn_hidden_size(vars(args))
         if args.hidden_size % multiple or ffn % multiple:
