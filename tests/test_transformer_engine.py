@@ -194,9 +194,9 @@ def test_trainer_path_tags_ngpt_te_row_weights_before_the_optimizer(seeded, stan
         ([*FP8, "--first-last-layers-bf16"], "--first-last-layers-bf16: Transformer Engine's delayed scaling cannot "
                                              "leave layers in BF16 (megatron-core's check)"),
         ([*FP8, "--fp8-recipe", "tensorwise", "--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "3"],
-         "--num-layers-at-end-in-bf16 3 must be between 0 and the layers of a pipeline stage (2)"),
+         "--num-layers-at-end-in-bf16 3 must be at most the layers of a pipeline stage (2)"),
         ([*FP8, "--fp8-recipe", "tensorwise", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "-1"],
-         "--num-layers-at-start-in-bf16 -1 must be between 0 and the layers of a pipeline stage (2)"),
+         "--num-layers-at-start-in-bf16 -1 cannot be negative"),
         (["--fp8-format", "e5m2"], "--fp8-format: invalid choice"),
         (["--fp8-recipe", "blockwise"], "--fp8-recipe: invalid choice"),
         (["--transformer-impl", "te"], "--transformer-impl: invalid choice"),

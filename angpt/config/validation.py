@@ -35,14 +35,14 @@ NUMERIC_RANGES = (
         "check_weight_hash_across_dp_replicas_interval",
         "eval_interval", "log_interval", "exit_interval", "ddp_bucket_size",
         "loss_scale_window", "hysteresis", "tiktoken_num_special_tokens", "flight_recorder_trace_buffer_size",
-        "straggler_minmax_count")),
+        "straggler_minmax_count", "megatron_fp8_interval")),
     ("cannot be negative", lambda value: value >= 0, (
         "angpt_alpha_init", "timing_log_level", "min_lr", "lr_warmup_iters", "lr_warmup_samples", "lr_warmup_init",
         "weight_decay",
         "clip_grad", "seed", "fp8_margin", "eval_iters", "max_skipped_steps", "dry_run", "cuda_graph_warmup_steps",
         "megatron_local_rank", "rampup_batch_size", "manual_gc_interval", "empty_unused_memory_level",
         "num_workers", "decoupled_min_lr", "profile_step_start", "profile_step_end", "profile_ranks",
-        "straggler_ctrlr_port", "error_injection_rate")),
+        "straggler_ctrlr_port", "error_injection_rate", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")),
     ("must be positive", lambda value: value > 0, (
         "init_method_std", "norm_epsilon", "angpt_constant_factor_multiplier", "angpt_nu_alpha_multiplier",
         "distributed_timeout_minutes", "hang_timeout_minutes", "lr", "adam_eps", "exit_duration_in_mins",
@@ -440,9 +440,9 @@ def _validate_precision(parser, args) -> None:
                              "BF16 (megatron-core's check): give --fp8-recipe tensorwise or mxfp8")
             per_stage = args.num_layers // args.pipeline_model_parallel_size
             for flag in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
-                if not 0 <= getattr(args, flag) <= per_stage:
-                    parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be between 0 and the layers "
-                                 f"of a pipeline stage ({per_stage})")
+                if getattr(args, flag) > per_stage:
+                    parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at most the layers of a "
+                                 f"pipeline stage ({per_stage})")
         multiple = 32 if recipe == "mxfp8" else 16
         ffn = ffn_hidden_size(vars(args))
         if args.hidden_size % multiple or ffn % multiple:
