@@ -17,6 +17,7 @@ import pytest
 import torch
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.validation import StrictHandling
+from megatron.core.distributed import TorchFullyShardedDataParallelConfig
 from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 from megatron.core.transformer.attention import SelfAttention
 from test_gpt_datasets import two_prefixes  # noqa: F401 (a fixture)
@@ -358,8 +359,9 @@ def test_use_tp_pp_dp_mapping_reaches_initialize(monkeypatch):
 
 
 def test_disable_gloo_process_groups_reaches_megatron_cores_groups_and_optimizer(single_process, monkeypatch):
-    """Trained over two ranks in tests/test_trainer.py (the dp2_distributed_optimizer layout)."""
-    for flags, gloo in (([], True), (["--disable-gloo-process-groups"], False)):
+    """Trained over two ranks in tests/test_trainer.py (the dp2_distributed_optimizer layout). The default last:
+    the groups stay built for the next test."""
+    for flags, gloo in ((["--disable-gloo-process-groups"], False), ([], True)):
         trainer = in_process_trainer([*TINY, "--use-distributed-optimizer", *flags])
         assert (parallel_state._DATA_PARALLEL_GROUP_GLOO is not None) == gloo
         (inner,) = trainer.optimizer.chained_optimizers
@@ -546,3 +548,36 @@ def test_apply_wd_to_qk_layernorm_says_what_it_changes(family, argv, line):
     notes = megatron_lm.notes(parse_args([*MOCK, "--model-family", family, "--apply-wd-to-qk-layernorm", *argv],
                                          world_size=1))
     assert notes == ([line] if line else [])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--pipeline-model-parallel-size", "2"], "--use-torch-fsdp2 with pipeline parallelism (Megatron-LM's check)"),
+    (["--use-distributed-optimizer"], "--use-torch-fsdp2 with --use-distributed-optimizer, which it replaces"),
+    (["--tie-embeddings-and-output-weights"], "--use-torch-fsdp2 with tied embeddings"),
+    (["--model-family", "gpt"], "--use-torch-fsdp2 with tied embeddings"),  # gpt ties unless told otherwise
+    (["--fp16"], "--use-torch-fsdp2 with --fp16 (Megatron-LM's check)"),
+    (["--bf16", "--use-distributed-optimizer"], "--use-torch-fsdp2 with --use-distributed-optimizer"),
+    (["--bf16"], "--use-torch-fsdp2 with --bf16: not built yet here"),
+    (["--tensor-model-parallel-size", "2"], "--use-torch-fsdp2 with tensor parallelism: not built yet here"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "all_gather"], "--use-torch-fsdp2 with context parallelism"),
+    (["--save", "ckpt"], "--use-torch-fsdp2 with --save or --load: checkpoints of FSDP2's sharded optimizer state"),
+    (["--load", "ckpt"], "--use-torch-fsdp2 with --save or --load"),
+    (["--check-weight-hash-across-dp-replicas-interval", "1"], "no replicas"),
+    (["--dry-run", "4"], "--use-torch-fsdp2 with --dry-run: its memory and time estimates do not know FSDP2"),
+])
+def test_fsdp2_refuses_what_megatron_lm_refuses_and_what_is_not_built_yet(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args([*PIPELINE, "--use-torch-fsdp2", "--micro-batch-size", "2", *argv], world_size=4)
+    assert message in capsys.readouterr().err
+
+
+def test_fsdp2_builds_megatron_cores_fsdp2_wrapper_with_the_flags_resharding():
+    for flags, reshard in (([], True), (["--torch-fsdp2-no-reshard-after-forward"], False)):
+        config = ddp_config(parse_args([*PIPELINE, "--use-torch-fsdp2", *flags], world_size=2))
+        assert isinstance(config, TorchFullyShardedDataParallelConfig) and config.reshard_after_forward is reshard
+    gpt = parse_args([*PIPELINE, "--use-torch-fsdp2", "--model-family", "gpt", "--untie-embeddings-and-output-weights"],
+                     world_size=2)
+    assert gpt.parallel.use_torch_fsdp2
+    assert type(ddp_config(parse_args(PIPELINE, world_size=2))) is not TorchFullyShardedDataParallelConfig
+    with pytest.raises(SystemExit):
+        parse_args([*PIPELINE, "--torch-fsdp2-no-reshard-after-forward"], world_size=2)

@@ -200,6 +200,19 @@ def test_an_async_save_writes_what_a_synchronous_one_does(layout, flags, uninter
         assert all(torch.equal(written[key], expected[key]) for key in written)
 
 
+def test_fsdp2_trains_as_the_distributed_optimizer_does(uninterrupted, tmp_path):
+    """--use-torch-fsdp2 over two ranks: each step's loss and grad norm those of the distributed optimizer's run
+    (every weight, gradient and Adam state sharded instead of Adam's state alone; the same arithmetic up to the
+    order of the gradient norm's sums). Its gradients and bounding, weight by weight, are in
+    tests/test_parallel_equivalence.py (dp2_fsdp2)."""
+    train(*ITERS, "--use-torch-fsdp2", "--metrics-file", str(tmp_path / "metrics.jsonl"))
+    sharded, expected = records(tmp_path), records(uninterrupted["dp2_distributed_optimizer"])
+    assert [r["iteration"] for r in sharded] == [r["iteration"] for r in expected] == list(range(1, 7))
+    for got, want in zip(sharded, expected):
+        assert got["lm_loss"] == pytest.approx(want["lm_loss"], rel=1e-6)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+
+
 @pytest.mark.parametrize("layout", [
     ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"],
     # The trainer under context parallelism, from a CP=1 checkpoint (and saving at CP=2 at its end).

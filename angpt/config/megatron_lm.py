@@ -55,7 +55,8 @@ def only(expected, why: str):
 
 
 NOT_YET = "not built yet"
-FSDP = "FSDP is not built: use --use-distributed-optimizer (megatron-core's ZeRO-1 sharding of the optimizer)"
+FSDP = ("Megatron-FSDP is not built: use --use-torch-fsdp2 (PyTorch's FSDP2) or --use-distributed-optimizer "
+        "(megatron-core's ZeRO-1 sharding of the optimizer)")
 OFFLOAD = "CPU offloading is not built"
 TE_OVERLAP = "Transformer Engine's userbuffer overlap of tensor-parallel communication is not built"
 INFERENCE = "an inference setting: angpt pretrains; generate with the Hugging Face export (tools/convert_to_hf.py)"
@@ -251,8 +252,6 @@ FLAGS: dict[str, Decision] = {
     "--num-distributed-optimizer-instances": refused(f"{NOT_YET}: megatron-core 0.16.1 reduces between the "
                                                      "instances on a CUDA stream of its own (no CPU path); one "
                                                      "distributed optimizer instance spans the data-parallel group"),
-    "--use-torch-fsdp2": refused(FSDP),
-    "--torch-fsdp2-no-reshard-after-forward": refused(FSDP),
     "--nccl-communicator-config-path": refused(f"{NOT_YET}"),
     "--fake-process-group": refused(f"{NOT_YET}"),
     # -- validation

@@ -210,6 +210,13 @@ class ParallelSection:
         "(megatron-core's tp-cp-ep-pp-dp): a model replica's pipeline stages on neighbouring ranks, its "
         "data-parallel peers far apart (default: tp-cp-ep-dp-pp)")
     use_distributed_optimizer: bool = flag(False, switch=True)
+    use_torch_fsdp2: bool = flag(False, "shard every weight, its gradient and Adam's state over the data-parallel "
+        "ranks (PyTorch's FSDP2, megatron-core's TorchFullyShardedDataParallel): each layer's weights gathered for its "
+        "forward and backward, the gradients reduce-scattered (fp32; not with pipeline or tensor parallelism, the "
+        "distributed optimizer or tied embeddings)")
+    torch_fsdp2_reshard_after_forward: bool = flag(True, "with --use-torch-fsdp2: keep each layer's gathered weights "
+        "from its forward to its backward (more memory, one all-gather fewer)",
+        option="--torch-fsdp2-no-reshard-after-forward")
     overlap_grad_reduce: bool = flag(False, switch=True)
     overlap_param_gather: bool = flag(False, switch=True)
     enable_gloo_process_groups: bool = flag(True, "build no gloo process groups beside the NCCL ones (megatron-core "

@@ -81,6 +81,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
     if args.bf16 and args.fp16:
         parser.error("give one of --bf16 and --fp16")
     _validate_dependent_flags(parser, args)
+    _validate_fsdp2(parser, args)
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         parser.error("--overlap-param-gather needs --use-distributed-optimizer")
     if args.max_position_embeddings is not None and args.max_position_embeddings < args.seq_length:
@@ -101,6 +102,34 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
     megatron_lm.check_implied(parser, args)
     flags = vars(args)
     return RunConfig.from_flags({**flags, **derive(flags, world_size)})
+
+
+def _validate_fsdp2(parser, args) -> None:
+    """Megatron-LM's refusals of --use-torch-fsdp2, and what angpt has not built with it yet."""
+    if not args.use_torch_fsdp2:
+        if not args.torch_fsdp2_reshard_after_forward:
+            parser.error("--torch-fsdp2-no-reshard-after-forward needs --use-torch-fsdp2")
+        return
+    untied = (args.untie_embeddings_and_output_weights if args.model_family == "gpt"
+              else not args.tie_embeddings_and_output_weights)
+    for given, why in (
+        (args.pipeline_model_parallel_size > 1, "with pipeline parallelism (Megatron-LM's check)"),
+        (args.use_distributed_optimizer, "with --use-distributed-optimizer, which it replaces (Megatron-LM's check)"),
+        (not untied, "with tied embeddings: the embedding and the output layer would share a sharded weight "
+                     "(Megatron-LM's check: give --untie-embeddings-and-output-weights)"),
+        (args.fp16, "with --fp16 (Megatron-LM's check)"),
+        (args.bf16, "with --bf16: not built yet here (FSDP2 trains in fp32 in angpt for now)"),
+        (args.tensor_model_parallel_size > 1, "with tensor parallelism: not built yet here (a gated MLP's "
+                                              "checkpoint layout and the 2D mesh)"),
+        (args.context_parallel_size > 1, "with context parallelism: not built yet here"),
+        (args.save or args.load, "with --save or --load: checkpoints of FSDP2's sharded optimizer state are not "
+                                 "built yet here"),
+        (args.dry_run is not None, "with --dry-run: its memory and time estimates do not know FSDP2's sharding yet"),
+        (args.check_weight_hash_across_dp_replicas_interval,
+         "with --check-weight-hash-across-dp-replicas-interval: its ranks hold different shards, no replicas"),
+    ):
+        if given:
+            parser.error(f"--use-torch-fsdp2 {why}")
 
 
 def _validate_virtual_stages(parser, args, pp: int) -> None:

@@ -24,7 +24,7 @@ from megatron.core.transformer import cuda_graphs
 from megatron.core.utils import local_multi_tensor_l2_norm
 
 from angpt.config.sections import EXIT_SIGNALS
-from angpt.megatron_compat import WRITTEN_FOR, checkpoint_unpickling, cpu, parent_watch, results_queue
+from angpt.megatron_compat import WRITTEN_FOR, checkpoint_unpickling, cpu, fsdp2, parent_watch, results_queue
 from angpt.models.attention import fused_rotary_pos_emb
 
 logger = logging.getLogger("angpt.megatron_compat")
@@ -42,6 +42,7 @@ def install() -> None:
     logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_OwnMLPFilter())
     filesystem_async._get_write_results_queue = _results_queue_that_outlives_exit_signals
     checkpoint_unpickling.install()
+    fsdp2.install()
     parent_watch.install()
     if not HAVE_APEX_OR_TE:
         _load_only_checkpointed_states()

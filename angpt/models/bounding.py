@@ -7,10 +7,12 @@ dimension holds the vectors is recorded on each parameter as `unit_norm_dim` whe
 The projection runs on whatever holds the authoritative copy of each weight:
 - the model parameters themselves (fp32 training without a distributed optimizer, model init);
 - the fp32 main parameters of megatron-core's mixed-precision optimizer;
-- the fp32 main-parameter shards of the distributed optimizer, which cut rows at arbitrary points.
+- the fp32 main-parameter shards of the distributed optimizer, which cut rows at arbitrary points;
+- the row shards of FSDP2 (`--use-torch-fsdp2`: DTensors sharded on dim 0), which hold whole rows but cut the
+  columns that nGPT normalizes along dim 0 (its W_p and W_d).
 
 A vector is complete on one rank unless it is split by tensor parallelism (row-parallel W_p, W_d under
-anGPT) or by the distributed optimizer's shards. Every rank therefore computes partial squared norms for
+anGPT), by the distributed optimizer's shards or by FSDP2's. Every rank therefore computes partial squared norms for
 the vectors it holds (in float64), sums them over the tensor-parallel and data-parallel groups where
 vectors are split, and scales its own elements: one collective per group per step. Weights a rank holds
 whole are projected in one pass each. The arithmetic runs in the fused kernels of `angpt.kernels`.
@@ -26,6 +28,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from angpt import kernels
 
@@ -153,8 +157,19 @@ def _optimizer_pieces(optimizer) -> tuple[list[torch.nn.Parameter], list[_Piece]
         return [piece.param for piece in pieces], pieces, None
     if isinstance(optimizer, FP32Optimizer):
         params = [p for group in optimizer.optimizer.param_groups for p in group["params"] if wanted(p)]
+        if params and isinstance(params[0], DTensor):
+            return params, [_fsdp_piece(p) for p in params], params[0].device_mesh.get_group()
         return params, [_Piece(p.data.view(-1), p, 0) for p in params], None
     raise TypeError(f"weight constraints do not support {type(optimizer).__name__}")
+
+
+def _fsdp_piece(param: DTensor) -> _Piece:
+    """This rank's FSDP2 shard of `param`: rows `torch.chunk` gives it (the last ranks' fewer, or none), a
+    contiguous run of the flattened weight."""
+    if tuple(param.placements) != (Shard(0),):
+        raise TypeError(f"weight constraints take FSDP2 shards of rows (Shard(0)), not {param.placements}")
+    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return _Piece(param.to_local().view(-1), param, offset[0] * param.shape[1])
 
 
 def attach_weight_constraint(optimizer, mode: str) -> None:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 from megatron.core.utils import unwrap_model
+from torch.distributed.tensor import DTensor
 
 from angpt.models.bounding import all_reduce_in_place, constrained_parameters, split_over_tp
 from angpt.models.gpt import WEIGHT_CONSTRAINTS
@@ -112,7 +113,7 @@ class HealthProbe:
                     alpha = child.alpha()
                     # nGPT's LERP uses |alpha| (NormalizedResidual.forward).
                     alpha = alpha.abs() if self._alpha_abs else alpha
-                    means[f"alpha_{child_name.removesuffix('_residual')}/{layer_name}"] = alpha.mean()
+                    means[f"alpha_{child_name.removesuffix('_residual')}/{layer_name}"] = _whole(alpha).mean()
         return {name: value.item() for name, value in means.items()}
 
     @torch.no_grad()
@@ -120,7 +121,8 @@ class HealthProbe:
         """(rows at the bound, rows) that this rank counts, so that over all ranks each row counts once:
         on data-parallel rank 0, and on TP rank 0 for weights replicated over TP and rows split over it."""
         tp_group = parallel_state.get_tensor_model_parallel_group()
-        squared = [p.detach().float().pow(2).sum(dim=p.unit_norm_dim) for p in self._bounded_weights]
+        # FSDP2's row shards are gathered whole (every rank, in the same order: a collective each).
+        squared = [_whole(p).detach().float().pow(2).sum(dim=p.unit_norm_dim) for p in self._bounded_weights]
         split = [split_over_tp(p) for p in self._bounded_weights]
         if tp_group.size() > 1:
             # Row-parallel weights hold a part of each row on each TP rank: sum the partial squared norms.
@@ -192,13 +194,24 @@ class HealthProbe:
 
 
 def params_l2_norm(chunks) -> float:
-    """Collective over the model-parallel group: the L2 norm of all the model's weights, as Megatron-LM's
-    calc_params_l2_norm sums it (--log-params-norm): each weight once (a tensor-parallel duplicate on its first
-    rank only, a weight shared between stages once), in fp32."""
+    """Collective over the model-parallel group (and the data-parallel one under FSDP2): the L2 norm of all the
+    model's weights, as Megatron-LM's calc_params_l2_norm sums it (--log-params-norm): each weight once (a
+    tensor-parallel duplicate on its first rank only, a weight shared between stages once, FSDP2's shards each on
+    its rank), in fp32."""
     squares = torch.zeros((), dtype=torch.float64, device=next(chunks[0].parameters()).device)
+    sharded = False
     for chunk in chunks:
         for param in chunk.parameters():
             if param_is_not_tensor_parallel_duplicate(param) and not getattr(param, "shared", False):
+                if isinstance(param, DTensor):
+                    param, sharded = param.to_local(), True
                 squares += param.detach().float().square().sum().double()
+    if sharded:
+        dist.all_reduce(squares, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
     return squares.sqrt().item()
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 shard (a collective), or the tensor."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

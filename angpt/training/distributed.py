@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
+from torch.distributed.tensor import DTensor
 
 from angpt.megatron_compat import patches
 
@@ -113,6 +114,11 @@ def destroy_model_parallel() -> None:
     for group in built.values():
         with contextlib.suppress(ValueError):  # one torch no longer knows (destroyed with another name)
             dist.destroy_process_group(group)
+    # torch caches DTensor sharding by device mesh, and a mesh over the groups built next equals one over these
+    # (same ranks, same device): FSDP2 built again would shard over the destroyed groups ("Could not resolve the
+    # process group").
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", lambda: None)()
 
 
 def flight_recorder_environment(dump_path: Optional[str], trace_buffer_size: int) -> None:

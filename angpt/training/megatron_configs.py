@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from megatron.core.activations import squared_relu
-from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.distributed import DistributedDataParallelConfig, TorchFullyShardedDataParallelConfig
 from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.transformer.enums import AttnBackend
 
@@ -143,7 +143,11 @@ def _fusions(config: RunConfig) -> dict:
 
 def ddp_config(config: RunConfig) -> DistributedDataParallelConfig:
     """Data-parallel gradient reduction (Megatron-LM's `get_model`): in fp32 unless --grad-reduce-in-bf16; the local
-    grads checked before it (the rerun state machine's checks)."""
+    grads checked before it (the rerun state machine's checks). With --use-torch-fsdp2, FSDP2's config (which
+    angpt.training.step wraps the model for)."""
+    if config.parallel.use_torch_fsdp2:
+        return TorchFullyShardedDataParallelConfig(
+            reshard_after_forward=config.parallel.torch_fsdp2_reshard_after_forward)
     return DistributedDataParallelConfig(**{
         **by_name(config, DistributedDataParallelConfig),
         "check_for_nan_in_grad": config.rerun.nan_checks,

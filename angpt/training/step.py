@@ -9,7 +9,13 @@ from typing import Iterator
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    TorchFullyShardedDataParallel,
+    TorchFullyShardedDataParallelConfig,
+    finalize_model_grads,
+)
 from megatron.core.enums import ModelType
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -28,7 +34,8 @@ def build_model_chunks(
     seq_length: int,
     ddp_config: DistributedDataParallelConfig | None = None,
 ) -> list[DistributedDataParallel]:
-    """This rank's model chunks (one per virtual pipeline stage), each wrapped in megatron-core's DDP."""
+    """This rank's model chunks (one per virtual pipeline stage), each wrapped in megatron-core's DDP, or in its
+    FSDP2 wrapper for a TorchFullyShardedDataParallelConfig."""
     ddp_config = ddp_config or DistributedDataParallelConfig(grad_reduce_in_fp32=True)
     virtual_stages = config.virtual_pipeline_model_parallel_size
     chunks = []
@@ -42,11 +49,9 @@ def build_model_chunks(
             vp_stage=vp_stage,
         )
         model.model_type = ModelType.encoder_or_decoder
-        chunks.append(
-            DistributedDataParallel(
-                config=config, ddp_config=ddp_config, module=model, disable_bucketing=len(chunks) > 0
-            )
-        )
+        wrapper = (TorchFullyShardedDataParallel if isinstance(ddp_config, TorchFullyShardedDataParallelConfig)
+                   else DistributedDataParallel)
+        chunks.append(wrapper(config=config, ddp_config=ddp_config, module=model, disable_bucketing=len(chunks) > 0))
     config.finalize_model_grads_func = finalize_model_grads
     if ddp_config.overlap_grad_reduce:
         config.no_sync_func = [chunk.no_sync for chunk in chunks]

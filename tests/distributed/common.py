@@ -8,6 +8,7 @@ import re
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from angpt.models import model_config
 
@@ -62,7 +63,10 @@ def gather_full(chunks, what: str = "param") -> dict[str, torch.Tensor]:
     for chunk in chunks:
         model = unwrap(chunk)
         for name, param in model.named_parameters():
-            tensor = param.data if what == "param" else param.main_grad
+            # FSDP2's parameters and gradients are DTensors (row shards), without main_grad: gathered whole.
+            tensor = param.data if what == "param" else getattr(param, "main_grad", param.grad)
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()
             mine[global_name(model, name)] = _tp_gather(param, tensor)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -86,6 +90,8 @@ def load_full(chunks, full: dict[str, torch.Tensor]) -> None:
                     tensor = torch.cat(
                         [c.chunk(size, dim=dim)[rank] for c in tensor.chunk(stride, dim=dim)], dim=dim
                     )
+                if isinstance(param.data, DTensor):  # FSDP2: this rank's rows
+                    tensor = distribute_tensor(tensor, param.device_mesh, param.placements)
                 param.data.copy_(tensor)
 
 

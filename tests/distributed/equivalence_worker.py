@@ -17,7 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.distributed import DistributedDataParallelConfig, TorchFullyShardedDataParallelConfig
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 from megatron.core.transformer.enums import AttnBackend
@@ -52,6 +52,8 @@ LAYOUTS = {
     "pp2_layout": dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ettt|tL"),
     "dp2": dict(),
     "dp2_distributed_optimizer": dict(distributed_optimizer=True),
+    # PyTorch's FSDP2 (--use-torch-fsdp2): every weight, gradient and Adam state sharded by rows.
+    "dp2_fsdp2": dict(fsdp2=True),
     # Selective recompute of the parts that touch TP-sharded or sequence-parallel tensors, with the family's
     # own choice (recompute_modules filled in by run_family).
     "tp2_sequence_parallel_recompute": dict(tensor_model_parallel_size=2, sequence_parallel=True,
@@ -185,6 +187,7 @@ def replica_checks(chunks) -> dict[str, bool]:
 def run_family(family: str, args, layout: dict, world: int) -> dict | None:
     layout = dict(layout)
     distributed_optimizer = layout.pop("distributed_optimizer", False)
+    fsdp2 = layout.pop("fsdp2", False)
     if layout.get("recompute_granularity") == "selective":
         layout["recompute_modules"] = RECOMPUTED[family]
     config = small_config(family, **layout)
@@ -202,6 +205,8 @@ def run_family(family: str, args, layout: dict, world: int) -> dict | None:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=10000
         )
+    if fsdp2:
+        ddp_config = TorchFullyShardedDataParallelConfig()
     chunks = build_model_chunks(config, V, S, ddp_config)
     init_path = os.path.join(args.reference_dir or args.out, f"{family}_init.pt")
     if args.reference:
@@ -255,7 +260,7 @@ def run_family(family: str, args, layout: dict, world: int) -> dict | None:
     params = gather_full(chunks)
 
     result = dict(logits=logits, loss=loss, grads=grads, params=params)
-    if dp > 1:
+    if dp > 1 and not fsdp2:  # FSDP2's ranks hold different shards: no replicas to compare
         result["replicas"] = replica_checks(chunks)
 
     constraint = WEIGHT_CONSTRAINTS[family]
