@@ -358,6 +358,7 @@ def test_use_tp_pp_dp_mapping_reaches_initialize(monkeypatch):
         assert initialized.value.args == (mapping,)
 
 
+@pytest.mark.slow  # two in-process trainer runs
 def test_disable_gloo_process_groups_reaches_megatron_cores_groups_and_optimizer(single_process, monkeypatch):
     """Trained over two ranks in tests/test_trainer.py (the dp2_distributed_optimizer layout). The default last:
     the groups stay built for the next test."""
@@ -463,6 +464,7 @@ def test_the_interleaved_schedules_exchanges_follow_megatron_lm(pp, argv, overla
 GPT_QK = [*TINY, "--model-family", "gpt", "--qk-layernorm"]
 
 
+@pytest.mark.slow  # two in-process trainer runs
 def test_test_mode_runs_megatron_cores_real_time_test_in_each_attention(single_process, monkeypatch):
     checked = []
     real_time_tests = SelfAttention.run_realtime_tests
@@ -485,6 +487,7 @@ def test_test_mode_is_refused_where_megatron_cores_check_would_fail_on_rmsnorm(a
                        "LayerNorm"], world_size=1).rerun.test_mode
 
 
+@pytest.mark.slow  # an in-process trainer run
 def test_the_weight_hash_check_runs_at_its_interval(tmp_path, single_process, caplog):
     """The check itself, across two replicas, is in tests/test_parallel_equivalence.py."""
     with caplog.at_level(logging.INFO, logger="angpt"):
@@ -493,6 +496,7 @@ def test_the_weight_hash_check_runs_at_its_interval(tmp_path, single_process, ca
     assert lines == [f"iteration {n}: the weights are the same on every data-parallel replica" for n in (2, 4)]
 
 
+@pytest.mark.slow  # an in-process trainer run with three saves
 @pytest.mark.parametrize("assume, validated", [(False, [True, True, True]), (True, [True, False, False])])
 def test_ckpt_assume_constant_structure_checks_the_first_saves_sharding_only(assume, validated, tmp_path,
                                                                             single_process, monkeypatch):
