@@ -37,7 +37,11 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("angpt").setLevel(logging.INFO)
     if int(os.environ.get("RANK", "0")) == 0:
-        for note in megatron_lm.notes(config):
+        import torch  # noqa: PLC0415 (after parsing: --help and flag errors stay instant)
+
+        # A dry run checks the configuration for the cluster it names, not for this machine.
+        cuda = torch.cuda.is_available() or config.dry_run.dry_run is not None
+        for note in megatron_lm.notes(config, cuda=cuda):
             logging.getLogger("angpt.pretrain").info("%s", note)
     if config.dry_run.dry_run is not None:
         sys.exit(dry_run(config))

@@ -76,7 +76,7 @@ TRANSFORMER_VALUES = dict(
     kv_channels=8, model_family="gptplus",
     microbatch_group_size_per_vp_stage=4, num_attention_heads=8, num_layers=6, num_layers_at_end_in_bf16=2,
     num_layers_at_start_in_bf16=0, num_query_groups=2,
-    overlap_p2p_comm_warmup_flush=True, pipeline_model_parallel_layout="Et|ttt|ttL",
+    pipeline_model_parallel_layout="Et|ttt|ttL",
     pipeline_model_parallel_size=3, recompute_granularity="selective", rotary_base=500000, sequence_parallel=True,
     tensor_model_parallel_size=2, test_mode=True, transformer_impl="transformer_engine",
 )
@@ -94,7 +94,8 @@ TRANSFORMER_OVERRIDDEN = {
     "recompute_method": "full recompute only", "recompute_num_layers": "full recompute only",
     "recompute_modules": "selective recompute only",
     "cuda_graph_impl": "needs a CUDA device (refused on the CPU)",
-    "overlap_p2p_comm": "the interleaved schedule only (Megatron-LM's rule)",
+    "overlap_p2p_comm": "the interleaved schedule only (Megatron-LM's rule), and not without CUDA",
+    "overlap_p2p_comm_warmup_flush": "not without CUDA (the exchanges are not overlapped there)",
 }
 
 

@@ -451,14 +451,18 @@ def test_the_interleaved_schedules_flags_refuse_what_megatron_lm_refuses(pp, arg
     (2, ["--no-overlap-p2p-communication"], False, False),  # accepted without interleaving (nothing to turn off)
 ])
 def test_the_interleaved_schedules_exchanges_follow_megatron_lm(pp, argv, overlap, flush, monkeypatch):
-    """Megatron-LM's core_transformer_config_from_args: batch_p2p_comm = not overlap_p2p_comm (a GPU is pretended;
-    on the CPU the exchanges are never batched)."""
+    """Megatron-LM's core_transformer_config_from_args: batch_p2p_comm = not overlap_p2p_comm (a GPU is pretended).
+    Without CUDA the exchanges are neither batched nor overlapped (gloo), and a line says so where the flags ask."""
     config = pipeline(pp, *argv, "--no-rope-fusion", "--no-bias-swiglu-fusion")  # no Transformer Engine here
-    for cuda, batched in ((True, not overlap), (False, False)):
+    for cuda, expected in ((True, (overlap, not overlap, flush)), (False, (False, False, False))):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
         built = transformer_config(config)
-        assert (built.overlap_p2p_comm, built.batch_p2p_comm, built.overlap_p2p_comm_warmup_flush) == (
-            overlap, batched, flush)
+        assert (built.overlap_p2p_comm, built.batch_p2p_comm, built.overlap_p2p_comm_warmup_flush) == expected
+        said = [line for line in megatron_lm.notes(config, cuda=cuda) if line.startswith("--overlap-p2p")]
+        assert said == ([] if cuda or not overlap else [
+            "--overlap-p2p-communication" + ("-warmup-flush" if flush else " (Megatron-LM's default)") + ": not "
+            "without CUDA: gloo matches the messages between two ranks in posting order, so the interleaved "
+            "schedule's exchanges run one at a time here"])
 
 
 GPT_QK = [*TINY, "--model-family", "gpt", "--qk-layernorm"]

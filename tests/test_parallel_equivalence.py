@@ -12,8 +12,7 @@ from conftest import run_workers
 
 FAMILIES = ["angpt", "gptplus", "ngpt"]
 LR = 1e-2  # the worker's learning rate
-LAYOUTS = ["tp2", "tp2_sequence_parallel", "pp2", "pp2_interleaved", "pp2_interleaved_overlap",
-           "pp2_interleaved_warmup_flush", "pp2_uneven", "pp2_layout", "dp2", "dp2_fsdp2",
+LAYOUTS = ["tp2", "tp2_sequence_parallel", "pp2", "pp2_interleaved", "pp2_uneven", "pp2_layout", "dp2", "dp2_fsdp2",
            "dp2_distributed_optimizer", "tp2_sequence_parallel_recompute", "cp2"]
 # Context parallelism with the other splits: one launch of four processes, 75-115 s on the 2 cores of the test
 # machine, so with the long checks (make test-long).

@@ -484,9 +484,9 @@ def family_has_qk_norms(config: RunConfig) -> bool:
     return family == "gptplus" or (family == "gpt" and config.architecture.qk_layernorm)
 
 
-def notes(config: RunConfig) -> list[str]:
+def notes(config: RunConfig, cuda: bool = True) -> list[str]:
     """The lines a run logs once about Megatron-LM flags the family replaced, that Megatron-LM turns off, or that it
-    ignores."""
+    ignores (`cuda`: whether the run has CUDA devices)."""
     lines = _ignored(config)
     if config.parallel.sequence_parallel_disabled:
         lines.append("--sequence-parallel: off, as in Megatron-LM, with --tensor-model-parallel-size 1")
@@ -500,6 +500,11 @@ def notes(config: RunConfig) -> list[str]:
                              "recipe leaves undecayed (docs/model.md)")
         else:
             lines.append("--apply-wd-to-qk-layernorm: this model has no q and k norm gains to decay")
+    if config.parallel.virtual_pipeline_stages and config.parallel.overlap_p2p_comm and not cuda:
+        lines.append("--overlap-p2p-communication" + ("-warmup-flush" if config.parallel.overlap_p2p_comm_warmup_flush
+                                                      else " (Megatron-LM's default)")
+                     + ": not without CUDA: gloo matches the messages between two ranks in posting order, so the "
+                       "interleaved schedule's exchanges run one at a time here")
     if config.precision.first_last_layers_bf16 and not config.precision.fp8_format:
         lines.append("--first-last-layers-bf16: without --fp8-format every layer is in BF16 already (as in "
                      "Megatron-LM, nothing changes)")

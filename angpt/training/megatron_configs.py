@@ -86,8 +86,11 @@ def transformer_config(config: RunConfig) -> AnGPTConfig:
     overlap = parallel.virtual_pipeline_stages is not None and parallel.overlap_p2p_comm
     values.update(overlap_p2p_comm=overlap, batch_p2p_comm=not overlap)
     if not torch.cuda.is_available():
-        # The interleaved schedule's batched p2p gives wrong gradients on gloo at PP=2.
-        values.update(batch_p2p_comm=False, batch_p2p_sync=False)
+        # gloo matches the messages between two ranks in the order they are posted: the interleaved schedule's
+        # batched exchanges gave wrong gradients at PP=2, and its overlapped ones hung the equivalence job now and
+        # then (said in one line, megatron_lm.notes). One exchange at a time, waited for.
+        values.update(batch_p2p_comm=False, batch_p2p_sync=False, overlap_p2p_comm=False,
+                      overlap_p2p_comm_warmup_flush=False)
     return model_config(values.pop("model_family"), **values)
 
 

@@ -41,12 +41,6 @@ LAYOUTS = {
     "tp2_sequence_parallel": dict(tensor_model_parallel_size=2, sequence_parallel=True),
     "pp2": dict(pipeline_model_parallel_size=2),
     "pp2_interleaved": dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
-    # Megatron-LM's default for the interleaved schedule (overlapped exchanges), and its tunable overlap of the
-    # warm-up and flush (--overlap-p2p-communication-warmup-flush).
-    "pp2_interleaved_overlap": dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
-                                    overlap_p2p_comm=True),
-    "pp2_interleaved_warmup_flush": dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
-                                         overlap_p2p_comm=True, overlap_p2p_comm_warmup_flush=True),
     # Uneven splits of the 4 layers: 1 + 3, and the layout string's 3 + 1.
     "pp2_uneven": dict(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=1),
     "pp2_layout": dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ettt|tL"),
