@@ -87,8 +87,8 @@ def transformer_config(config: RunConfig) -> AnGPTConfig:
     values.update(overlap_p2p_comm=overlap, batch_p2p_comm=not overlap)
     if not torch.cuda.is_available():
         # gloo matches the messages between two ranks in the order they are posted: the interleaved schedule's
-        # batched exchanges gave wrong gradients at PP=2, and with its overlapped ones the equivalence job hung in 2
-        # of 4 loaded runs (the likely cause; said in one line, megatron_lm.notes). One exchange at a time, waited for.
+        # batched exchanges gave wrong gradients at PP=2, and with its overlapped ones the equivalence job hung in one
+        # of four full-suite runs (the likely cause; said in one line, megatron_lm.notes). One exchange at a time.
         values.update(batch_p2p_comm=False, batch_p2p_sync=False, overlap_p2p_comm=False,
                       overlap_p2p_comm_warmup_flush=False)
     return model_config(values.pop("model_family"), **values)
