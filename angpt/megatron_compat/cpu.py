@@ -10,6 +10,7 @@ entry point calls before it builds a model).
 
 from __future__ import annotations
 
+import os
 import types
 
 import megatron.core.fusions.fused_softmax as fused_softmax
@@ -18,6 +19,8 @@ import megatron.core.tensor_parallel.random as mp_random
 import torch
 from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
 from torch.overrides import TorchFunctionMode
+
+from angpt.megatron_compat import parent_watch
 
 _enabled = False
 # Captured on import, before `enable()` replaces it (also in the persistent writer's own interpreter).
@@ -92,21 +95,20 @@ def enable() -> bool:
     cpu_torch.zeros = lambda *args, device=None, **kwargs: torch.zeros(*args, **kwargs)
     schedules.torch = cpu_torch
 
-    # The persistent checkpoint writer (--use-persistent-ckpt-worker), a spawned interpreter without these
-    # patches, starts with `torch.cuda.set_device(rank % torch.cuda.device_count())`: a ZeroDivisionError that
-    # kills it, and the training processes wait for it forever.
-    PersistentAsyncCaller.async_loop = staticmethod(_cpu_persistent_async_loop)
-
     _CudaToCpu().__enter__()
     return True
 
 
-def _cpu_persistent_async_loop(*args, **kwargs):
-    """The persistent writer's loop on a machine without CUDA, with this module's patches in its interpreter too
-    (it synchronizes the device before it writes); the device it selects is the CPU. A module-level function: the
-    spawned interpreter receives it by name."""
-    enable()
-    torch.cuda.device_count = lambda: 1
-    torch.cuda.set_device = lambda device: None
+def persistent_writer_loop(*args, **kwargs):
+    """megatron-core's persistent checkpoint writer (--use-persistent-ckpt-worker), a spawned interpreter (no fork:
+    parent_watch's fork hook never runs there), exiting once its training process is gone, whatever killed it. On
+    a machine without CUDA, with this module's patches: it starts with `torch.cuda.set_device(rank %
+    torch.cuda.device_count())`, a ZeroDivisionError that killed it while the training processes waited for it
+    forever, and synchronizes the device before it writes. A module-level function: the spawned interpreter
+    receives it by name (patches.install sets it)."""
+    parent_watch.on_parent_death(lambda: os._exit(1))
+    if enable():
+        torch.cuda.device_count = lambda: 1
+        torch.cuda.set_device = lambda device: None
     return _persistent_async_loop(*args, **kwargs)
 

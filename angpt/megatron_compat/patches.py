@@ -15,6 +15,7 @@ from megatron.core.dist_checkpointing.optimizer import (
     optim_state_to_sharding_state,
 )
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
 from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.optimizer import clip_grads
 from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
@@ -44,6 +45,7 @@ def install() -> None:
     checkpoint_unpickling.install()
     fsdp2.install()
     parent_watch.install()
+    PersistentAsyncCaller.async_loop = staticmethod(cpu.persistent_writer_loop)
     if not HAVE_APEX_OR_TE:
         _load_only_checkpointed_states()
     Float16OptimizerWithFloat16Params.sharded_state_dict = float16_optimizer_sharded_state_dict
