@@ -85,6 +85,8 @@ setup(
         # megatron-core's distributed checkpointing hangs without it, and does not declare it; the --save lock
         # checks its holder's process with it.
         "psutil",
+        # megatron-core builds --num-distributed-optimizer-instances' groups with it, and does not declare it.
+        "einops",
         # Checkpoint digests at memory speed (angpt/training/digests.py; blake2b and sha256 hash ten times slower).
         "xxhash",
         # Training metrics as TensorBoard scalars (angpt/telemetry/metrics.py).

@@ -208,6 +208,14 @@ def test_world_size_from_the_layout():
     assert checker.default_world_size(flags) == (16, "TP 2 x PP 2 x CP 2 x DP 2")
     assert checker.default_world_size(checker.segments(["--global-batch-size", "$GBS"])) == \
         (1, "TP 1 x PP 1 x CP 1 x DP 1")
+    # CP x DP holds the distributed optimizer's instances: 4 instances at CP 2 need DP 2.
+    assert checker.default_world_size(checker.segments(["--context-parallel-size", "2", "--global-batch-size", "8",
+                                                        "--num-distributed-optimizer-instances", "4"])) == \
+        (4, "TP 1 x PP 1 x CP 2 x DP 2")
+    # The world over PP holds the expert tensor-parallel groups: ETP 4 at TP 2 needs DP 2.
+    assert checker.default_world_size(checker.segments(["--tensor-model-parallel-size", "2", "--global-batch-size",
+                                                        "8", "--expert-tensor-parallel-size", "4"])) == \
+        (4, "TP 2 x PP 1 x CP 1 x DP 2")
 
 
 @pytest.fixture

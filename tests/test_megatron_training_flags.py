@@ -4,7 +4,8 @@ and --ddp-bucket-size, --manual-gc (with --manual-gc-interval, --no-manual-gc-ev
 --no-mmap-bin-files, --deterministic-mode, --dist-ckpt-strictness, --use-tp-pp-dp-mapping, --ddp-average-in-collective,
 --override-opt_param-scheduler, --save-retain-interval, --num-virtual-stages-per-pipeline-rank,
 --no-overlap-p2p-communication and --overlap-p2p-communication-warmup-flush, --test-mode,
---check-weight-hash-across-dp-replicas-interval."""
+--check-weight-hash-across-dp-replicas-interval, --expert-tensor-parallel-size, --num-distributed-optimizer-instances
+(trained in tests/test_parallel_equivalence.py)."""
 
 import gc
 import json
@@ -356,6 +357,73 @@ def test_use_tp_pp_dp_mapping_reaches_initialize(monkeypatch):
         with pytest.raises(Initialized) as initialized:
             trainer_module.Trainer(parse_args([*MOCK, *flags], world_size=1))
         assert initialized.value.args == (mapping,)
+
+
+@pytest.mark.parametrize("world, etp, pp, refused", [(8, 4, 2, False), (4, 4, 1, False), (4, 4, 2, True),
+                                                     (6, 4, 1, True)])
+def test_expert_tensor_parallel_size_must_divide_the_world_with_the_pipeline(world, etp, pp, refused, capsys):
+    """megatron-core asserts world % (ETP x EP x PP) == 0 (EP 1 here); at the limit (ETP x PP = world) it runs."""
+    argv = [*MOCK, "--micro-batch-size", "1", "--global-batch-size", "8", "--num-layers", "2", "--expert-tensor-parallel-size", str(etp),
+            "--pipeline-model-parallel-size", str(pp)]
+    if refused:
+        with pytest.raises(SystemExit):
+            parse_args(argv, world_size=world)
+        assert (f"the world size {world} is not divisible by --expert-tensor-parallel-size {etp} x "
+                f"--pipeline-model-parallel-size {pp}") in capsys.readouterr().err
+    else:
+        assert parse_args(argv, world_size=world).parallel.expert_tensor_parallel_size == etp
+
+
+def test_expert_tensor_parallel_size_reaches_megatron_cores_expert_groups(monkeypatch, single_process):
+    """A dense model has no experts: the flag goes from the trainer to initialize_model_parallel, which builds
+    the expert groups of that size (None: megatron-core's default, the tensor-parallel size)."""
+    given = []
+    build = parallel_state.initialize_model_parallel
+    monkeypatch.setattr(parallel_state, "initialize_model_parallel",
+                        lambda **kwargs: given.append(kwargs["expert_tensor_parallel_size"]) or build(**kwargs))
+
+    class Initialized(Exception):
+        pass
+
+    def initialize(*args, **kwargs):
+        raise Initialized(kwargs["expert_tensor_parallel_size"])
+
+    for flags, size in (([], None), (["--expert-tensor-parallel-size", "1"], 1)):
+        with monkeypatch.context() as patched:
+            patched.setattr(trainer_module.distributed, "initialize", initialize)
+            with pytest.raises(Initialized) as initialized:
+                trainer_module.Trainer(parse_args([*MOCK, *flags], world_size=1))
+        assert initialized.value.args == (size,)
+        distributed.destroy_model_parallel()
+        distributed.initialize(expert_tensor_parallel_size=size)
+    assert given == [None, 1]
+
+
+@pytest.mark.parametrize("world, cp, instances, refusal", [
+    (4, 1, 4, None), (4, 2, 4, None), (4, 1, 3, "--num-distributed-optimizer-instances 3 must divide the "
+                                               "data-parallel size 4 x --context-parallel-size 1"),
+    (2, 1, 4, "--num-distributed-optimizer-instances 4 must divide the data-parallel size 2"),
+])
+def test_distributed_optimizer_instances_must_divide_the_data_and_context_parallel_ranks(world, cp, instances,
+                                                                                          refusal, capsys):
+    argv = [*MOCK, "--micro-batch-size", "1", "--global-batch-size", "8", "--seq-length", "16",
+            "--context-parallel-size", str(cp), "--use-distributed-optimizer",
+            "--num-distributed-optimizer-instances", str(instances)]
+    if refusal:
+        with pytest.raises(SystemExit):
+            parse_args(argv, world_size=world)
+        assert refusal in capsys.readouterr().err
+    else:
+        config = parse_args(argv, world_size=world)
+        assert ddp_config(config).num_distributed_optimizer_instances == instances
+
+
+def test_distributed_optimizer_instances_need_the_distributed_optimizer(capsys):
+    assert ddp_config(parse_args([*MOCK, "--use-distributed-optimizer", "--num-distributed-optimizer-instances",
+                                  "1"], world_size=1)).num_distributed_optimizer_instances == 1
+    with pytest.raises(SystemExit):
+        parse_args([*MOCK, "--num-distributed-optimizer-instances", "2"], world_size=2)
+    assert "--num-distributed-optimizer-instances needs --use-distributed-optimizer" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # two in-process trainer runs

@@ -323,7 +323,8 @@ def _given(flags: list[tuple[str, list[str]]], family: str) -> argparse.Namespac
 
 def default_world_size(flags: list[tuple[str, list[str]]]) -> tuple[int, str]:
     """TP x PP x CP x DP, DP the smallest that splits the global batch into micro-batches and holds the
-    expert-parallel ranks (Megatron-LM forms them from CP x DP); and how it was reckoned."""
+    expert-parallel ranks (Megatron-LM forms them from CP x DP), the distributed optimizer's instances (of CP x DP)
+    and the expert tensor-parallel groups (of the world over PP); and how it was reckoned."""
     def size(name: str, default: Optional[int]) -> Optional[int]:
         given = [values for flag, values in flags if action_of(flag) is action_of(name) and values]
         try:
@@ -334,9 +335,14 @@ def default_world_size(flags: list[tuple[str, list[str]]]) -> tuple[int, str]:
     tp, pp, cp = size("--tensor-model-parallel-size", 1), size("--pipeline-model-parallel-size", 1), \
         size("--context-parallel-size", 1)
     ep, micro = size("--expert-model-parallel-size", 1), size("--micro-batch-size", 1)
+    instances, etp = size("--num-distributed-optimizer-instances", 1), size("--expert-tensor-parallel-size", tp)
     batch = size("--global-batch-size", None)
     micro_batches = batch // micro if batch and micro and batch % micro == 0 else 1
-    dp = next((d for d in range(1, micro_batches + 1) if micro_batches % d == 0 and cp * d % max(ep, 1) == 0), 1)
+
+    def fits(d: int) -> bool:
+        return (micro_batches % d == 0 and cp * d % max(ep, 1) == 0 and cp * d % max(instances, 1) == 0
+                and tp * cp * d % max(etp, 1) == 0)
+    dp = next((d for d in range(1, micro_batches + 1) if fits(d)), 1)
     return tp * pp * cp * dp, f"TP {tp} x PP {pp} x CP {cp} x DP {dp}"
 
 

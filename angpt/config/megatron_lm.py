@@ -74,7 +74,6 @@ FLAGS: dict[str, Decision] = {
     "--hybrid-context-parallel": refused(f"hybrid (per-sample) context parallelism is {NOT_YET}; "
                                          "--context-parallel-size splits every sequence alike"),
     "--expert-model-parallel-size": refused(f"expert parallelism: {DENSE}"),
-    "--expert-tensor-parallel-size": refused(f"expert parallelism: {DENSE}"),
     "--no-initialization": refused("the families' initialization (unit-norm rows for anGPT and nGPT) is part of "
                                    "the model; skipping it is not built"),
     "--use-cpu-initialization": implied("weights are initialized on the CPU where there is no GPU, on the GPU "
@@ -249,9 +248,6 @@ FLAGS: dict[str, Decision] = {
     "--suggested-communication-unit-size": refused(FSDP),
     "--keep-fp8-transpose-cache": refused(FSDP),
     "--enable-full-sharding-in-hsdp": refused(FSDP),
-    "--num-distributed-optimizer-instances": refused(f"{NOT_YET}: megatron-core 0.16.1 reduces between the "
-                                                     "instances on a CUDA stream of its own (no CPU path); one "
-                                                     "distributed optimizer instance spans the data-parallel group"),
     "--nccl-communicator-config-path": refused(f"{NOT_YET}"),
     "--fake-process-group": refused(f"{NOT_YET}"),
     # -- validation

@@ -206,10 +206,18 @@ class ParallelSection:
     hierarchical_context_parallel_sizes: Optional[tuple[int, ...]] = flag(None, "with --cp-comm-type a2a+p2p: the "
         "context-parallel group as nested groups of these sizes (their product: --context-parallel-size), a2a "
         "within the first, p2p across the others (Transformer Engine)")
+    expert_tensor_parallel_size: Optional[int] = flag(None, "the tensor-parallel size of megatron-core's expert "
+        "groups (Megatron-LM's; default: --tensor-model-parallel-size): the families are dense, without experts, so "
+        "it builds those groups and nothing uses them; the world size must be divisible by it x "
+        "--pipeline-model-parallel-size, as megatron-core asserts")
     use_tp_pp_dp_mapping: bool = flag(False, "order the ranks tensor, context, pipeline, then data parallel "
         "(megatron-core's tp-cp-ep-pp-dp): a model replica's pipeline stages on neighbouring ranks, its "
         "data-parallel peers far apart (default: tp-cp-ep-dp-pp)")
     use_distributed_optimizer: bool = flag(False, switch=True)
+    num_distributed_optimizer_instances: int = flag(1, "with --use-distributed-optimizer: split the data-parallel "
+        "(x context-parallel) ranks into this many groups, each sharding the optimizer over its own ranks; gradients "
+        "are reduce-scattered within a group, then all-reduced between the groups (megatron-core's partial "
+        "distributed optimizer)")
     use_torch_fsdp2: bool = flag(False, "shard every weight, its gradient and Adam's state over the data-parallel "
         "ranks (PyTorch's FSDP2, megatron-core's TorchFullyShardedDataParallel): each layer's weights gathered for its "
         "forward and backward, the gradients reduce-scattered (fp32; not with pipeline or tensor parallelism, the "

@@ -26,7 +26,7 @@ NUMERIC_RANGES = (
         "seq_length", "max_position_embeddings", "rotary_base", "recompute_num_layers", "tensor_model_parallel_size",
         "pipeline_model_parallel_size", "context_parallel_size", "num_layers_per_virtual_pipeline_stage",
         "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
-        "hierarchical_context_parallel_sizes",
+        "hierarchical_context_parallel_sizes", "expert_tensor_parallel_size", "num_distributed_optimizer_instances",
         "decoder_last_pipeline_num_layers", "micro_batch_size",
         "global_batch_size", "train_iters", "train_samples", "lr_decay_iters", "lr_wsd_decay_iters",
         "lr_decay_samples", "lr_wsd_decay_samples",
@@ -63,6 +63,10 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
         parser.error(f"the world size {world_size} is not divisible by --tensor-model-parallel-size {tp} "
                      f"x --pipeline-model-parallel-size {pp} x --context-parallel-size {cp}")
     dp = world_size // (tp * pp * cp)
+    etp = args.expert_tensor_parallel_size
+    if etp is not None and world_size % (etp * pp):
+        parser.error(f"the world size {world_size} is not divisible by --expert-tensor-parallel-size {etp} x "
+                     f"--pipeline-model-parallel-size {pp} (megatron-core's expert groups)")
     _validate_context_parallel(parser, args)
     if args.num_attention_heads % tp:
         parser.error(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
@@ -84,6 +88,12 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
     _validate_fsdp2(parser, args)
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         parser.error("--overlap-param-gather needs --use-distributed-optimizer")
+    instances = args.num_distributed_optimizer_instances
+    if instances > 1 and not args.use_distributed_optimizer:
+        parser.error("--num-distributed-optimizer-instances needs --use-distributed-optimizer (megatron-core's check)")
+    if (dp * cp) % instances:
+        parser.error(f"--num-distributed-optimizer-instances {instances} must divide the data-parallel size {dp} x "
+                     f"--context-parallel-size {cp} (megatron-core's check)")
     if args.max_position_embeddings is not None and args.max_position_embeddings < args.seq_length:
         parser.error(f"--max-position-embeddings {args.max_position_embeddings} is below --seq-length "
                      f"{args.seq_length}")

@@ -10,6 +10,7 @@ entry point calls before it builds a model).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import types
 
@@ -59,6 +60,17 @@ class _CudaToCpu(TorchFunctionMode):
         return out
 
 
+class _Stream:
+    """A CUDA stream where there is none: every CPU op runs on the calling thread in program order, so there is
+    nothing to order."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+
 def enable() -> bool:
     """Apply the CPU patches if this process has no CUDA device. Returns whether they are active."""
     global _enabled
@@ -94,6 +106,13 @@ def enable() -> bool:
     cpu_torch.__dict__.update(torch.__dict__)
     cpu_torch.zeros = lambda *args, device=None, **kwargs: torch.zeros(*args, **kwargs)
     schedules.torch = cpu_torch
+
+    # --num-distributed-optimizer-instances: DDP gives the reduction between the instances a stream of its own
+    # (torch.cuda.Stream, "Torch not compiled with CUDA enabled"), entered and waited on around synchronous
+    # collectives (megatron-core passes async_op=False with several instances): exact without one.
+    torch.cuda.Stream = _Stream
+    torch.cuda.default_stream = lambda device=None: _Stream()
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
 
     _CudaToCpu().__enter__()
     return True

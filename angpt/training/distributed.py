@@ -58,6 +58,8 @@ def initialize(
     use_tp_pp_dp_mapping: bool = False,
     create_gloo_process_groups: bool = True,
     hierarchical_context_parallel_sizes: Optional[list[int]] = None,
+    expert_tensor_parallel_size: Optional[int] = None,
+    num_distributed_optimizer_instances: int = 1,
 ) -> None:
     """Join the torchrun job (if not already joined), build megatron-core's groups and seed every RNG
     (`set_random_seed`). The ranks' order is Megatron-LM's: tp-cp-ep-dp-pp, or tp-cp-ep-pp-dp with
@@ -86,6 +88,8 @@ def initialize(
         order="tp-cp-ep-pp-dp" if use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp",
         create_gloo_process_groups=create_gloo_process_groups,
         hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
+        num_distributed_optimizer_instances=num_distributed_optimizer_instances,
     )
     # megatron-core 0.16.1 builds its expert data-parallel gloo groups without that timeout (torch's 30 minutes):
     # idle in a dense model, but held to the flag like every other group.

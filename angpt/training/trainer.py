@@ -82,7 +82,9 @@ class Trainer:
                                create_gloo_process_groups=parallel.enable_gloo_process_groups,
                                hierarchical_context_parallel_sizes=(list(parallel.hierarchical_context_parallel_sizes)
                                                                     if parallel.hierarchical_context_parallel_sizes
-                                                                    else None))
+                                                                    else None),
+                               expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+                               num_distributed_optimizer_instances=parallel.num_distributed_optimizer_instances)
         self.rank = dist.get_rank()
         if checkpoint.save:  # one run writes into a --save directory: locked before anything is written there
             save_lock.take(checkpoint.save)

@@ -48,6 +48,11 @@ LAYOUTS = {
     "dp2_distributed_optimizer": dict(distributed_optimizer=True),
     # PyTorch's FSDP2 (--use-torch-fsdp2): every weight, gradient and Adam state sharded by rows.
     "dp2_fsdp2": dict(fsdp2=True),
+    # --num-distributed-optimizer-instances 2: each instance shards over its DP x CP / 2 ranks (one, then two), and
+    # the reduced shards are all-reduced between the instances.
+    "dp2_distributed_optimizer_instances2": dict(distributed_optimizer=True, instances=2),
+    "cp2_dp2_distributed_optimizer_instances2": dict(context_parallel_size=2, cp_comm_type="all_gather",
+                                                     distributed_optimizer=True, instances=2),
     # Selective recompute of the parts that touch TP-sharded or sequence-parallel tensors, with the family's
     # own choice (recompute_modules filled in by run_family).
     "tp2_sequence_parallel_recompute": dict(tensor_model_parallel_size=2, sequence_parallel=True,
@@ -182,6 +187,7 @@ def run_family(family: str, args, layout: dict, world: int) -> dict | None:
     layout = dict(layout)
     distributed_optimizer = layout.pop("distributed_optimizer", False)
     fsdp2 = layout.pop("fsdp2", False)
+    instances = layout.pop("instances", 1)
     if layout.get("recompute_granularity") == "selective":
         layout["recompute_modules"] = RECOMPUTED[family]
     config = small_config(family, **layout)
@@ -192,12 +198,14 @@ def run_family(family: str, args, layout: dict, world: int) -> dict | None:
         config.pipeline_model_parallel_size,
         config.virtual_pipeline_model_parallel_size,
         context_parallel_size=cp,
+        num_distributed_optimizer_instances=instances,
     )
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
     if distributed_optimizer:
         # Small buckets with overlapped reduction, as on clusters; their shard boundaries cut rows.
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=10000
+            grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=10000,
+            num_distributed_optimizer_instances=instances,
         )
     if fsdp2:
         ddp_config = TorchFullyShardedDataParallelConfig()
@@ -254,6 +262,9 @@ def run_family(family: str, args, layout: dict, world: int) -> dict | None:
     params = gather_full(chunks)
 
     result = dict(logits=logits, loss=loss, grads=grads, params=params)
+    if instances > 1:  # the instances megatron-core built, and the ranks of each
+        result["instances"] = (dist.get_world_size(parallel_state.get_inter_distributed_optimizer_instance_group()),
+                               dist.get_world_size(parallel_state.get_intra_distributed_optimizer_instance_group()))
     if dp > 1 and not fsdp2:  # FSDP2's ranks hold different shards: no replicas to compare
         result["replicas"] = replica_checks(chunks)
 
@@ -264,7 +275,8 @@ def run_family(family: str, args, layout: dict, world: int) -> dict | None:
         perturbed = perturbed_weights(init, family)
         distributed.destroy_model_parallel()
         distributed.initialize(config.tensor_model_parallel_size, config.pipeline_model_parallel_size,
-                               config.virtual_pipeline_model_parallel_size, context_parallel_size=cp)
+                               config.virtual_pipeline_model_parallel_size, context_parallel_size=cp,
+                               num_distributed_optimizer_instances=instances)
         chunks = build_model_chunks(small_config(family, **layout), V, S, ddp_config)
         load_full(chunks, perturbed)
         optimizer, _ = build_optimizer(chunks, RunConfig.from_flags(dict(
@@ -277,7 +289,7 @@ def run_family(family: str, args, layout: dict, world: int) -> dict | None:
             project_parameters_([unwrap(c) for c in chunks], constraint)  # idempotent: a second pass changes nothing
             result["projected_twice"] = gather_full(chunks)
     distributed.destroy_model_parallel()
-    if cp > 1 and config.pipeline_model_parallel_size == config.tensor_model_parallel_size == 1:
+    if cp > 1 and config.pipeline_model_parallel_size == config.tensor_model_parallel_size == 1 and instances == 1:
         # The same at CP 1 (data parallel instead) in this job: the reference runs neither. CP alone (cp2, cp4):
         # the attention paths do not meet the other splits.
         result["cp_logits"] = context_parallel_logits(family, layout, init, cp)
