@@ -77,9 +77,16 @@ def merge(input_directory: str, output_prefix: str, multimodal: bool = False) ->
     """Write the merged .bin/.idx (and .json, when every dataset has one); returns the prefixes merged."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder  # noqa: PLC0415 (after parsing: --help without torch)
 
-    from angpt.data.indexed import metadata_path, read_metadata, write_metadata  # noqa: PLC0415 (as megatron-core)
+    from angpt.data.indexed import (  # noqa: PLC0415 (as megatron-core)
+        check_indexed_dataset,
+        metadata_path,
+        read_metadata,
+        write_metadata,
+    )
 
     prefixes = dataset_prefixes(input_directory)
+    for prefix in prefixes:  # whole and consistent, before megatron-core reads them (and before anything is written)
+        check_indexed_dataset(prefix)
     with_metadata = [os.path.isfile(metadata_path(prefix)) for prefix in prefixes]
     if any(with_metadata) and not all(with_metadata):
         missing = prefixes[with_metadata.index(False)]

@@ -160,6 +160,9 @@ def iter_parquet_rows(path: str, keys: list):
             first += batch.num_rows
     except pyarrow.ArrowException as error:
         raise InputError(f"{path}: {error}") from error
+    except UnicodeDecodeError as error:  # a damaged string column: Arrow checks no UTF-8 when reading
+        raise InputError(f"{path}, rows from {first}: a --json-keys column is not UTF-8: byte "
+                         f"{error.object[error.start]:#04x}") from None
 
 
 def parse_row(row: ParquetRow, keys: list) -> "dict[str, str] | BadRow":
@@ -571,6 +574,9 @@ def preprocess(args: argparse.Namespace) -> dict:
     """Write the dataset of every key; returns each key's metadata."""
     started = time.monotonic()
     paths = expand_inputs(args.input)
+    for path in paths:  # a valid input (Parquet aside, refused below), but likely a failed download or copy
+        if os.path.getsize(path) == 0 and not is_parquet(path):
+            print(f"warning: {path}: an empty file", file=sys.stderr)
     if len(args.json_keys) > 1 and any(is_text_file(path) for path in paths):
         raise InputError("a .txt input is one document of one text: give a single --json-keys key")
     shard, shards = args.shard

@@ -41,12 +41,12 @@ def _config_only_parser() -> argparse.ArgumentParser:
 def read_config(parser: argparse.ArgumentParser, path: str) -> dict:
     """{dest: value} of a YAML file of flag names, each checked against the parser."""
     try:
-        with open(path) as file:
+        with open(path, "rb") as file:  # bytes: YAML's reader names the position of a byte that is not UTF-8
             values = yaml.safe_load(file) or {}
     except OSError as error:
         parser.error(f"--config {path}: {error.strerror}")
     except yaml.YAMLError as error:
-        parser.error(f"--config {path}: not valid YAML: {error}")
+        parser.error(f"--config {path}: {yaml_error(path, error)}")
     if not isinstance(values, dict):
         parser.error(f"--config {path}: expected a mapping of flag names to values")
     actions = flag_actions(parser)
@@ -68,6 +68,22 @@ def read_config(parser: argparse.ArgumentParser, path: str) -> dict:
         except ValueError as error:
             parser.error(f"--config {path}: {key}: {error}")
     return defaults
+
+
+def yaml_error(path: str, error: yaml.YAMLError) -> str:
+    """A YAML error in one line: where (line and column, counted from 1) and what (PyYAML's own is several lines,
+    the file named in each)."""
+    if isinstance(error, yaml.reader.ReaderError):  # a byte that is not UTF-8, or a character YAML refuses
+        with open(path, "rb") as file:
+            before = file.read()[:error.position]
+        line, column = before.count(b"\n") + 1, error.position - before.rfind(b"\n")
+        what = f"character {chr(error.character)!r}: {error.reason}" if error.encoding == "unicode" else \
+            f"not UTF-8: byte {error.character:#04x}"
+        return f"line {line} column {column}: not valid YAML: {what}"
+    mark = getattr(error, "problem_mark", None)
+    where = f"line {mark.line + 1} column {mark.column + 1}: " if mark is not None else ""
+    what = " ".join(part for part in (getattr(error, "context", None), getattr(error, "problem", None)) if part)
+    return f"{where}not valid YAML: {what or error}"
 
 
 def setting_value(action: argparse.Action, value):

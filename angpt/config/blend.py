@@ -4,6 +4,7 @@ are loaded."""
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 
@@ -18,4 +19,9 @@ def parse_blend(values: Sequence[str]) -> tuple[list[str], Optional[list[float]]
         weights = [float(w) for w in values[0::2]]
     except ValueError:
         raise ValueError(f"--data-path takes one prefix or weight/prefix pairs, got {values}") from None
+    for weight, prefix in zip(weights, values[1::2]):
+        if not math.isfinite(weight) or weight < 0:  # megatron-core would normalize them as they are
+            raise ValueError(f"--data-path: the weight {weight} of {prefix} is not a finite number >= 0")
+    if not sum(weights):
+        raise ValueError(f"--data-path: the weights sum to 0, got {values}")
     return values[1::2], weights

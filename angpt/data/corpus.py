@@ -8,6 +8,7 @@ import glob
 import gzip
 import json
 import os
+import zlib
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
@@ -106,22 +107,29 @@ def iter_file_records(path: str, start: Optional[int] = None, stop: Optional[int
             yield Record(path, None, file.read())
         return
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as file:
-        line_number, position = 1, 0
-        if start:
-            file.seek(start - 1)
-            skipped = file.readline()  # the rest of the line that begins before start
-            position = start - 1 + len(skipped)
-            file.seek(0)
-            for _ in range(0, position, 1 << 24):  # the line number, counted at memory speed
-                line_number += file.read(min(1 << 24, position - file.tell())).count(b"\n")
-        for line in file:
-            if stop is not None and position >= stop:
-                break
-            if line.strip():
-                yield Record(path, line_number, line)
-            line_number += 1
-            position += len(line)
+    line_number = 1
+    try:
+        with opener(path, "rb") as file:
+            position = 0
+            if start:
+                file.seek(start - 1)
+                skipped = file.readline()  # the rest of the line that begins before start
+                position = start - 1 + len(skipped)
+                file.seek(0)
+                for _ in range(0, position, 1 << 24):  # the line number, counted at memory speed
+                    line_number += file.read(min(1 << 24, position - file.tell())).count(b"\n")
+            for line in file:
+                if stop is not None and position >= stop:
+                    break
+                if line.strip():
+                    yield Record(path, line_number, line)
+                line_number += 1
+                position += len(line)
+    # Only a .gz raises these: its stream ends early (EOFError), or is not gzip or fails its checks.
+    except EOFError:
+        raise InputError(f"{path}: truncated: its gzip data ends early (after line {line_number - 1})") from None
+    except (gzip.BadGzipFile, zlib.error) as error:
+        raise InputError(f"{path}: not readable gzip data ({error}; after line {line_number - 1})") from None
 
 
 def parse_record(record: Record, keys: Sequence[str]) -> "dict[str, str] | BadLine":

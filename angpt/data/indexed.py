@@ -21,6 +21,8 @@ from typing import Optional
 
 import numpy
 
+from angpt.data.files import read_json
+
 METADATA_KEYS = ("tokenizer", "vocab_size", "eod", "append_eod", "documents", "tokens")
 # magic, version (<Q), dtype code (<B), sequence count (<Q), document count (<Q)
 _HEADER = struct.Struct("<9sQBQQ")
@@ -57,12 +59,11 @@ def read_metadata(prefix: str) -> dict:
     """The metadata written with the dataset at prefix (the path without .bin/.idx)."""
     path = metadata_path(prefix)
     try:
-        with open(path) as file:
-            metadata = json.load(file)
+        metadata = read_json(path)
     except FileNotFoundError:
         raise IndexedDatasetError(f"{path}: no dataset metadata (write the dataset with tools/preprocess_data.py)")
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise IndexedDatasetError(f"{path}: invalid dataset metadata: {error}") from error
+    except ValueError as error:
+        raise IndexedDatasetError(f"{path}: invalid dataset metadata: {error}") from None
     if not isinstance(metadata, dict):
         raise IndexedDatasetError(f"{path}: invalid dataset metadata: not a JSON object")
     missing = [key for key in METADATA_KEYS if key not in metadata]
@@ -178,6 +179,7 @@ def check_indexed_dataset(prefix: str) -> dict:
             if first_index != 0 or last_index != sequences:
                 raise IndexedDatasetError(f"{idx_path}: document indices run from {first_index} to {last_index}, "
                                           f"expected 0 to {sequences}: corrupted")
+    _check_index_arrays(idx_path, sequences, documents, DTYPES[dtype_code].itemsize)
     if bin_size != expected_bin:
         raise IndexedDatasetError(
             f"{bin_path}: {bin_size} bytes, but {idx_path} indexes {expected_bin}: truncated or corrupted")
@@ -190,6 +192,37 @@ def check_indexed_dataset(prefix: str) -> dict:
                 raise IndexedDatasetError(
                     f"{metadata_path(prefix)}: records {metadata[key]} {key}, but {prefix}.bin/.idx hold {counts[key]}")
     return counts
+
+
+def _check_index_arrays(idx_path: str, sequences: int, documents: int, itemsize: int) -> None:
+    """Each sequence's pointer is the one before plus its length, and the document indices do not decrease: a
+    flipped byte in a length or a pointer breaks the first (megatron-core would read outside the sequence, or
+    past the .bin), in a document index most often the second. Read in chunks: about 0.1 s per 10M sequences."""
+    chunk = 1 << 22
+    if sequences:
+        lengths = numpy.memmap(idx_path, dtype=numpy.int32, mode="r", offset=_HEADER.size, shape=(sequences,))
+        pointers = numpy.memmap(idx_path, dtype=numpy.int64, mode="r", offset=_HEADER.size + sequences * _LENGTH,
+                                shape=(sequences,))
+        if pointers[0] != 0:
+            raise IndexedDatasetError(f"{idx_path}: the first sequence starts at byte {pointers[0]}, not 0: corrupted")
+        for start in range(0, sequences - 1, chunk):
+            stop = min(start + chunk, sequences - 1)  # sequence i ends where sequence i + 1 starts
+            ends = pointers[start:stop] + lengths[start:stop].astype(numpy.int64) * itemsize
+            bad = numpy.flatnonzero(ends != pointers[start + 1:stop + 1])
+            if len(bad):
+                index = start + int(bad[0])
+                raise IndexedDatasetError(
+                    f"{idx_path}: sequence {index} has {lengths[index]} tokens, but its pointers are "
+                    f"{pointers[index + 1] - pointers[index]} bytes apart: corrupted")
+    if documents > 1:
+        indices = numpy.memmap(idx_path, dtype=numpy.int64, mode="r",
+                               offset=_HEADER.size + sequences * (_LENGTH + _POINTER), shape=(documents,))
+        for start in range(0, documents - 1, chunk):
+            stop = min(start + chunk, documents - 1)
+            bad = numpy.flatnonzero(indices[start + 1:stop + 1] < indices[start:stop])
+            if len(bad):
+                raise IndexedDatasetError(f"{idx_path}: document indices out of order at document "
+                                          f"{start + int(bad[0]) + 1}: corrupted")
 
 
 class DatasetWriter:

@@ -18,6 +18,8 @@ encodes it as ordinary text instead, so that the end-of-document token only ever
 (untrusted text cannot end a document). SentencePiece never reads its end of document from text.
 """
 
+import base64
+import binascii
 import hashlib
 import importlib.metadata
 import json
@@ -29,12 +31,12 @@ from typing import Optional, Protocol
 import numpy
 import psutil
 import tiktoken
-from tiktoken.load import load_tiktoken_bpe
 from tiktoken_ext.openai_public import r50k_pat_str
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as RustTokenizer
 
 from angpt.config.tiktoken_layout import TIKTOKEN_NUM_SPECIAL_TOKENS, TIKTOKEN_PATTERNS
+from angpt.data.files import read_json, read_text
 
 EOD_TOKEN = "<|endoftext|>"
 # GPT-2's pre-tokenizer regex, which TikTokenizer splits text with (angpt.hf.tokenizer_export gives it to the export).
@@ -120,8 +122,7 @@ class TikTokenizer:
     (`allowed_special="all"`); with special_tokens_as_text, it is text (`encode_ordinary`)."""
 
     def __init__(self, path: str, tokenizer_type: str, special_tokens_as_text: bool = False):
-
-        ranks = load_tiktoken_bpe(path)
+        ranks = read_ranks(path)
         self.eod = max(ranks.values()) + 1
         self.encoding = tiktoken.Encoding(
             name=os.path.basename(path), pat_str=GPT2_SPLIT_PATTERN, mergeable_ranks=ranks,
@@ -145,6 +146,30 @@ class TikTokenizer:
         return self.encoding.decode(ids)
 
 
+def read_ranks(path: str) -> dict:
+    """A .tiktoken ranks file: a base64 token and its rank per line. Read here rather than by tiktoken's
+    load_tiktoken_bpe, which caches a local file by its path (a file changed in place was read as it was before)
+    and names no line; a ValueError names the file and the line."""
+    with open(path, "rb") as file:
+        data = file.read()
+    ranks, seen = {}, set()
+    for number, line in enumerate(data.splitlines(), start=1):
+        if not line:
+            continue
+        try:
+            token, rank = line.split()
+            token, rank = base64.b64decode(token, validate=True), int(rank)
+        except (ValueError, binascii.Error):
+            raise ValueError(f"{path}:{number}: not a base64 token and its rank: {line[:40]!r}") from None
+        if token in ranks or rank in seen:
+            raise ValueError(f"{path}:{number}: token {token!r} or rank {rank} given twice")
+        ranks[token] = rank
+        seen.add(rank)
+    if not ranks:
+        raise ValueError(f"{path}: no ranks (an empty file)")
+    return ranks
+
+
 def _tiktoken_batch(encoding, texts: list[str], threads: int, special_tokens_as_text: bool) -> list[list[int]]:
     """A tiktoken Encoding's ids of `texts` on `threads` threads: special-token text as those tokens, as
     Megatron-LM's TikTokenizer reads it (allowed_special="all"), or as ordinary text."""
@@ -153,27 +178,76 @@ def _tiktoken_batch(encoding, texts: list[str], threads: int, special_tokens_as_
     return encoding.encode_batch(texts, num_threads=threads, allowed_special="all")
 
 
+def read_huggingface_tokenizer(path: str) -> RustTokenizer:
+    """A tokenizer.json; a ValueError names the file, and the line where it is not UTF-8 or (as the tokenizers
+    library says) not JSON."""
+    try:
+        text = read_text(path)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
+    try:
+        return RustTokenizer.from_str(text)
+    except Exception as error:  # noqa: BLE001 (only the bare Exception the tokenizers library raises; see below)
+        if type(error) is not Exception:  # anything more specific is not the file's fault
+            raise
+        raise ValueError(f"{path}: not a Hugging Face tokenizer: {error}") from None
+
+
 def load_huggingface(path: str, tokenizer_type: str, special_tokens_as_text: bool = False) -> HuggingFaceTokenizer:
     """A tokenizer.json file, or a directory with tokenizer.json (its tokenizer_config.json may name the EOS)."""
     eod_token = EOD_TOKEN
     if os.path.isdir(path):
         config_path = os.path.join(path, "tokenizer_config.json")
         if os.path.isfile(config_path):
-            with open(config_path) as file:
-                eos = json.load(file).get("eos_token")
+            try:
+                config = read_json(config_path)
+            except ValueError as error:
+                raise ValueError(f"{config_path}: {error}") from None
+            if not isinstance(config, dict):
+                raise ValueError(f"{config_path}: not a JSON object")
+            eos = config.get("eos_token")
             eod_token = (eos.get("content") if isinstance(eos, dict) else eos) or EOD_TOKEN
         path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--tokenizer-model: no tokenizer file {path}")
     description = {"type": tokenizer_type, "model": describe_file(path)}
-    return HuggingFaceTokenizer(RustTokenizer.from_file(path), eod_token, description, special_tokens_as_text)
+    return HuggingFaceTokenizer(read_huggingface_tokenizer(path), eod_token, description, special_tokens_as_text)
+
+
+def read_gpt2_bpe(vocab_file: str, merge_file: str) -> models.BPE:
+    """The BPE of a vocab.json and merges.txt, read as the tokenizers library reads them (BPE.from_file), but a
+    ValueError names the file and the line that is not UTF-8, not JSON, or not a merge of two tokens."""
+    try:
+        vocab = read_json(vocab_file)
+    except ValueError as error:
+        raise ValueError(f"{vocab_file}: {error}") from None
+    if not isinstance(vocab, dict) or not all(type(index) is int and index >= 0 for index in vocab.values()):
+        raise ValueError(f"{vocab_file}: not a BPE vocab.json (an object of tokens to ids)")
+    try:
+        text = read_text(merge_file)
+    except ValueError as error:
+        raise ValueError(f"{merge_file}: {error}") from None
+    if not text:
+        raise ValueError(f"{merge_file}: no merges (an empty file)")
+    lines = text.split("\n")
+    merges = []
+    for number, line in enumerate(lines[:-1] if lines[-1] == "" else lines, start=1):
+        line = line.removesuffix("\r")
+        if line.startswith("#version"):
+            continue
+        parts = line.split(" ")
+        # Both tokens and the merged one must be in the vocabulary (tokenizers refuses the BPE otherwise).
+        if len(parts) != 2 or any(token not in vocab for token in (*parts, "".join(parts))):
+            raise ValueError(f"{merge_file}:{number}: not a merge of two tokens of {vocab_file}: {line[:40]!r}")
+        merges.append((parts[0], parts[1]))
+    return models.BPE(vocab, merges)
 
 
 def load_gpt2_vocab_merges(vocab_file: str, merge_file: str, special_tokens_as_text: bool = False
                            ) -> HuggingFaceTokenizer:
     """GPT-2's byte-level BPE from Megatron's vocab/merges pair; its "<|endoftext|>" (in vocab.json) is a
     special token, as in Megatron-LM's GPT2BPETokenizer (Hugging Face's GPT2Tokenizer)."""
-    tokenizer = RustTokenizer(models.BPE.from_file(vocab_file, merge_file))
+    tokenizer = RustTokenizer(read_gpt2_bpe(vocab_file, merge_file))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     if tokenizer.token_to_id(EOD_TOKEN) is not None:  # keeps its vocab.json id; a vocab without it is refused below
@@ -295,7 +369,7 @@ def recorded_tokenizer(description) -> Optional[Tokenizer]:
         if sha256_of(path) != description[name].get("sha256"):
             raise ValueError(f"its tokenizer file {path} has changed since the dataset was written (sha256)")
     if description["type"] == "HuggingFaceTokenizer":
-        return HuggingFaceTokenizer(RustTokenizer.from_file(files["model"]), description.get("eod_token", EOD_TOKEN),
+        return HuggingFaceTokenizer(read_huggingface_tokenizer(files["model"]), description.get("eod_token", EOD_TOKEN),
                                     description)
     if description["type"] in SENTENCEPIECE_TYPES:
         return MegatronCoreTokenizer(description["type"], files["model"])

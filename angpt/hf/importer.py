@@ -5,7 +5,6 @@ model at TP = PP = 1 (distributed checkpoints load at any layout) and the traine
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -13,13 +12,14 @@ from dataclasses import asdict
 
 import torch
 from megatron.core import dist_checkpointing
+from safetensors import SafetensorError
 from safetensors.torch import load_file
-from tokenizers import Tokenizer
 
 from angpt.config.arguments import settings_to_argv
 from angpt.config.saved import config_from_saved, single_process
 from angpt.config.sections import RunConfig
-from angpt.data.tokenizers import describe_file
+from angpt.data.files import read_json
+from angpt.data.tokenizers import describe_file, read_huggingface_tokenizer
 from angpt.hf.checkpoint_reader import ensure_process_group
 from angpt.hf.errors import ExportError
 from angpt.hf.hf_config import MODEL_FLAGS
@@ -36,20 +36,37 @@ def read_hf(directory: str) -> tuple[dict, dict[str, torch.Tensor]]:
     config_path = os.path.join(directory, "config.json")
     if not os.path.isfile(config_path):
         raise ExportError(f"{directory} is not a Hugging Face model directory: it has no config.json")
-    with open(config_path) as file:
-        config = json.load(file)
+    config = _read_json_object(config_path)
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as file:
-            files = sorted(set(json.load(file)["weight_map"].values()))
+        weight_map = _read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
+            raise ExportError(f"{index}: no weight_map of tensor names to files")
+        files = sorted(set(weight_map.values()))
     elif os.path.isfile(os.path.join(directory, "model.safetensors")):
         files = ["model.safetensors"]
     else:
         raise ExportError(f"{directory} has no safetensors weights (model.safetensors or its index)")
     tensors = {}
     for name in files:
-        tensors.update(load_file(os.path.join(directory, name)))
+        path = os.path.join(directory, name)
+        try:
+            tensors.update(load_file(path))
+        except FileNotFoundError:
+            raise ExportError(f"{path}: no such file (its index names it)") from None
+        except SafetensorError as error:
+            raise ExportError(f"{path}: not a safetensors file: {error}") from None
     return config, tensors
+
+
+def _read_json_object(path: str) -> dict:
+    try:
+        value = read_json(path)
+    except ValueError as error:
+        raise ExportError(f"{path}: {error}") from None
+    if not isinstance(value, dict):
+        raise ExportError(f"{path}: not a JSON object")
+    return value
 
 
 def default_args() -> dict:
@@ -89,14 +106,19 @@ def tokenizer_description(directory: str, eos_token_id: int):
     path = os.path.join(directory, "tokenizer.json")
     if not os.path.isfile(path):
         return None
+    try:
+        tokenizer = read_huggingface_tokenizer(path)
+    except ValueError as error:
+        raise ExportError(str(error)) from None
     return {"type": "HuggingFaceTokenizer", "model": describe_file(path),
-            "eod_token": Tokenizer.from_file(path).id_to_token(eos_token_id)}
+            "eod_token": tokenizer.id_to_token(eos_token_id)}
 
 
 def import_hf(directory: str, save: str, make_vocab_size_divisible_by: int = 128, tensor_parallel: int = 1) -> dict:
     """Write `directory` as the checkpoint `save`/iter_0000000; returns its training flags. The vocabulary
     is padded as the trainer pads it at `tensor_parallel` ranks, with zero rows."""
     config, tensors = read_hf(directory)
+    tokenizer = tokenizer_description(directory, config.get("eos_token_id"))  # read before anything is written
     if config.get("model_type") == "angpt":
         if not config.get("angpt_args"):
             raise ExportError(f"{directory}: an anGPT config without angpt_args was not written by convert_to_hf.py")
@@ -134,5 +156,5 @@ def import_hf(directory: str, save: str, make_vocab_size_divisible_by: int = 128
         "model": model.sharded_state_dict(), "args": args, "checkpoint_version": 3.0,
         "train_state": asdict(checkpointing.TrainState()), "layout": {"tensor": 1, "pipeline": 1, "data": 1},
     }, staging)
-    checkpointing.commit_checkpoint(save, 0, tokenizer_description(directory, config.get("eos_token_id")))
+    checkpointing.commit_checkpoint(save, 0, tokenizer)
     return args

@@ -56,8 +56,10 @@ def tiktoken_tokenizer(path: str, tokenizer_type: str) -> Tokenizer:
     merge for each way of splitting a token into two tokens, in rank order), split as our TikTokenizer splits
     (GPT-2's pattern), with its end-of-document token as a special token."""
     ours = TikTokenizer(path, tokenizer_type)
-    converted = TikTokenConverter(vocab_file=path, pattern=GPT2_SPLIT_PATTERN,
-                                  extra_special_tokens=[EOD_TOKEN]).converted()
+    converter = TikTokenConverter(vocab_file=path, pattern=GPT2_SPLIT_PATTERN, extra_special_tokens=[EOD_TOKEN])
+    # The ranks as we read them: tiktoken's loader would give a stale copy of a file changed at the same path.
+    converter.load_tiktoken_bpe = lambda _: ours.encoding._mergeable_ranks
+    converted = converter.converted()
     if converted.token_to_id(EOD_TOKEN) != ours.eod:  # the added token takes the next free id, or its own rank
         raise ExportError(f"{path}: {EOD_TOKEN} would be id {converted.token_to_id(EOD_TOKEN)} in the export, "
                           f"not {ours.eod} as in training (ranks with gaps, or a ranks file that holds it)")

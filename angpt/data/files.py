@@ -1,0 +1,24 @@
+"""Text files read whole (JSON, tokenizer files): a file that is not UTF-8 or not JSON is reported by its line,
+not by a byte offset or a traceback. The caller names the file, in its own error."""
+
+import json
+
+
+def read_text(path: str) -> str:
+    """The file's text; a ValueError names the line of the first byte that is not UTF-8."""
+    with open(path, "rb") as file:
+        data = file.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise ValueError(f"line {line}: not UTF-8: byte {data[error.start]:#04x}") from None
+
+
+def read_json(path: str):
+    """The file's JSON value; a ValueError says the line (and column) where it is not UTF-8 or not JSON."""
+    text = read_text(path)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"line {error.lineno} column {error.colno}: not JSON: {error.msg}") from None
