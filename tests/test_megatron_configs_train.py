@@ -13,7 +13,7 @@ the rounding of the other layout's sums (RESHARD_RELATIVE says why not bit for b
 
 Every run shares one warm torchrun job of 4 ranks (tests/distributed/megatron_config_worker.py): the
 uninterrupted runs first, then the resumed ones, so that a resumed run follows another configuration's run in
-its processes, never its own. About 95 s on 2 cores: marked long, run by `make test-long` (CI runs it after
+its processes, never its own. About 95-115 s on 2 cores: marked long, run by `make test-long` (CI runs it after
 `make test`).
 """
 
@@ -25,6 +25,8 @@ import sys
 import pytest
 import torch
 from megatron.core.dist_checkpointing import load_plain_tensors
+
+from angpt.megatron_compat.checkpoint_unpickling import read_as_data
 
 from conftest import ROOT, load_benchmark, run_workers
 
@@ -86,6 +88,27 @@ CONFIGS = {
     "gpt3_mcore_te_tp2_pp2": (("gpt", "angpt"), {"--num-layers": 4}, "TP 2 x PP 2 x DP 1 (2)", "TP 2 x PP 2"),
     "gpt3_mcore_te_tp1_pp2_resume_torch_dist_rope_embeddings": (
         ("gpt", "angpt"), {"--num-layers": 4}, "PP 2 x DP 2 (4)", "rotary embeddings"),
+    # Megatron-LM's torch format (--ckpt-format torch: a model_optim_rng.pt per tensor and pipeline rank).
+    "gpt3_mcore_te_tp1_pp4_vp1_resume_torch_decoupled_lr": (
+        ("gpt", "angpt"), {"--num-layers": 8}, "TP 1 x PP 4 x DP 1 (2)",
+        "the torch format: virtual stages of 1 layer (model0, model1 in each file), bf16 with the 16-bit optimizer, "
+        "--decoupled-lr's groups"),
+    "gpt3_mcore_tp4_pp1_resume_torch": (
+        ("gpt",), {"--num-layers": 2, **FP16_SCALE}, "TP 4 x DP 1 (2)",
+        "the torch format at TP 4 (mp_rank_00 to mp_rank_03), fp16 and its loss scaler"),
+    # angpt refuses --overlap-param-gather-with-optimizer-step at bf16 (angpt.config.validation): it runs the rest,
+    # the overlapped param gather with virtual stages, which once stopped in the health probe's module calls.
+    "gpt3_mcore_te_tp1_pp4_vp1_dist_optimizer_overlap_grad_reduce_param_gather_overlap_optimizer": (
+        ("gpt", "angpt"), {"--num-layers": 8, "--overlap-param-gather-with-optimizer-step": {"angpt": None}},
+        "TP 1 x PP 4 x DP 1 (2)", "--overlap-param-gather-with-optimizer-step (gpt): the first chunk's own "
+        "distributed optimizer, its all-gather started after its step; the torch format with the distributed "
+        "optimizer"),
+    # Its own 6 layers: with the embedding and loss, 2 a rank, 1 a virtual stage; rank 0 starts with the embedding
+    # alone, rank 3 ends with the loss alone.
+    "gpt3_mcore_te_tp1_pp4_vp2_account_for_embedding_loss_in_pipeline_split": (
+        ("gpt", "angpt"), {}, "TP 1 x PP 4 x DP 1 (2)",
+        "virtual stages of an uneven split: the embedding and the loss counted as layers, virtual stages without a "
+        "decoder layer"),
 }
 # Saved at TP 1 x PP 4 x DP 1 ("1x4xNone": Megatron-LM's test saves at that layout), continued at its own TP 2 x PP 2
 # x DP 1 (DP 2 on 8 GPUs): a reshard of every tensor.
@@ -103,16 +126,21 @@ RESHARD_RELATIVE = {"lm_loss": 1e-4, "grad_norm": 1e-3, "params_norm": 1e-6}
 CASES = [(name, family) for name, (families, *_) in CONFIGS.items() for family in families]
 TRAINED = [*CASES, *((RESHARD, family) for family in RESHARD_FAMILIES)]
 
-# Over the suite's budget of 60 s: 34 runs of 2 or 4 iterations (11 configurations, each under one or both
-# families, and their resumed runs), each building its model and saving or loading megatron-core's distributed
-# checkpoints: 77 s in one warm job of 4 ranks on a quiet 2-core machine, 95 s with the corpus and the comparisons.
+# Over the suite's budget of 60 s: 48 runs of 2 or 4 iterations (15 configurations, each under one or both
+# families, and their resumed runs), each building its model and saving or loading its checkpoints (megatron-core's
+# distributed ones, Megatron-LM's torch format for two): 77 s in one warm job of 4 ranks on a quiet 2-core machine
+# before the two torch-format configurations joined, 95 s with the corpus and the comparisons (113 s with them, on
+# a loaded machine).
 pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 
 def argv(name: str, replaced: dict, family: str, run_dir, corpus) -> list[str]:
-    """The configuration's flags as Megatron-LM's harness passes them, with SHRINK, `replaced`, this machine's
-    data and the run's directories in place of its own."""
-    model_args = {**RECORD["configs"][name], **SHRINK, **replaced}
+    """The configuration's flags as Megatron-LM's harness passes them, with SHRINK, `replaced` (a value {family:
+    value} for those families alone), this machine's data and the run's directories in place of its own."""
+    own = RECORD["configs"][name]
+    replaced = {flag: (value[family] if family in value else own.get(flag)) if isinstance(value, dict) else value
+                for flag, value in replaced.items()}
+    model_args = {**own, **SHRINK, **replaced}
     model_args.update({
         "--data-path": str(corpus / "train_text_document"), "--data-cache-path": str(run_dir.parent / "data_cache"),
         "--save": str(run_dir), "--load": str(run_dir), "--tensorboard-dir": str(run_dir / "tensorboard"),
@@ -164,8 +192,25 @@ def logged(run_dir, after: int = 0) -> list[dict]:
 
 
 def checkpoint_tensors(run_dir, iteration: int) -> dict[str, torch.Tensor]:
-    loaded = load_plain_tensors(str(run_dir / f"iter_{iteration:07d}"))
+    path = run_dir / f"iter_{iteration:07d}"
+    if not (path / "metadata.json").exists():  # Megatron-LM's torch format: each rank's files, but the RNG states
+        # (the distributed optimizer's state in distrib_optim.pt: optimizer.* too)
+        return {f"{key} ({file.relative_to(path)})": value for file in sorted(path.rglob("*.pt"))
+                for key, value in torch_file_tensors(read_as_data(str(file), map_location="cpu"),
+                                                     "optimizer" if file.name == "distrib_optim.pt" else "")
+                if not key.startswith("rng_state.")}
+    loaded = load_plain_tensors(str(path))
     return {key: value for key, value in loaded.items() if isinstance(value, torch.Tensor)}
+
+
+def torch_file_tensors(value, prefix: str = ""):
+    """(dotted path, tensor) of every tensor of a loaded torch-format file (optimizer.* for the optimizer's)."""
+    if isinstance(value, torch.Tensor):
+        yield prefix, value
+    elif isinstance(value, (dict, list, tuple)):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            yield from torch_file_tensors(item, f"{prefix}.{key}" if prefix else str(key))
 
 
 def layout(text: str) -> dict[str, int]:

@@ -2,6 +2,7 @@
 or refused with a reason, never unrecognized; docs/megatron.md is what the table says."""
 
 import collections
+import json
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from angpt.config import megatron_lm
 from angpt.config.arguments import parse_args
 from angpt.config.megatron_lm_flags import GROUPS
 from angpt.config.parser import build_parser
+from angpt.data.gpt_datasets import flag_vocabulary
 from angpt.training.megatron_configs import transformer_config
 
 from conftest import ROOT
@@ -157,3 +159,29 @@ def test_first_last_layers_bf16_without_fp8_is_accepted_and_said_to_change_nothi
     notes = megatron_lm.notes(parse_args([*BASE, "--first-last-layers-bf16"], world_size=1))
     assert notes == ["--first-last-layers-bf16: without --fp8-format every layer is in BF16 already (as in "
                      "Megatron-LM, nothing changes)"]
+
+
+def test_legacy_tokenizer_gives_the_vocabulary_of_megatron_lms_legacy_gpt2_tokenizer(tmp_path, capsys):
+    """Megatron-LM's legacy _GPT2BPETokenizer: vocab_size = len(vocab.json), eod = vocab.json's <|endoftext|>
+    (megatron/training/tokenizer/tokenizer.py), here with <|endoftext|> not last. Other types are refused, and
+    no type at all as the legacy build_tokenizer refuses it."""
+    symbols = [chr(c) for c in range(ord("!"), ord("~") + 1)]
+    vocab = {symbol: i for i, symbol in enumerate(symbols)}
+    vocab["<|endoftext|>"] = 7
+    vocab[symbols[7]] = len(symbols)
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    (tmp_path / "merges.txt").write_text(f"#version: 0.2\n{symbols[0]} {symbols[1]}\n")
+    vocab[symbols[0] + symbols[1]] = len(vocab)
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    files = ["--vocab-file", str(tmp_path / "vocab.json"), "--merge-file", str(tmp_path / "merges.txt")]
+    base = ["--train-iters", "10", "--mock-data", "--model-family", "gpt"]
+    config = parse_args([*base, "--vocab-size", "256", "--tokenizer-type", "GPT2BPETokenizer", *files,
+                         "--legacy-tokenizer"], world_size=1)
+    legacy = json.loads((tmp_path / "vocab.json").read_text())
+    vocabulary = flag_vocabulary(config.data)
+    assert (vocabulary.vocab_size, vocabulary.eod) == (len(legacy), legacy["<|endoftext|>"]) == (96, 7)
+    assert "give --tokenizer-type GPT2BPETokenizer" in parse_error([*base, "--vocab-size", "256", *files,
+                                                                    "--legacy-tokenizer"], capsys)
+    assert "not built yet for --tokenizer-type TikTokenizer" in parse_error(
+        [*base, "--vocab-size", "256", "--tokenizer-type", "TikTokenizer", "--tokenizer-model", "x.tiktoken",
+         "--legacy-tokenizer"], capsys)

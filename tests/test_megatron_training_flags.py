@@ -29,11 +29,11 @@ from angpt.config import megatron_lm
 from angpt.config.arguments import parse_args
 from angpt.config.sections import DIST_CKPT_STRICTNESS, DataSection, RunConfig
 from angpt.data.gpt_datasets import TrainingBatches, build_datasets, dataset_vocabulary, micro_batches
-from angpt.training import checkpointing, distributed
+from angpt.training import checkpoint_store, checkpointing, distributed
 from angpt.training import step as step_module
 from angpt.training import trainer as trainer_module
 from angpt.training.megatron_configs import ddp_config, transformer_config
-from angpt.training.optimizer import build_optimizer
+from angpt.training.optimizer import build_optimizer, optimizer_config
 
 from conftest import in_process_trainer
 
@@ -363,8 +363,8 @@ def test_use_tp_pp_dp_mapping_reaches_initialize(monkeypatch):
                                                      (6, 4, 1, True)])
 def test_expert_tensor_parallel_size_must_divide_the_world_with_the_pipeline(world, etp, pp, refused, capsys):
     """megatron-core asserts world % (ETP x EP x PP) == 0 (EP 1 here); at the limit (ETP x PP = world) it runs."""
-    argv = [*MOCK, "--micro-batch-size", "1", "--global-batch-size", "8", "--num-layers", "2", "--expert-tensor-parallel-size", str(etp),
-            "--pipeline-model-parallel-size", str(pp)]
+    argv = [*MOCK, "--micro-batch-size", "1", "--global-batch-size", "8", "--num-layers", "2",
+            "--expert-tensor-parallel-size", str(etp), "--pipeline-model-parallel-size", str(pp)]
     if refused:
         with pytest.raises(SystemExit):
             parse_args(argv, world_size=world)
@@ -426,6 +426,49 @@ def test_distributed_optimizer_instances_need_the_distributed_optimizer(capsys):
     assert "--num-distributed-optimizer-instances needs --use-distributed-optimizer" in capsys.readouterr().err
 
 
+OVERLAP_STEP = ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank",
+                "2", "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--ckpt-format",
+                "torch", "--overlap-param-gather-with-optimizer-step"]
+
+
+@pytest.mark.parametrize("left_out, need", [
+    ("--use-distributed-optimizer", "--use-distributed-optimizer"),
+    ("--overlap-param-gather", "--overlap-param-gather"),
+    ("--num-virtual-stages-per-pipeline-rank", "the interleaved schedule"),
+    ("--ckpt-format", "--ckpt-format torch"),
+])
+def test_overlap_param_gather_with_optimizer_step_needs_what_megatron_lm_asserts(left_out, need, capsys):
+    """Megatron-LM's checks, one flag left out at a time (with its value); all given, it reaches megatron-core's
+    OptimizerConfig, and the trainer builds every chunk in one bucket group (trained in
+    tests/test_parallel_equivalence.py and tests/test_megatron_configs_train.py)."""
+    config = parse_args([*MOCK, *OVERLAP_STEP], world_size=2)
+    assert optimizer_config(config).overlap_param_gather_with_optimizer_step
+    position = OVERLAP_STEP.index(left_out)
+    argv = OVERLAP_STEP[:position] + OVERLAP_STEP[position + (1 if left_out.startswith("--use") or
+                                                              left_out == "--overlap-param-gather" else 2):]
+    if left_out == "--use-distributed-optimizer":
+        argv.remove("--overlap-param-gather")  # which needs it too
+        need = "--use-distributed-optimizer, --overlap-param-gather"
+    with pytest.raises(SystemExit):
+        parse_args([*MOCK, *argv], world_size=2)
+    assert f"--overlap-param-gather-with-optimizer-step needs {need}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family, precision, refused", [("angpt", "--bf16", True), ("ngpt", "--fp16", True),
+                                                        ("angpt", None, False), ("gptplus", "--bf16", False),
+                                                        ("gpt", "--fp16", False)])
+def test_overlap_param_gather_with_optimizer_step_is_refused_where_it_trains_otherwise(family, precision, refused,
+                                                                                        capsys):
+    argv = [*MOCK, *OVERLAP_STEP, "--model-family", family, *([precision] if precision else [])]
+    if not refused:
+        assert parse_args(argv, world_size=2).parallel.overlap_param_gather_with_optimizer_step
+        return
+    with pytest.raises(SystemExit):
+        parse_args(argv, world_size=2)
+    assert (f"--overlap-param-gather-with-optimizer-step with --model-family {family} and {precision}: not built yet"
+            in capsys.readouterr().err)
+
+
 @pytest.mark.slow  # two in-process trainer runs
 def test_disable_gloo_process_groups_reaches_megatron_cores_groups_and_optimizer(single_process, monkeypatch):
     """Trained over two ranks in tests/test_trainer.py (the dp2_distributed_optimizer layout). The default last:
@@ -465,7 +508,7 @@ def test_override_opt_param_scheduler_takes_the_flags_schedule_on_resuming(overr
 def test_save_retain_interval_spares_its_multiples_from_deletion(keep_last, retain, kept, tmp_path):
     for iteration in (2, 4, 6, 8, 10):
         os.makedirs(checkpointing.checkpoint_dir(str(tmp_path), iteration))
-    checkpointing._delete_old(str(tmp_path), keep_last, retain)
+    checkpoint_store._delete_old(str(tmp_path), keep_last, retain)
     assert checkpointing.complete_iterations(str(tmp_path)) == kept
 
 
@@ -494,8 +537,9 @@ def test_virtual_stages_per_pipeline_rank_are_the_layers_per_virtual_stage_turne
     (2, ["--num-virtual-stages-per-pipeline-rank", "0"], "--num-virtual-stages-per-pipeline-rank 0 must be at least 1"),
     (1, ["--num-virtual-stages-per-pipeline-rank", "2"], "--num-virtual-stages-per-pipeline-rank needs "
      "--pipeline-model-parallel-size > 1"),
-    (2, ["--num-virtual-stages-per-pipeline-rank", "2", "--decoder-first-pipeline-num-layers", "2"],
-     "with --num-virtual-stages-per-pipeline-rank: virtual stages of an uneven split are not built yet"),
+    (2, ["--num-virtual-stages-per-pipeline-rank", "2", "--decoder-first-pipeline-num-layers", "1"],
+     "--decoder-first-pipeline-num-layers: the pipeline stages' shares [1, 7] (the embedding and loss counted) are "
+     "not divisible by the 2 virtual stages per pipeline rank"),
     (2, ["--num-virtual-stages-per-pipeline-rank", "2", "--no-overlap-p2p-communication"],
      "--no-overlap-p2p-communication with the interleaved schedule needs --pipeline-model-parallel-size > 2"),
     (4, ["--num-virtual-stages-per-pipeline-rank", "2", "--no-overlap-p2p-communication",

@@ -28,6 +28,15 @@ def split(num_layers: int, stages: int, *flags: str) -> list[int]:
     (7, 4, ["--account-for-embedding-in-pipeline-split"], [1, 2, 2, 2]),
     (5, 3, ["--pipeline-model-parallel-layout", "Et|tt|ttL"], [1, 2, 2]),
     (6, 2, ["--pipeline-model-parallel-layout", "E(t)*4|ttL"], [4, 2]),
+    # With virtual stages each rank's share (8 / 4 = 2) is cut in 2: rank 0 holds [E] and [t], rank 3 [t] and [L]
+    # (Megatron-LM's gpt3_mcore_te_tp1_pp4_vp2_account_for_embedding_loss_in_pipeline_split).
+    (6, 4, ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+            "--num-virtual-stages-per-pipeline-rank", "2"], [1, 2, 2, 1]),
+    (2, 2, ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+            "--num-virtual-stages-per-pipeline-rank", "2"], [1, 1]),
+    (7, 4, ["--account-for-embedding-in-pipeline-split", "--num-layers-per-virtual-pipeline-stage", "1"],
+     [1, 2, 2, 2]),
+    (8, 2, ["--decoder-first-pipeline-num-layers", "2", "--num-virtual-stages-per-pipeline-rank", "2"], [2, 6]),
 ])
 def test_each_stage_gets_the_layers_megatron_core_gives_it(num_layers, stages, flags, expected):
     assert split(num_layers, stages, *flags) == expected
@@ -49,7 +58,13 @@ def test_each_stage_gets_the_layers_megatron_core_gives_it(num_layers, stages, f
     (4, 2, ["--pipeline-model-parallel-layout", "Ett|tL"], "--pipeline-model-parallel-layout 'Ett|tL': "),
     (4, 2, ["--pipeline-model-parallel-layout", "Et|t|t|tL"], "has 2 virtual stages per pipeline rank"),
     (8, 2, ["--decoder-first-pipeline-num-layers", "2", "--num-layers-per-virtual-pipeline-stage", "2"],
-     "virtual stages of an uneven split are not built yet"),
+     "give the virtual stages as --num-virtual-stages-per-pipeline-rank (Megatron-LM's check)"),
+    # Each rank's share must cut into its virtual stages: 4 + 2 = 6, 3 a rank, not in 2; 1 + 7 not either.
+    (4, 2, ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+            "--num-virtual-stages-per-pipeline-rank", "2"], "shares [3, 3] (the embedding and loss counted) are not "
+                                                            "divisible by the 2 virtual stages per pipeline rank"),
+    (8, 2, ["--decoder-first-pipeline-num-layers", "1", "--num-virtual-stages-per-pipeline-rank", "2"],
+     "shares [1, 7]"),
 ])
 def test_a_split_that_cannot_work_is_refused_naming_the_flags(num_layers, stages, flags, message, capsys):
     with pytest.raises(SystemExit):

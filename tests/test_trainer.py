@@ -27,7 +27,7 @@ from megatron.core.transformer.enums import AttnBackend
 from angpt.config.arguments import parse_args
 from angpt.models import build_model, model_config
 from angpt.models.attention import clear_attention_backend_environment
-from angpt.training import checkpointing, distributed, faults, save_lock
+from angpt.training import checkpoint_store, checkpointing, distributed, faults, save_lock
 
 from conftest import ROOT, in_process_trainer
 from launch import launch
@@ -107,8 +107,11 @@ LAYOUTS = {
     "dp2_distributed_optimizer": ["--use-distributed-optimizer", "--disable-gloo-process-groups"],
     # Dropout makes the resumed run consume randomness: it equals the uninterrupted one only if the RNG
     # states are restored. Here rather than at tp2, whose checkpoint test_a_checkpoint_continues_at_another_layout
-    # continues at another layout, where RNG states are not restored.
-    "bf16_dp2_distributed_optimizer": ["--use-distributed-optimizer", "--bf16", "--attention-dropout", "0.1"],
+    # continues at another layout, where RNG states are not restored. Overlapped, as on clusters: the weights' all-
+    # gather ends in the next forward's pre-hooks, which the first step runs without and which what reads the
+    # weights between steps (the logged health probe and params norm, the saves) finishes first.
+    "bf16_dp2_distributed_optimizer": ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+                                       "--bf16", "--attention-dropout", "0.1"],
 }
 
 
@@ -174,13 +177,13 @@ def test_dropout_draws_from_the_rng_states_a_checkpoint_restores(family, backend
         with torch.no_grad():
             return model(tokens, positions, None)
 
-    saved, tracker = checkpointing._rng_state(), tensor_parallel.get_cuda_rng_tracker().get_states()
+    saved, tracker = checkpoint_store.rng_state(), tensor_parallel.get_cuda_rng_tracker().get_states()
     first = forward()
     # Attention dropout forks the model-parallel tracker, as megatron does (saved as "tracker").
     assert not all(torch.equal(state, tracker[name])
                    for name, state in tensor_parallel.get_cuda_rng_tracker().get_states().items())
     assert not torch.equal(forward(), first)
-    checkpointing._set_rng_state(saved)
+    checkpoint_store.set_rng_state(saved)
     assert torch.equal(forward(), first)
     model.eval()
     assert torch.equal(forward(), forward())
@@ -211,6 +214,26 @@ def test_fsdp2_trains_as_the_distributed_optimizer_does(uninterrupted, tmp_path)
     for got, want in zip(sharded, expected):
         assert got["lm_loss"] == pytest.approx(want["lm_loss"], rel=1e-6)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.long  # two runs of two processes
+def test_the_overlapped_param_gather_logs_what_the_synchronous_one_does(tmp_path):
+    """The distributed optimizer's all-gather of the updated weights overlapped with the next forward (Megatron-LM's
+    pre-hooks, off for the first step) at bf16 over two data-parallel ranks: what reads the weights between steps
+    (the health probe, which calls modules, and the params norm) finishes the gather first, so that every logged
+    value is the synchronous gather's. With virtual stages: tests/test_megatron_configs_train.py."""
+    base = [*ITERS, "--use-distributed-optimizer", "--overlap-grad-reduce", "--bf16", "--log-params-norm"]
+    for name, flags in (("synchronous", []), ("overlapped", ["--overlap-param-gather"])):
+        train(*base, *flags, "--metrics-file", str(tmp_path / name / "metrics.jsonl"))
+    overlapped, synchronous = records(tmp_path / "overlapped"), records(tmp_path / "synchronous")
+    assert [r["iteration"] for r in overlapped] == list(range(1, 7))
+
+    def values(record):  # all but the clocks and memory
+        clocks = ("time", "ms_per_step", "tokens_per_s_per_device", "mfu", "timers_ms")
+        return {key: value for key, value in record.items() if key not in clocks and "mem" not in key}
+
+    assert "params_norm" in overlapped[0] and any("alpha_" in key for key in overlapped[0])
+    assert [values(r) for r in overlapped] == [values(r) for r in synchronous]
 
 
 @pytest.mark.parametrize("layout", [

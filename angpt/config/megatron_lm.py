@@ -63,7 +63,20 @@ INFERENCE = "an inference setting: angpt pretrains; generate with the Hugging Fa
 LEGACY = "Megatron-LM's legacy models are not part of angpt; the families are megatron-core models"
 DENSE = "angpt trains dense GPTs of its families"
 ATTENTION = f"{DENSE}; their attention is softmax attention (docs/model.md)"
-CHECKPOINT_FORMAT = "angpt saves and loads megatron-core distributed checkpoints (torch_dist) only"
+CHECKPOINT_FORMAT = ("angpt reads either checkpoint format (--auto-detect-ckpt-format) and writes --ckpt-format "
+                     "torch_dist or torch; a run continues a checkpoint in the other format")
+
+def _legacy_tokenizer(args: argparse.Namespace) -> Optional[str]:
+    """Megatron-LM's legacy build_tokenizer raises NotImplementedError for a type it lacks (None among them); its
+    other tokenizers count their special tokens otherwise than megatron-core's."""
+    if args.tokenizer_type == "GPT2BPETokenizer":
+        return None
+    if args.tokenizer_type is None:
+        return ("Megatron-LM's legacy build_tokenizer builds no tokenizer without --tokenizer-type "
+                "(NotImplementedError there): give --tokenizer-type GPT2BPETokenizer")
+    return (f"{NOT_YET} for --tokenizer-type {args.tokenizer_type}: Megatron-LM's legacy one counts its vocabulary "
+            "and special tokens otherwise than megatron-core's (GPT2BPETokenizer's are the same)")
+
 
 # By flag (every spelling of it is looked up).
 FLAGS: dict[str, Decision] = {
@@ -202,7 +215,6 @@ FLAGS: dict[str, Decision] = {
                                                   "them)"),
     "--no-use-tokenizer-model-from-checkpoint-args": refused(f"{NOT_YET}"),
     "--exit-on-missing-checkpoint": refused(f"{NOT_YET}: --load of an empty directory starts from scratch"),
-    "--auto-detect-ckpt-format": implied(CHECKPOINT_FORMAT),
     "--no-strict-fsdp-dtensor-load": refused(FSDP),
     "--dist-ckpt-save-pre-mcore-014": refused(CHECKPOINT_FORMAT + ", as megatron-core 0.16 writes them"),
     "--dist-ckpt-optim-fully-reshardable": implied("the optimizer state is saved per parameter and loads at "
@@ -218,10 +230,11 @@ FLAGS: dict[str, Decision] = {
     "--accumulate-allreduce-grads-in-fp32": implied("gradients are accumulated and reduced in fp32"),
     "--fp16-lm-cross-entropy": refused(f"{NOT_YET}: the cross-entropy runs in fp32 from the fp16 logits"),
     "--reuse-grad-buf-for-mxfp8-param-ag": refused("FP8 parameters are not built (docs/fp8.md)"),
-    "--fp8-param-gather": refused("FP8 parameters are not built: anGPT's weights are projected onto the unit ball "
-                                  "in fp32 at initialization and after every step, which FP8 parameters would need "
-                                  "on their high-precision copies (docs/fp8.md); leave it out (the FP8 casts then "
-                                  "happen in each GEMM)"),
+    "--fp8-param-gather": refused("FP8 parameters are not built (Transformer Engine's): what reads the weights here "
+                                  "(anGPT's and nGPT's projections onto the unit ball, checkpoint digests, the "
+                                  "weight-hash and health checks, the Hugging Face export) takes them in high "
+                                  "precision, and Transformer Engine has not run on a GPU here to check otherwise "
+                                  "(docs/fp8.md); leave it out (the FP8 casts then happen in each GEMM)"),
     # -- distributed
     "--model-parallel-size": refused("deprecated in Megatron-LM: use --tensor-model-parallel-size"),
     "--distributed-backend": refused("the backend follows the device: NCCL with CUDA, gloo without"),
@@ -231,7 +244,6 @@ FLAGS: dict[str, Decision] = {
     "--ddp-num-buckets": refused(f"{NOT_YET}"),
     "--ddp-pad-buckets-for-high-nccl-busbw": refused(f"{NOT_YET}"),
     "--ddp-reduce-scatter-with-fp32-accumulation": refused(f"{NOT_YET}"),
-    "--overlap-param-gather-with-optimizer-step": refused(f"{NOT_YET}"),
     "--no-align-param-gather": refused(f"{NOT_YET}"),
     "--no-scatter-gather-tensors-in-pipeline": refused(f"{NOT_YET}"),
     "--local-rank": implied("torchrun's LOCAL_RANK is read from the environment"),
@@ -280,7 +292,10 @@ FLAGS: dict[str, Decision] = {
     "--vocab-extra-ids": refused(f"{NOT_YET}"),
     "--tokenizer-metadata": refused(f"{NOT_YET}"),
     "--tokenizer-special-tokens": refused(f"{NOT_YET}"),
-    "--legacy-tokenizer": refused(f"{NOT_YET}: angpt's tokenizers give megatron-core's vocabulary and EOD"),
+    "--legacy-tokenizer": implied("Megatron-LM's legacy GPT2BPETokenizer and megatron-core's give the same "
+                                  "vocabulary (the ids of vocab.json) and EOD (<|endoftext|>'s id), which is all "
+                                  "a run of preprocessed data reads of it",
+                                  lambda args, value: _legacy_tokenizer(args)),
     "--tiktoken-special-tokens": refused("Megatron-LM 0.16's deprecated spelling of --tokenizer-special-tokens "
                                          f"(its validate_args copies the value there), which is {NOT_YET}"),
     "--tokenizer-sentencepiece-legacy": refused(f"the legacy SentencePiece tokenizer is {NOT_YET}: the tokenizer "

@@ -4,7 +4,9 @@
 stage and the rest evenly over the others; with --account-for-embedding-in-pipeline-split and/or
 --account-for-loss-in-pipeline-split, the embedding and/or the loss counted as one layer of the first and last
 stage; with --pipeline-model-parallel-layout, each layer where the layout string puts it ("Et|tt|ttL": the
-embedding and a layer, two layers, two layers and the loss). Uneven splits take no virtual stages here."""
+embedding and a layer, two layers, two layers and the loss). With virtual stages (the interleaved schedule), each
+rank's share is cut into that many equal chunks, the embedding and loss taken from the first and last (megatron-core's
+get_num_layers_to_build); a layout string with virtual stages is not built here."""
 
 from __future__ import annotations
 
@@ -30,17 +32,40 @@ def stage_layers(num_layers: int, parallel) -> list[int]:
     layers, stages = num_layers, parallel.pipeline_model_parallel_size
     args = parallel
     given = uneven(args)
-    virtual = ("--num-layers-per-virtual-pipeline-stage" if args.num_layers_per_virtual_pipeline_stage else
-               "--num-virtual-stages-per-pipeline-rank" if args.num_virtual_stages_per_pipeline_rank
-               else None)
-    if given and virtual:
-        raise ValueError(f"{' and '.join(given)} with {virtual}: virtual stages of an uneven split are not built yet")
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
     embedding, loss = args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split
     if args.pipeline_model_parallel_layout:
         if len(given) > 1:
             raise ValueError(f"--pipeline-model-parallel-layout places every layer: leave out {given[1]}")
         return _layout_layers(args.pipeline_model_parallel_layout, layers, stages)
+    split = _split(layers, stages, given, first, last, embedding, loss)
+    virtual = virtual_stages(num_layers, args)
+    if given and virtual:
+        if args.num_layers_per_virtual_pipeline_stage and (first or last):
+            raise ValueError(f"{' and '.join(given)} with --num-layers-per-virtual-pipeline-stage: give the virtual "
+                             "stages as --num-virtual-stages-per-pipeline-rank (Megatron-LM's check)")
+        shares = [count + (embedding and stage == 0) + (loss and stage == stages - 1)
+                  for stage, count in enumerate(split)]
+        if any(share % virtual for share in shares):
+            raise ValueError(f"{' and '.join(given)}: the pipeline stages' shares {shares} (the embedding and loss "
+                             f"counted) are not divisible by the {virtual} virtual stages per pipeline rank")
+    return split
+
+
+def virtual_stages(num_layers: int, args) -> Optional[int]:
+    """The virtual stages per pipeline rank (`args`: the parallel section, or the parsed flags), as Megatron-LM
+    derives them; None for one (no interleaved schedule then). From --num-layers-per-virtual-pipeline-stage: a
+    rank's share of the layers (the embedding and loss counted where the split counts them) over it."""
+    per_stage = args.num_layers_per_virtual_pipeline_stage
+    stages = args.num_virtual_stages_per_pipeline_rank
+    if not stages and per_stage:
+        layers = (num_layers + bool(args.account_for_embedding_in_pipeline_split)
+                  + bool(args.account_for_loss_in_pipeline_split))
+        stages = layers // args.pipeline_model_parallel_size // per_stage
+    return stages if stages and stages > 1 else None
+
+
+def _split(layers: int, stages: int, given: list[str], first, last, embedding, loss) -> list[int]:
     if (first or last) and (embedding or loss):
         raise ValueError("--decoder-first/last-pipeline-num-layers and --account-for-embedding/loss-in-pipeline-split "
                          "are two ways to unbalance the stages: give one")

@@ -227,6 +227,10 @@ class ParallelSection:
         option="--torch-fsdp2-no-reshard-after-forward")
     overlap_grad_reduce: bool = flag(False, switch=True)
     overlap_param_gather: bool = flag(False, switch=True)
+    overlap_param_gather_with_optimizer_step: bool = flag(False, "with --overlap-param-gather and the interleaved "
+        "schedule: the first model chunk's own distributed optimizer starts that chunk's parameter all-gather as soon "
+        "as it has stepped, while the others step (megatron-core's; every chunk in one bucket group; --ckpt-format "
+        "torch, as in Megatron-LM)")
     enable_gloo_process_groups: bool = flag(True, "build no gloo process groups beside the NCCL ones (megatron-core "
         "builds them for the distributed optimizer's legacy checkpoints, which angpt does not write; on a machine "
         "without CUDA every group is gloo)", option="--disable-gloo-process-groups")
@@ -444,9 +448,9 @@ class DataSection:
 
 @dataclass(frozen=True)
 class CheckpointSection:
-    """Saving and loading megatron-core distributed checkpoints."""
+    """Saving and loading megatron-core distributed checkpoints, or Megatron-LM's torch format."""
 
-    GROUP: ClassVar[str] = "checkpoints (megatron-core distributed checkpoints, torch_dist)"
+    GROUP: ClassVar[str] = "checkpoints (megatron-core's distributed torch_dist, or Megatron-LM's torch format)"
 
     save: Optional[str] = flag(None, "directory of checkpoints: iter_XXXXXXX/ and latest_checkpointed_iteration.txt")
     load: Optional[str] = flag(None, "resume from the latest complete checkpoint in this directory (nothing there: "
@@ -459,7 +463,13 @@ class CheckpointSection:
     save_retain_interval: Optional[int] = flag(None, "never delete the checkpoints of multiples of this many "
         "iterations (a multiple of --save-interval); without --keep-last-n-checkpoints the others are deleted once "
         "a newer one is complete, as in Megatron-LM")
-    ckpt_format: str = flag("torch_dist", choices=("torch_dist",))
+    ckpt_format: str = flag("torch_dist", "the format saves write: torch_dist, megatron-core's distributed "
+        "checkpoints (load at any layout), or torch, Megatron-LM's legacy format (a model_optim_rng.pt per tensor and "
+        "pipeline rank, distrib_optim.pt beside it with the distributed optimizer; loads at its own TP and PP only, "
+        "no --async-save); a load reads either (with torch: torch only, unless --auto-detect-ckpt-format)",
+        choices=("torch_dist", "torch"))
+    auto_detect_ckpt_format: bool = flag(False, "with --ckpt-format torch: load a distributed checkpoint too (a load "
+        "reads the format on disk; Megatron-LM's)")
     async_save: bool = flag(False, "write checkpoints from a background process while training goes on "
         "(megatron-core's async save); committed at a later step", switch=True)
     use_persistent_ckpt_worker: bool = flag(False, "with --async-save: one background writer process per rank for "

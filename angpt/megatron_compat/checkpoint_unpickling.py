@@ -9,6 +9,7 @@ two of them with Python's unrestricted unpickler, which runs whatever a crafted 
   `torch.load(weights_only=False)`): read here with `weights_only=True`, NumPy's RNG state allowed;
 - `common.pt` (megatron-core's `TorchCommonLoadStrategy.load_common`: `torch.load`, whose `weights_only`
   default `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD` can turn off): read here with `weights_only=True` always.
+Megatron-LM's torch format (`model_optim_rng.pt`) is read here with `weights_only=True` too (`read_as_data`).
 A refusal raises `UnsafeCheckpointError`, naming what the file asked for.
 """
 
@@ -95,6 +96,13 @@ def _weights_only(source, path: str, **kwargs):
     except pickle.UnpicklingError as error:
         wanted = re.search(r"GLOBAL ([\w.]+)", str(error))  # torch's wording varies with the reason
         raise UnsafeCheckpointError(path, wanted.group(1) if wanted else "an object of no allowed type") from None
+
+
+def read_as_data(path: str, **kwargs):
+    """torch.load(path, weights_only=True, **kwargs), NumPy's RNG state allowed: a file of Megatron-LM's torch
+    checkpoint format (angpt.training.torch_checkpoint). A pickle that would call or build anything else raises
+    UnsafeCheckpointError naming it."""
+    return _weights_only(path, path, **kwargs)
 
 
 def load_bytes(planner: default_planner.DefaultLoadPlanner, read_item, value) -> None:

@@ -27,10 +27,13 @@ class TrainingMonitor:
     output directory), the length of training, the sequence length, the layout and the memory snapshot."""
 
     def __init__(self, run: RunConfig, config, chunks, vocab_size: int, rank: int, start_iteration: int,
-                 loaded_from: Optional[str] = None, timers=None, optimizer=None):
+                 loaded_from: Optional[str] = None, timers=None, optimizer=None, weights_ready=nullcontext):
         logging, save = run.logging, run.checkpoint.save
         self.logging, self.train_iters, self.seq_length = logging, run.training.train_iters, run.model.seq_length
         self.chunks, self.optimizer = chunks, optimizer  # for --log-params-norm and --log-num-zeros-in-grad
+        # A context in which the weights are the last step's (the overlapped param gather finished); the health
+        # probe calls modules, whose forward pre-hooks would otherwise finish it out of the schedule's order.
+        self.weights_ready = weights_ready
         self.timers = timers  # megatron-core's Timers of the run (angpt.telemetry.timers), or None
         self.is_reporting_rank = rank == 0
         output_dir = save or logging.tensorboard_dir
@@ -122,9 +125,10 @@ class TrainingMonitor:
             record["mfu"] = self.flops_per_token * tokens_per_second_per_device / self.peak_flops
         record.update(memory_stats())
         record.update(self.telemetry.read())
-        record.update(self.health.summary())
-        if self.logging.log_params_norm:
-            record["params_norm"] = params_l2_norm(self.chunks)
+        with self.weights_ready():
+            record.update(self.health.summary())
+            if self.logging.log_params_norm:
+                record["params_norm"] = params_l2_norm(self.chunks)
         if self.logging.log_num_zeros_in_grad and self.optimizer is not None:
             # The last step's gradients (clipped, as Megatron-LM counts them; clipping keeps zeros), over the model.
             record["num_zeros"] = int(self.optimizer.count_zeros())

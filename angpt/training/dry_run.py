@@ -107,7 +107,8 @@ def describe(run: RunConfig) -> str:
         f"  {run.model.num_layers} layers: "
         + (f"{layer_split[0]} per pipeline stage" if len(set(layer_split)) == 1 else
            "by pipeline stage " + ", ".join(map(str, layer_split)) + f" ({', '.join(uneven(parallel))})")
-        + (f", {run.model.num_layers // pp // vp} per virtual stage" if vp else ""),
+        + ((f", {run.model.num_layers // pp // vp} per virtual stage" if len(set(layer_split)) == 1 else
+            f", each stage's share in {vp} virtual stages") if vp else ""),
         "",
         "batch",
         f"  global batch {training.global_batch_size} sequences = micro-batch {training.micro_batch_size} x "

@@ -24,7 +24,7 @@ from typing import Optional
 import psutil
 import torch.distributed as dist
 
-from angpt.training.checkpointing import CheckpointError
+from angpt.training.checkpoint_store import CheckpointError
 
 logger = logging.getLogger("angpt.save_lock")
 

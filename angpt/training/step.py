@@ -33,9 +33,12 @@ def build_model_chunks(
     vocab_size: int,
     seq_length: int,
     ddp_config: DistributedDataParallelConfig | None = None,
+    one_bucket_group: bool = False,
 ) -> list[DistributedDataParallel]:
     """This rank's model chunks (one per virtual pipeline stage), each wrapped in megatron-core's DDP, or in its
-    FSDP2 wrapper for a TorchFullyShardedDataParallelConfig."""
+    FSDP2 wrapper for a TorchFullyShardedDataParallelConfig. The chunks after the first reduce their gradients in one
+    bucket group each (their communication overlaps computation anyway), and the first too with `one_bucket_group`
+    (--overlap-param-gather-with-optimizer-step, as Megatron-LM's get_model)."""
     ddp_config = ddp_config or DistributedDataParallelConfig(grad_reduce_in_fp32=True)
     virtual_stages = config.virtual_pipeline_model_parallel_size
     chunks = []
@@ -51,7 +54,8 @@ def build_model_chunks(
         model.model_type = ModelType.encoder_or_decoder
         wrapper = (TorchFullyShardedDataParallel if isinstance(ddp_config, TorchFullyShardedDataParallelConfig)
                    else DistributedDataParallel)
-        chunks.append(wrapper(config=config, ddp_config=ddp_config, module=model, disable_bucketing=len(chunks) > 0))
+        chunks.append(wrapper(config=config, ddp_config=ddp_config, module=model,
+                              disable_bucketing=len(chunks) > 0 or one_bucket_group))
     config.finalize_model_grads_func = finalize_model_grads
     if ddp_config.overlap_grad_reduce:
         config.no_sync_func = [chunk.no_sync for chunk in chunks]
@@ -61,18 +65,39 @@ def build_model_chunks(
     return chunks
 
 
+def pre_hooks_on(model_chunks) -> bool:
+    """Whether the chunks' forward pre-hooks (the overlapped param gather's) are registered (Megatron-LM's check)."""
+    return len(model_chunks[0].remove_forward_pre_hook_handles) > 0
+
+
+def set_pre_hooks(model_chunks, on: bool) -> None:
+    """Megatron-LM's train loop: the first step runs without the overlapped param gather's forward pre-hooks, so that
+    a checkpoint's or the initialization's weights are not all-gathered over themselves, and they are turned on once
+    a step has run (the first that was not skipped)."""
+    for chunk in model_chunks:
+        if on:
+            chunk.enable_forward_pre_hook()
+        else:
+            chunk.disable_forward_pre_hook(param_sync=False)
+
+
 @contextmanager
 def param_gather_finished(model_chunks, overlapped: bool):
     """With the distributed optimizer's overlapped param gather, the all-gather of a step's updated weights finishes
-    in the next forward's pre-hook; what reads the weights between steps (a save, the weight-hash check) finishes it
-    first, as Megatron-LM does by turning the pre-hook off (which syncs the params) and on again."""
-    if overlapped:
+    in the next forward's pre-hook; what reads the weights between steps (a save, the weight-hash check, the health
+    probe) finishes it first, as Megatron-LM does by turning the pre-hook off (which syncs the params) and on again,
+    or by syncing them where the hooks are off (before the first step's hooks are on)."""
+    hooked = overlapped and pre_hooks_on(model_chunks)
+    if hooked:
         for chunk in model_chunks:
             chunk.disable_forward_pre_hook()
+    elif overlapped:
+        for chunk in model_chunks:
+            chunk.start_param_sync(force_sync=True)
     try:
         yield
     finally:
-        if overlapped:
+        if hooked:
             for chunk in model_chunks:
                 chunk.enable_forward_pre_hook()
 

@@ -45,7 +45,14 @@ from angpt.training.exits import ExitRequests
 from angpt.training.megatron_configs import ddp_config, transformer_config
 from angpt.training.optimizer import build_optimizer
 from angpt.training.replica_check import ReplicasDifferError, check_weight_hashes
-from angpt.training.step import build_model_chunks, eval_step, param_gather_finished, train_step
+from angpt.training.step import (
+    build_model_chunks,
+    eval_step,
+    param_gather_finished,
+    pre_hooks_on,
+    set_pre_hooks,
+    train_step,
+)
 
 logger = logging.getLogger("angpt.trainer")
 
@@ -96,7 +103,8 @@ class Trainer:
         self.vocab_size = config.padded_vocab_size(self.vocabulary.vocab_size)
         if config.memory.record_memory_history:  # before the model is built, as Megatron-LM's model_provider does
             memory_history.start(config.memory.memory_snapshot_path)
-        self.chunks = build_model_chunks(self.config, self.vocab_size, model.seq_length, ddp_config(config))
+        self.chunks = build_model_chunks(self.config, self.vocab_size, model.seq_length, ddp_config(config),
+                                         one_bucket_group=parallel.overlap_param_gather_with_optimizer_step)
         self.hooks.model_built(self.chunks)
         self.optimizer, self.scheduler = build_optimizer(self.chunks, config)
         if config.precision.fp16:
@@ -122,7 +130,8 @@ class Trainer:
                 self.loaded_from, self.chunks, self.optimizer, self.scheduler, config,
                 load_optimizer=not checkpoint.no_load_optim, load_rng=not checkpoint.no_load_rng,
                 finetune=checkpoint.finetune, strictness=checkpoint.dist_ckpt_strictness,
-                fully_parallel=checkpoint.ckpt_fully_parallel_load,
+                fully_parallel=checkpoint.ckpt_fully_parallel_load, ckpt_format=checkpoint.ckpt_format,
+                auto_detect=checkpoint.auto_detect_ckpt_format,
             )
             timer(self.timers, "load-checkpoint").stop()
         # Nothing to save before the first step of this run (a resumed state is in its checkpoint).
@@ -151,8 +160,10 @@ class Trainer:
         self.by_samples = training.train_samples is not None
         self.exits = ExitRequests([getattr(signal, name) for name in config.exits.save_and_exit_signals],
                                   config.exits.exit_duration_in_mins)
+        overlapped_gather = parallel.use_distributed_optimizer and parallel.overlap_param_gather
         self.monitor = TrainingMonitor(config, self.config, self.chunks, self.vocab_size, self.rank,
-                                       self.state.iteration, self.loaded_from, self.timers, self.optimizer)
+                                       self.state.iteration, self.loaded_from, self.timers, self.optimizer,
+                                       weights_ready=lambda: param_gather_finished(self.chunks, overlapped_gather))
         if logging_section.profile and self.rank in logging_section.profile_ranks:
             self.profiler = StepProfiler(logging_section.profile_step_start, logging_section.profile_step_end,
                                          logging_section.use_pytorch_profiler, self.monitor.tensorboard_dir)
@@ -274,7 +285,7 @@ class Trainer:
                 retain_interval=checkpoint.save_retain_interval, async_queue=self.async_queue,
                 hooks=self.hooks, fully_parallel=checkpoint.ckpt_fully_parallel_save,
                 assume_constant_structure=checkpoint.ckpt_assume_constant_structure,
-                context=self.checkpointing_context,
+                context=self.checkpointing_context, ckpt_format=checkpoint.ckpt_format,
             )
         timer(self.timers, "save-checkpoint").stop(barrier=True)
 
@@ -299,6 +310,11 @@ class Trainer:
             # Collections at the same steps on every rank, not when each rank's allocations trigger one.
             gc.disable()
             gc.collect()
+        parallel = self.run_config.parallel
+        # Megatron-LM's: the first step without the overlapped param gather's pre-hooks (angpt.training.step).
+        hooks_later = parallel.use_distributed_optimizer and parallel.overlap_param_gather and pre_hooks_on(self.chunks)
+        if hooks_later:
+            set_pre_hooks(self.chunks, False)
         try:
             while self.state.iteration < training.train_iters:
                 if self.hang_watchdog is not None:  # each iteration's clock; stopped when the run ends
@@ -307,6 +323,9 @@ class Trainer:
                     self.profiler.before_step(self.state.iteration)
                 with self.hooks.step(self.state.iteration + 1, lambda: self.exits.received is not None):
                     record = self.train_one_step()
+                if hooks_later and not record["skipped"]:
+                    set_pre_hooks(self.chunks, True)
+                    hooks_later = False
                 iteration = record["iteration"]
                 if self.profiler is not None:
                     self.profiler.after_step(iteration)

@@ -30,7 +30,7 @@ from angpt.models.bounding import _optimizer_pieces, project_parameters_
 from angpt.training import distributed
 from angpt.training.optimizer import build_optimizer
 from angpt.training.replica_check import ReplicasDifferError, check_weight_hashes
-from angpt.training.step import build_model_chunks, forward_step, train_step
+from angpt.training.step import build_model_chunks, forward_step, param_gather_finished, train_step
 
 from common import MICRO_BATCH, S, V, fixed_batches, gather_full, load_full, small_config, unwrap
 
@@ -53,6 +53,13 @@ LAYOUTS = {
     "dp2_distributed_optimizer_instances2": dict(distributed_optimizer=True, instances=2),
     "cp2_dp2_distributed_optimizer_instances2": dict(context_parallel_size=2, cp_comm_type="all_gather",
                                                      distributed_optimizer=True, instances=2),
+    # --overlap-param-gather-with-optimizer-step: the first chunk's optimizer (of two, chained) starts its chunk's
+    # weight all-gather once it has stepped (and projected); the all-gathers finish in the next forward. At DP 1:
+    # the interleaved schedule needs a micro-batch per pipeline stage on each data-parallel rank, and the global
+    # batch has two.
+    "pp2_interleaved_overlap_optimizer_step": dict(pipeline_model_parallel_size=2,
+                                                   virtual_pipeline_model_parallel_size=2,
+                                                   distributed_optimizer=True, overlap_optimizer_step=True),
     # Selective recompute of the parts that touch TP-sharded or sequence-parallel tensors, with the family's
     # own choice (recompute_modules filled in by run_family).
     "tp2_sequence_parallel_recompute": dict(tensor_model_parallel_size=2, sequence_parallel=True,
@@ -188,6 +195,10 @@ def run_family(family: str, args, layout: dict, world: int) -> dict | None:
     distributed_optimizer = layout.pop("distributed_optimizer", False)
     fsdp2 = layout.pop("fsdp2", False)
     instances = layout.pop("instances", 1)
+    overlap_optimizer_step = layout.pop("overlap_optimizer_step", False)
+    optimizer_flags = dict(use_distributed_optimizer=distributed_optimizer,
+                           overlap_param_gather=overlap_optimizer_step,
+                           overlap_param_gather_with_optimizer_step=overlap_optimizer_step)
     if layout.get("recompute_granularity") == "selective":
         layout["recompute_modules"] = RECOMPUTED[family]
     config = small_config(family, **layout)
@@ -205,11 +216,11 @@ def run_family(family: str, args, layout: dict, world: int) -> dict | None:
         # Small buckets with overlapped reduction, as on clusters; their shard boundaries cut rows.
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=10000,
-            num_distributed_optimizer_instances=instances,
+            num_distributed_optimizer_instances=instances, overlap_param_gather=overlap_optimizer_step,
         )
     if fsdp2:
         ddp_config = TorchFullyShardedDataParallelConfig()
-    chunks = build_model_chunks(config, V, S, ddp_config)
+    chunks = build_model_chunks(config, V, S, ddp_config, one_bucket_group=overlap_optimizer_step)
     init_path = os.path.join(args.reference_dir or args.out, f"{family}_init.pt")
     if args.reference:
         init = gather_full(chunks)
@@ -236,7 +247,7 @@ def run_family(family: str, args, layout: dict, world: int) -> dict | None:
 
     # Loss and gradients over the global batch, then three optimizer steps.
     optimizer, scheduler = build_optimizer(chunks, RunConfig.from_flags(dict(
-        model_family=family, lr=LR, train_iters=3, use_distributed_optimizer=distributed_optimizer)))
+        model_family=family, lr=LR, train_iters=3, **optimizer_flags)))
     for chunk in chunks:
         chunk.zero_grad_buffer()
     losses = schedule(forward_step_func=forward_step, data_iterator=iterators(mine), num_microbatches=len(mine),
@@ -259,9 +270,11 @@ def run_family(family: str, args, layout: dict, world: int) -> dict | None:
     scheduler.step(1)
     for _ in range(2):
         train_step(iterators(mine), chunks, optimizer, scheduler, len(mine), MICRO_BATCH, S)
-    params = gather_full(chunks)
+    with param_gather_finished(chunks, overlap_optimizer_step):  # the last step's all-gathers
+        params = gather_full(chunks)
 
-    result = dict(logits=logits, loss=loss, grads=grads, params=params)
+    result = dict(logits=logits, loss=loss, grads=grads, params=params,
+                  optimizers=len(getattr(optimizer, "chained_optimizers", [optimizer])))
     if instances > 1:  # the instances megatron-core built, and the ranks of each
         result["instances"] = (dist.get_world_size(parallel_state.get_inter_distributed_optimizer_instance_group()),
                                dist.get_world_size(parallel_state.get_intra_distributed_optimizer_instance_group()))
@@ -277,14 +290,17 @@ def run_family(family: str, args, layout: dict, world: int) -> dict | None:
         distributed.initialize(config.tensor_model_parallel_size, config.pipeline_model_parallel_size,
                                config.virtual_pipeline_model_parallel_size, context_parallel_size=cp,
                                num_distributed_optimizer_instances=instances)
-        chunks = build_model_chunks(small_config(family, **layout), V, S, ddp_config)
+        chunks = build_model_chunks(small_config(family, **layout), V, S, ddp_config,
+                                    one_bucket_group=overlap_optimizer_step)
         load_full(chunks, perturbed)
         optimizer, _ = build_optimizer(chunks, RunConfig.from_flags(dict(
-            model_family=family, lr=0.0, train_iters=1, min_lr=0.0, use_distributed_optimizer=distributed_optimizer)))
+            model_family=family, lr=0.0, train_iters=1, min_lr=0.0, **optimizer_flags)))
         for chunk in chunks:
             chunk.zero_grad_buffer()
         optimizer.step()
-        result.update(perturbed=perturbed, projected=gather_full(chunks), **describe_shards(optimizer))
+        with param_gather_finished(chunks, overlap_optimizer_step):
+            projected = gather_full(chunks)
+        result.update(perturbed=perturbed, projected=projected, **describe_shards(optimizer))
         if args.reference:
             project_parameters_([unwrap(c) for c in chunks], constraint)  # idempotent: a second pass changes nothing
             result["projected_twice"] = gather_full(chunks)

@@ -6,7 +6,8 @@ an earlier one. For tests/test_megatron_configs_train.py.
 
 RUNS.json: a list of {"name", "argv", "resume_from": null or [run directory, iteration]}; with resume_from, the
 run's --save directory first gets that checkpoint of the run directory as its latest. Prints a RESULT line per
-run (its name and exit code).
+run (its name and exit code; a run whose checkpoint is refused, as angpt.pretrain's exit code 2, with the refusal
+as "error"). Also for tests/test_torch_checkpoint_format.py.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from angpt.config.arguments import parse_args
 from angpt.models.attention import clear_attention_backend_environment
-from angpt.training import distributed
+from angpt.training import checkpointing, distributed
 from angpt.training.trainer import Trainer
 
 from common import report
@@ -48,7 +49,13 @@ def main() -> None:
         distributed.destroy_model_parallel()
         clear_attention_backend_environment()  # the last run's backend, which the next model's must not meet
         dist.barrier()
-        trainer = Trainer(config)
+        try:
+            trainer = Trainer(config)
+        except checkpointing.CheckpointError as error:  # refused on every rank alike, as angpt.pretrain says it
+            distributed.destroy_model_parallel()
+            if dist.get_rank() == 0:
+                report({"name": run["name"], "code": 2, "error": str(error)})
+            continue
         code = trainer.run()
         del trainer  # its model and optimizer hold the groups that destroy_model_parallel frees
         distributed.destroy_model_parallel()
