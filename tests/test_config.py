@@ -222,3 +222,30 @@ def test_a_resume_with_another_model_shape_is_refused_naming_the_flags(tmp_path,
     with caplog.at_level(logging.INFO, logger="angpt"):  # the same shape resumes
         trainer = in_process_trainer([*model, "--num-layers", "2", "--train-iters", "2", "--load", str(tmp_path)])
     assert trainer.state.iteration == 1 and "loaded checkpoint" in caplog.text
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch_dist", "torch"])
+def test_a_resume_with_other_factors_positions_or_vocabulary_is_refused_in_one_line(ckpt_format, tmp_path,
+                                                                                      single_process):
+    """Megatron-LM's check_checkpoint_args compares the position handling and the padded vocabulary before it
+    reads a tensor; here the factors' switches too. --finetune may change the function, never the shapes. The
+    vocabulary at its boundary: 129 ids pad to 256 rows, 128 to the saved 128."""
+    model = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+             "--micro-batch-size", "2", "--global-batch-size", "2", "--mock-data", "--eval-iters", "0",
+             "--ckpt-format", ckpt_format]
+    assert in_process_trainer([*model, "--vocab-size", "128", "--train-iters", "1", "--save", str(tmp_path)]).run() == 0
+    path = f"{tmp_path}/iter_0000001"
+    resume = [*model, "--train-iters", "2", "--load", str(tmp_path)]
+    for flags, message in (
+            (["--vocab-size", "128", "--angpt-residual", "plain", "--rotary-base", "500000"],
+             f"{path} was trained with other model flags: --rotary-base 10000 (this run: 500000), --angpt-residual "
+             "lerp (this run: plain); give the flags it was saved with to resume it, or --finetune from it"),
+            (["--vocab-size", "129"], f"{path} holds an embedding of 128 rows, and this run's vocabulary of 129 ids "
+                                      "pads to 256 (--make-vocab-size-divisible-by 128 x --tensor-model-parallel-size "
+                                      "1): give the tokenizer (or --vocab-size) and padding it was saved with")):
+        with pytest.raises(checkpointing.CheckpointError) as error:
+            in_process_trainer([*resume, *flags])
+        assert str(error.value) == message
+    assert in_process_trainer([*resume, "--vocab-size", "100"]).state.iteration == 1  # 100 ids pad to 128 too
+    finetuned = in_process_trainer([*resume, "--vocab-size", "128", "--rotary-base", "500000", "--finetune"])
+    assert finetuned.state.iteration == 0

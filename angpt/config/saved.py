@@ -16,6 +16,11 @@ from angpt.config.validation import derive
 # The model's shape: what a checkpoint's tensors must match (a resume, --finetune) and what an export writes.
 MODEL_SHAPE = ("model_family", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                "ffn_hidden_size", "kv_channels", "tie_embeddings_and_output_weights")
+# The flags of what the model computes beyond its shape: a resume continues the same function (Megatron-LM's
+# check_checkpoint_args compares its position handling too); --finetune may change them.
+MODEL_FUNCTION = ("rotary_base", "rotary_percent", "rotary_interleaved", "use_rope_scaling", "angpt_post_norm",
+                  "angpt_nu_p", "angpt_constant_factors", "angpt_constant_factor_multiplier", "angpt_nu_alpha",
+                  "angpt_nu_alpha_multiplier", "angpt_no_nu_alpha_grad", "angpt_residual")
 # GPT's architecture flags that change its parameters (the other families fix them).
 GPT_SHAPE = ("untie_embeddings_and_output_weights", "max_position_embeddings", "normalization", "add_bias_linear",
              "add_qkv_bias", "qk_layernorm", "position_embedding_type", "swiglu", "quick_geglu",
@@ -47,8 +52,42 @@ def single_process(config: RunConfig) -> RunConfig:
 
 def shape_differences(saved: RunConfig, run: RunConfig) -> list[str]:
     """'--flag SAVED (this run: VALUE)' for each flag of the model's shape in which a checkpoint differs."""
+    return _differences(saved, run, MODEL_SHAPE + (GPT_SHAPE if run.model.model_family == saved.model.model_family
+                                                   == "gpt" else ()))
+
+
+def function_differences(saved: RunConfig, run: RunConfig) -> list[str]:
+    """The same for the flags of what the model computes (MODEL_FUNCTION), which a resume may not change."""
+    return _differences(saved, run, MODEL_FUNCTION)
+
+
+def model_refusal(path: str, saved: RunConfig, run: RunConfig, finetune: bool) -> str | None:
+    """The one line refusing to load the checkpoint `path` saved with `saved` into `run`'s model, or None."""
+    shape = shape_differences(saved, run)
+    if shape:
+        return (f"{path} holds a model of another shape: {', '.join(shape)}; give the flags it was saved with (or "
+                "--load another directory)")
+    function = [] if finetune else function_differences(saved, run)
+    if function:
+        return (f"{path} was trained with other model flags: {', '.join(function)}; give the flags it was saved "
+                "with to resume it, or --finetune from it")
+    return None
+
+
+def vocabulary_refusal(path: str, saved_rows: int, run: RunConfig, vocab_size: int) -> str | None:
+    """The one line refusing a checkpoint whose embedding has `saved_rows` rows for a run whose vocabulary of
+    `vocab_size` ids pads to another size, or None."""
+    padded = run.padded_vocab_size(vocab_size)
+    if saved_rows == padded:
+        return None
+    return (f"{path} holds an embedding of {saved_rows} rows, and this run's vocabulary of {vocab_size} ids pads to "
+            f"{padded} (--make-vocab-size-divisible-by {run.data.make_vocab_size_divisible_by} x "
+            f"--tensor-model-parallel-size {run.parallel.tensor_model_parallel_size}): give the tokenizer (or "
+            "--vocab-size) and padding it was saved with")
+
+
+def _differences(saved: RunConfig, run: RunConfig, names: tuple[str, ...]) -> list[str]:
     ours, theirs, defaults = run.flags(), saved.flags(), RunConfig().flags()
-    names = MODEL_SHAPE + (GPT_SHAPE if run.model.model_family == saved.model.model_family == "gpt" else ())
 
     def shown(value, name):  # an on/off flag as on or off (--disable-bias-linear sets its field False)
         return ("on" if value != defaults[name] else "off") if isinstance(value, bool) else value

@@ -33,7 +33,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from torch.distributed.checkpoint.api import CheckpointException
 
-from angpt.config.saved import config_from_saved, shape_differences
+from angpt.config.saved import config_from_saved, model_refusal, vocabulary_refusal
 from angpt.config.sections import RunConfig
 from angpt.megatron_compat import checkpoint_unpickling, patches
 from angpt.training import digests, torch_checkpoint
@@ -256,10 +256,13 @@ def load_checkpoint(
     fully_parallel: bool = False,
     ckpt_format: str = "torch_dist",
     auto_detect: bool = False,
+    vocab_size: Optional[int] = None,
 ) -> TrainState:
     """Load the checkpoint directory `path` (`intact_checkpoint`'s) into the model (and optimizer, scheduler,
     RNG), collectively. Returns its training state. With the run's `config`, a checkpoint of a model of another
-    shape is refused by a CheckpointError naming the flags that differ. `strictness`: --dist-ckpt-strictness
+    shape (or, unless `finetune`, of other factor or position flags) is refused by a CheckpointError naming the
+    flags that differ, and with its `vocab_size` (unpadded) one whose embedding has another padded size, before
+    any tensor is read. `strictness`: --dist-ckpt-strictness
     (megatron-core's StrictHandling; the return_* modes log what they return); `fully_parallel`:
     --ckpt-fully-parallel-load (both for distributed checkpoints only, as in Megatron-LM).
 
@@ -269,7 +272,7 @@ def load_checkpoint(
     found = checkpoint_format(path)
     if found == "torch":
         return torch_checkpoint.load_checkpoint(path, chunks, optimizer, scheduler, config, load_optimizer, load_rng,
-                                                finetune)
+                                                finetune, vocab_size)
     if ckpt_format == "torch" and not auto_detect:
         raise CheckpointError(f"{path} is a distributed checkpoint (torch_dist) and this run has --ckpt-format torch: "
                               "give --auto-detect-ckpt-format to load it (as Megatron-LM)")
@@ -288,10 +291,15 @@ def load_checkpoint(
 
     common = read(lambda: dist_checkpointing.load_common_state_dict(path))
     if config is not None and isinstance(common.get("args"), dict):
-        differences = shape_differences(config_from_saved(common["args"]), config)
-        if differences:
-            raise CheckpointError(f"{path} holds a model of another shape: {', '.join(differences)}; give the flags "
-                                  "it was saved with (or --load another directory)")
+        refusal = model_refusal(path, config_from_saved(common["args"]), config, finetune)
+        if refusal:
+            raise CheckpointError(refusal)
+    if config is not None and vocab_size is not None:
+        metadata = read(lambda: dist_checkpointing.load_tensors_metadata(path))  # shapes only
+        embedding = metadata.get(torch_checkpoint.EMBEDDING)
+        refusal = embedding is not None and vocabulary_refusal(path, embedding.global_shape[0], config, vocab_size)
+        if refusal:
+            raise CheckpointError(refusal)
     if finetune:
         load_optimizer = load_rng = False
     same_layout = saved_layout(common) == layout()

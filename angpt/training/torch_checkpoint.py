@@ -42,7 +42,7 @@ from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, Distribut
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import get_model_config, unwrap_model
 
-from angpt.config.saved import config_from_saved, shape_differences
+from angpt.config.saved import config_from_saved, model_refusal, vocabulary_refusal
 from angpt.config.sections import RunConfig
 from angpt.megatron_compat import checkpoint_unpickling, patches
 from angpt.telemetry.performance import model_flops_per_token
@@ -50,6 +50,7 @@ from angpt.training import checkpoint_store, digests
 from angpt.training.faults import NO_HOOKS, Hooks
 
 logger = logging.getLogger("angpt.checkpointing")
+EMBEDDING = "embedding.word_embeddings.weight"  # the input embedding's key in a model's state dict
 
 MODEL_FILE = "model_optim_rng.pt"  # Megatron-LM's get_checkpoint_name
 OPTIMIZER_FILE = "distrib_optim.pt"  # its get_distributed_optimizer_checkpoint_name
@@ -266,7 +267,7 @@ def _one_refusal(problem: Optional[str]) -> None:
 
 
 def _problem(path: str, saved: dict, chunks, optimizer, config: Optional[RunConfig], load_optimizer: bool,
-             tensor: int, pipeline: int) -> Optional[str]:
+             tensor: int, pipeline: int, finetune: bool = False, vocab_size: Optional[int] = None) -> Optional[str]:
     """Why this rank cannot load its file `saved` (read without its tensors), or None."""
     keys = ["model"] if "model" in saved else sorted((key for key in saved if re.fullmatch(r"model\d+", key)),
                                                      key=lambda key: int(key[len("model"):]))
@@ -279,10 +280,14 @@ def _problem(path: str, saved: dict, chunks, optimizer, config: Optional[RunConf
                  if saved_layers is not None and len(keys) == len(chunks) else "")
         return _no_reshard(path, _shown(tensor, pipeline, len(keys)), _shown(tensor, pipeline, len(chunks)) + split)
     if config is not None and isinstance(saved.get("args"), dict):
-        differences = shape_differences(config_from_saved(saved["args"]), config)
-        if differences:
-            return (f"{path} holds a model of another shape: {', '.join(differences)}; give the flags it was saved "
-                    "with (or --load another directory)")
+        refusal = model_refusal(path, config_from_saved(saved["args"]), config, finetune)
+        if refusal:
+            return refusal
+    embedding = saved[keys[0]].get(EMBEDDING)  # the first pipeline stage's (its rows split over TP)
+    if config is not None and vocab_size is not None and embedding is not None:
+        refusal = vocabulary_refusal(path, embedding.shape[0] * tensor, config, vocab_size)
+        if refusal:
+            return refusal
     if load_optimizer:
         saved_distributed = os.path.isfile(os.path.join(os.path.dirname(model_file(path)), OPTIMIZER_FILE))
         if saved_distributed != _distributed(optimizer):
@@ -298,7 +303,7 @@ def _problem(path: str, saved: dict, chunks, optimizer, config: Optional[RunConf
 
 def load_checkpoint(path: str, chunks, optimizer, scheduler, config: Optional[RunConfig] = None,
                     load_optimizer: bool = True, load_rng: bool = True,
-                    finetune: bool = False) -> checkpoint_store.TrainState:
+                    finetune: bool = False, vocab_size: Optional[int] = None) -> checkpoint_store.TrainState:
     """Load the torch-format checkpoint directory `path` collectively (as angpt.training.checkpointing.load_checkpoint,
     whose dispatch calls this); returns its training state."""
     iteration = checkpoint_store.iteration_of(path)
@@ -315,7 +320,8 @@ def load_checkpoint(path: str, chunks, optimizer, scheduler, config: Optional[Ru
     problem, saved = None, None
     try:
         saved = read(lambda: checkpoint_unpickling.read_as_data(file, map_location="cpu", mmap=True))
-        problem = _problem(path, saved, chunks, optimizer, config, load_optimizer, tensor, pipeline)
+        problem = _problem(path, saved, chunks, optimizer, config, load_optimizer, tensor, pipeline, finetune,
+                           vocab_size)
     except checkpoint_store.CheckpointError as error:
         problem = str(error)
     except Exception as error:  # said on every rank, which would otherwise wait for this one

@@ -131,7 +131,7 @@ class Trainer:
                 load_optimizer=not checkpoint.no_load_optim, load_rng=not checkpoint.no_load_rng,
                 finetune=checkpoint.finetune, strictness=checkpoint.dist_ckpt_strictness,
                 fully_parallel=checkpoint.ckpt_fully_parallel_load, ckpt_format=checkpoint.ckpt_format,
-                auto_detect=checkpoint.auto_detect_ckpt_format,
+                auto_detect=checkpoint.auto_detect_ckpt_format, vocab_size=self.vocabulary.vocab_size,
             )
             timer(self.timers, "load-checkpoint").stop()
         # Nothing to save before the first step of this run (a resumed state is in its checkpoint).
