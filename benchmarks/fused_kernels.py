@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The fused kernels against the eager PyTorch reference and torch.compile of it, measured side by side.
 
-    python benchmarks/kernels.py [--tokens 2048 --repeats 7 --layers 2]
+    python benchmarks/fused_kernels.py [--tokens 2048 --repeats 7 --layers 2]
 
 - The nu-scaled SwiGLU at the MLP shapes of the 0.5B (d=1024, f=4096) and 1B (d=1280, f=5120) models
   (docs/model.md, Model shapes), for `--tokens` tokens: forward, backward (the gradients of [u; z], s_u and
