@@ -708,3 +708,31 @@ def test_the_benchmark_names_how_megatron_lms_fast_path_differs(tmp_path):
     assert difference(ours, dataset("other", [[5, 6, 0], [], [8, 0]])) == \
         "1 of 3 documents differ, the first document 2"
     assert difference(ours, dataset("fewer", [[5, 6, 0], [7, 0]])) == "2 documents against our 3"
+
+
+POOL_ENDED_AT_ONCE = """
+import importlib.util, signal, sys, time
+spec = importlib.util.spec_from_file_location("preprocess_data", sys.argv[1])
+tool = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tool)
+signal.signal(signal.SIGTERM, lambda *args: None)  # a handler that returns, as a trainer's records the request
+tool.configure_encoding = lambda *args: None
+started = tool.init_worker
+def late_start(*args):
+    time.sleep(1.0)  # Pool.terminate's SIGTERM comes before the worker has made it fatal
+    started(*args)
+tool.init_worker = late_start
+pool = tool.fork_pool(2, (None, None, [], False, None, 1))
+pool.terminate()
+pool.join()
+print("ended")
+"""
+
+
+def test_a_pool_ended_before_its_workers_start_ends_under_a_sigterm_handler_that_returns():
+    """Pool.terminate() sends each worker SIGTERM; a worker that received it before init_worker made it fatal ran
+    the parent's handler instead, lived on, and join() waited forever (a test calling the tool's main() in-process
+    hung in CI). The workers fork with SIGTERM blocked, so it waits until it ends them."""
+    done = subprocess.run([sys.executable, "-c", POOL_ENDED_AT_ONCE, os.path.join(ROOT, "tools", "preprocess_data.py")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "ended", done.stderr

@@ -280,9 +280,22 @@ def init_worker(tokenizer, splitter, keys: list, append_eod: bool, dtype: type, 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and ends the pool
     # The parent's SIGTERM handler would run only in this process's main thread, but the signal may be
     # delivered to one of the tokenizer's threads while the main thread waits on the task queue, which
-    # then never wakes: Pool.terminate() hung. Die at once instead.
+    # then never wakes: Pool.terminate() hung. Die at once instead. The pool forks with SIGTERM blocked
+    # (fork_pool): one sent before this line stays pending until here, and then ends the worker.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     configure_encoding(tokenizer, splitter, keys, append_eod, dtype, threads)
+
+
+def fork_pool(workers: int, initargs: tuple):
+    """The workers, forked with SIGTERM blocked: a process whose SIGTERM handler records a request and returns (a
+    trainer's, in a test's process) would pass it to a worker that Pool.terminate() signals before init_worker has
+    run, and that worker then waited on the task queue forever (a test hung in a fresh-clone CI run)."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        return multiprocessing.get_context("fork").Pool(workers, initializer=init_worker, initargs=initargs)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def configure_encoding(tokenizer, splitter, keys: list, append_eod: bool, dtype: type, threads: int) -> None:
@@ -403,7 +416,7 @@ def tokenize_partition(job: PartitionJob) -> Stats:
     if job.workers == 1 and isinstance(job.tokenizer, GigatokenTokenizer):
         pool = InProcess(*initargs)
     else:
-        pool = multiprocessing.get_context("fork").Pool(job.workers, initializer=init_worker, initargs=initargs)
+        pool = fork_pool(job.workers, initargs)
     builders = {key: DatasetWriter(prefix + ".bin", dtype=job.dtype)
                 for key, prefix in job.output_prefixes.items()}
     stats, started, logged = Stats(), time.monotonic(), 0

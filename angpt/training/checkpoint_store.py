@@ -66,8 +66,8 @@ def read_latest_iteration(root: str) -> Optional[int]:
     """The iteration named in `<root>/latest_checkpointed_iteration.txt`, or None when there is none."""
     path = os.path.join(root, LATEST)
     try:
-        with open(path) as file:
-            text = file.read().strip()
+        with open(path, "rb") as file:  # bytes: a damaged file may not be text
+            text = file.read().decode("ascii", errors="backslashreplace").strip()
     except FileNotFoundError:
         return None
     if not text.isdigit():
