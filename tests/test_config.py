@@ -224,6 +224,7 @@ def test_a_resume_with_another_model_shape_is_refused_naming_the_flags(tmp_path,
     assert trainer.state.iteration == 1 and "loaded checkpoint" in caplog.text
 
 
+@pytest.mark.slow  # six in-process trainer builds
 @pytest.mark.parametrize("ckpt_format", ["torch_dist", "torch"])
 def test_a_resume_with_other_factors_positions_or_vocabulary_is_refused_in_one_line(ckpt_format, tmp_path,
                                                                                       single_process):

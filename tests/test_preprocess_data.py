@@ -729,6 +729,7 @@ print("ended")
 """
 
 
+@pytest.mark.slow  # a subprocess importing the tool
 def test_a_pool_ended_before_its_workers_start_ends_under_a_sigterm_handler_that_returns():
     """Pool.terminate() sends each worker SIGTERM; a worker that received it before init_worker made it fatal ran
     the parent's handler instead, lived on, and join() waited forever (a test calling the tool's main() in-process
