@@ -1,5 +1,6 @@
 """Text files read whole (JSON, tokenizer files): a file that is not UTF-8 or not JSON is reported by its line,
-not by a byte offset or a traceback. The caller names the file, in its own error."""
+not by a byte offset or a traceback. The caller names the file, in its own error (read_json_object names it
+itself)."""
 
 import json
 
@@ -22,3 +23,14 @@ def read_json(path: str):
         return json.loads(text)
     except json.JSONDecodeError as error:
         raise ValueError(f"line {error.lineno} column {error.colno}: not JSON: {error.msg}") from None
+
+
+def read_json_object(path: str) -> dict:
+    """The file's JSON object; a ValueError names the file, and the line where it is not UTF-8 or not JSON."""
+    try:
+        value = read_json(path)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return value

@@ -36,7 +36,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as RustTokenizer
 
 from angpt.config.tiktoken_layout import TIKTOKEN_NUM_SPECIAL_TOKENS, TIKTOKEN_PATTERNS
-from angpt.data.files import read_json, read_text
+from angpt.data.files import read_json, read_json_object, read_text
 
 EOD_TOKEN = "<|endoftext|>"
 # GPT-2's pre-tokenizer regex, which TikTokenizer splits text with (angpt.hf.tokenizer_export gives it to the export).
@@ -199,12 +199,7 @@ def load_huggingface(path: str, tokenizer_type: str, special_tokens_as_text: boo
     if os.path.isdir(path):
         config_path = os.path.join(path, "tokenizer_config.json")
         if os.path.isfile(config_path):
-            try:
-                config = read_json(config_path)
-            except ValueError as error:
-                raise ValueError(f"{config_path}: {error}") from None
-            if not isinstance(config, dict):
-                raise ValueError(f"{config_path}: not a JSON object")
+            config = read_json_object(config_path)
             eos = config.get("eos_token")
             eod_token = (eos.get("content") if isinstance(eos, dict) else eos) or EOD_TOKEN
         path = os.path.join(path, "tokenizer.json")

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from angpt.config.arguments import settings_to_argv
 from angpt.config.saved import config_from_saved, single_process
 from angpt.config.sections import RunConfig
-from angpt.data.files import read_json
+from angpt.data.files import read_json_object
 from angpt.data.tokenizers import describe_file, read_huggingface_tokenizer
 from angpt.hf.checkpoint_reader import ensure_process_group
 from angpt.hf.errors import ExportError
@@ -61,12 +61,9 @@ def read_hf(directory: str) -> tuple[dict, dict[str, torch.Tensor]]:
 
 def _read_json_object(path: str) -> dict:
     try:
-        value = read_json(path)
+        return read_json_object(path)
     except ValueError as error:
-        raise ExportError(f"{path}: {error}") from None
-    if not isinstance(value, dict):
-        raise ExportError(f"{path}: not a JSON object")
-    return value
+        raise ExportError(str(error)) from None
 
 
 def default_args() -> dict:
