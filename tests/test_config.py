@@ -229,8 +229,9 @@ def test_a_resume_with_another_model_shape_is_refused_naming_the_flags(tmp_path,
 def test_a_resume_with_other_factors_positions_or_vocabulary_is_refused_in_one_line(ckpt_format, tmp_path,
                                                                                       single_process):
     """Megatron-LM's check_checkpoint_args compares the position handling and the padded vocabulary before it
-    reads a tensor; here the factors' switches too. --finetune may change the function, never the shapes. The
-    vocabulary at its boundary: 129 ids pad to 256 rows, 128 to the saved 128."""
+    reads a tensor; here the factors' switches and the optimizer's kind too (--no-load-optim loads the weights).
+    --finetune may change the function, never the shapes. The vocabulary at its boundary: 129 ids pad to 256 rows,
+    128 to the saved 128."""
     model = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
              "--micro-batch-size", "2", "--global-batch-size", "2", "--mock-data", "--eval-iters", "0",
              "--ckpt-format", ckpt_format]
@@ -243,10 +244,16 @@ def test_a_resume_with_other_factors_positions_or_vocabulary_is_refused_in_one_l
              "lerp (this run: plain); give the flags it was saved with to resume it, or --finetune from it"),
             (["--vocab-size", "129"], f"{path} holds an embedding of 128 rows, and this run's vocabulary of 129 ids "
                                       "pads to 256 (--make-vocab-size-divisible-by 128 x --tensor-model-parallel-size "
-                                      "1): give the tokenizer (or --vocab-size) and padding it was saved with")):
+                                      "1): give the tokenizer (or --vocab-size) and padding it was saved with"),
+            (["--vocab-size", "128", "--use-distributed-optimizer"],
+             f"{path} was saved without the distributed optimizer and this run is with the distributed optimizer: its "
+             "optimizer state does not convert (Megatron-LM's neither); give --no-load-optim to load the model alone, "
+             "or no --use-distributed-optimizer")):
         with pytest.raises(checkpointing.CheckpointError) as error:
             in_process_trainer([*resume, *flags])
         assert str(error.value) == message
     assert in_process_trainer([*resume, "--vocab-size", "100"]).state.iteration == 1  # 100 ids pad to 128 too
+    weights_alone = ["--vocab-size", "128", "--use-distributed-optimizer", "--no-load-optim"]
+    assert in_process_trainer([*resume, *weights_alone]).state.iteration == 1
     finetuned = in_process_trainer([*resume, "--vocab-size", "128", "--rotary-base", "500000", "--finetune"])
     assert finetuned.state.iteration == 0

@@ -677,11 +677,11 @@ def test_apply_wd_to_qk_layernorm_says_what_it_changes(family, argv, line):
     (["--model-family", "gpt"], "--use-torch-fsdp2 with tied embeddings"),  # gpt ties unless told otherwise
     (["--fp16"], "--use-torch-fsdp2 with --fp16 (Megatron-LM's check)"),
     (["--bf16", "--use-distributed-optimizer"], "--use-torch-fsdp2 with --use-distributed-optimizer"),
-    (["--bf16"], "--use-torch-fsdp2 with --bf16: not built yet here"),
+    (["--bf16"], "--use-torch-fsdp2 with --bf16 for angpt: not built yet here"),
+    (["--bf16", "--model-family", "ngpt"], "--use-torch-fsdp2 with --bf16 for ngpt: not built yet here"),
     (["--tensor-model-parallel-size", "2"], "--use-torch-fsdp2 with tensor parallelism: not built yet here"),
     (["--context-parallel-size", "2", "--cp-comm-type", "all_gather"], "--use-torch-fsdp2 with context parallelism"),
-    (["--save", "ckpt"], "--use-torch-fsdp2 with --save or --load: checkpoints of FSDP2's sharded optimizer state"),
-    (["--load", "ckpt"], "--use-torch-fsdp2 with --save or --load"),
+    (["--save", "ckpt", "--ckpt-format", "torch"], "--use-torch-fsdp2 with --ckpt-format torch: give torch_dist"),
     (["--check-weight-hash-across-dp-replicas-interval", "1"], "no replicas"),
     (["--dry-run", "4"], "--use-torch-fsdp2 with --dry-run: its memory and time estimates do not know FSDP2"),
 ])

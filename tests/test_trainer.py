@@ -18,6 +18,7 @@ import time
 
 import psutil
 import pytest
+import safetensors.torch
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
@@ -25,6 +26,7 @@ from megatron.core.dist_checkpointing import load_plain_tensors
 from megatron.core.transformer.enums import AttnBackend
 
 from angpt.config.arguments import parse_args
+from angpt.hf.export import export
 from angpt.models import build_model, model_config
 from angpt.models.attention import clear_attention_backend_environment
 from angpt.training import checkpoint_store, checkpointing, distributed, faults, save_lock
@@ -112,6 +114,8 @@ LAYOUTS = {
     # weights between steps (the logged health probe and params norm, the saves) finishes first.
     "bf16_dp2_distributed_optimizer": ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
                                        "--bf16", "--attention-dropout", "0.1"],
+    # Every weight, gradient and Adam state sharded over the two ranks (megatron-core's FSDP2 wrapper).
+    "dp2_fsdp2": ["--use-torch-fsdp2"],
 }
 
 
@@ -203,17 +207,64 @@ def test_an_async_save_writes_what_a_synchronous_one_does(layout, flags, uninter
         assert all(torch.equal(written[key], expected[key]) for key in written)
 
 
-def test_fsdp2_trains_as_the_distributed_optimizer_does(uninterrupted, tmp_path):
+def test_fsdp2_trains_as_the_distributed_optimizer_does(uninterrupted):
     """--use-torch-fsdp2 over two ranks: each step's loss and grad norm those of the distributed optimizer's run
     (every weight, gradient and Adam state sharded instead of Adam's state alone; the same arithmetic up to the
     order of the gradient norm's sums). Its gradients and bounding, weight by weight, are in
     tests/test_parallel_equivalence.py (dp2_fsdp2)."""
-    train(*ITERS, "--use-torch-fsdp2", "--metrics-file", str(tmp_path / "metrics.jsonl"))
-    sharded, expected = records(tmp_path), records(uninterrupted["dp2_distributed_optimizer"])
+    sharded, expected = records(uninterrupted["dp2_fsdp2"]), records(uninterrupted["dp2_distributed_optimizer"])
     assert [r["iteration"] for r in sharded] == [r["iteration"] for r in expected] == list(range(1, 7))
     for got, want in zip(sharded, expected):
         assert got["lm_loss"] == pytest.approx(want["lm_loss"], rel=1e-6)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+
+
+def test_an_fsdp2_checkpoint_resumes_exactly_and_continues_without_fsdp2(uninterrupted, tmp_path, single_process):
+    """An FSDP2 checkpoint holds every tensor at its global rows (megatron-core's layout: a gated MLP's fc1 as
+    [W; V], whichever rank held which rows), so FSDP2 resumes it bit for bit, and plain DDP in one process
+    continues it as FSDP2 does (the same arithmetic up to the order of the sums); the weights, Adam's moments and
+    step all carried over."""
+    reference = losses(uninterrupted["dp2_fsdp2"])
+    resumed = copy_checkpoint(uninterrupted["dp2_fsdp2"], 3, tmp_path / "fsdp2")
+    train("--use-torch-fsdp2", *ITERS, "--load", resumed, "--save", resumed)
+    assert losses(resumed) == {i: reference[i] for i in (4, 5, 6)}
+    final, expected = checkpoint_tensors(resumed, 6), checkpoint_tensors(uninterrupted["dp2_fsdp2"], 6)
+    assert final.keys() == expected.keys() and any(key.startswith("optimizer.state.exp_avg.") for key in final)
+    assert [key for key in final if not torch.equal(final[key], expected[key])] == []
+
+    continued = copy_checkpoint(uninterrupted["dp2_fsdp2"], 3, tmp_path / "ddp")
+    assert in_process_trainer([*MODEL, *ITERS, "--load", continued, "--save", continued]).run() == 0
+    assert losses(continued).keys() == {4, 5, 6}
+    for iteration, loss in losses(continued).items():
+        assert loss == pytest.approx(reference[iteration], rel=1e-5)
+    final = checkpoint_tensors(continued, 6)
+    assert final.keys() == expected.keys()
+    for key in final:
+        torch.testing.assert_close(final[key], expected[key], rtol=1e-4, atol=1e-6)
+    # The Hugging Face export reads the FSDP2 checkpoint as the DDP one.
+    def exported(run_dir, output) -> dict[str, torch.Tensor]:
+        export(str(run_dir), str(output))
+        return safetensors.torch.load_file(os.path.join(output, "model.safetensors"))
+
+    sharded, plain = exported(uninterrupted["dp2_fsdp2"], tmp_path / "hf_fsdp2"), exported(continued, tmp_path / "hf")
+    assert sharded.keys() == plain.keys()
+    for key in sharded:
+        torch.testing.assert_close(sharded[key], plain[key], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.long  # one more launch of two processes
+def test_fsdp2_continues_a_checkpoint_of_plain_ddp_at_another_data_parallel_size(uninterrupted, tmp_path,
+                                                                                 single_process):
+    """The way back: DDP in one process saves at iteration 4, FSDP2 over two ranks continues it as the
+    uninterrupted FSDP2 run went on."""
+    reference = losses(uninterrupted["dp2_fsdp2"])
+    run_dir = copy_checkpoint(uninterrupted["dp2_fsdp2"], 3, tmp_path)
+    assert in_process_trainer([*MODEL, "--train-iters", "4", "--load", run_dir, "--save", run_dir]).run() == 0
+    assert latest(run_dir) == 4
+    train("--use-torch-fsdp2", *ITERS, "--load", run_dir, "--metrics-file", os.path.join(run_dir, "metrics.jsonl"))
+    assert losses(run_dir).keys() == {4, 5, 6}
+    for iteration, loss in losses(run_dir).items():
+        assert loss == pytest.approx(reference[iteration], rel=1e-5)
 
 
 @pytest.mark.long  # two runs of two processes

@@ -74,6 +74,21 @@ def model_refusal(path: str, saved: RunConfig, run: RunConfig, finetune: bool) -
     return None
 
 
+def optimizer_refusal(path: str, saved_distributed: bool, run_distributed: bool) -> str | None:
+    """The one line refusing to resume the optimizer state of `path`, saved with the distributed optimizer or
+    without it, into a run of the other kind, or None: their states (the distributed optimizer's fp32 weights and
+    moments; DDP's and FSDP2's moments) do not convert into each other, in Megatron-LM neither. Their weights do."""
+    if saved_distributed == run_distributed:
+        return None
+
+    def kind(distributed: bool) -> str:
+        return "with the distributed optimizer" if distributed else "without the distributed optimizer"
+
+    flag = "--use-distributed-optimizer" if saved_distributed else "no --use-distributed-optimizer"
+    return (f"{path} was saved {kind(saved_distributed)} and this run is {kind(run_distributed)}: its optimizer "
+            f"state does not convert (Megatron-LM's neither); give --no-load-optim to load the model alone, or {flag}")
+
+
 def vocabulary_refusal(path: str, saved_rows: int, run: RunConfig, vocab_size: int) -> str | None:
     """The one line refusing a checkpoint whose embedding has `saved_rows` rows for a run whose vocabulary of
     `vocab_size` ids pads to another size, or None."""

@@ -145,12 +145,13 @@ def _validate_fsdp2(parser, args) -> None:
         (not untied, "with tied embeddings: the embedding and the output layer would share a sharded weight "
                      "(Megatron-LM's check: give --untie-embeddings-and-output-weights)"),
         (args.fp16, "with --fp16 (Megatron-LM's check)"),
-        (args.bf16, "with --bf16: not built yet here (FSDP2 trains in fp32 in angpt for now)"),
+        (args.bf16 and args.model_family in ("angpt", "ngpt"),
+         f"with --bf16 for {args.model_family}: not built yet here (FSDP2 gathers a layer's weights as one tensor of "
+         "one dtype, and the learnable scales stay fp32 under bf16; fp32, or gpt and gptplus, train with it)"),
+        (args.ckpt_format == "torch", "with --ckpt-format torch: give torch_dist (Megatron-LM's check)"),
         (args.tensor_model_parallel_size > 1, "with tensor parallelism: not built yet here (a gated MLP's "
                                               "checkpoint layout and the 2D mesh)"),
         (args.context_parallel_size > 1, "with context parallelism: not built yet here"),
-        (args.save or args.load, "with --save or --load: checkpoints of FSDP2's sharded optimizer state are not "
-                                 "built yet here"),
         (args.dry_run is not None, "with --dry-run: its memory and time estimates do not know FSDP2's sharding yet"),
         (args.check_weight_hash_across_dp_replicas_interval,
          "with --check-weight-hash-across-dp-replicas-interval: its ranks hold different shards, no replicas"),

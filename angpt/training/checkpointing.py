@@ -32,10 +32,11 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 )
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
-from angpt.config.saved import config_from_saved, model_refusal, vocabulary_refusal
+from angpt.config.saved import config_from_saved, model_refusal, optimizer_refusal, vocabulary_refusal
 from angpt.config.sections import RunConfig
-from angpt.megatron_compat import checkpoint_unpickling, patches
+from angpt.megatron_compat import checkpoint_unpickling, fsdp2, patches
 from angpt.training import digests, torch_checkpoint
 from angpt.training.checkpoint_store import (
     INCOMPLETE,
@@ -86,6 +87,18 @@ def _model_state(chunks) -> dict:
     if len(chunks) == 1:
         return {"model": chunks[0].module.sharded_state_dict()}
     return {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+def _load_model_state(module: torch.nn.Module, state: dict) -> None:
+    """Load a chunk's tensors, strictly. Under FSDP2 a weight's tensor is this rank's shard of it (its sharded
+    tensor's local part): it loads as a DTensor placed as the weight is."""
+    weights = module.state_dict(keep_vars=True)
+    module.load_state_dict({
+        name: DTensor.from_local(value, weights[name].device_mesh, weights[name].placements,
+                                 shape=weights[name].shape, stride=weights[name].stride())
+        if isinstance(weights.get(name), DTensor) else value
+        for name, value in state.items()
+    }, strict=True)
 
 
 def _rng_sharded_object(states: Optional[list]) -> ShardedObject:
@@ -291,7 +304,11 @@ def load_checkpoint(
 
     common = read(lambda: dist_checkpointing.load_common_state_dict(path))
     if config is not None and isinstance(common.get("args"), dict):
-        refusal = model_refusal(path, config_from_saved(common["args"]), config, finetune)
+        saved = config_from_saved(common["args"])
+        refusal = (model_refusal(path, saved, config, finetune)
+                   or (load_optimizer and not finetune
+                       and optimizer_refusal(path, saved.parallel.use_distributed_optimizer,
+                                             config.parallel.use_distributed_optimizer)))
         if refusal:
             raise CheckpointError(refusal)
     if config is not None and vocab_size is not None:
@@ -337,13 +354,14 @@ def load_checkpoint(
                            len(unexpected), ", ".join(sorted(unexpected)) or "none")
 
     if len(chunks) == 1:
-        chunks[0].module.load_state_dict(loaded["model"], strict=True)
+        _load_model_state(chunks[0].module, loaded["model"])
     else:
         for i, chunk in enumerate(chunks):
-            chunk.module.load_state_dict(loaded[f"model{i}"], strict=True)
+            _load_model_state(chunk.module, loaded[f"model{i}"])
     if load_optimizer:
         optimizer.load_state_dict(loaded["optimizer"])
         patches.unshare_adam_steps(optimizer)
+        fsdp2.place_loaded_states(optimizer)
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     else:
         # Mixed-precision optimizers keep fp32 copies of the weights: refresh them from the model.

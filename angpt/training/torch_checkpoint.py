@@ -42,7 +42,7 @@ from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, Distribut
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import get_model_config, unwrap_model
 
-from angpt.config.saved import config_from_saved, model_refusal, vocabulary_refusal
+from angpt.config.saved import config_from_saved, model_refusal, optimizer_refusal, vocabulary_refusal
 from angpt.config.sections import RunConfig
 from angpt.megatron_compat import checkpoint_unpickling, patches
 from angpt.telemetry.performance import model_flops_per_token
@@ -290,14 +290,9 @@ def _problem(path: str, saved: dict, chunks, optimizer, config: Optional[RunConf
             return refusal
     if load_optimizer:
         saved_distributed = os.path.isfile(os.path.join(os.path.dirname(model_file(path)), OPTIMIZER_FILE))
-        if saved_distributed != _distributed(optimizer):
-            def kind(distributed: bool) -> str:
-                return "with the distributed optimizer" if distributed else "without the distributed optimizer"
-
-            flag = "--use-distributed-optimizer" if saved_distributed else "no --use-distributed-optimizer"
-            return (f"{path} was saved {kind(saved_distributed)} and this run is {kind(not saved_distributed)}: the "
-                    "torch format's optimizer state does not convert (Megatron-LM's neither); give --no-load-optim to "
-                    f"load the model alone, or {flag}")
+        refusal = optimizer_refusal(path, saved_distributed, _distributed(optimizer))
+        if refusal:
+            return refusal
     return None
 
 
