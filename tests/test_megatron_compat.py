@@ -26,6 +26,7 @@ from angpt.config.sections import EXIT_SIGNALS
 from angpt.megatron_compat import (
     KNOWN_WARNINGS,
     WRITTEN_FOR,
+    fsdp2,
     parent_watch,
     patches,
     quiet_known_warnings,
@@ -206,3 +207,11 @@ def test_the_results_queue_outlives_exit_signals_but_not_its_process():
         assert _ended(manager), "the Manager outlived its killed training process by 10 s"
     finally:
         holder.kill()
+
+
+def test_fsdp2_weights_with_fewer_rows_than_ranks_are_named_at_the_boundary():
+    """torch.chunk cuts R rows into R shards of one at R ranks; at R + 1 ranks one shard is empty."""
+    rows = {"s_qk": 4, "embedding": 256, "empty": 0}
+    assert fsdp2.fewer_rows_than_ranks(rows, 4) == {"empty": 0}
+    assert fsdp2.fewer_rows_than_ranks(rows, 5) == {"s_qk": 4, "empty": 0}
+    assert fsdp2.fewer_rows_than_ranks({}, 8) == {}

@@ -149,10 +149,9 @@ def _validate_fsdp2(parser, args) -> None:
          f"with --bf16 for {args.model_family}: not built yet here (FSDP2 gathers a layer's weights as one tensor of "
          "one dtype, and the learnable scales stay fp32 under bf16; fp32, or gpt and gptplus, train with it)"),
         (args.ckpt_format == "torch", "with --ckpt-format torch: give torch_dist (Megatron-LM's check)"),
-        (args.tensor_model_parallel_size > 1, "with tensor parallelism: not built yet here (a gated MLP's "
-                                              "checkpoint layout and the 2D mesh)"),
         (args.context_parallel_size > 1, "with context parallelism: not built yet here"),
-        (args.dry_run is not None, "with --dry-run: its memory and time estimates do not know FSDP2's sharding yet"),
+        (args.suggest_layout, "with --suggest-layout: its search does not weigh FSDP2 yet (--dry-run alone "
+                              "estimates FSDP2's memory)"),
         (args.check_weight_hash_across_dp_replicas_interval,
          "with --check-weight-hash-across-dp-replicas-interval: its ranks hold different shards, no replicas"),
     ):

@@ -66,8 +66,8 @@ from angpt.training.faults import NO_HOOKS, Hooks
 
 # This module's names, and checkpoint_store's that callers use as checkpointing's.
 __all__ = [
-    "OPTIMIZER_SHARDING", "checkpoint_format", "load_checkpoint", "read_common_state", "read_plain_tensors",
-    "save_checkpoint",
+    "OPTIMIZER_SHARDING", "check_savable", "checkpoint_format", "load_checkpoint", "read_common_state",
+    "read_plain_tensors", "save_checkpoint",
     "INCOMPLETE", "LATEST", "CheckpointError", "TrainState", "checkpoint_dir", "commit_checkpoint",
     "complete_iterations", "intact_checkpoint", "read_latest_iteration", "remove_incomplete", "save_tokenizer_files",
     "verify_checkpoint", "write_latest_iteration",
@@ -84,9 +84,32 @@ def _model_state(chunks) -> dict:
     """Each chunk's sharded state under Megatron-LM's keys: `model`, or `model0`, `model1`, ... per
     virtual pipeline stage (the same mapping serves saving and loading). The tensors inside carry
     global names, so any layout can read them."""
+    states = [fsdp2.place_shards(chunk.module.sharded_state_dict(), chunk.module) for chunk in chunks]
     if len(chunks) == 1:
-        return {"model": chunks[0].module.sharded_state_dict()}
-    return {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(chunks)}
+        return {"model": states[0]}
+    return {f"model{i}": state for i, state in enumerate(states)}
+
+
+def check_savable(chunks) -> None:
+    """Raise a CheckpointError, before any step, if a checkpoint of these chunks cannot be written or read: FSDP2
+    over more ranks than some weight has rows, or with tensor parallelism over ranks some weight's rows do not
+    divide over (angpt.megatron_compat.fsdp2)."""
+    sharded = {name: param.shape[0] for chunk in chunks for name, param in chunk.module.named_parameters()
+               if isinstance(param, DTensor)}
+    ranks = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    short = fsdp2.fewer_rows_than_ranks(sharded, ranks)
+    uneven = ({name: rows for name, rows in sharded.items() if rows % ranks}
+              if parallel_state.get_tensor_model_parallel_world_size() > 1 else {})
+    fewest = min(short.values(), default=0)
+    for weights, why, give in (
+            (short, "would leave ranks an empty shard", f"at most {fewest} data-parallel ranks"),
+            (uneven, "do not divide over the ranks, with tensor parallelism",
+             "a data-parallel size that divides them")):
+        if weights:
+            named = [f"{name} ({rows} rows)" for name, rows in weights.items()]
+            more = f" and {len(named) - 2} more" if len(named) > 2 else ""
+            raise CheckpointError(f"--use-torch-fsdp2 over {ranks} data-parallel ranks with --save or --load: "
+                                  f"{', '.join(named[:2])}{more} {why}, whose checkpoint is not built; give {give}")
 
 
 def _load_model_state(module: torch.nn.Module, state: dict) -> None:

@@ -152,7 +152,8 @@ def describe(run: RunConfig) -> str:
     layout = layout_of(run)
     gpu_bytes, gpu = gpu_memory(run)
     memory = stage_memory(config, layout, stages, layer_split, vocab_size, seq_length, training.micro_batch_size,
-                          micro_batches, run.precision.bf16, parallel.use_distributed_optimizer)
+                          micro_batches, run.precision.bf16, parallel.use_distributed_optimizer,
+                          parallel.use_torch_fsdp2, parallel.torch_fsdp2_reshard_after_forward)
     lines += ["", *memory_report(memory, layout, run.precision, gpu_bytes - CUDA_CONTEXT_BYTES, gpu)]
     if run.dry_run.suggest_layout:
         lines += ["", f"layouts of {world_size} GPUs (--suggest-layout; the model of time: docs/scaling.md)",

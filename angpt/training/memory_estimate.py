@@ -50,11 +50,16 @@ class Layout:
         return text
 
 
-def bytes_per_parameter(bf16: bool, distributed_optimizer: bool, data_parallel: int) -> float:
+def bytes_per_parameter(bf16: bool, distributed_optimizer: bool, data_parallel: int, fsdp2: bool = False) -> float:
     """Weights, gradients and Adam's state per parameter, as Megatron-LM's theoretical memory report counts
     them: bf16 (or fp16) weights, fp32 gradients, fp32 main weights and two moments (12 bytes) sharded over the
     data-parallel ranks by the distributed optimizer; fp32 training has no main copy. With context
-    parallelism the distributed optimizer shards over the data x context group."""
+    parallelism the distributed optimizer shards over the data x context group. FSDP2 shards everything: bf16
+    weights, the 16-bit optimizer's fp32 gradients (the bf16 ones FSDP2 reduce-scatters are freed once copied into
+    them), main weights and moments, 2 + 4 + 12 bytes (measured: benchmarks/sixteen_bit_optimizer.py); fp32 ones,
+    4 + 4 + 8."""
+    if fsdp2:
+        return (18 if bf16 else 16) / data_parallel
     if bf16:
         return 6 + 12 / data_parallel if distributed_optimizer else 18
     return 8 + 8 / data_parallel if distributed_optimizer else 16
@@ -107,9 +112,13 @@ class StageMemory:
 
 def stage_memory(config: AnGPTConfig, layout: Layout, stage_parameters: dict[int, tuple[int, int]],
                  layer_split: list[int], vocab_size: int, seq_length: int, micro_batch_size: int,
-                 micro_batches: int, bf16: bool, distributed_optimizer: bool) -> list[StageMemory]:
+                 micro_batches: int, bf16: bool, distributed_optimizer: bool, fsdp2: bool = False,
+                 reshard_after_forward: bool = True) -> list[StageMemory]:
     """Per pipeline stage, one rank's bytes. `stage_parameters`: {stage: (tensor-parallel, replicated)}
-    parameter counts of the whole model (angpt.training.dry_run.parameters_by_stage)."""
+    parameter counts of the whole model (angpt.training.dry_run.parameters_by_stage). Under FSDP2 the sharded state,
+    plus what it gathers: a layer's weights and, in the backward pass, their gradients before the reduce-scatter
+    (a layer: the stage's parameters over its layers); without `reshard_after_forward`, every weight stays gathered
+    from the forward to the backward pass."""
     tp, cp = layout.tensor_parallel, layout.context_parallel
     half = bf16 or config.fp16  # fp16 weights and activations take what bf16 ones do
     bytes_per_element = 2 if half else 4
@@ -129,7 +138,9 @@ def stage_memory(config: AnGPTConfig, layout: Layout, stage_parameters: dict[int
         if stage == len(layer_split) - 1:  # the final norm's and output layer's inputs, the logits (1 in flight)
             activations += local_tokens * (2 * config.hidden_size / hidden_split * bytes_per_element
                                            + LOGIT_BYTES * vocab_size / tp)
-        rows.append(StageMemory(stage, parameters,
-                                parameters * bytes_per_parameter(half, distributed_optimizer, shard_over),
-                                activations, flight))
+        model_bytes = parameters * bytes_per_parameter(half, distributed_optimizer, shard_over, fsdp2)
+        if fsdp2:
+            gathered = parameters if not reshard_after_forward else 2 * parameters / max(layers, 1)
+            model_bytes += gathered * bytes_per_element
+        rows.append(StageMemory(stage, parameters, model_bytes, activations, flight))
     return rows

@@ -106,6 +106,8 @@ class Trainer:
         self.chunks = build_model_chunks(self.config, self.vocab_size, model.seq_length, ddp_config(config),
                                          one_bucket_group=parallel.overlap_param_gather_with_optimizer_step)
         self.hooks.model_built(self.chunks)
+        if checkpoint.save or checkpoint.load:
+            checkpointing.check_savable(self.chunks)
         self.optimizer, self.scheduler = build_optimizer(self.chunks, config)
         if config.precision.fp16:
             # The schedules scale each micro-batch's loss before its backward (Megatron-LM's setup_model_and_optimizer).
