@@ -679,7 +679,6 @@ def test_apply_wd_to_qk_layernorm_says_what_it_changes(family, argv, line):
     (["--bf16", "--use-distributed-optimizer"], "--use-torch-fsdp2 with --use-distributed-optimizer"),
     (["--bf16"], "--use-torch-fsdp2 with --bf16 for angpt: not built yet here"),
     (["--bf16", "--model-family", "ngpt"], "--use-torch-fsdp2 with --bf16 for ngpt: not built yet here"),
-    (["--context-parallel-size", "2", "--cp-comm-type", "all_gather"], "--use-torch-fsdp2 with context parallelism"),
     (["--save", "ckpt", "--ckpt-format", "torch"], "--use-torch-fsdp2 with --ckpt-format torch: give torch_dist"),
     (["--check-weight-hash-across-dp-replicas-interval", "1"], "no replicas"),
     (["--dry-run", "4", "--suggest-layout"], "--use-torch-fsdp2 with --suggest-layout: its search does not weigh"),

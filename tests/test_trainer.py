@@ -252,12 +252,12 @@ def test_an_fsdp2_checkpoint_resumes_exactly_and_continues_without_fsdp2(uninter
         torch.testing.assert_close(sharded[key], plain[key], rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.long  # three launches of three processes, one of four
+@pytest.mark.long  # three launches of three processes, one of four, one of two
 def test_fsdp2_shards_of_rows_that_do_not_divide_go_to_plain_ddp_and_back(tmp_path, single_process):
     """Over three ranks the 256 embedding rows are FSDP2 shards of 86, 86 and 84 (torch.chunk's): each is saved at
     its rows. DDP in one process continues the checkpoint of iteration 2 as FSDP2 went on and saves iteration 3,
-    which FSDP2 over three ranks continues as it went on. The same from TP 2 x FSDP2 over 2; and a weight with
-    fewer rows than ranks is refused before a step."""
+    which FSDP2 over three ranks continues as it went on. The same from TP 2 x FSDP2 over 2 and from FSDP2 over CP
+    2; and a weight with fewer rows than ranks is refused before a step."""
     batch = ["--global-batch-size", "6"]  # one micro-batch of 2 per rank
     sharded, plain = tmp_path / "fsdp2", tmp_path / "ddp"
     train("--use-torch-fsdp2", *batch, "--train-iters", "4", "--save", str(sharded), "--save-interval", "2", nproc=3)
@@ -278,6 +278,15 @@ def test_fsdp2_shards_of_rows_that_do_not_divide_go_to_plain_ddp_and_back(tmp_pa
     assert in_process_trainer([*MODEL, *ITERS, "--load", str(continued), "--save", str(continued)]).run() == 0
     reference = losses(tp2)
     assert losses(continued).keys() == {4, 5, 6}
+    for iteration, loss in losses(continued).items():
+        assert loss == pytest.approx(reference[iteration], rel=1e-5)
+    # FSDP2 over the context-parallel ranks (megatron-core's data x context group), continued by DDP.
+    cp2, continued = tmp_path / "cp2_fsdp2", tmp_path / "cp2_continued"
+    train("--use-torch-fsdp2", "--context-parallel-size", "2", "--cp-comm-type", "all_gather", *ITERS, "--save",
+          str(cp2), "--save-interval", "3")
+    copy_checkpoint(cp2, 3, continued)
+    assert in_process_trainer([*MODEL, *ITERS, "--load", str(continued), "--save", str(continued)]).run() == 0
+    reference = losses(cp2)
     for iteration, loss in losses(continued).items():
         assert loss == pytest.approx(reference[iteration], rel=1e-5)
     # 24 heads of 2 dimensions: q and k's scale has 2 rows, too few for 3 ranks; refused before a step.

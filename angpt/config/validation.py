@@ -149,7 +149,6 @@ def _validate_fsdp2(parser, args) -> None:
          f"with --bf16 for {args.model_family}: not built yet here (FSDP2 gathers a layer's weights as one tensor of "
          "one dtype, and the learnable scales stay fp32 under bf16; fp32, or gpt and gptplus, train with it)"),
         (args.ckpt_format == "torch", "with --ckpt-format torch: give torch_dist (Megatron-LM's check)"),
-        (args.context_parallel_size > 1, "with context parallelism: not built yet here"),
         (args.suggest_layout, "with --suggest-layout: its search does not weigh FSDP2 yet (--dry-run alone "
                               "estimates FSDP2's memory)"),
         (args.check_weight_hash_across_dp_replicas_interval,

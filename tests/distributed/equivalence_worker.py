@@ -50,6 +50,8 @@ LAYOUTS = {
     "dp2_fsdp2": dict(fsdp2=True),
     # With tensor parallelism: FSDP2 shards each tensor-parallel part by rows over the two data-parallel ranks.
     "tp2_dp2_fsdp2": dict(tensor_model_parallel_size=2, fsdp2=True),
+    # With context parallelism: FSDP2 shards over the data x context group (megatron-core's), here the CP 2 ranks.
+    "cp2_fsdp2": dict(context_parallel_size=2, cp_comm_type="all_gather", fsdp2=True),
     # --num-distributed-optimizer-instances 2: each instance shards over its DP x CP / 2 ranks (one, then two), and
     # the reduced shards are all-reduced between the instances.
     "dp2_distributed_optimizer_instances2": dict(distributed_optimizer=True, instances=2),
