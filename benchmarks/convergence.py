@@ -98,8 +98,10 @@ PAPER = {
 # functions, which only the runs' processes call: the coordinator starts without them.
 
 
-def worker(result_path: str, argv: list[str], probe_batches: int) -> None:
-    """What `angpt.pretrain.main(argv)` does, then the norm probe on the trained model; writes result_path."""
+def worker(result_path: str, argv: list[str], probe_batches: int, watch=None) -> None:
+    """What `angpt.pretrain.main(argv)` does, then the norm probe on the trained model; writes result_path.
+    `watch(trainer)`, when given, runs before training and returns a callable whose dict joins the result
+    (benchmarks/race.py's digest of the training tokens)."""
     import torch  # noqa: PLC0415 (runs only)
     import torch.distributed as dist  # noqa: PLC0415 (runs only)
 
@@ -111,6 +113,7 @@ def worker(result_path: str, argv: list[str], probe_batches: int) -> None:
     logging.getLogger("angpt").setLevel(logging.INFO)
     start = time.perf_counter()
     trainer = Trainer(config)
+    watched = watch(trainer) if watch else dict
     code = trainer.run()
     seconds = time.perf_counter() - start
     try:
@@ -120,7 +123,7 @@ def worker(result_path: str, argv: list[str], probe_batches: int) -> None:
     dist.barrier()
     dist.destroy_process_group()
     result = {"exit_code": code, "train_seconds": seconds, "threads": torch.get_num_threads(), "probe": probe,
-              "vocab_size": trainer.vocabulary.vocab_size, "padded_vocab_size": trainer.vocab_size}
+              "vocab_size": trainer.vocabulary.vocab_size, "padded_vocab_size": trainer.vocab_size, **watched()}
     with open(result_path + ".tmp", "w") as file:
         json.dump(result, file)
     os.replace(result_path + ".tmp", result_path)
@@ -132,12 +135,13 @@ def probe_norms(trainer, num_batches: int) -> dict:
 
     from angpt.data.gpt_datasets import micro_batches  # noqa: PLC0415 (runs only)
     from angpt.telemetry.health import HealthProbe  # noqa: PLC0415 (runs only)
+    from angpt.training.step import on_device  # noqa: PLC0415 (runs only)
 
     training = trainer.run_config.training
     model = trainer.chunks[0]
     model.eval()
     probe = HealthProbe(trainer.chunks)
-    batches = [b for i in range(num_batches)
+    batches = [on_device(b) for i in range(num_batches)
                for b in micro_batches(trainer.data.valid, i * training.global_batch_size, training.global_batch_size,
                                       training.micro_batch_size, 0, 1)]
     token = Counter(torch.cat([b["tokens"].flatten() for b in batches]).tolist()).most_common(1)[0][0]
@@ -191,6 +195,8 @@ def step_times(result_path: str, rounds: int, configs: dict) -> None:
 
 
 class Run:
+    worker_script = os.path.abspath(__file__)  # the script whose `_worker` command runs it
+
     def __init__(self, name: str, family: str, lr: float, seed: int, flags: list[str], settings: dict,
                  options):
         self.name, self.family, self.lr, self.seed, self.flags = name, family, lr, seed, flags
@@ -212,7 +218,7 @@ class Run:
         path = [p for p in (options.code, ROOT, os.environ.get("PYTHONPATH")) if p]
         self.job = Job(name=name, directory=self.dir, description=f"{family}, lr {lr:g}, seed {seed}",
                        flags=[str(s["probe_batches"]), *self.argv],
-                       command=[sys.executable, os.path.abspath(__file__), "_worker", self.result,
+                       command=[sys.executable, self.worker_script, "_worker", self.result,
                                 str(s["probe_batches"]), "--", *self.argv],
                        env={"PYTHONPATH": os.pathsep.join(path)}, cwd=ROOT,
                        # No checkpoints: an interrupted attempt starts again from scratch.

@@ -7,7 +7,7 @@
 # fraction, kernels per step, the top kernels). FAMILIES="gptplus angpt" limits the families. Logs, JSON and Markdown go
 # to OUTPUT_DIR (default $OUT, which the device tool returns, else gpu-results/); a summary ends the output.
 #
-#   bash benchmarks/gpu_checks.sh [--no-gpu] [--te | --recompute] [OUTPUT_DIR]
+#   bash benchmarks/gpu_checks.sh [--no-gpu] [--te | --recompute | --race] [OUTPUT_DIR]
 #
 # --te checks Transformer Engine and FP8 instead (issue 14): it installs Transformer Engine from a bundle in .whl/
 # (tools/te_bundle.py; the compiled transformer_engine_torch wheel is kept in OUTPUT_DIR/te-wheel, and a copy
@@ -22,6 +22,12 @@
 # qk_norm,residual_update) beside none (stage recompute-norms). The kept bytes and recompute FLOPs per layer are
 # benchmarks/activation_memory.py --recompute's (docs/results.md).
 #
+# --race runs the convergence race instead (issue 50, docs/race.md): after the build, the corpus that
+# tools/race_corpus.py built and packed (RACE_CORPUS, default data/race, carried with .whl/) is tokenized here
+# into RACE_DATA (default /tmp/race-data; stage race-data), then benchmarks/race.py trains GPT+, anGPT and nGPT
+# at d=768 on the same tokens, as many as fit the time left (stage race; its report in OUTPUT_DIR/race/). Its
+# BUDGET_S defaults to 540. With --no-gpu: a tiny shape, at most RACE_TOKENS (default 12288) tokens per family.
+#
 # --no-gpu runs the same stages on a CPU (no CUDA build; the `gpu` tests skip; a tiny model stands in for
 # 0.5B and 1B), to check this script. Missing prerequisites stop it at once (exit 2). Each stage has a time
 # limit, cut further so that all of them end within BUDGET_S (default 480) seconds; a stage that fails does
@@ -30,21 +36,22 @@
 # (megatron-core, for one) in .whl/ first; they are installed into /tmp/site.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-gpu=1 te=0 recompute=0
+gpu=1 te=0 recompute=0 race=0
 while [ $# -gt 0 ]; do
     case $1 in
         --no-gpu) gpu=0; shift ;;
         --te) te=1; shift ;;
         --recompute) recompute=1; shift ;;
+        --race) race=1; shift ;;
         *) break ;;
     esac
 done
-[ $te -eq 0 ] || [ $recompute -eq 0 ] || { echo "gpu_checks.sh: give one of --te and --recompute" >&2; exit 2; }
+[ $((te + recompute + race)) -le 1 ] || { echo "gpu_checks.sh: give one of --te, --recompute and --race" >&2; exit 2; }
 out=${1:-${OUT:-gpu-results}}
 mkdir -p "$out"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-deadline=$((SECONDS + ${BUDGET_S:-480}))
+deadline=$((SECONDS + ${BUDGET_S:-$([ $race -eq 1 ] && echo 540 || echo 480)}))
 status=0
 summary=()
 die() { echo "gpu_checks.sh: $*" >&2; exit 2; }
@@ -73,7 +80,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run it for at most SECONDS (less if 
 # Prerequisites: all checked before anything runs.
 command -v timeout > /dev/null || die "needs coreutils' timeout"
 command -v "$PY" > /dev/null || die "no $PY (set PYTHON=)"
-if compgen -G ".whl/*.whl" > /dev/null; then
+if [ -z "${NO_WHEELS:-}" ] && compgen -G ".whl/*.whl" > /dev/null; then  # NO_WHEELS=1: this Python has them
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || die "installing .whl/*.whl failed"
     export PYTHONPATH=/tmp/site
@@ -81,6 +88,9 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 "$PY" -c "import torch, megatron.core, pytest" 2> "$out/prerequisites.log" \
     || die "torch, megatron-core and pytest must be importable by $PY: $(tail -n 1 "$out/prerequisites.log")"
+race_corpus=${RACE_CORPUS:-data/race}
+[ $race -eq 0 ] || [ -f "$race_corpus/train.jsonl.xz" ] \
+    || die "--race: no corpus in $race_corpus (python tools/race_corpus.py --output-dir $race_corpus, then carry it)"
 if [ $gpu -eq 1 ]; then
     "$PY" -c "import torch; assert torch.cuda.is_available()" 2> /dev/null \
         || die "no CUDA device visible to torch (--no-gpu runs the CPU parts)"
@@ -162,7 +172,16 @@ if [ $recompute -eq 1 ]; then
         --output "$out/recompute-norms.json" --markdown "$out/recompute-norms.md")")
     stage recompute-norms 150 bash -c "status=0; $(printf '%s || status=$?; ' "${norms[@]}") exit \$status"
 fi
-if [ $recompute -eq 0 ]; then
+if [ $race -eq 1 ]; then
+    race_data=${RACE_DATA:-/tmp/race-data}
+    stage race-data 120 "$PY" tools/race_corpus.py --prepare "$race_corpus" --output-dir "$race_data" \
+        --workers "$(nproc)"
+    # race.py sizes its tokens to what is left, less the stage's grace period and a margin.
+    race_args=(--corpus "$race_data" --output-dir "$out/race" --time-budget $((deadline - SECONDS - 45)))
+    [ $gpu -eq 1 ] || race_args+=(--tiny --max-train-tokens "${RACE_TOKENS:-12288}")
+    stage race 600 "$PY" benchmarks/race.py "${race_args[@]}"
+fi
+if [ $recompute -eq 0 ] && [ $race -eq 0 ]; then
 gpu_tests=$(grep -l "pytest.mark.gpu" tests/test_*.py)
 [ $te -eq 0 ] || gpu_tests=tests/test_transformer_engine.py
 # shellcheck disable=SC2086  # one argument per file
@@ -191,6 +210,15 @@ stage throughput-0.5b 200 "$PY" benchmarks/gpu_throughput.py --shapes $small --f
     --precisions "${precisions[@]}" --kernels on "${model[@]}" --micro-batch-size "${sizes[@]}" \
     --global-micro-batch-size "${sizes[-1]}" "${variants[@]}" --profile-steps 1 --profile "$out/profile.txt" \
     --output "$out/throughput-0.5b.json" --markdown "$out/throughput-0.5b.md"
+# FSDP2 against the distributed optimizer and DDP's 16-bit optimizer (issue 46): the bytes each rank holds and the
+# step time, side by side in one process. One GPU: FSDP2 shards over one rank, so this row is its overhead; its
+# memory per rank at DP 2 and 4 is measured on the CPU (docs/results/memory_dp*.json).
+if [ $te -eq 0 ]; then
+    fsdp2_shape=(--hidden-size 2048 --num-layers 8 --num-attention-heads 16 --seq-length 2048 --micro-batch-size 2)
+    [ $gpu -eq 1 ] || fsdp2_shape=(--hidden-size 64 --num-layers 2 --seq-length 32 --vocab-size 256)
+    stage fsdp2 90 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/sixteen_bit_optimizer.py \
+        --family gptplus "${fsdp2_shape[@]}" --rounds 5 --output "$out/fsdp2.json"
+fi
 large_variants=("${variants[@]}")
 [ ${#variants[@]} -le 4 ] || large_variants=("${variants[@]: -4}")
 # 1B: the last two variants, the global batch from micro-batches of 8 (16 took 118 GiB for GPT+ eagerly).
@@ -203,10 +231,12 @@ fi
 echo
 echo "==================== summary ($SECONDS s) ===================="
 grep -h "" "$out/machine.log" 2> /dev/null | tail -n 1
-[ $recompute -eq 1 ] || echo "compared: ${variants[*]}"
+[ $recompute -eq 1 ] || [ $race -eq 1 ] || echo "compared: ${variants[*]}"
 echo "speed-related flags in angpt.pretrain --help: ${other_features:-none}"
 printf '%s\n' "${summary[@]}"
 [ -f "$out/tests.log" ] && echo "gpu tests: $(grep -E "passed|failed|error|skipped|no tests ran" "$out/tests.log" | tail -n 1)"
+[ -f "$out/race/race.md" ] && { echo; cat "$out/race/race.md"; }
+[ -f "$out/fsdp2.log" ] && { echo; echo "FSDP2 against the distributed optimizer"; grep -A6 "^per rank" "$out/fsdp2.log"; }
 [ -f "$out/fp8-training/fp8_training.md" ] && { echo; echo "BF16 against FP8 on data/shakespeare"; cat "$out/fp8-training/fp8_training.md"; }
 for name in recompute-$small recompute-norms-gptplus recompute-norms; do
     [ -f "$out/$name.md" ] && { echo; echo "activation recompute: $name"; cat "$out/$name.md"; }

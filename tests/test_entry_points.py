@@ -14,7 +14,7 @@ from conftest import ROOT
 HEAVY = ("torch", "megatron", "transformers", "matplotlib", "scipy", "wandb", "lm_eval", "pyarrow")
 # Importing one of HEAVY raises, so a --help that needs one fails with a traceback naming it.
 PROBE = """\
-import runpy, sys
+import os, runpy, sys
 class RefuseHeavyImports:
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in {heavy!r}:
@@ -22,6 +22,7 @@ class RefuseHeavyImports:
 sys.meta_path.insert(0, RefuseHeavyImports())
 sys.argv = [{script!r}, "--help"]
 if {script!r}.endswith(".py"):
+    sys.path.insert(0, os.path.dirname(os.path.abspath({script!r})))  # as `python SCRIPT` puts its folder first
     runpy.run_path({script!r}, run_name="__main__")
 else:
     runpy.run_module({script!r}, run_name="__main__")

@@ -12,3 +12,11 @@ def download_sdist(requirement: str, directory: str) -> str:
                     requirement, "-d", directory], check=True)
     (archive,) = [os.path.join(directory, name) for name in os.listdir(directory) if name.endswith(".tar.gz")]
     return archive
+
+
+def download_wheel(requirement: str, directory: str) -> str:
+    """The path of requirement's wheel, downloaded with pip (no install, no dependencies)."""
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
+                    requirement, "-d", directory], check=True)
+    (archive,) = [os.path.join(directory, name) for name in os.listdir(directory) if name.endswith(".whl")]
+    return archive

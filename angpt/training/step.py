@@ -118,12 +118,20 @@ def language_model_loss(loss_mask: torch.Tensor, per_token_loss: torch.Tensor, *
     return total, count.to(torch.int), {"lm loss": torch.stack([total.detach().clone(), count])}
 
 
+def on_device(batch: dict) -> dict:
+    """The batch on this rank's GPU, where there is one (Megatron-LM's get_batch): the datasets' batches
+    are built on the CPU (pinned with CUDA), and the loss mask meets the loss on the model's device."""
+    if not torch.cuda.is_available():
+        return batch
+    return {key: value.cuda(non_blocking=True) for key, value in batch.items()}
+
+
 def forward_step(data_iterator: Iterator[dict], model, *, checks: rerun.Checks | None = None):
     """Batches are dicts with tokens, labels, loss_mask and position_ids, each [batch, sequence], and with
     --reset-attention-mask the attention_mask [batch, 1, sequence, sequence] (True: masked out). Under
     context parallelism this rank takes its two of the 2 x CP chunks of each (Megatron-LM's split; the
     attention mask's rows), from a copy: virtual pipeline stages iterate over the same batches."""
-    batch = get_batch_on_this_cp_rank(dict(next(data_iterator)))
+    batch = get_batch_on_this_cp_rank(on_device(dict(next(data_iterator))))
     with FORWARD_TIMER if model.training else nullcontext():  # --log-straggler's: training's forward passes
         per_token_loss = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                                labels=batch["labels"])
