@@ -39,6 +39,11 @@ def main(argv=None) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         import torch  # noqa: PLC0415 (after parsing: --help and flag errors stay instant)
 
+        from angpt.kernels import missing_build  # noqa: PLC0415 (imports torch)
+
+        if config.dry_run.dry_run is None and (missing := missing_build()):
+            logging.getLogger("angpt.pretrain").warning("%s", missing)  # the run's first line
+
         # A dry run checks the configuration for the cluster it names, not for this machine.
         cuda = torch.cuda.is_available() or config.dry_run.dry_run is not None
         for note in megatron_lm.notes(config, cuda=cuda):

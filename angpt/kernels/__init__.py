@@ -30,7 +30,7 @@ from angpt.kernels import reference
 from angpt.kernels.reference import Piece, projection_factors
 
 __all__ = ["Piece", "scaled_swiglu", "accumulate_sq_norms_", "scale_", "project_whole_", "projection_factors",
-           "extension", "reference_only", "fused_on_gpu"]
+           "extension", "missing_build", "reference_only", "fused_on_gpu"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,15 @@ def extension(device: torch.device) -> Optional[object]:
         _logged.add(reason)
         log.warning("angpt fused kernels: %s; running the PyTorch implementations", reason)
     return None
+
+
+def missing_build() -> Optional[str]:
+    """The line a run starts with when the extension is not built here (None when it is, or is switched off)."""
+    if _extension is not None or _switched_off_by_environment():
+        return None
+    _logged.add(_why_not)  # said once: not again at the first kernel call
+    build = "" if "pip install" in _why_not else "; build them with `pip install --no-build-isolation -e .`"
+    return f"angpt fused kernels are missing: {_why_not}{build}; running the slower PyTorch implementations"
 
 
 @contextlib.contextmanager
