@@ -699,3 +699,25 @@ def test_fsdp2_builds_megatron_cores_fsdp2_wrapper_with_the_flags_resharding():
     assert type(ddp_config(parse_args(PIPELINE, world_size=2))) is not TorchFullyShardedDataParallelConfig
     with pytest.raises(SystemExit):
         parse_args([*PIPELINE, "--torch-fsdp2-no-reshard-after-forward"], world_size=2)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--hidden-size", "50", "--num-attention-heads", "4"],
+     "--hidden-size 50 is not divisible by --num-attention-heads 4: give --kv-channels (Megatron-LM's check)"),
+    (["--hidden-size", "48", "--num-attention-heads", "16"], "a head's 3 rotated channels"),
+    (["--hidden-size", "48", "--num-attention-heads", "4", "--kv-channels", "7"], "a head's 7 rotated channels"),
+    (["--hidden-size", "48", "--num-attention-heads", "12"], None),  # 4 channels a head: the boundary, even
+    (["--hidden-size", "50", "--num-attention-heads", "4", "--kv-channels", "12"], None),
+    (["--hidden-size", "48", "--num-attention-heads", "16", "--model-family", "gpt"], None),  # learned positions
+])
+def test_a_head_that_does_not_split_or_rotate_is_refused_before_the_model_is_built(argv, message, capsys):
+    """Megatron-LM asserts hidden = heads x head dimension without --kv-channels; RoPE's frequencies pair a head's
+    channels, so an odd count of rotated channels failed in the first forward (a shape mismatch)."""
+    base = ["--num-layers", "2", "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "1",
+            "--train-iters", "1", "--mock-data", "--vocab-size", "256"]
+    if message is None:
+        parse_args([*base, *argv], world_size=1)
+        return
+    with pytest.raises(SystemExit):
+        parse_args([*base, *argv], world_size=1)
+    assert message in capsys.readouterr().err

@@ -71,6 +71,15 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
     if args.num_attention_heads % tp:
         parser.error(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
                      f"--tensor-model-parallel-size {tp}")
+    if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
+        parser.error(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+                     f"{args.num_attention_heads}: give --kv-channels (Megatron-LM's check)")
+    rotary = int((args.kv_channels or args.hidden_size // args.num_attention_heads) * args.rotary_percent)
+    rope = (args.model_family != "gpt" or args.position_embedding_type == "rope"
+            or args.use_rotary_position_embeddings)
+    if rope and rotary % 2:
+        parser.error(f"RoPE rotates pairs of channels: a head's {rotary} rotated channels (--kv-channels, or "
+                     "--hidden-size / --num-attention-heads, x --rotary-percent) must be even")
     if args.num_query_groups and (args.num_attention_heads % args.num_query_groups or args.num_query_groups % tp):
         parser.error(f"--num-query-groups {args.num_query_groups} must divide --num-attention-heads "
                      f"{args.num_attention_heads} and be divisible by --tensor-model-parallel-size {tp}")
