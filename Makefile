@@ -3,7 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test test-fast test-long test-slurm lint quickstart setup clean cuda-check gpu-wheels
+.PHONY: test test-fast test-long test-slurm lint mutation quickstart setup clean cuda-check gpu-wheels
 
 setup: $(VENV)/.installed
 
@@ -55,6 +55,11 @@ test-fast: setup
 # ruff, configured in pyproject.toml (tests/test_lint.py runs the same check).
 lint: setup
 	$(PY) -m ruff check .
+
+# Mutation testing of the guards and the arithmetic (tools/mutation.py, docs/testing.md): each module's mutants
+# against its own fast tests, in copies under build/mutation/; minutes per module. MODULES=... selects some.
+mutation: setup
+	$(PY) tools/mutation.py $(MODULES)
 
 quickstart: setup
 	PATH=$(abspath $(VENV))/bin:$$PATH bash examples/quickstart.sh

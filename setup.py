@@ -103,9 +103,10 @@ setup(
         # one worker) sets Item._nodeid, which pytest 9.2 no longer reads: every test is scheduled on its own
         # and each worker builds the shared fixtures again (pytest-xdist 3.8). ruff (`make lint`,
         # tests/test_lint.py) within one minor version: its rules change between minor versions. wandb: the
-        # test of the W&B sink (tests/test_wandb.py, offline).
+        # test of the W&B sink (tests/test_wandb.py, offline). mutmut: `make mutation` (tools/mutation.py reads
+        # its result files and its mutant names, which change between versions: pinned).
         "test": ["pytest>=8,<9.2", "pytest-xdist>=3.5", "lm_eval>=0.4", "accelerate", "angpt[bench,wandb]",
-                 "ruff>=0.17.6,<0.18"],
+                 "ruff>=0.17.6,<0.18", "mutmut==3.8.1"],
         # --wandb-project: the training metrics in a Weights & Biases run too.
         "wandb": ["wandb"],
         # Plots and fits of benchmarks/convergence.py and tools/fit_scaling_law.py.

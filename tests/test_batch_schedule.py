@@ -9,7 +9,7 @@ import pytest
 from test_optimizer import tiny_chunks
 
 from angpt.config.arguments import parse_args
-from angpt.config.batch_schedule import BatchSchedule, ramp
+from angpt.config.batch_schedule import BatchSchedule, ramp, rampup_train_iters
 from angpt.config.sections import RunConfig
 from angpt.training.optimizer import build_optimizer
 
@@ -114,3 +114,34 @@ def test_a_warm_up_of_zero_in_the_other_unit_is_megatron_lms_default_and_asks_fo
     with pytest.raises(SystemExit):
         parsed(*one)
     assert f"{one[2]} needs --train-{'samples' if '--train-iters' in argv else 'iters'}" in capsys.readouterr().err
+
+
+def test_a_run_of_train_samples_equal_to_the_ramp_ups_samples_takes_the_step_at_that_sample():
+    """Megatron-LM's update_train_iters counts ramp-up steps while consumed <= SAMPLES and consumed <=
+    --train-samples, both inclusive. START 2, INCREMENT 2 to 4 over SAMPLES 4: steps at consumed 0 (2), 2 (2) and
+    4 (4, the full batch); at --train-samples 4 the third step still counts, so 3 iterations (a partial batch)."""
+    assert rampup_train_iters(4, [2, 2, 4], 4) == 3
+    # The same ramp-up ends at consumed 8; then (19 - 8) // 4 = 2 whole batches, the 3 samples left out.
+    assert rampup_train_iters(4, [2, 2, 4], 19) == 5
+
+
+def test_a_ramp_up_of_odd_batches_on_one_rank_is_counted_with_one_sample_per_micro_batch():
+    """START 3, INCREMENT 1 to 8 over SAMPLES 10 on one rank: 5 increments, one per 2 samples; consumed 0 -> 3,
+    3 -> 3 + 1 = 4, 7 -> 3 + 3 = 6, 13 > 10 -> 8; then (40 - 13) // 8 = 3 whole batches. Odd batches do not
+    split over two micro-batches or two ranks: the count must not depend on the run's layout."""
+    config = parse_args([*MOCK, "--train-samples", "40", "--rampup-batch-size", "3", "1", "10"], world_size=1)
+    assert config.training.train_iters == 6
+    assert ramp(config.training) == [(3, 1), (4, 1), (6, 1), (8, 3)]
+    constant = parse_args([*MOCK, "--global-batch-size", "7", "--train-iters", "5"], world_size=1)
+    assert ramp(constant.training) == [(7, 5)]
+
+
+def test_a_global_batch_that_does_not_split_over_the_ranks_is_refused_not_rounded():
+    """Megatron-LM builds the calculators with decrease_batch_size_if_needed=False and checks each ramp-up step's
+    batch: 7 samples over 2 ranks, or a ramp-up step of 3 over 2 ranks, is an error rather than a smaller batch."""
+    with pytest.raises(AssertionError, match="not divisible"):
+        BatchSchedule(7, 1, 2)
+    schedule = BatchSchedule(8, 1, 2, [3, 1, 10])
+    with pytest.raises(AssertionError, match="not divisible"):
+        schedule.global_batch_size(0)
+    assert BatchSchedule(8, 1, 2, [2, 2, 16]).global_batch_size(16) == 8  # at SAMPLES: the last increment

@@ -1,17 +1,40 @@
 """The dry run's memory estimate (angpt.training.memory_estimate) and layout search (angpt.training.layout_search)
 against what the H200 measured, Megatron-LM's own schedule arithmetic, and the boundaries of their verdicts."""
 
+import itertools
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
+from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
 
 from angpt.config.sections import PrecisionSection
 from angpt.models import model_config
 from angpt.models.activation_memory import layer_bytes
+from angpt.telemetry.performance import model_flops_per_token
 from angpt.training.dry_run import memory_report
-from angpt.training.layout_search import candidate_layouts
-from angpt.training.memory_estimate import GIB, Layout, in_flight, stage_memory
+from angpt.training.layout_search import (
+    HBM_GBPS,
+    MEASURED_MFU,
+    NETWORK_GBPS,
+    NVLINK_GBPS,
+    Estimate,
+    _collective_seconds,
+    candidate_layouts,
+    describe_ranking,
+    recompute_flops_per_token,
+    step_seconds,
+)
+from angpt.training.memory_estimate import (
+    GIB,
+    Layout,
+    StageMemory,
+    bytes_per_parameter,
+    in_flight,
+    layers_activation_bytes,
+    stage_memory,
+)
 
 from conftest import ROOT, load_benchmark
 
@@ -140,3 +163,387 @@ def test_fp16_weights_count_as_bf16_ones(distributed_optimizer, per_parameter):
         memory = stage_memory(config, layout, {0: (1000, 0)}, [2], 256, 64, 1, 1, bf16=False,
                               distributed_optimizer=distributed_optimizer)
         assert memory[0].model_bytes == pytest.approx(1000 * expected)
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("virtual", [None, 2, 3])
+@pytest.mark.parametrize("micro_batches", [1, 2, 4, 12])
+def test_in_flight_is_megatron_cores_warm_up_plus_one_on_every_stage(stages, virtual, micro_batches):
+    """megatron-core's get_pp_rank_microbatches: a stage runs its warm-up's forward passes, then holds one more
+    until the first backward, or all its micro-batches (times the chunks) when the warm-up takes them all."""
+    for stage in range(stages):
+        pipeline = SimpleNamespace(pp_group=SimpleNamespace(size=lambda: stages, rank=lambda: stage),
+                                   virtual_pipeline_model_parallel_size=virtual)
+        total, all_in_warm_up, warm_up, _ = get_pp_rank_microbatches(micro_batches, virtual or 1, stages,
+                                                                     p2p_communicator=pipeline)
+        held = total if all_in_warm_up else warm_up + 1
+        assert in_flight(stage, stages, micro_batches, virtual) == pytest.approx(held / (virtual or 1))
+
+
+def test_a_two_stage_pipelines_first_and_last_stages_add_the_embedding_and_the_logits():
+    """TP 2 with sequence parallelism, CP 2, 4 micro-batches of 2 x 64 tokens, BF16: each rank holds 2 x 64 / 2 = 64
+    tokens. Stage 0 adds the embedding's output (64 tokens x 128 / 2 wide x 2 bytes) and the int64 token ids, and
+    holds 2 micro-batches (1F1B); the last adds the final norm's and output layer's inputs (2 x 128 / 2 wide) and
+    10 bytes per token of its 256 / 2 vocabulary entries, once. Weights: 18 bytes per parameter, or 6 + 12 over the
+    distributed optimizer's data x context group of 2."""
+    config = model_config("gptplus", num_layers=2, hidden_size=128, num_attention_heads=4)
+    layout = Layout(2, 2, 2, 1, sequence_parallel=True)
+    one_layer = layer_bytes(config, 128, tensor_parallel=2, sequence_parallel=True, context_parallel=2)
+    for distributed_optimizer, per_parameter in ((False, 18), (True, 6 + 12 / 2)):
+        first, last = stage_memory(config, layout, {0: (1000, 10), 1: (2000, 20)}, [1, 1], 256, 64, 2, 4, bf16=True,
+                                   distributed_optimizer=distributed_optimizer)
+        assert first.activation_bytes == pytest.approx(2 * (one_layer + 64 * (64 * 2 + 8)))
+        assert last.activation_bytes == pytest.approx(one_layer + 64 * (2 * 64 * 2 + 10 * 128))
+        assert (first.micro_batches_in_flight, last.micro_batches_in_flight) == (2, 1)
+        assert (first.parameters, last.parameters) == (510, 1020)
+        assert (first.model_bytes, last.model_bytes) == pytest.approx((510 * per_parameter, 1020 * per_parameter))
+        assert first.total == first.model_bytes + first.activation_bytes
+
+
+@pytest.mark.parametrize("method, group, inputs, whole_layers", [
+    ("uniform", 2, 3, 2),  # 5 layers in groups of 2: 3 groups' inputs, one group's activations in its backward
+    ("uniform", 5, 1, 5),
+    ("uniform", 9, 1, 5),  # a group longer than the stage: the stage's layers
+    ("block", 2, 2, 3 + 1),  # the first 2 layers recompute (1 at a time), the other 3 keep everything
+    ("block", 5, 5, 1),
+    ("block", 0, 0, 5),  # no layer recomputes: all keep everything
+])
+def test_full_recompute_keeps_the_groups_inputs_and_one_groups_activations(method, group, inputs, whole_layers):
+    """Megatron-LM's --recompute-method: uniform checkpoints groups of --recompute-num-layers layers, keeping each
+    group's input ([tokens, h]); block checkpoints the first --recompute-num-layers layers one by one. TP 2 with
+    sequence parallelism and CP 2 split the input's tokens: 2 x 64 / 2 / 2 tokens x 128 wide x 2 bytes."""
+    config = model_config("gptplus", num_layers=5, hidden_size=128, num_attention_heads=4)
+    common = dict(sequence_parallel=True, recompute_granularity="full")
+    layout = Layout(2, 1, 2, 1, recompute_method=method, recompute_num_layers=group, **common)
+    one_layer = layer_bytes(config, 128, tensor_parallel=2, sequence_parallel=True, context_parallel=2)
+    layer_input = 128 / 2 / 2 * 128 * 2
+    # To the byte: a stray byte is a wrong term.
+    assert layers_activation_bytes(config, 5, 128, layout, 2) == pytest.approx(inputs * layer_input
+                                                                               + whole_layers * one_layer, abs=0.5)
+
+
+def test_selective_recompute_and_fp32_count_what_the_layer_keeps():
+    config = model_config("gptplus", num_layers=2, hidden_size=128, num_attention_heads=4)
+    selective = Layout(1, 1, 1, 1, recompute_granularity="selective", recompute_modules=("mlp",))
+    assert layers_activation_bytes(config, 3, 64, selective, 2) == 3 * layer_bytes(config, 64,
+                                                                                    recompute_modules=("mlp",))
+    assert layers_activation_bytes(config, 3, 64, Layout(1, 1, 1, 1), 4) == 3 * layer_bytes(config, 64,
+                                                                                            bytes_per_element=4)
+    fp32 = stage_memory(config, Layout(1, 1, 1, 1), {0: (0, 0)}, [2], 256, 64, 1, 1, bf16=False,
+                        distributed_optimizer=False)[0]
+    # Two layers, then the embedding's output (4-byte) and token ids, and the last stage's inputs and logits.
+    assert fp32.activation_bytes == pytest.approx(2 * layer_bytes(config, 64, bytes_per_element=4)
+                                                  + 64 * (128 * 4 + 8) + 64 * (2 * 128 * 4 + 10 * 256))
+
+
+def test_a_layout_describes_itself_as_the_suggestions_list_it():
+    assert Layout(2, 4, 1, 8, virtual_stages=2, sequence_parallel=True).describe() == \
+        "TP 2 x PP 4 x CP 1 x DP 8 (VP 2), SP"
+    assert Layout(1, 1, 2, 4, recompute_granularity="full", recompute_method="block",
+                  recompute_num_layers=3).describe() == "TP 1 x PP 1 x CP 2 x DP 4, full recompute (block, 3)"
+    assert Layout(1, 1, 1, 1, recompute_granularity="selective", recompute_modules=("mlp", "core_attn")
+                  ).describe() == "TP 1 x PP 1 x CP 1 x DP 1, recompute mlp,core_attn"
+
+
+@pytest.mark.parametrize("family", ["gptplus", "gpt"])
+def test_recompute_flops_are_the_forward_passes_they_repeat(family):
+    """Full recompute repeats every layer's forward pass: the model's forward FLOPs (Megatron-LM's count, a third of
+    the training FLOPs) less the output head's 2 x h x vocab. Selective recompute repeats the MLP's matmuls
+    (2 FLOPs per multiply-add of its 3 matrices with SwiGLU, 2 without) or core attention's scores and values
+    (2 x 2 x q x s / 2, causal)."""
+    config = model_config(family, num_layers=3, hidden_size=128, num_attention_heads=4, num_query_groups=2)
+    h, s, vocab, layers = 128, 64, 256, 3
+    q, f = config.kv_channels * 4, config.ffn_hidden_size
+    mlp = layers * 2 * (3 if config.gated_linear_unit else 2) * f * h
+    attention = layers * 2 * q * s
+    full = Layout(1, 1, 1, 1, recompute_granularity="full")
+    assert recompute_flops_per_token(config, full, s) == pytest.approx(
+        model_flops_per_token(config, s, vocab) / 3 - 2 * h * vocab)
+    for modules, expected in ((("mlp",), mlp), (("core_attn",), attention), (("core_attn", "mlp"), mlp + attention),
+                              (("layernorm", "qk_norm"), 0)):
+        selective = Layout(1, 1, 1, 1, recompute_granularity="selective", recompute_modules=modules)
+        assert recompute_flops_per_token(config, selective, s) == expected
+    assert recompute_flops_per_token(config, Layout(1, 1, 1, 1), s) == 0
+
+
+def test_a_collective_moves_all_but_its_own_share_at_nvlinks_or_the_networks_bandwidth():
+    assert _collective_seconds(1e9, 1, True) == 0
+    assert _collective_seconds(1e9, 2, True) == pytest.approx(0.5e9 / (NVLINK_GBPS * 1e9))
+    assert _collective_seconds(1e9, 4, False) == pytest.approx(0.75e9 / (NETWORK_GBPS * 1e9))
+
+
+@pytest.mark.parametrize("world_size, seq_length, global_batch, groups", [
+    (24, 96, 12, 4),  # PP 6 (all 6 layers) fits 24 GPUs; 24 GPUs would split a batch of 12
+    (32, 128, 24, None),  # CP 32: 128 tokens in 64 chunks of 2; TP 8 with 8 heads
+    (32, 99, 32, None),  # an odd sequence: no context nor tensor parallelism at all
+])
+def test_the_candidates_are_every_layout_the_rules_allow(world_size, seq_length, global_batch, groups):
+    """Every TP of 1, 2, 4 or 8 dividing the 8 heads and the key-value groups, CP of 1 to 32 cutting the sequence
+    into 2 x CP chunks whose tokens split over TP, PP dividing the 6 layers, DP the rest of the GPUs dividing the
+    global batch in micro-batches of 1; each with each recompute choice; whole numbers, as the suggestions print."""
+    config = model_config("angpt", num_layers=6, hidden_size=256, num_attention_heads=8, num_query_groups=groups)
+    choices = [(None, ()), ("selective", ("mlp",))]
+    expected = set()
+    for tp, cp, pp in itertools.product((1, 2, 4, 8), (1, 2, 4, 8, 16, 32), range(1, 7)):
+        dp, rest = divmod(world_size, tp * cp * pp)
+        if (not rest and (groups or 8) % tp == 0 and 6 % pp == 0 and (cp == 1 or seq_length % (2 * cp) == 0)
+                and seq_length // cp % tp == 0 and global_batch % dp == 0):
+            expected |= {(tp, pp, cp, dp, tp > 1, *choice) for choice in choices}
+    layouts = candidate_layouts(config, world_size, seq_length, global_batch, 1, choices)
+    got = [(x.tensor_parallel, x.pipeline_parallel, x.context_parallel, x.data_parallel, x.sequence_parallel,
+            x.recompute_granularity, x.recompute_modules) for x in layouts]
+    assert len(got) == len(set(got)) and set(got) == expected
+    assert all(type(value) is int for layout in got for value in layout[:4])
+
+
+def test_the_ranking_counts_a_layout_that_fills_the_memory_exactly_as_fitting():
+    stage = StageMemory(0, 1, 10 * GIB, 6 * GIB, 1)
+    estimates = [Estimate(Layout(1, 1, 1, 1), [stage], dict(compute=2.0, bubble=0.5))]
+    fits = describe_ranking(estimates, 16 * GIB)
+    assert fits[0] == "  1 of 1 layouts fit 16.0 GiB; the fastest by the estimate:"
+    assert fits[2].split()[-3:] == ["16.0", "2.50", "2.00/0.50"]
+    assert describe_ranking(estimates, 16 * GIB - 1) == [
+        "  none of 1 layouts fits 16.0 GiB; the smallest needs 16.0 GiB (TP 1 x PP 1 x CP 1 x DP 1)"]
+
+
+def layer(family, tokens=64, **kwargs):
+    config = model_config(family, num_layers=1, hidden_size=128, num_attention_heads=4,
+                          num_query_groups=kwargs.pop("groups", None))
+    return layer_bytes(config, tokens, **kwargs)
+
+
+def test_recomputing_core_attention_frees_what_the_families_make_inside_it():
+    """64 tokens, 4 heads of 32 (q = 128), BF16. GPT+'s QK-norm and RoPE come before core attention: recomputing it
+    frees only the softmax's fp32 log-sum-exp per head. anGPT's and nGPT's run inside it: it frees the normalized
+    queries and keys too (q + kv), as recomputing the QK normalization alone does."""
+    lse, queries_and_keys = 64 * 4 * 4, 64 * (128 + 128) * 2
+    assert layer("gptplus") - layer("gptplus", recompute_modules=("core_attn",)) == lse
+    for family in ("angpt", "ngpt"):
+        assert layer(family) - layer(family, recompute_modules=("core_attn",)) == lse + queries_and_keys
+        assert layer(family) - layer(family, recompute_modules=("qk_norm",)) == queries_and_keys
+        assert layer(family, recompute_modules=("qk_norm", "core_attn")) == layer(family,
+                                                                                  recompute_modules=("core_attn",))
+
+
+def test_the_norms_and_residual_updates_free_what_they_keep():
+    """GPT+'s layernorm recompute frees the two RMSNorms' outputs (2h); nGPT's residual_update its exact
+    normalizations' intermediates (2h); anGPT's normalization is approximate and keeps none of its own; the MLP
+    of GELU (not gated) keeps an f-wide fc1 output and fc2 input."""
+    two_h = 64 * 2 * 128 * 2
+    assert layer("gptplus") - layer("gptplus", recompute_modules=("layernorm",)) == two_h
+    assert layer("ngpt") - layer("ngpt", recompute_modules=("residual_update",)) == two_h
+    assert layer("ngpt") - layer("angpt") == two_h
+    assert layer("angpt", recompute_modules=("residual_update", "layernorm")) == layer("angpt")
+    assert layer("gpt") - layer("gpt", recompute_modules=("mlp",)) == 64 * (512 + 512) * 2
+
+
+def test_grouped_keys_and_values_keep_a_copy_of_the_queries():
+    """2 groups of 32 (kv = 64) rather than 4: the QKV output and the normalized keys shrink by 64 per token each
+    (the keys and the values of the QKV output), and megatron-core's copy of the queries (q = 128) is added."""
+    assert layer("angpt", groups=2) - layer("angpt") == 64 * (-2 * 64 - 64 + 128) * 2
+    assert layer("gptplus", groups=2) - layer("gptplus") == 64 * (-2 * 64 - 64 + 128) * 2
+
+
+@pytest.mark.parametrize("family", ["angpt", "gptplus", "ngpt"])
+def test_context_parallelism_splits_everything_when_core_attention_is_recomputed(family):
+    """With core attention recomputed, it keeps no keys and values gathered over the context-parallel group: CP 2
+    halves the whole layer. Without, GPT+ keeps the gathered keys and values of the whole sequence (2 x 128 each,
+    BF16) instead of its local keys."""
+    recomputed = ("core_attn",)
+    assert layer(family, context_parallel=2, recompute_modules=recomputed) == layer(family,
+                                                                                    recompute_modules=recomputed) / 2
+    if family == "gptplus":
+        assert layer(family, context_parallel=2) == layer(family) / 2 - 32 * 128 * 2 + 64 * 2 * 128 * 2
+
+
+def test_fp32_training_doubles_all_but_what_is_fp32_anyway():
+    """The log-sum-exp is fp32 whatever the precision: 4 heads x 4 bytes per token, once."""
+    for family in ("angpt", "gptplus"):
+        assert layer(family, bytes_per_element=4) == 2 * layer(family) - 64 * 4 * 4
+
+
+def test_a_steps_parts_follow_the_model_of_docs_scaling():
+    """TP 2 (SP) x PP 2 x CP 2 x DP 2 = 16 GPUs (two nodes), a global batch of 8 sequences of 64 tokens in
+    micro-batches of 1: 4 per DP rank. Each part as docs/scaling.md models it, a collective moving (n - 1) / n of
+    its bytes (an all-reduce twice that) at NVLink's bandwidth within a node of 8, the network's beyond:
+    - the bubble: (p - 1) / m of the compute;
+    - TP: 4 all-reduces of a micro-batch's [64 / 2 CP tokens, 128] BF16 per layer (2 of the 4 per stage);
+    - CP: keys and values (2 x 128 / TP wide, 64 tokens, BF16) all-gathered forward, reduce-scattered backward;
+    - PP: each micro-batch's [32 tokens, 128 / TP] sent forward and its gradient back;
+    - DP: fp32 gradients reduce-scattered and BF16 parameters all-gathered over DP x CP = 4, across nodes,
+      unless overlapped."""
+    config = model_config("gptplus", num_layers=4, hidden_size=128, num_attention_heads=4)
+    layout = Layout(2, 2, 2, 2, sequence_parallel=True)
+    parts = step_seconds(config, layout, 256, 64, 8, 1, 1000, 1e12, overlap_grad_reduce=False,
+                         overlap_param_gather=False)
+    nvlink, network = NVLINK_GBPS * 1e9, NETWORK_GBPS * 1e9
+    compute = 8 * 64 * model_flops_per_token(config, 64, 256) / (16 * 1e12 * MEASURED_MFU["gptplus"])
+    assert parts == pytest.approx(dict(
+        compute=compute, bubble=compute / 4,
+        tensor_parallel=4 * 2 * 4 * 2 * (1 / 2) * 32 * 128 * 2 / nvlink,
+        context_parallel=4 * 2 * 2 * (1 / 2) * 64 * 2 * 128 / 2 * 2 / nvlink,
+        pipeline=4 * 2 * 32 * 128 / 2 * 2 / nvlink,
+        data_parallel=(3 / 4) * (1000 * 4 + 1000 * 2) / network))
+    overlapped = step_seconds(config, layout, 256, 64, 8, 1, 1000, 1e12, overlap_grad_reduce=True,
+                              overlap_param_gather=True)
+    assert overlapped["data_parallel"] == 0
+    # Full recompute repeats the forward pass: its collectives too (3 passes rather than 2), and its FLOPs.
+    full = step_seconds(config, Layout(2, 2, 2, 2, sequence_parallel=True, recompute_granularity="full"), 256, 64,
+                        8, 1, 1000, 1e12, overlap_grad_reduce=True, overlap_param_gather=True)
+    assert full["tensor_parallel"] == pytest.approx(parts["tensor_parallel"] * 3 / 2)
+    assert full["context_parallel"] == pytest.approx(parts["context_parallel"] * 3 / 2)
+    assert full["compute"] == pytest.approx(compute * (1 + recompute_flops_per_token(
+        config, Layout(1, 1, 1, 1, recompute_granularity="full"), 64) / model_flops_per_token(config, 64, 256)))
+    estimate = Estimate(layout, [StageMemory(0, 1, 3.0, 2.0, 2), StageMemory(1, 1, 1.0, 1.0, 1)], parts)
+    assert estimate.peak_bytes == 5.0 and estimate.step_seconds == pytest.approx(sum(parts.values()))
+
+
+def test_an_elementwise_recompute_costs_twice_the_bytes_it_saves_at_hbm_bandwidth():
+    """Recomputing GPT+'s norms reads their inputs and writes the outputs they had kept (2h per token, BF16): twice
+    those bytes per micro-batch (8 of 64 tokens) and layer (4, on one stage), at the HBM's bandwidth."""
+    config = model_config("gptplus", num_layers=4, hidden_size=128, num_attention_heads=4)
+    plain, norms = (step_seconds(config, Layout(1, 1, 1, 1, recompute_granularity=granularity,
+                                                recompute_modules=modules), 256, 64, 8, 1, 1000, 1e12, True, True)
+                    for granularity, modules in ((None, ()), ("selective", ("layernorm",))))
+    assert norms["compute"] - plain["compute"] == pytest.approx(8 * 4 * 2 * (64 * 2 * 128 * 2) / (HBM_GBPS * 1e9))
+
+
+@pytest.mark.parametrize("family, hidden_width", [("gptplus", 4), ("angpt", 4), ("ngpt", 6)])
+@pytest.mark.parametrize("layout", [{}, {"groups": 2}, {"context_parallel": 2}], ids=["MHA", "GQA", "CP 2"])
+def test_tensor_parallelism_without_sequence_parallelism_splits_only_the_heads_and_the_mlp(family, hidden_width,
+                                                                                           layout):
+    """The residual stream's tensors (GPT+: the RMSNorms' inputs and outputs; anGPT: the projections' and residual
+    updates' inputs; nGPT: those and its exact normalizations', 4h or 6h in all) stay whole on each TP rank; the
+    rest, the queries' copy of grouped attention and the keys and values gathered over CP included, is split."""
+    hidden = 64 * hidden_width * 128 * 2 / layout.get("context_parallel", 1)
+    assert layer(family, tensor_parallel=2, **layout) == pytest.approx(hidden + (layer(family, **layout) - hidden) / 2)
+
+
+def test_the_head_width_is_kv_channels_where_given():
+    """Heads of 64 (kv_channels) rather than 128 / 4 = 32: every query, key and value entry doubles (GPT+: the
+    QKV output 3q, core attention's output q, the normalized queries and keys 2q, per token)."""
+    config = model_config("gptplus", num_layers=1, hidden_size=128, num_attention_heads=4, kv_channels=64)
+    assert layer_bytes(config, 64) - layer("gptplus") == 64 * (3 + 1 + 2) * 128 * 2
+
+
+@pytest.mark.parametrize("data_parallel", [2, 4])
+def test_the_estimate_of_each_sharding_is_the_memory_measured_on_its_ranks(data_parallel):
+    """benchmarks/sixteen_bit_optimizer.py counted the storages each rank holds after a bf16 step of GPT+ (DDP's
+    16-bit optimizer, the distributed optimizer, FSDP2): the dry run's bytes a parameter, as counted."""
+    with open(os.path.join(ROOT, "docs", "results", f"memory_dp{data_parallel}.json")) as file:
+        measured = json.load(file)
+    assert measured["data_parallel"] == data_parallel
+    for name, (distributed_optimizer, fsdp2) in {"without": (False, False), "distributed optimizer": (True, False),
+                                                 "fsdp2": (False, True)}.items():
+        per_parameter = measured["rows"][name]["total"] * 2**20 / measured["parameters"]
+        assert per_parameter == pytest.approx(bytes_per_parameter(True, distributed_optimizer, data_parallel, fsdp2),
+                                              rel=1e-3)
+
+
+def test_the_ranking_lists_the_ten_fastest_that_fit_or_the_smallest_that_does_not():
+    """12 layouts, the k-th taking 12 - k seconds and k GiB: with 20 GiB all fit, and the 10 fastest are listed,
+    fastest first, under a header of the columns; with 0.5 GiB none fits, and the smallest (1 GiB) is named."""
+    estimates = [Estimate(Layout(1, 1, 1, k), [StageMemory(0, 1, k * GIB, 0.0, 1)], dict(compute=12.0 - k))
+                 for k in range(1, 13)]
+    lines = describe_ranking(estimates, 20 * GIB)
+    assert lines[0] == "  12 of 12 layouts fit 20.0 GiB; the fastest by the estimate:"
+    assert lines[1].split() == ["layout", "GiB", "step", "s", "compute/bubble/TP/CP/PP/DP", "s"]
+    assert [line.split()[10] for line in lines[2:]] == [str(k) for k in range(12, 2, -1)]  # DP k
+    assert describe_ranking(estimates, GIB / 2) == [
+        "  none of 12 layouts fits 0.5 GiB; the smallest needs 1.0 GiB (TP 1 x PP 1 x CP 1 x DP 1)"]
+
+
+def test_only_the_elementwise_recomputes_cost_hbm_traffic_with_sequence_parallel_bytes():
+    """Selective recompute of the MLP, core attention and the norms: the first two cost FLOPs (counted in the
+    recompute FLOPs), only the norms HBM traffic: twice their saved bytes, which sequence parallelism splits over
+    TP 2 (64 / 2 tokens x 2h x 2 bytes per layer and micro-batch, 8 micro-batches, 4 layers)."""
+    config = model_config("gptplus", num_layers=4, hidden_size=128, num_attention_heads=4)
+    modules = ("mlp", "core_attn", "layernorm")
+    layout = Layout(2, 1, 1, 1, sequence_parallel=True, recompute_granularity="selective", recompute_modules=modules)
+    flops = 8 * 64 * (model_flops_per_token(config, 64, 256) + recompute_flops_per_token(config, layout, 64))
+    expected = flops / (2 * 1e12 * MEASURED_MFU["gptplus"]) + 8 * 4 * 2 * (32 * 2 * 128 * 2) / (HBM_GBPS * 1e9)
+    assert step_seconds(config, layout, 256, 64, 8, 1, 1000, 1e12, True, True)["compute"] == pytest.approx(expected)
+
+
+def test_fsdp2_keeps_its_shard_and_gathers_a_layer_or_every_weight():
+    """FSDP2 over DP 2 x CP 2 = 4 ranks: 18 bytes a parameter at bf16 (16 at fp32) over the 4, plus what it gathers
+    (the docstring of stage_memory): a layer's weights and their gradients, 2 x 4000 / 4 layers, or with
+    reshard_after_forward off every weight, 4000; a stage without layers gathers its parameters as one."""
+    config = model_config("gptplus", num_layers=4, hidden_size=128, num_attention_heads=4)
+    layout = Layout(1, 1, 2, 2)
+
+    def model_bytes(layers=4, bf16=True, **fsdp2):
+        return stage_memory(config, layout, {0: (4000, 0)}, [layers], 256, 64, 1, 1, bf16=bf16,
+                            distributed_optimizer=False, fsdp2=True, **fsdp2)[0].model_bytes
+
+    assert model_bytes() == pytest.approx(4000 * 18 / 4 + 2 * 4000 / 4 * 2)
+    assert model_bytes(reshard_after_forward=True) == model_bytes()
+    assert model_bytes(reshard_after_forward=False) == pytest.approx(4000 * 18 / 4 + 4000 * 2)
+    assert model_bytes(bf16=False) == pytest.approx(4000 * 16 / 4 + 2 * 4000 / 4 * 4)
+    assert model_bytes(layers=0) == pytest.approx(4000 * 18 / 4 + 2 * 4000 * 2)
+    assert bytes_per_parameter(True, False, 4) == 18  # FSDP2 only where asked
+
+
+def test_without_sequence_parallelism_the_hidden_tensors_stay_whole_on_each_tp_rank():
+    """TP 2 without SP: the embedding's output, the last stage's inputs, and full recompute's kept layer inputs
+    are 64 tokens x 128 wide on each rank, not 128 / 2."""
+    config = model_config("gptplus", num_layers=2, hidden_size=128, num_attention_heads=4)
+    layout = Layout(2, 1, 1, 1)
+    one_layer = layer_bytes(config, 64, tensor_parallel=2)
+    stage = stage_memory(config, layout, {0: (0, 0)}, [2], 256, 64, 1, 1, bf16=True, distributed_optimizer=False)[0]
+    assert stage.activation_bytes == pytest.approx(2 * one_layer + 64 * (128 * 2 + 8)
+                                                   + 64 * (2 * 128 * 2 + 10 * 128))
+    full = Layout(2, 1, 1, 1, recompute_granularity="full", recompute_num_layers=1)
+    assert layers_activation_bytes(config, 2, 64, full, 2) == pytest.approx(2 * 64 * 128 * 2 + one_layer)
+
+
+def test_an_interleaved_pipelines_stage_holds_megatron_cores_chunks():
+    """VP 2 over PP 2 with 4 micro-batches: stage 0 holds in_flight(0, 2, 4, 2) of its layers' activations (checked
+    against megatron-core above), more than 1F1B's 2."""
+    config = model_config("gptplus", num_layers=4, hidden_size=128, num_attention_heads=4)
+    first = stage_memory(config, Layout(1, 2, 1, 1, virtual_stages=2), {0: (0, 0), 1: (0, 0)}, [2, 2], 256, 64, 1,
+                         4, bf16=True, distributed_optimizer=False)[0]
+    assert first.micro_batches_in_flight == in_flight(0, 2, 4, 2) == 2.5
+    assert first.activation_bytes == pytest.approx(2.5 * (2 * layer_bytes(config, 64) + 64 * (128 * 2 + 8)))
+
+
+def modelled_step(config, layout, seq_length, global_batch, parameters, peak_flops, overlap):
+    """One step's parts as docs/scaling.md and layout_search's docstring describe them, written out here: every
+    collective moves (n - 1) / n of its bytes per rank (an all-reduce twice that) at NVLink's bandwidth when its
+    group fits in a node of 8, the network's otherwise; full recompute repeats the forward pass (3 passes)."""
+    tp, pp, cp, dp = layout.tensor_parallel, layout.pipeline_parallel, layout.context_parallel, layout.data_parallel
+    micro_batches, world, layers = global_batch // dp, tp * pp * cp * dp, config.num_layers / pp
+
+    def ring(nbytes, group, within_node):
+        return nbytes * (group - 1) / group / ((NVLINK_GBPS if within_node else NETWORK_GBPS) * 1e9)
+
+    passes = 3 if layout.recompute_granularity == "full" else 2
+    hidden = seq_length / cp * config.hidden_size * 2  # one micro-batch of 1 sequence, [tokens, h] in BF16
+    kv = config.kv_channels * (config.num_query_groups or config.num_attention_heads)
+    compute = global_batch * seq_length * (model_flops_per_token(config, seq_length, 256) + recompute_flops_per_token(
+        config, layout, seq_length)) / (world * peak_flops * MEASURED_MFU[config.model_family])
+    if layout.recompute_granularity == "selective":  # the norms (the only elementwise choice here): 2h per token
+        norms = seq_length / cp * 2 * config.hidden_size / (tp if layout.sequence_parallel else 1) * 2
+        compute += micro_batches * layers * 2 * norms / (HBM_GBPS * 1e9)
+    return dict(
+        compute=compute, bubble=compute * (pp - 1) / (micro_batches * (layout.virtual_stages or 1)),
+        tensor_parallel=micro_batches * layers * 2 * passes * 2 * ring(hidden, tp, True),
+        context_parallel=micro_batches * layers * passes * ring(seq_length * 2 * kv / tp * 2, cp, tp * cp <= 8),
+        pipeline=(micro_batches * 2 * hidden / (tp if layout.sequence_parallel else 1)
+                  / ((NVLINK_GBPS if tp * cp * pp <= 8 else NETWORK_GBPS) * 1e9)) if pp > 1 else 0,
+        data_parallel=0 if overlap else (ring(parameters * 4, dp * cp, world <= 8)
+                                         + ring(parameters * 2, dp * cp, world <= 8)))
+
+
+@pytest.mark.parametrize("layout", [
+    Layout(2, 2, 1, 2, virtual_stages=2, recompute_granularity="selective", recompute_modules=("layernorm",)),
+    Layout(4, 4, 2, 1, sequence_parallel=True),  # CP's group of 8 GPUs in one node; PP's 32 across nodes
+    Layout(8, 1, 2, 1, sequence_parallel=True),  # CP's group of 16 across nodes; no pipeline
+    Layout(2, 1, 1, 4, recompute_granularity="full"),  # exactly one node of 8: DP within it
+], ids=["VP 2, 8 GPUs", "TP 4 x CP 2 = 8", "TP 8 x CP 2 = 16", "full recompute, DP 4"])
+def test_each_part_of_a_step_at_the_node_boundaries(layout):
+    """Grouped attention (2 groups), micro-batches of 1 sequence of 64 tokens, a global batch of 8."""
+    config = model_config("gptplus", num_layers=8, hidden_size=256, num_attention_heads=8, num_query_groups=2)
+    for overlap in (False, True):
+        assert step_seconds(config, layout, 256, 64, 8, 1, 1000, 1e12, overlap, overlap) == pytest.approx(
+            modelled_step(config, layout, 64, 8, 1000, 1e12, overlap))

@@ -275,3 +275,16 @@ def test_sentencepiece_types_encode_as_megatron_core(sentencepiece_model, tokeni
     (tmp_path / "bad.model").write_text("not a model")
     with pytest.raises(ValueError, match=r"^--tokenizer-model .*bad.model: not a SentencePiece model \([^\n]*\)$"):
         build_tokenizer(tokenizer_type, str(tmp_path / "bad.model"))
+
+
+def test_a_hugging_face_vocabulary_counts_its_added_tokens_and_decodes_them(tmp_path):
+    """<|endoftext|> added after a 2-token WordLevel vocabulary takes id 2: 3 ids in all, the last the end of
+    document, which decoding keeps (as Megatron-LM's detokenize, which does not skip special tokens)."""
+    from tokenizers import Tokenizer, models  # noqa: PLC0415 (this test's only use)
+
+    tokenizer = Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a"))
+    tokenizer.add_special_tokens(["<|endoftext|>"])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    built = build_tokenizer("HuggingFaceTokenizer", str(tmp_path / "tokenizer.json"))
+    assert (built.vocab_size, built.eod) == (3, 2)
+    assert built.decode([1, 2]) == "b <|endoftext|>"
