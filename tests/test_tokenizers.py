@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from angpt.data.tokenizers import SENTENCEPIECE_TYPES, build_tokenizer, recorded_tokenizer, sha256_of
+from angpt.data.files import sha256_of
+from angpt.data.tokenizers import SENTENCEPIECE_TYPES, build_tokenizer, recorded_tokenizer
 
 from conftest import ROOT, megatron_tokenizer, write_megatron_tiktoken
 

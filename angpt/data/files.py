@@ -1,7 +1,8 @@
-"""Text files read whole (JSON, tokenizer files): a file that is not UTF-8 or not JSON is reported by its line,
-not by a byte offset or a traceback. The caller names the file, in its own error (read_json_object names it
-itself)."""
+"""Files read whole (JSON, tokenizer files) and a file's SHA-256: a file that is not UTF-8 or not JSON is
+reported by its line, not by a byte offset or a traceback. The caller names the file, in its own error
+(read_json_object names it itself)."""
 
+import hashlib
 import json
 
 
@@ -34,3 +35,12 @@ def read_json_object(path: str) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"{path}: not a JSON object")
     return value
+
+
+def sha256_of(path: str) -> str:
+    """The SHA-256 of a file's bytes, read a MiB at a time."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

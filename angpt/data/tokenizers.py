@@ -20,7 +20,6 @@ encodes it as ordinary text instead, so that the end-of-document token only ever
 
 import base64
 import binascii
-import hashlib
 import importlib.metadata
 import json
 import logging
@@ -36,7 +35,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as RustTokenizer
 
 from angpt.config.tiktoken_layout import TIKTOKEN_NUM_SPECIAL_TOKENS, TIKTOKEN_PATTERNS
-from angpt.data.files import read_json, read_json_object, read_text
+from angpt.data.files import read_json, read_json_object, read_text, sha256_of
 
 EOD_TOKEN = "<|endoftext|>"
 # GPT-2's pre-tokenizer regex, which TikTokenizer splits text with (angpt.hf.tokenizer_export gives it to the export).
@@ -74,14 +73,6 @@ def flat_ids(encoded: list) -> tuple:
     """(every id of the texts, concatenated as int64; each text's count of ids) of lists of ids."""
     lengths = numpy.fromiter(map(len, encoded), dtype=numpy.int64, count=len(encoded))
     return numpy.fromiter(chain.from_iterable(encoded), dtype=numpy.int64, count=int(lengths.sum())), lengths
-
-
-def sha256_of(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def describe_file(path: str) -> dict:
