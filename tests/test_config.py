@@ -211,6 +211,7 @@ def test_production_runs_without_fault_hooks(monkeypatch):
     assert faults.from_environment().step_seconds == 0.5
 
 
+@pytest.mark.slow  # in-process trainer builds, seconds each: out of make test-fast
 def test_a_resume_with_another_model_shape_is_refused_naming_the_flags(tmp_path, single_process, caplog):
     model = ["--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
              "--global-batch-size", "2", "--mock-data", "--vocab-size", "128", "--eval-iters", "0"]

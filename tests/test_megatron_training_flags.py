@@ -279,6 +279,7 @@ def deterministic_algorithms_restored():
     torch.use_deterministic_algorithms(False)
 
 
+@pytest.mark.slow  # in-process trainer builds, seconds each: out of make test-fast
 def test_deterministic_mode_trains_with_torchs_deterministic_algorithms(tmp_path, single_process,
                                                                         deterministic_algorithms_restored):
     trainer = in_process_trainer([*TINY, "--deterministic-mode", "--save", str(tmp_path)])
@@ -313,6 +314,7 @@ def test_deterministic_mode_on_cuda_needs_a_deterministic_nccl_algorithm(monkeyp
         distributed.use_deterministic_algorithms(transformer_engine=True)
 
 
+@pytest.mark.slow  # in-process trainer builds, seconds each: out of make test-fast
 def test_dist_ckpt_strictness_takes_megatron_cores_values_and_reaches_the_load(tmp_path, single_process, caplog):
     assert DIST_CKPT_STRICTNESS == tuple(handling.value for handling in StrictHandling)
     assert in_process_trainer([*TINY, "--train-iters", "1", "--save", str(tmp_path)]).run() == 0
