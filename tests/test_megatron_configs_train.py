@@ -103,9 +103,9 @@ CONFIGS = {
         "TP 1 x PP 4 x DP 1 (2)", "--overlap-param-gather-with-optimizer-step (gpt): the first chunk's own "
         "distributed optimizer, its all-gather started after its step; the torch format with the distributed "
         "optimizer"),
-    # PyTorch's FSDP2 with tensor parallelism at bf16 (angpt refuses FSDP2 at bf16: its fp32 scales).
+    # PyTorch's FSDP2 with tensor parallelism at bf16 (anGPT's fp32 scales each an FSDP2 unit of its own).
     "gpt3_mcore_te_tp2_pp1_fsdp2_resume_torch_dist": (
-        ("gpt",), {"--num-layers": 2}, "TP 2 x DP 2 (4)",
+        ("gpt", "angpt"), {"--num-layers": 2}, "TP 2 x DP 2 (4)",
         "--use-torch-fsdp2 at TP 2: every weight, gradient and Adam state sharded by rows over the data-parallel "
         "ranks, bf16 with the 16-bit optimizer"),
     # Its own 6 layers: with the embedding and loss, 2 a rank, 1 a virtual stage; rank 0 starts with the embedding

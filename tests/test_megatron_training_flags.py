@@ -27,6 +27,7 @@ from test_trainer import losses
 
 from angpt.config import megatron_lm
 from angpt.config.arguments import parse_args
+from angpt.config.choices import MODEL_FAMILIES
 from angpt.config.sections import DIST_CKPT_STRICTNESS, DataSection, RunConfig
 from angpt.data.gpt_datasets import TrainingBatches, build_datasets, dataset_vocabulary, micro_batches
 from angpt.training import checkpoint_store, checkpointing, distributed
@@ -679,8 +680,6 @@ def test_apply_wd_to_qk_layernorm_says_what_it_changes(family, argv, line):
     (["--model-family", "gpt"], "--use-torch-fsdp2 with tied embeddings"),  # gpt ties unless told otherwise
     (["--fp16"], "--use-torch-fsdp2 with --fp16 (Megatron-LM's check)"),
     (["--bf16", "--use-distributed-optimizer"], "--use-torch-fsdp2 with --use-distributed-optimizer"),
-    (["--bf16"], "--use-torch-fsdp2 with --bf16 for angpt: not built yet here"),
-    (["--bf16", "--model-family", "ngpt"], "--use-torch-fsdp2 with --bf16 for ngpt: not built yet here"),
     (["--save", "ckpt", "--ckpt-format", "torch"], "--use-torch-fsdp2 with --ckpt-format torch: give torch_dist"),
     (["--check-weight-hash-across-dp-replicas-interval", "1"], "no replicas"),
     (["--dry-run", "4", "--suggest-layout"], "--use-torch-fsdp2 with --suggest-layout: its search does not weigh"),
@@ -697,6 +696,9 @@ def test_fsdp2_builds_megatron_cores_fsdp2_wrapper_with_the_flags_resharding():
         assert isinstance(config, TorchFullyShardedDataParallelConfig) and config.reshard_after_forward is reshard
     gpt = parse_args([*PIPELINE, "--use-torch-fsdp2", "--model-family", "gpt", "--untie-embeddings-and-output-weights"],
                      world_size=2)
+    for family in MODEL_FAMILIES:  # bf16 weights beside the normalized families' fp32 scales included
+        assert parse_args([*PIPELINE, "--use-torch-fsdp2", "--bf16", "--model-family", family,
+                           "--untie-embeddings-and-output-weights"], world_size=2).parallel.use_torch_fsdp2
     assert gpt.parallel.use_torch_fsdp2
     assert type(ddp_config(parse_args(PIPELINE, world_size=2))) is not TorchFullyShardedDataParallelConfig
     with pytest.raises(SystemExit):

@@ -299,6 +299,45 @@ def test_fsdp2_shards_of_rows_that_do_not_divide_go_to_plain_ddp_and_back(tmp_pa
     assert "iteration " not in output
 
 
+@pytest.mark.long  # three runs of two processes for anGPT, two for nGPT
+@pytest.mark.parametrize("family", ["angpt", "ngpt"])
+def test_fsdp2_at_bf16_keeps_the_scales_fp32_and_trains_as_the_distributed_optimizer(family, tmp_path, single_process):
+    """At --bf16 the weights are bf16 and the learnable scales fp32 (docs/model.md), each scale an FSDP2 unit of its
+    own (angpt.megatron_compat.fsdp2). Each step's loss and grad norm are the distributed optimizer's at bf16 up to
+    one bf16 rounding (2^-8 relative): FSDP2 reduce-scatters the gradients in bf16, the distributed optimizer here in
+    fp32. The first step's loss, before any update, is the same number. Every row of the fp32 main weights is
+    bounded (anGPT) or normalized (nGPT) after the steps, the scales are saved fp32, and FSDP2 resumes its own
+    checkpoint bit for bit."""
+    base = ["--model-family", family, *ITERS, "--bf16", "--save-interval", "3"]
+    sharded, expected = tmp_path / "fsdp2", tmp_path / "distributed_optimizer"
+    train(*base, "--use-torch-fsdp2", "--save", str(sharded))
+    train(*base, "--use-distributed-optimizer", "--save", str(expected))
+    got, want = records(sharded), records(expected)
+    assert [r["iteration"] for r in got] == [r["iteration"] for r in want] == list(range(1, 7))
+    assert got[0]["lm_loss"] == want[0]["lm_loss"]
+    for mine, theirs in zip(got, want):
+        assert mine["lm_loss"] == pytest.approx(theirs["lm_loss"], rel=2**-8)
+        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=2**-8)
+    saved = checkpoint_tensors(sharded, 6)
+    scales = [key for key in saved if key.endswith("s_hat") and not key.startswith("optimizer.")]
+    assert scales and all(saved[key].dtype == torch.float32 for key in scales)
+    assert saved["embedding.word_embeddings.weight"].dtype == torch.bfloat16
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):  # rows of d: docs/model.md
+        norms = saved[f"optimizer.state.fp32_param.{name}"].norm(dim=1)
+        if family == "angpt":
+            assert norms.max() <= 1 + 1e-6 and (norms > 1 - 1e-6).any()  # bounding acted
+        else:
+            torch.testing.assert_close(norms, torch.ones_like(norms))
+    if family == "ngpt":  # the resume is the same code for both
+        return
+    resumed = copy_checkpoint(sharded, 3, tmp_path / "resumed")
+    train(*base, "--use-torch-fsdp2", "--load", resumed, "--save", resumed)
+    assert losses(resumed) == {i: losses(sharded)[i] for i in (4, 5, 6)}
+    final = checkpoint_tensors(resumed, 6)
+    assert final.keys() == saved.keys()
+    assert [key for key in final if not torch.equal(final[key], saved[key])] == []
+
+
 @pytest.mark.long  # two runs of two processes
 def test_the_overlapped_param_gather_logs_what_the_synchronous_one_does(tmp_path):
     """The distributed optimizer's all-gather of the updated weights overlapped with the next forward (Megatron-LM's

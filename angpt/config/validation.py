@@ -154,9 +154,6 @@ def _validate_fsdp2(parser, args) -> None:
         (not untied, "with tied embeddings: the embedding and the output layer would share a sharded weight "
                      "(Megatron-LM's check: give --untie-embeddings-and-output-weights)"),
         (args.fp16, "with --fp16 (Megatron-LM's check)"),
-        (args.bf16 and args.model_family in ("angpt", "ngpt"),
-         f"with --bf16 for {args.model_family}: not built yet here (FSDP2 gathers a layer's weights as one tensor of "
-         "one dtype, and the learnable scales stay fp32 under bf16; fp32, or gpt and gptplus, train with it)"),
         (args.ckpt_format == "torch", "with --ckpt-format torch: give torch_dist (Megatron-LM's check)"),
         (args.suggest_layout, "with --suggest-layout: its search does not weigh FSDP2 yet (--dry-run alone "
                               "estimates FSDP2's memory)"),

@@ -24,7 +24,9 @@ Each workaround, where it is, and what breaks without it under megatron-core 0.1
 - PyTorch's FSDP2 through megatron-core (`fsdp2.py`): without CUDA its device mesh asks CUDA for the device; its
   `finish_grad_sync` refuses the argument megatron-core's `finalize_model_grads` passes (a TypeError at the first
   step, GPUs too); its checkpoints: the optimizer's state found no parameter under torch 2.13, loaded as local
-  tensors Adam cannot mix with DTensors, and a gated MLP's fc1 was saved with rows of W and V swapped.
+  tensors Adam cannot mix with DTensors, and a gated MLP's fc1 was saved with rows of W and V swapped; at bf16 a
+  layer's fp32 learnable scales beside its bf16 weights (one dtype a unit), and megatron-core's 16-bit optimizer
+  takes an fp32 parameter's gradient from a DDP buffer FSDP2 has none of.
 - Checkpoints loaded as data (`checkpoint_unpickling.py`): torch's distributed checkpoint unpickles its
   `.metadata` and its non-tensor items (the RNG states) with Python's unrestricted unpickler, so a crafted
   checkpoint runs code when `--load` or the export reads it; megatron-core reads `common.pt` weights-only only

@@ -29,6 +29,13 @@ angpt's models; each workaround says what breaks without it.
   the optimizer's state then matches no parameter of (a ValueError at the first save), and torch's checkpoint
   cannot write the empty shards it leaves (an IndexError in its planner); `fewer_rows_than_ranks` names such
   weights, for a refusal at the start.
+- Under --bf16 a layer holds bf16 weights and fp32 learnable scales (angpt.models.scales), and FSDP2 gathers a
+  unit's weights as one tensor of one dtype ("FSDP expects uniform original parameter dtype" at the first forward).
+  `_fully_shard_scales_first` makes each scale of such a unit a unit of its own before the unit: tiny, and kept
+  gathered from its forward to its backward, since the layers take the scale's tensor itself (`surrogate`, made an
+  FSDP2 forward method) and use it after that method returns. megatron-core's 16-bit optimizer then takes an fp32
+  parameter's gradient from the DDP buffer's `main_grad`, which FSDP2's parameters have none of (an AttributeError
+  at the first step): `_copy_model_grads_of_shards` lends them their own `.grad` as one.
 """
 
 from __future__ import annotations
@@ -40,8 +47,11 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from angpt.models.scales import LearnableScale
 
 
 class _DeviceMeshOnThisDevice:
@@ -52,6 +62,17 @@ class _DeviceMeshOnThisDevice:
         if device_type == "cuda" and not torch.cuda.is_available():
             device_type = "cpu"
         return DeviceMesh.from_group(group, device_type, *args, **kwargs)
+
+
+def _fully_shard_scales_first(module: torch.nn.Module, **kwargs) -> FSDPModule:
+    """megatron-core's fully_shard of a layer or of the model; where its weights are of more than one dtype, after
+    each learnable scale in it in a unit of its own, gathered until its backward."""
+    if len({param.dtype for param in module.parameters()}) > 1:
+        for scale in module.modules():
+            if isinstance(scale, LearnableScale) and not isinstance(scale, FSDPModule):
+                fully_shard(scale, **{**kwargs, "reshard_after_forward": False})
+                register_fsdp_forward_method(scale, "surrogate")
+    return fully_shard(module, **kwargs)
 
 
 def _finish_grad_sync(self, force_all_reduce: bool = False) -> None:
@@ -90,6 +111,19 @@ def _float16_load_state_dict_of_shards(self, state_dict):
         state_dict[key] = [[_placed_as(saved, current) for current, saved in zip(current_group, saved_group)]
                            for current_group, saved_group in zip(self.fp32_from_float16_groups, state_dict[key])]
     _float16_load_state_dict(self, state_dict)
+
+
+_copy_model_grads_to_main_grads = Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads
+
+
+def _copy_model_grads_of_shards(self) -> None:
+    """megatron-core's, with each fp32 FSDP2 parameter's gradient its own `.grad`, reduce-scattered by FSDP2."""
+    sharded = [param for group in self.fp32_from_fp32_groups for param in group if isinstance(param, DTensor)]
+    for param in sharded:
+        param.main_grad = param.grad
+    _copy_model_grads_to_main_grads(self)
+    for param in sharded:
+        del param.main_grad
 
 
 def place_shards(sharded_state_dict: dict, module: torch.nn.Module) -> dict:
@@ -156,6 +190,8 @@ def fewer_rows_than_ranks(rows: dict[str, int], ranks: int) -> dict[str, int]:
 
 def install() -> None:
     Float16OptimizerWithFloat16Params.load_state_dict = _float16_load_state_dict_of_shards
+    Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads = _copy_model_grads_of_shards
     optimizer_checkpoint.to_local_if_dtensor = _local_shard
     torch_fsdp.DeviceMesh = _DeviceMeshOnThisDevice
+    torch_fsdp.fully_shard = _fully_shard_scales_first
     torch_fsdp.TorchFullyShardedDataParallel.finish_grad_sync = _finish_grad_sync

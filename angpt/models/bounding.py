@@ -145,31 +145,33 @@ def _optimizer_pieces(optimizer) -> tuple[list[torch.nn.Parameter], list[_Piece]
         params = [p for buffer in optimizer.buffers for p in buffer.params if wanted(p)]
         return params, pieces, optimizer.data_parallel_group
     if isinstance(optimizer, Float16OptimizerWithFloat16Params):
-        pieces = [
-            _Piece(main.data.view(-1), model, 0)
+        return _pieces_of([
+            (model, main)
             for model_group, main_group in zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups)
             for model, main in zip(model_group, main_group)
             if wanted(model)
-        ]
-        pieces += [
-            _Piece(p.data.view(-1), p, 0) for group in optimizer.fp32_from_fp32_groups for p in group if wanted(p)
-        ]
-        return [piece.param for piece in pieces], pieces, None
+        ] + [(p, p) for group in optimizer.fp32_from_fp32_groups for p in group if wanted(p)])
     if isinstance(optimizer, FP32Optimizer):
-        params = [p for group in optimizer.optimizer.param_groups for p in group["params"] if wanted(p)]
-        if params and isinstance(params[0], DTensor):
-            return params, [_fsdp_piece(p) for p in params], params[0].device_mesh.get_group()
-        return params, [_Piece(p.data.view(-1), p, 0) for p in params], None
+        return _pieces_of([(p, p) for group in optimizer.optimizer.param_groups for p in group["params"] if wanted(p)])
     raise TypeError(f"weight constraints do not support {type(optimizer).__name__}")
 
 
-def _fsdp_piece(param: DTensor) -> _Piece:
-    """This rank's FSDP2 shard of `param`: rows `torch.chunk` gives it (the last ranks' fewer, or none), a
-    contiguous run of the flattened weight."""
+def _pieces_of(weights: list[tuple[torch.nn.Parameter, torch.Tensor]]):
+    """_optimizer_pieces of (model weight, the main weight the optimizer updates for it) pairs: whole weights, or
+    FSDP2 shards of them over its data-parallel group."""
+    params = [model for model, _ in weights]
+    if params and isinstance(params[0], DTensor):
+        return params, [_fsdp_piece(model, main) for model, main in weights], params[0].device_mesh.get_group()
+    return params, [_Piece(main.data.view(-1), model, 0) for model, main in weights], None
+
+
+def _fsdp_piece(param: DTensor, main: DTensor) -> _Piece:
+    """This rank's FSDP2 shard of `main` (`param`, or the 16-bit optimizer's fp32 copy of it): rows `torch.chunk`
+    gives it (the last ranks' fewer, or none), a contiguous run of the flattened weight."""
     if tuple(param.placements) != (Shard(0),):
         raise TypeError(f"weight constraints take FSDP2 shards of rows (Shard(0)), not {param.placements}")
     _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return _Piece(param.to_local().view(-1), param, offset[0] * param.shape[1])
+    return _Piece(main.to_local().view(-1), param, offset[0] * param.shape[1])
 
 
 def attach_weight_constraint(optimizer, mode: str) -> None:
