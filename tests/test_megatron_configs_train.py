@@ -96,11 +96,10 @@ CONFIGS = {
     "gpt3_mcore_tp4_pp1_resume_torch": (
         ("gpt",), {"--num-layers": 2, **FP16_SCALE}, "TP 4 x DP 1 (2)",
         "the torch format at TP 4 (mp_rank_00 to mp_rank_03), fp16 and its loss scaler"),
-    # angpt refuses --overlap-param-gather-with-optimizer-step at bf16 (angpt.config.validation): it runs the rest,
-    # the overlapped param gather with virtual stages, which once stopped in the health probe's module calls.
+    # The overlapped param gather with virtual stages once stopped in the health probe's module calls.
     "gpt3_mcore_te_tp1_pp4_vp1_dist_optimizer_overlap_grad_reduce_param_gather_overlap_optimizer": (
-        ("gpt", "angpt"), {"--num-layers": 8, "--overlap-param-gather-with-optimizer-step": {"angpt": None}},
-        "TP 1 x PP 4 x DP 1 (2)", "--overlap-param-gather-with-optimizer-step (gpt): the first chunk's own "
+        ("gpt", "angpt"), {"--num-layers": 8},
+        "TP 1 x PP 4 x DP 1 (2)", "--overlap-param-gather-with-optimizer-step: the first chunk's own "
         "distributed optimizer, its all-gather started after its step; the torch format with the distributed "
         "optimizer"),
     # PyTorch's FSDP2 with tensor parallelism at bf16 (anGPT's fp32 scales each an FSDP2 unit of its own).
@@ -140,12 +139,9 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.long]
 
 
 def argv(name: str, replaced: dict, family: str, run_dir, corpus) -> list[str]:
-    """The configuration's flags as Megatron-LM's harness passes them, with SHRINK, `replaced` (a value {family:
-    value} for those families alone), this machine's data and the run's directories in place of its own."""
-    own = RECORD["configs"][name]
-    replaced = {flag: (value[family] if family in value else own.get(flag)) if isinstance(value, dict) else value
-                for flag, value in replaced.items()}
-    model_args = {**own, **SHRINK, **replaced}
+    """The configuration's flags as Megatron-LM's harness passes them, with SHRINK, `replaced`, this machine's data
+    and the run's directories in place of its own."""
+    model_args = {**RECORD["configs"][name], **SHRINK, **replaced}
     model_args.update({
         "--data-path": str(corpus / "train_text_document"), "--data-cache-path": str(run_dir.parent / "data_cache"),
         "--save": str(run_dir), "--load": str(run_dir), "--tensorboard-dir": str(run_dir / "tensorboard"),

@@ -338,6 +338,30 @@ def test_fsdp2_at_bf16_keeps_the_scales_fp32_and_trains_as_the_distributed_optim
     assert [key for key in final if not torch.equal(final[key], saved[key])] == []
 
 
+@pytest.mark.long  # two runs of two processes each
+@pytest.mark.parametrize("family, precision", [("angpt", ["--bf16"]),
+                                               ("ngpt", ["--fp16", "--initial-loss-scale", "4096"])])
+def test_the_param_gather_started_by_the_optimizer_step_trains_as_the_one_started_by_the_forward(family, precision,
+                                                                                               tmp_path):
+    """--overlap-param-gather-with-optimizer-step at 16 bits, where the first chunk's one bucket group holds the
+    bf16 (fp16) weights and the fp32 scales: every logged value is that of the run without it (the same updates,
+    gathered at another time), the grad norm up to the order of its sums (an optimizer per chunk, chained, sum
+    their squares: fp32's rounding). Gloo gathered such a group's scales wrong (angpt.megatron_compat.cpu)."""
+    base = ["--model-family", family, *precision, *ITERS, "--pipeline-model-parallel-size", "2",
+            "--num-virtual-stages-per-pipeline-rank", "2", "--use-distributed-optimizer", "--overlap-grad-reduce",
+            "--overlap-param-gather", "--ckpt-format", "torch"]
+    for name, flags in (("forward", []), ("optimizer_step", ["--overlap-param-gather-with-optimizer-step"])):
+        train(*base, *flags, "--metrics-file", str(tmp_path / name / "metrics.jsonl"))
+    started_by_step, started_by_forward = records(tmp_path / "optimizer_step"), records(tmp_path / "forward")
+    assert [r["iteration"] for r in started_by_step] == list(range(1, 7))
+    assert all(r["skipped"] == 0 for r in started_by_step[1:])  # the steps were taken
+    clocks = ("time", "ms_per_step", "tokens_per_s_per_device", "mfu", "timers_ms", "grad_norm")
+    assert ([{k: v for k, v in r.items() if k not in clocks and "mem" not in k} for r in started_by_step]
+            == [{k: v for k, v in r.items() if k not in clocks and "mem" not in k} for r in started_by_forward])
+    assert ([r["grad_norm"] for r in started_by_step]
+            == pytest.approx([r["grad_norm"] for r in started_by_forward], rel=1e-6))
+
+
 @pytest.mark.long  # two runs of two processes
 def test_the_overlapped_param_gather_logs_what_the_synchronous_one_does(tmp_path):
     """The distributed optimizer's all-gather of the updated weights overlapped with the next forward (Megatron-LM's

@@ -220,8 +220,8 @@ class ParallelSection:
         "distributed optimizer)")
     use_torch_fsdp2: bool = flag(False, "shard every weight, its gradient and Adam's state over the data-parallel "
         "ranks (PyTorch's FSDP2, megatron-core's TorchFullyShardedDataParallel): each layer's weights gathered for its "
-        "forward and backward, the gradients reduce-scattered (fp32; not with pipeline or tensor parallelism, the "
-        "distributed optimizer or tied embeddings)")
+        "forward and backward, the gradients reduce-scattered at the weights' dtype (not with pipeline "
+        "parallelism, the distributed optimizer, fp16 or tied embeddings)")
     torch_fsdp2_reshard_after_forward: bool = flag(True, "with --use-torch-fsdp2: keep each layer's gathered weights "
         "from its forward to its backward (more memory, one all-gather fewer)",
         option="--torch-fsdp2-no-reshard-after-forward")

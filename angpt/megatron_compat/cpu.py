@@ -14,6 +14,7 @@ import contextlib
 import os
 import types
 
+import megatron.core.distributed.distributed_data_parallel as ddp
 import megatron.core.fusions.fused_softmax as fused_softmax
 import megatron.core.pipeline_parallel.schedules as schedules
 import megatron.core.tensor_parallel.random as mp_random
@@ -114,8 +115,24 @@ def enable() -> bool:
     torch.cuda.default_stream = lambda device=None: _Stream()
     torch.cuda.stream = lambda stream: contextlib.nullcontext()
 
+    # A bucket group's weight all-gathers are coalesced into one collective, and gloo's (torch 2.13) writes the
+    # tensors of a second dtype with the first's element size: a group of the bf16 weights' buckets and then the
+    # fp32 learnable scales' (the first model chunk's one group under --overlap-param-gather-with-optimizer-step)
+    # gathered the scales as garbage, and the loss went off from the second step. One group per dtype then.
+    ddp.partition_buckets = _bucket_groups_of_one_dtype
+
     _CudaToCpu().__enter__()
     return True
+
+
+_partition_buckets = ddp.partition_buckets
+
+
+def _bucket_groups_of_one_dtype(buffers, force_single_bucket_group: bool = False):
+    """megatron-core's bucket groups, a forced single group split into one per buffer (each of one dtype)."""
+    if not force_single_bucket_group:
+        return _partition_buckets(buffers)
+    return [group for buffer in buffers for group in _partition_buckets([buffer], force_single_bucket_group=True)]
 
 
 def persistent_writer_loop(*args, **kwargs):
