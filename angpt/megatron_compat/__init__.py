@@ -8,7 +8,9 @@ Each workaround, where it is, and what breaks without it under megatron-core 0.1
   or a schedule raises "Torch not compiled with CUDA enabled", and model-parallel RNG is never seeded; the
   persistent checkpoint writer (--use-persistent-ckpt-worker) dies at its start and training waits for it forever.
   That writer, a spawned interpreter, also watches its training process (`cpu.persistent_writer_loop`, on every
-  device): a training process SIGKILLed left it running.
+  device): a training process SIGKILLed left it running. On gloo a bucket group of several dtypes is split into
+  one per dtype: gloo's coalesced all-gather wrote a 16-bit group's fp32 scales wrong (the first chunk under
+  --overlap-param-gather-with-optimizer-step).
 - wandb's import skipped in runs that do not log to W&B (`skip_wandb_import` below): 1.2 CPU-s at each
   process's start, which megatron-core spends importing it for its inference logging.
 - Known warnings ignored (`quiet_known_warnings` below): six `UserWarning`s at every start and first save,
