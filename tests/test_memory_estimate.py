@@ -9,12 +9,14 @@ from types import SimpleNamespace
 import pytest
 from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
 
-from angpt.config.sections import PrecisionSection
+from angpt.config.sections import PrecisionSection, RunConfig
 from angpt.models import model_config
 from angpt.models.activation_memory import layer_bytes
 from angpt.telemetry.performance import model_flops_per_token
 from angpt.training.dry_run import memory_report
 from angpt.training.layout_search import (
+    DISTRIBUTED_OPTIMIZER,
+    FSDP2,
     HBM_GBPS,
     MEASURED_MFU,
     NETWORK_GBPS,
@@ -23,7 +25,10 @@ from angpt.training.layout_search import (
     _collective_seconds,
     candidate_layouts,
     describe_ranking,
+    describe_refusals,
+    fsdp2_refusal,
     recompute_flops_per_token,
+    search,
     step_seconds,
 )
 from angpt.training.memory_estimate import (
@@ -303,7 +308,8 @@ def test_the_ranking_counts_a_layout_that_fills_the_memory_exactly_as_fitting():
     assert fits[0] == "  1 of 1 layouts fit 16.0 GiB; the fastest by the estimate:"
     assert fits[2].split()[-3:] == ["16.0", "2.50", "2.00/0.50"]
     assert describe_ranking(estimates, 16 * GIB - 1) == [
-        "  none of 1 layouts fits 16.0 GiB; the smallest needs 16.0 GiB (TP 1 x PP 1 x CP 1 x DP 1)"]
+        "  none of 1 layouts fits 16.0 GiB; the smallest needs 16.0 GiB (TP 1 x PP 1 x CP 1 x DP 1, "
+        "--use-distributed-optimizer)"]
 
 
 def layer(family, tokens=64, **kwargs):
@@ -447,10 +453,17 @@ def test_the_ranking_lists_the_ten_fastest_that_fit_or_the_smallest_that_does_no
                  for k in range(1, 13)]
     lines = describe_ranking(estimates, 20 * GIB)
     assert lines[0] == "  12 of 12 layouts fit 20.0 GiB; the fastest by the estimate:"
-    assert lines[1].split() == ["layout", "GiB", "step", "s", "compute/bubble/TP/CP/PP/DP", "s"]
+    assert lines[1].split() == ["layout", "sharding", "GiB", "step", "s", "compute/bubble/TP/CP/PP/DP", "s"]
     assert [line.split()[10] for line in lines[2:]] == [str(k) for k in range(12, 2, -1)]  # DP k
+    assert all(line.split()[11] == "--use-distributed-optimizer" for line in lines[2:])
+    # The fastest's overlapped collectives, where it has any: beside the compute that hides them.
+    estimates[-1].overlapped = 1.5
+    assert describe_ranking(estimates, 20 * GIB)[12:] == [
+        "  the first's overlapped data-parallel collectives: 1.50 s beside 0.00 s of compute (its DP part: what "
+        "exceeds the compute)"]
     assert describe_ranking(estimates, GIB / 2) == [
-        "  none of 12 layouts fits 0.5 GiB; the smallest needs 1.0 GiB (TP 1 x PP 1 x CP 1 x DP 1)"]
+        "  none of 12 layouts fits 0.5 GiB; the smallest needs 1.0 GiB (TP 1 x PP 1 x CP 1 x DP 1, "
+        "--use-distributed-optimizer)"]
 
 
 def test_only_the_elementwise_recomputes_cost_hbm_traffic_with_sequence_parallel_bytes():
@@ -507,10 +520,14 @@ def test_an_interleaved_pipelines_stage_holds_megatron_cores_chunks():
     assert first.activation_bytes == pytest.approx(2.5 * (2 * layer_bytes(config, 64) + 64 * (128 * 2 + 8)))
 
 
-def modelled_step(config, layout, seq_length, global_batch, parameters, peak_flops, overlap):
+def modelled_step(config, layout, seq_length, global_batch, parameters, peak_flops, overlap, fsdp2=False,
+                  reshard=True):
     """One step's parts as docs/scaling.md and layout_search's docstring describe them, written out here: every
     collective moves (n - 1) / n of its bytes per rank (an all-reduce twice that) at NVLink's bandwidth when its
-    group fits in a node of 8, the network's otherwise; full recompute repeats the forward pass (3 passes)."""
+    group fits in a node of 8, the network's otherwise; full recompute repeats the forward pass (3 passes). The
+    data-parallel part: the distributed optimizer's fp32 gradients reduce-scattered and BF16 weights gathered once,
+    FSDP2's BF16 weights gathered in each micro-batch's forward (and backward when resharded) and its BF16
+    gradients reduce-scattered; an overlapped collective counts only beyond the compute."""
     tp, pp, cp, dp = layout.tensor_parallel, layout.pipeline_parallel, layout.context_parallel, layout.data_parallel
     micro_batches, world, layers = global_batch // dp, tp * pp * cp * dp, config.num_layers / pp
 
@@ -525,14 +542,18 @@ def modelled_step(config, layout, seq_length, global_batch, parameters, peak_flo
     if layout.recompute_granularity == "selective":  # the norms (the only elementwise choice here): 2h per token
         norms = seq_length / cp * 2 * config.hidden_size / (tp if layout.sequence_parallel else 1) * 2
         compute += micro_batches * layers * 2 * norms / (HBM_GBPS * 1e9)
+    gather, reduce = ring(parameters * 2, dp * cp, world <= 8), ring(parameters * 4, dp * cp, world <= 8)
+    if fsdp2:
+        data = max(0.0, micro_batches * (3 if reshard else 2) * gather - compute)
+    else:
+        data = max(0.0, gather + reduce - compute) if overlap else gather + reduce
     return dict(
         compute=compute, bubble=compute * (pp - 1) / (micro_batches * (layout.virtual_stages or 1)),
         tensor_parallel=micro_batches * layers * 2 * passes * 2 * ring(hidden, tp, True),
         context_parallel=micro_batches * layers * passes * ring(seq_length * 2 * kv / tp * 2, cp, tp * cp <= 8),
         pipeline=(micro_batches * 2 * hidden / (tp if layout.sequence_parallel else 1)
                   / ((NVLINK_GBPS if tp * cp * pp <= 8 else NETWORK_GBPS) * 1e9)) if pp > 1 else 0,
-        data_parallel=0 if overlap else (ring(parameters * 4, dp * cp, world <= 8)
-                                         + ring(parameters * 2, dp * cp, world <= 8)))
+        data_parallel=data)
 
 
 @pytest.mark.parametrize("layout", [
@@ -542,8 +563,140 @@ def modelled_step(config, layout, seq_length, global_batch, parameters, peak_flo
     Layout(2, 1, 1, 4, recompute_granularity="full"),  # exactly one node of 8: DP within it
 ], ids=["VP 2, 8 GPUs", "TP 4 x CP 2 = 8", "TP 8 x CP 2 = 16", "full recompute, DP 4"])
 def test_each_part_of_a_step_at_the_node_boundaries(layout):
-    """Grouped attention (2 groups), micro-batches of 1 sequence of 64 tokens, a global batch of 8."""
+    """Grouped attention (2 groups), micro-batches of 1 sequence of 64 tokens, a global batch of 8; 1000 weights a
+    rank, whose collectives the compute hides when overlapped, and 1e9, whose collectives it does not; the
+    distributed optimizer, and FSDP2 resharding after the forward pass or not."""
     config = model_config("gptplus", num_layers=8, hidden_size=256, num_attention_heads=8, num_query_groups=2)
-    for overlap in (False, True):
-        assert step_seconds(config, layout, 256, 64, 8, 1, 1000, 1e12, overlap, overlap) == pytest.approx(
-            modelled_step(config, layout, 64, 8, 1000, 1e12, overlap))
+    for overlap, parameters, (fsdp2, reshard) in itertools.product((False, True), (1000, 1e9),
+                                                                   ((False, True), (True, True), (True, False))):
+        assert step_seconds(config, layout, 256, 64, 8, 1, parameters, 1e12, overlap, overlap, fsdp2=fsdp2,
+                            reshard_after_forward=reshard) == pytest.approx(
+            modelled_step(config, layout, 64, 8, parameters, 1e12, overlap, fsdp2, reshard))
+
+
+def test_fsdp2_gathers_each_micro_batchs_weights_and_reduce_scatters_their_gradients():
+    """FSDP2 over DP 16 (two nodes: the network), a global batch of 64 sequences of 64 tokens in micro-batches of 1:
+    4 per rank. Each collective moves 15/16 of a rank's 1e9 BF16 weights (2e9 bytes), or of their BF16 gradients:
+    0.0417 s at 45 GB/s; three a micro-batch (forward gather, backward gather, reduce-scatter), two without
+    resharding, at FP32 twice the bytes. FSDP2 overlaps them all: the compute hides its own seconds of them."""
+    config = model_config("gptplus", num_layers=4, hidden_size=128, num_attention_heads=4)
+
+    def data_parallel(layout, reshard=True, weight_bytes=2):
+        return step_seconds(config, layout, 256, 64, 64, 1, 1e9, 1e12, False, False, weight_bytes=weight_bytes,
+                            fsdp2=True, reshard_after_forward=reshard)["data_parallel"]
+
+    collective = 2e9 * 15 / 16 / 45e9
+    compute = 64 * 64 * model_flops_per_token(config, 64, 256) / (16 * 1e12 * MEASURED_MFU["gptplus"])
+    assert collective == pytest.approx(0.041667, rel=1e-4) and compute < collective
+    assert data_parallel(Layout(1, 1, 1, 16)) == pytest.approx(4 * 3 * collective - compute)
+    assert data_parallel(Layout(1, 1, 1, 16), reshard=False) == pytest.approx(4 * 2 * collective - compute)
+    assert data_parallel(Layout(1, 1, 1, 16), weight_bytes=4) == pytest.approx(4 * 3 * 2 * collective - compute)
+    # The boundary: alone in its data-parallel group, a rank holds every weight: no FSDP2 collective at all.
+    assert data_parallel(Layout(1, 1, 1, 1)) == 0
+    assert data_parallel(Layout(2, 1, 1, 1, sequence_parallel=True)) == 0
+    # Context parallelism shards too (FSDP2's group is data x context): CP 2 in one node, 64 micro-batches, half
+    # the bytes at NVLink's 360 GB/s.
+    cp2 = step_seconds(config, Layout(1, 1, 2, 1), 256, 64, 64, 1, 1e9, 1e12, False, False, fsdp2=True)
+    assert cp2["data_parallel"] == pytest.approx(64 * 3 * 2e9 / 2 / 360e9 - cp2["compute"])
+
+
+def test_an_overlapped_collective_counts_only_beyond_the_compute_it_runs_beside():
+    """The distributed optimizer over DP 16 (the network), 1e9 weights a rank: fp32 gradients reduce-scattered
+    (4e9 bytes) and BF16 weights gathered (2e9), 15/16 of each at 45 GB/s, once a step. Overlapped, the compute
+    hides its own seconds of them; one overlapped, the other counts in full; at 1000 weights nothing is left."""
+    config = model_config("gptplus", num_layers=4, hidden_size=128, num_attention_heads=4)
+    reduce, gather = 4e9 * 15 / 16 / 45e9, 2e9 * 15 / 16 / 45e9
+    compute = 64 * 64 * model_flops_per_token(config, 64, 256) / (16 * 1e12 * MEASURED_MFU["gptplus"])
+
+    def data_parallel(overlap_grad_reduce, overlap_param_gather, parameters=1e9):
+        return step_seconds(config, Layout(1, 1, 1, 16), 256, 64, 64, 1, parameters, 1e12, overlap_grad_reduce,
+                            overlap_param_gather)["data_parallel"]
+
+    assert data_parallel(False, False) == pytest.approx(reduce + gather)
+    assert data_parallel(True, True) == pytest.approx(reduce + gather - compute)
+    assert data_parallel(True, False) == pytest.approx(gather + reduce - compute)
+    assert data_parallel(False, True) == pytest.approx(reduce + gather - compute)
+    assert data_parallel(True, True, parameters=1000) == 0
+    assert data_parallel(False, False, parameters=1000) == pytest.approx(1000 * 6 * 15 / 16 / 45e9)
+
+
+def search_run(family="gptplus", layers=2, **sections):
+    """A run of 64 GPUs' search: 4 heads (TP up to 4), 64 sequences of 64 tokens in micro-batches of 1, BF16, the
+    distributed optimizer's collectives overlapped."""
+    model = dict(model_family=family, num_layers=layers, hidden_size=128, num_attention_heads=4, seq_length=64)
+    changes = dict(model=model, training=dict(global_batch_size=64, micro_batch_size=1), precision=dict(bf16=True),
+                   parallel=dict(overlap_grad_reduce=True, overlap_param_gather=True))
+    for section, fields in sections.items():
+        changes[section] = {**changes.get(section, {}), **fields}
+    return RunConfig().replace(**changes)
+
+
+def searched(run, parameters=1e10):
+    """The search over 64 GPUs, `parameters` weights in all (tensor-parallel), spread evenly over the stages."""
+    model = run.model
+    config = model_config(model.model_family, num_layers=model.num_layers, hidden_size=model.hidden_size,
+                          num_attention_heads=model.num_attention_heads, fp16=run.precision.fp16)
+    return search(config, run, 64, 256, 1e15, lambda split: {stage: (parameters / len(split), 0)
+                                                              for stage in range(len(split))}, [(None, ())])
+
+
+def test_the_search_shards_with_fsdp2_where_only_it_fits_and_the_distributed_optimizer_where_both_fit():
+    """1e10 weights over 2 layers, 64 GPUs. The distributed optimizer keeps at least 6 bytes a weight over TP x PP
+    (at most 4 x 2: 7.5e9 bytes), FSDP2 18 over all 64 GPUs plus a layer's weights and gradients gathered (2 x 2
+    bytes x 1e10 / 4 / 2: 2.8e9 + 5e9): only FSDP2 fits between. Where both fit, the same layout (TP 4 x DP 16)
+    steps faster under the distributed optimizer: FSDP2 moves each micro-batch's weights three times over the
+    network, which the little compute of 64 tokens does not hide, the distributed optimizer once a step."""
+    estimates, refusals = searched(search_run())
+    fsdp2 = [e for e in estimates if e.sharding == FSDP2]
+    distributed = [e for e in estimates if e.sharding == DISTRIBUTED_OPTIMIZER]
+    assert fsdp2 and len(distributed) == len(estimates) - len(fsdp2)
+    smallest = min(e.peak_bytes for e in distributed)
+    assert min(e.peak_bytes for e in fsdp2) < smallest
+    tight = describe_ranking(estimates, smallest - 1)
+    assert len(tight) > 3 and all(f" {FSDP2} " in line for line in tight[2:-1])
+    assert f" {DISTRIBUTED_OPTIMIZER} " in describe_ranking(estimates, 1e15)[2]
+    same = {e.sharding: e for e in estimates if e.layout == Layout(4, 1, 1, 16, sequence_parallel=True)}
+    assert same[FSDP2].peak_bytes < same[DISTRIBUTED_OPTIMIZER].peak_bytes
+    assert same[FSDP2].step_seconds > same[DISTRIBUTED_OPTIMIZER].step_seconds
+    # A rank's 1e10 / 4 weights over DP 16 across nodes: FSDP2 4 micro-batches x 3 collectives of 2 bytes a weight,
+    # the distributed optimizer 4 + 2 bytes once; the compute hides its own seconds of either.
+    ring = 1e10 / 4 * 15 / 16 / 45e9
+    assert same[FSDP2].overlapped == pytest.approx(4 * 3 * 2 * ring)
+    assert same[DISTRIBUTED_OPTIMIZER].overlapped == pytest.approx((4 + 2) * ring)
+    for estimate in same.values():
+        assert estimate.seconds["data_parallel"] == pytest.approx(estimate.overlapped - estimate.seconds["compute"])
+    assert {part: seconds for part, seconds in same[FSDP2].seconds.items() if part != "data_parallel"} == \
+        {part: seconds for part, seconds in same[DISTRIBUTED_OPTIMIZER].seconds.items() if part != "data_parallel"}
+
+
+def test_the_search_weighs_fsdp2_only_without_pipeline_parallelism():
+    estimates, refusals = searched(search_run())
+    assert {e.layout.pipeline_parallel for e in estimates} == {1, 2}
+    assert {e.layout.pipeline_parallel for e in estimates if e.sharding == FSDP2} == {1}
+    assert refusals[1] is None
+    assert describe_refusals(refusals) == [
+        "  FSDP2 not weighed with PP 2: --use-torch-fsdp2 with pipeline parallelism (Megatron-LM's check)"]
+
+
+@pytest.mark.parametrize("family, sections, why", [
+    ("gptplus", dict(model=dict(tie_embeddings_and_output_weights=True)), "with tied embeddings"),
+    ("gpt", {}, "with tied embeddings"),  # gpt ties unless told otherwise
+    ("gptplus", dict(precision=dict(bf16=False, fp16=True)), "with --fp16 (Megatron-LM's check)"),
+    ("gptplus", dict(checkpoint=dict(ckpt_format="torch")), "with --ckpt-format torch"),
+])
+def test_the_search_never_weighs_fsdp2_where_the_run_refuses_it(family, sections, why):
+    estimates, refusals = searched(search_run(family, **sections))
+    assert estimates and all(e.sharding == DISTRIBUTED_OPTIMIZER for e in estimates)
+    assert set(refusals) == {1, 2} and why in refusals[1] and "pipeline parallelism" in refusals[2]
+    (line,) = describe_refusals(refusals)
+    assert line.startswith("  FSDP2 not weighed: --use-torch-fsdp2 ") and why in line
+
+
+def test_fsdp2_is_refused_in_the_parsers_words_and_only_where_the_parser_refuses_it():
+    run = search_run()
+    assert fsdp2_refusal(run, 1) is None
+    assert fsdp2_refusal(run, 2) == "--use-torch-fsdp2 with pipeline parallelism (Megatron-LM's check)"
+    # The run's own sharding is what FSDP2 replaces: given the distributed optimizer, FSDP2 is still weighed.
+    assert fsdp2_refusal(search_run(parallel=dict(use_distributed_optimizer=True)), 1) is None
+    assert fsdp2_refusal(search_run("gptplus", precision=dict(bf16=False)), 1) is None  # fp32
+    assert fsdp2_refusal(search_run("gpt", model=dict(untie_embeddings_and_output_weights=True)), 1) is None

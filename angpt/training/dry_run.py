@@ -24,7 +24,7 @@ from angpt.data.indexed import check_indexed_dataset
 from angpt.models.gpt import build_model
 from angpt.telemetry.performance import peak_flops_per_device
 from angpt.training import distributed
-from angpt.training.layout_search import Estimate, candidate_layouts, describe_ranking, step_seconds
+from angpt.training.layout_search import describe_ranking, describe_refusals, search
 from angpt.training.megatron_configs import transformer_config
 from angpt.training.memory_estimate import CUDA_CONTEXT_BYTES, GIB, Layout, stage_memory
 
@@ -207,28 +207,12 @@ def memory_report(memory: list, layout: Layout, precision: PrecisionSection, usa
 
 def suggest(model: torch.nn.Module, config, run: RunConfig, world_size: int, vocab_size: int,
             usable: float) -> list[str]:
-    """The layouts that fit, fastest first (angpt.training.layout_search)."""
-    training, parallel, seq_length = run.training, run.parallel, run.model.seq_length
+    """The layouts that fit, fastest first, and where FSDP2 was not weighed (angpt.training.layout_search)."""
     elementwise = tuple(module for module in ("layernorm", "qk_norm", "residual_update")
                         if recompute_module_refusal(module, config.model_family) is None)
     recompute_choices = [(None, ()), ("selective", elementwise), ("selective", (*elementwise, "mlp")),
                          ("full", ())]
     peak = peak_flops_per_device(torch.bfloat16) or H100_BF16_FLOPS
-    by_pipeline = {}
-    estimates = []
-    for layout in candidate_layouts(config, world_size, seq_length, training.global_batch_size,
-                                    training.micro_batch_size, recompute_choices):
-        pp = layout.pipeline_parallel
-        split = [config.num_layers // pp] * pp
-        if pp not in by_pipeline:
-            by_pipeline[pp] = parameters_by_stage(model, split)
-        stages = by_pipeline[pp]
-        micro_batches = training.global_batch_size // (training.micro_batch_size * layout.data_parallel)
-        memory = stage_memory(config, layout, stages, split, vocab_size, seq_length, training.micro_batch_size,
-                              micro_batches, run.precision.bf16, parallel.use_distributed_optimizer)
-        seconds = step_seconds(config, layout, vocab_size, seq_length, training.global_batch_size,
-                               training.micro_batch_size, max(m.parameters for m in memory), peak,
-                               parallel.overlap_grad_reduce, parallel.overlap_param_gather,
-                               2 if run.precision.grad_reduce_in_bf16 else 4)
-        estimates.append(Estimate(layout, memory, seconds))
-    return describe_ranking(estimates, usable)
+    estimates, refusals = search(config, run, world_size, vocab_size, peak,
+                                 lambda split: parameters_by_stage(model, split), recompute_choices)
+    return [*describe_refusals(refusals), *describe_ranking(estimates, usable)]

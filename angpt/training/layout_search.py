@@ -8,22 +8,33 @@ are in docs/scaling.md; in short, one step is
     + tensor-parallel collectives (4 all-reduces of a layer's [tokens, h] per micro-batch and layer)
     + context-parallel all-gathers of keys and values (and their gradients' reduce-scatters)
     + pipeline sends of each micro-batch's [tokens, h] at each stage boundary
-    + the data-parallel gradient reduce-scatter and parameter all-gather, unless overlapped with the
-      backward pass (--overlap-grad-reduce, --overlap-param-gather)
+    + the data-parallel collectives over the data x context-parallel ranks: the distributed optimizer's gradient
+      reduce-scatter and weight all-gather once a step; FSDP2's (--use-torch-fsdp2) all-gather of each layer's
+      weights in every micro-batch's forward pass, again in its backward pass when it reshards after the forward
+      (Megatron-LM's default), and the reduce-scatter of its gradients, at the dtype of the weights
 
 each collective moving (n - 1) / n of its bytes per rank (twice that for an all-reduce) at NVLink's
-bandwidth when its group fits in one node of GPUS_PER_NODE, at the network's otherwise. Nothing else
+bandwidth when its group fits in one node of GPUS_PER_NODE, at the network's otherwise. An overlapped
+collective (the distributed optimizer's with --overlap-grad-reduce, --overlap-param-gather; FSDP2's always,
+on its own streams) runs beside the step's compute: only what exceeds the compute counts. Nothing else
 overlaps (pessimistic where megatron-core overlaps a collective with compute).
+
+The search weighs each layout under the distributed optimizer and, where the run can take it (fsdp2_refusal),
+under FSDP2; plain DDP is not weighed: it keeps more than the distributed optimizer and moves as many bytes.
 """
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
+from typing import Callable
 
+from angpt.config.sections import RunConfig
+from angpt.config.validation import validate_fsdp2
 from angpt.models.activation_memory import layer_bytes
 from angpt.models.config import AnGPTConfig
 from angpt.telemetry.performance import model_flops_per_token
-from angpt.training.memory_estimate import GIB, Layout, StageMemory
+from angpt.training.memory_estimate import GIB, Layout, StageMemory, stage_memory
 
 GPUS_PER_NODE = 8
 # NCCL's bus bandwidth in GB/s: NVLink 4 within an 8-GPU H100/H200 node (nccl-tests' all-reduce reaches
@@ -34,6 +45,9 @@ HBM_GBPS = 3350.0  # H100 SXM's HBM3 (the H200's HBM3e: 4800)
 # BF16 MFU of each family, measured on one H200 at 1B parameters, 2048 tokens of context, micro-batch 8
 # (docs/results/gpu/throughput.json, 2026-11-30). GPT, not measured, takes GPT+'s: the same megatron-core layers.
 MEASURED_MFU = {"gptplus": 0.453, "angpt": 0.428, "ngpt": 0.418, "gpt": 0.453}
+# The data-parallel shardings the search weighs, by the flag that chooses each.
+DISTRIBUTED_OPTIMIZER = "--use-distributed-optimizer"
+FSDP2 = "--use-torch-fsdp2"
 
 
 @dataclass
@@ -41,6 +55,8 @@ class Estimate:
     layout: Layout
     stages: list[StageMemory]
     seconds: dict[str, float]  # the step's parts (module docstring)
+    sharding: str = DISTRIBUTED_OPTIMIZER
+    overlapped: float = 0.0  # seconds of data-parallel collectives beside the compute, which hides them up to its own
 
     @property
     def step_seconds(self) -> float:
@@ -72,10 +88,27 @@ def _collective_seconds(bytes_moved: float, group: int, within_node: bool) -> fl
     return bytes_moved * (group - 1) / group / ((NVLINK_GBPS if within_node else NETWORK_GBPS) * 1e9)
 
 
+def data_parallel_seconds(layout: Layout, micro_batches: int, parameters_per_rank: float, overlap_grad_reduce: bool,
+                          overlap_param_gather: bool, grad_reduce_bytes: int, weight_bytes: int, fsdp2: bool,
+                          reshard_after_forward: bool) -> tuple[float, float]:
+    """The seconds of a step's data-parallel collectives (module docstring): (those the step waits for, those
+    overlapped with its compute). `parameters_per_rank`: a rank's weights before data-parallel sharding."""
+    shards = layout.data_parallel * layout.context_parallel
+    within = layout.tensor_parallel * layout.pipeline_parallel * shards <= GPUS_PER_NODE
+    gather = _collective_seconds(parameters_per_rank * weight_bytes, shards, within)
+    if fsdp2:  # per micro-batch: gathered forward (and backward when resharded), gradients reduce-scattered
+        return 0.0, micro_batches * (2 + reshard_after_forward) * gather
+    reduce = _collective_seconds(parameters_per_rank * grad_reduce_bytes, shards, within)
+    return ((not overlap_grad_reduce) * reduce + (not overlap_param_gather) * gather,
+            overlap_grad_reduce * reduce + overlap_param_gather * gather)
+
+
 def step_seconds(config: AnGPTConfig, layout: Layout, vocab_size: int, seq_length: int, global_batch: int,
                  micro_batch: int, parameters_per_rank: float, peak_flops: float, overlap_grad_reduce: bool,
-                 overlap_param_gather: bool, grad_reduce_bytes: int = 4) -> dict[str, float]:
-    """The parts of one step's time on one GPU (module docstring)."""
+                 overlap_param_gather: bool, grad_reduce_bytes: int = 4, weight_bytes: int = 2, fsdp2: bool = False,
+                 reshard_after_forward: bool = True) -> dict[str, float]:
+    """The parts of one step's time on one GPU (module docstring). `parameters_per_rank`: a rank's weights before
+    data-parallel sharding, of `weight_bytes` each."""
     tp, pp, cp, dp = (layout.tensor_parallel, layout.pipeline_parallel, layout.context_parallel,
                       layout.data_parallel)
     world = tp * pp * cp * dp
@@ -107,10 +140,10 @@ def step_seconds(config: AnGPTConfig, layout: Layout, vocab_size: int, seq_lengt
         send = activation / (tp if layout.sequence_parallel else 1)
         pipeline = micro_batches * 2 * send / ((NVLINK_GBPS if tp * cp * pp <= GPUS_PER_NODE else NETWORK_GBPS)
                                                * 1e9)
-    shards = dp * cp
-    within = tp * pp * cp * dp <= GPUS_PER_NODE
-    data = ((not overlap_grad_reduce) * _collective_seconds(parameters_per_rank * grad_reduce_bytes, shards, within)
-            + (not overlap_param_gather) * _collective_seconds(parameters_per_rank * 2, shards, within))
+    waited, overlapped = data_parallel_seconds(layout, micro_batches, parameters_per_rank, overlap_grad_reduce,
+                                               overlap_param_gather, grad_reduce_bytes, weight_bytes, fsdp2,
+                                               reshard_after_forward)
+    data = waited + max(0.0, overlapped - compute)  # the compute hides an overlapped collective up to its own time
     return dict(compute=compute, bubble=compute * (pp - 1) / (micro_batches * (layout.virtual_stages or 1)),
                 tensor_parallel=tensor, context_parallel=context, pipeline=pipeline, data_parallel=data)
 
@@ -141,17 +174,85 @@ def candidate_layouts(config: AnGPTConfig, world_size: int, seq_length: int, glo
     return layouts
 
 
+class _Refused(Exception):
+    pass
+
+
+class _Refusing:
+    """The parser's part in angpt.config.validation's checks: its refusal raised, not printed and exited on."""
+
+    @staticmethod
+    def error(message: str):
+        raise _Refused(message)
+
+
+def fsdp2_refusal(run: RunConfig, pipeline_parallel: int) -> str | None:
+    """Why `run` at `pipeline_parallel` stages, sharded by FSDP2 in place of its own choice, would be refused, in
+    the parser's words (angpt.config.validation: Megatron-LM's refusals and what angpt has not built), or None."""
+    flags = {**run.flags(), "use_torch_fsdp2": True, "use_distributed_optimizer": False,
+             "pipeline_model_parallel_size": pipeline_parallel}
+    try:
+        validate_fsdp2(_Refusing, argparse.Namespace(**flags))
+    except _Refused as refusal:
+        return str(refusal)
+    return None
+
+
+def search(config: AnGPTConfig, run: RunConfig, world_size: int, vocab_size: int, peak_flops: float,
+           parameters_by_stage: Callable[[list[int]], dict], recompute_choices: list[tuple]
+           ) -> tuple[list[Estimate], dict[int, str | None]]:
+    """Every candidate layout's memory and step time under the distributed optimizer and, where `run` can take it,
+    FSDP2; and {pipeline stages: why FSDP2 is refused there, or None}. `parameters_by_stage(layer_split)`:
+    {stage: (tensor-parallel, replicated)} parameter counts (angpt.training.dry_run.parameters_by_stage)."""
+    training, parallel, precision, seq_length = run.training, run.parallel, run.precision, run.model.seq_length
+    reshard = parallel.torch_fsdp2_reshard_after_forward
+    estimates, stages, refusals = [], {}, {}
+    for layout in candidate_layouts(config, world_size, seq_length, training.global_batch_size,
+                                    training.micro_batch_size, recompute_choices):
+        pp = layout.pipeline_parallel
+        split = [config.num_layers // pp] * pp
+        if pp not in stages:
+            stages[pp], refusals[pp] = parameters_by_stage(split), fsdp2_refusal(run, pp)
+        micro_batches = training.global_batch_size // (training.micro_batch_size * layout.data_parallel)
+        for sharding in (DISTRIBUTED_OPTIMIZER, FSDP2) if refusals[pp] is None else (DISTRIBUTED_OPTIMIZER,):
+            fsdp2 = sharding == FSDP2
+            memory = stage_memory(config, layout, stages[pp], split, vocab_size, seq_length, training.micro_batch_size,
+                                  micro_batches, precision.bf16, not fsdp2, fsdp2, reshard)
+            data_parallel = (parallel.overlap_grad_reduce, parallel.overlap_param_gather,
+                             2 if precision.grad_reduce_in_bf16 else 4, 2 if precision.bf16 or precision.fp16 else 4,
+                             fsdp2, reshard)
+            parameters = max(m.parameters for m in memory)
+            seconds = step_seconds(config, layout, vocab_size, seq_length, training.global_batch_size,
+                                   training.micro_batch_size, parameters, peak_flops, *data_parallel)
+            _, overlapped = data_parallel_seconds(layout, micro_batches, parameters, *data_parallel)
+            estimates.append(Estimate(layout, memory, seconds, sharding, overlapped))
+    return estimates, refusals
+
+
+def describe_refusals(refusals: dict[int, str | None]) -> list[str]:
+    """The line saying where the search did not weigh FSDP2 and why (the first refusal, at the fewest stages)."""
+    refused = {pp: why for pp, why in refusals.items() if why}
+    if not refused:
+        return []
+    where = "" if len(refused) == len(refusals) else f" with PP {', '.join(map(str, sorted(refused)))}"
+    return [f"  FSDP2 not weighed{where}: {refused[min(refused)]}"]
+
+
 def describe_ranking(estimates: list[Estimate], usable: float, top: int = 10) -> list[str]:
-    """The `top` layouts that fit in `usable` bytes (the GPU's less the CUDA context), fastest first."""
+    """The `top` layouts that fit in `usable` bytes (the GPU's less the CUDA context), fastest first, each with
+    the flag of its data-parallel sharding."""
     fits = sorted((e for e in estimates if e.peak_bytes <= usable), key=lambda e: e.step_seconds)
     lines = [f"  {len(fits)} of {len(estimates)} layouts fit {usable / GIB:.1f} GiB; the fastest by the estimate:"]
     if not fits:
         smallest = min(estimates, key=lambda e: e.peak_bytes)
         return [f"  none of {len(estimates)} layouts fits {usable / GIB:.1f} GiB; the smallest needs "
-                f"{smallest.peak_bytes / GIB:.1f} GiB ({smallest.layout.describe()})"]
-    lines.append(f"  {'layout':68} {'GiB':>6} {'step s':>8}  compute/bubble/TP/CP/PP/DP s")
+                f"{smallest.peak_bytes / GIB:.1f} GiB ({smallest.layout.describe()}, {smallest.sharding})"]
+    lines.append(f"  {'layout':68} {'sharding':27} {'GiB':>6} {'step s':>8}  compute/bubble/TP/CP/PP/DP s")
     for estimate in fits[:top]:
         parts = "/".join(f"{seconds:.2f}" for seconds in estimate.seconds.values())
-        lines.append(f"  {estimate.layout.describe():68} {estimate.peak_bytes / GIB:6.1f} "
+        lines.append(f"  {estimate.layout.describe():68} {estimate.sharding:27} {estimate.peak_bytes / GIB:6.1f} "
                      f"{estimate.step_seconds:8.2f}  {parts}")
+    if fits[0].overlapped:
+        lines.append(f"  the first's overlapped data-parallel collectives: {fits[0].overlapped:.2f} s beside "
+                     f"{fits[0].seconds['compute']:.2f} s of compute (its DP part: what exceeds the compute)")
     return lines
