@@ -7,28 +7,24 @@ damaged file and one that names the checkpoint resumed from. A traceback would b
 CheckpointError escaping the trainer, which fails the test; one subprocess checks the command line itself.
 
     torch_dist   <root>/latest_checkpointed_iteration.txt, iter_XXXXXXX/{metadata.json, common.pt, __0_0.distcp,
-                 __0_1.distcp, .metadata, angpt_digests.json}
+                 __0_1.distcp, .metadata, angpt_digests.json, tokenizer/{bytes.tiktoken, angpt_tokenizer.json}}
     torch        <root>/latest_checkpointed_iteration.txt, iter_XXXXXXX/{mp_rank_00/model_optim_rng.pt,
-                 angpt_digests.json} (mp_rank_00/distrib_optim.pt with --use-distributed-optimizer, a file the
-                 same digests cover as the others)
+                 angpt_digests.json, tokenizer/...}, and mp_rank_00/distrib_optim.pt with
+                 --use-distributed-optimizer (torch_dist keeps the distributed optimizer's state in its shards)
 
-Every file but the latest file and the digests is covered by angpt_digests.json, so each damage of it is named by
-the verification before a byte of it is unpickled. The mock data used here have no tokenizer; the tokenizer/ files
-a run on real data copies in are covered by the same digests (as any other file of the directory). Rows that load
-regardless, and why (ACCEPTED below):
+The runs train on data written with a tokenizer, whose files the checkpoint copies into tokenizer/. Every file but
+the latest file and the digests is covered by angpt_digests.json, so each damage of it is named by the
+verification before a byte of it is unpickled. Rows that load regardless, and why (WHY below):
 - a latest file cut in half: "2\n" cut to "2" still names iteration 2, the same checkpoint;
-- a missing digests file: the checkpoint loads as one saved before digests were recorded, with a warning
-  (test_checkpoint_integrity.py::test_a_checkpoint_without_digests_still_loads_with_a_note; damaged beside it,
-  it is refused naming the directory).
+- a checkpoint without digests (saved before they were recorded; test_checkpoint_integrity.py::
+  test_a_checkpoint_without_digests_still_loads_with_a_note): a flipped byte among a tensor's values is another
+  valid number, which nothing can tell (test_without_digests_a_flipped_tensor_byte_cannot_be_seen).
 
-Cases tested elsewhere are referred to, not repeated:
-- 256 bytes overwritten in a shard, a truncated shard or common.pt, a missing .metadata or common.pt, and the
-  message's form ("the checkpoint of iteration N is damaged: <file> ..."):
-  test_checkpoint_integrity.py::test_a_damaged_checkpoint_is_refused_in_one_line_naming_the_file
+Cases tested elsewhere are referred to, not repeated (ELSEWHERE, for the table), and so are neighbours of them:
+- 256 bytes overwritten in a shard, and the message's form ("the checkpoint of iteration N is damaged: <file>
+  ..."): test_checkpoint_integrity.py::test_a_damaged_checkpoint_is_refused_in_one_line_naming_the_file
 - the fallback over a damaged shard:
   test_checkpoint_integrity.py::test_the_fallback_resumes_from_the_newest_intact_checkpoint
-- a missing latest file beside checkpoints (refused, or resolved with the fallback):
-  test_checkpoint_integrity.py::test_a_missing_latest_file_beside_checkpoints_is_refused_or_resolved_when_asked
 - a file that would run code when unpickled (common.pt, .metadata, model_optim_rng.pt), with and without digests:
   test_checkpoint_integrity.py::test_a_checkpoint_that_would_run_code_is_refused_in_one_line_naming_the_file
 - a rank directory missing from a torch checkpoint, another layout: test_torch_checkpoint_format.py
@@ -43,60 +39,85 @@ import subprocess
 import sys
 
 import pytest
-from test_bad_inputs import DAMAGES, damage
+from test_bad_inputs import (
+    DAMAGES,
+    Elsewhere,
+    cell,
+    damage,
+    load_tool,
+    record_elsewhere,
+    write_byte_ranks,
+    write_corpus,
+)
 
 from angpt.training import checkpointing, digests
 
 from conftest import ROOT, in_process_trainer
 
-# 47 trainer builds and loads: 41 s alone here; with the long checks, to keep `make test` (9:28 in the fresh-clone CI
-# run with it) under 10 minutes.
+# 74 tests of a trainer build and load each (the fallback's cases two): 65 s alone on 2 cores; with the long
+# checks, to keep `make test` (9:46 in the fresh-clone CI run without it) under 10 minutes.
 pytestmark = pytest.mark.long
 
 MODEL = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
-         "--micro-batch-size", "1", "--global-batch-size", "1", "--mock-data", "--vocab-size", "64",
-         "--eval-iters", "0", "--train-iters", "2", "--log-interval", "1"]
-FORMATS = {"torch_dist": [], "torch": ["--ckpt-format", "torch"]}
+         "--micro-batch-size", "1", "--global-batch-size", "1", "--eval-iters", "0", "--train-iters", "2",
+         "--log-interval", "1"]
+# Each saved run's flags (the data's with a tokenizer, whose files the checkpoint copies into tokenizer/: the
+# `saved` fixture adds them); distrib_optim.pt is written in the torch format with the distributed optimizer only
+# (torch_dist keeps its state in the shards).
+FORMATS = {"torch_dist": [], "torch": ["--ckpt-format", "torch"],
+           "torch, distributed optimizer": ["--ckpt-format", "torch", "--use-distributed-optimizer"]}
 ACCEPTED = "accepted"  # the damage leaves a checkpoint the run may resume (the docstring says why)
 
 # The files of each format's checkpoint directory (iteration 2, the latest), relative to the --save directory.
 LATEST = checkpointing.LATEST
+TOKENIZER = [f"iter_0000002/tokenizer/{name}" for name in ("bytes.tiktoken", "angpt_tokenizer.json")]
 FILES = {
     "torch_dist": [LATEST, *(f"iter_0000002/{name}" for name in
                              ("metadata.json", "common.pt", "__0_0.distcp", "__0_1.distcp", ".metadata",
-                              digests.DIGESTS))],
-    "torch": [LATEST, "iter_0000002/mp_rank_00/model_optim_rng.pt", f"iter_0000002/{digests.DIGESTS}"],
+                              digests.DIGESTS)), *TOKENIZER],
+    "torch": [LATEST, "iter_0000002/mp_rank_00/model_optim_rng.pt", f"iter_0000002/{digests.DIGESTS}", *TOKENIZER],
+    "torch, distributed optimizer": ["iter_0000002/mp_rank_00/distrib_optim.pt"],
 }
-# Damages whose outcome is not a refusal naming the file, or which are tested elsewhere (None: skipped).
-SPECIAL = {
-    (LATEST, "truncated"): ACCEPTED,
-    (LATEST, "missing"): None,  # test_checkpoint_integrity.py (refused, or resolved with the fallback)
-    (f"iter_0000002/{digests.DIGESTS}", "missing"): None,  # ::test_a_checkpoint_without_digests_still_loads_with_a_note
+# Damages whose outcome is not a refusal naming the file: ACCEPTED (why), or tested elsewhere (the test).
+WHY = {(LATEST, "truncated"): '"2\\n" cut to "2" still names iteration 2, the same checkpoint'}
+ELSEWHERE = {
+    (LATEST, "missing"): "tests/test_checkpoint_integrity.py::"
+                         "test_a_missing_latest_file_beside_checkpoints_is_refused_or_resolved_when_asked",
+    (f"iter_0000002/{digests.DIGESTS}", "missing"): "tests/test_checkpoint_integrity.py::"
+                                                    "test_a_checkpoint_without_digests_still_loads_with_a_note",
 }
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory, single_process):
-    """A tiny run of each format, checkpointed at iterations 1 and 2."""
+    """A tiny run of each format on data written with a tokenizer, checkpointed at iterations 1 and 2."""
+    directory = tmp_path_factory.mktemp("data")
+    write_corpus(directory / "corpus.jsonl", "jsonl")
+    tool = load_tool("preprocess_data")
+    tool.preprocess(tool.parse_args([
+        "--input", str(directory / "corpus.jsonl"), "--output-prefix", str(directory / "corpus"), "--tokenizer-type",
+        "TikTokenizer", "--tokenizer-model", write_byte_ranks(directory / "bytes.tiktoken"), "--append-eod",
+        "--tokenizer-backend", "tokenizers"]))
+    data = ["--data-path", str(directory / "corpus_text_document"), "--split", "100,0,0", "--data-cache-path",
+            str(directory / "cache")]
     runs = {}
     for name, flags in FORMATS.items():
-        runs[name] = tmp_path_factory.mktemp(f"saved_{name}")
-        assert in_process_trainer([*MODEL, *flags, "--save", str(runs[name]), "--save-interval", "1"]).run() == 0
-    return runs
+        runs[name] = tmp_path_factory.mktemp("saved")
+        assert in_process_trainer([*MODEL, *data, *flags, "--save", str(runs[name]), "--save-interval", "1"]).run() == 0
+    return runs, data
 
 
 def cases():
     for ckpt_format, files in FILES.items():
         for file in files:
             for how in DAMAGES:
-                if SPECIAL.get((file, how), "") is None:
-                    continue
-                yield pytest.param(ckpt_format, file, how, id=f"{ckpt_format}-{file}-{how}")
+                if (file, how) not in ELSEWHERE:
+                    yield pytest.param(ckpt_format, file, how, id=f"{ckpt_format}-{file}-{how}")
 
 
 def damaged_copy(saved, tmp_path, ckpt_format: str, file: str, how: str):
     root = tmp_path / "run"
-    shutil.copytree(saved[ckpt_format], root)
+    shutil.copytree(saved[0][ckpt_format], root)
     damage(root / file, how)
     return root
 
@@ -105,14 +126,15 @@ def damaged_copy(saved, tmp_path, ckpt_format: str, file: str, how: str):
 def test_a_damaged_checkpoint_file_is_refused_naming_it_or_skipped_when_asked(ckpt_format, file, how, saved,
                                                                                tmp_path, caplog):
     root = damaged_copy(saved, tmp_path, ckpt_format, file, how)
-    resume = [*MODEL, *FORMATS[ckpt_format], "--train-iters", "3", "--load", str(root)]
-    if SPECIAL.get((file, how)) == ACCEPTED:
-        assert in_process_trainer(resume).state.iteration == 2
-        return
-    with pytest.raises(checkpointing.CheckpointError) as refusal:
-        in_process_trainer(resume)
-    message = str(refusal.value)
-    print(message)
+    resume = [*MODEL, *saved[1], *FORMATS[ckpt_format], "--train-iters", "3", "--load", str(root)]
+    with cell(f"checkpoint ({ckpt_format})", file.replace("iter_0000002", "iter_XXXXXXX"), how) as outcome:
+        if (file, how) in WHY:
+            assert in_process_trainer(resume).state.iteration == 2
+            outcome["accepted"] = WHY[file, how]
+            return
+        with pytest.raises(checkpointing.CheckpointError) as refusal:
+            in_process_trainer(resume)
+        message = outcome["line"] = str(refusal.value)
     assert "\n" not in message
     assert str(root / file) in message
     if file != LATEST:
@@ -128,10 +150,27 @@ def test_a_damaged_checkpoint_file_is_refused_naming_it_or_skipped_when_asked(ck
     assert f"resuming from {root / f'iter_{intact:07d}'}, the newest intact checkpoint" in caplog.text
 
 
+def test_the_cases_tested_elsewhere_are_recorded():
+    for (file, how), test in ELSEWHERE.items():
+        for ckpt_format, files in FILES.items():
+            if file in files:
+                record_elsewhere(Elsewhere(f"checkpoint ({ckpt_format})", file.replace("iter_0000002", "iter_XXXXXXX"),
+                                           how, test))
+
+
+def test_without_digests_a_flipped_tensor_byte_cannot_be_seen(saved, tmp_path):
+    root = damaged_copy(saved, tmp_path, "torch_dist", f"iter_0000002/{digests.DIGESTS}", "missing")
+    damage(root / "iter_0000002" / "__0_0.distcp", "flipped")
+    with cell("checkpoint (torch_dist)", "iter_XXXXXXX/__0_0.distcp", "flipped", "no angpt_digests.json") as outcome:
+        assert in_process_trainer([*MODEL, *saved[1], "--train-iters", "3", "--load", str(root)]).state.iteration == 2
+        outcome["accepted"] = ("without digests (saved before they were recorded), a byte among a tensor's values "
+                               "is another valid number: nothing can tell")
+
+
 def test_the_command_line_says_one_line_naming_the_damaged_file(saved, tmp_path):
     root = damaged_copy(saved, tmp_path, "torch_dist", "iter_0000002/common.pt", "wrong kind")
-    done = subprocess.run([sys.executable, "-m", "angpt.pretrain", *MODEL, "--train-iters", "3", "--load", str(root)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+    done = subprocess.run([sys.executable, "-m", "angpt.pretrain", *MODEL, *saved[1], "--train-iters", "3", "--load",
+                           str(root)], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert done.returncode != 0
     assert "Traceback" not in done.stderr + done.stdout

@@ -8,8 +8,9 @@ commit a new result file and run
     python tools/docs_figures.py            # rewrite the regions in place
     python tools/docs_figures.py --check    # exit 1 naming each file whose regions are out of date
 
-Every source is a file under docs/results/ (the H200's throughput, the convergence reports, the suite's times)
-or docs/megatron.md (written from the parser by tools/megatron_flags_doc.py and held by its own test).
+Every source is a file under docs/results/ (the H200's throughput, the convergence reports, the suite's times,
+the dry runs of docs/scaling.md's example, the matrix of bad inputs) or docs/megatron.md (written from the parser by
+tools/megatron_flags_doc.py and held by its own test).
 Stdlib only, and benchmarks/speedup_horizon.py (stdlib too), so the test runs in a fraction of a second.
 """
 
@@ -34,6 +35,8 @@ FIRST_H200 = "docs/results/gpu/2026-11-29/throughput.json"
 HORIZONS = ("docs/results/convergence.json", "docs/results/horizon640/convergence.json",
             "docs/results/horizon2560/convergence.json", "docs/results/horizon2560/gptplus.json")
 SUITE_TIMES = "docs/results/suite_times.json"
+BAD_INPUTS = "docs/results/bad_inputs.json"
+LAYOUT_EXAMPLE = "docs/results/layout_example.json"
 REGION = re.compile(r"(<!-- figures:([a-z0-9-]+) -->)(.*?)(<!-- /figures -->)", re.S)
 FAMILIES = {"gptplus": "GPT+", "angpt": "anGPT", "ngpt": "nGPT"}
 SHAPES = {"0.5b": "0.5B", "1b": "1B"}
@@ -233,6 +236,79 @@ def alpha_range() -> str:
     return f"{min(ends):.2f}-{max(ends):.2f}"
 
 
+# docs/scaling.md's example (docs/results/layout_example.json: what tools/layout_example.py's dry runs printed)
+
+RANKED = re.compile(r"^  (.+?) +(--\S+) +([\d.]+) +([\d.]+)  (\S+)$")  # a row of --suggest-layout's ranking
+OVERLAPPED = re.compile(r"overlapped data-parallel collectives: ([\d.]+) s beside ([\d.]+) s of compute")
+
+
+def layout_output(family: str) -> list[str]:
+    return load(LAYOUT_EXAMPLE)["output"][family]
+
+
+def layout_rows(family: str) -> list[dict]:
+    """The ranked layouts of the family's dry run, fastest first."""
+    return [dict(layout=m[1], sharding=m[2], gib=float(m[3]), seconds=float(m[4]))
+            for m in map(RANKED.match, layout_output(family)) if m]
+
+
+def layout_example_command() -> str:
+    """The anGPT dry run, as a shell command of lines under 112 characters, each flag with its values."""
+    groups = ["python -m angpt.pretrain", "--model-family angpt"]
+    for word in load(LAYOUT_EXAMPLE)["flags"]:
+        if word.startswith("--"):
+            groups.append(word)
+        else:
+            groups[-1] += f" {word}"
+    lines = [groups[0]]
+    for group in groups[1:]:
+        if len(lines[-1]) + len(group) + 3 > 112:
+            lines.append("   ")
+        lines[-1] += f" {group}"
+    return "```bash\n" + " \\\n".join(lines) + "\n```"
+
+
+def layout_example_output() -> str:
+    """The anGPT dry run's memory table (the first two stages and the last) and the head of its ranking."""
+    lines = layout_output("angpt")
+    start, layouts = next(i for i, line in enumerate(lines) if line.startswith("memory per GPU")), \
+        lines.index(next(line for line in lines if line.startswith("layouts of")))
+    fullest = next(i for i in range(start, layouts) if lines[i].startswith("  the fullest GPU"))
+    verdict = lines[fullest].split(": does NOT fit: ")[0] + (": does NOT fit: ..." if "NOT fit" in lines[fullest]
+                                                              else "")
+    stages = lines[start + 2:fullest]
+    table = [*lines[start:start + 4], "      ...", stages[-1], verdict] if len(stages) > 3 else lines[start:fullest + 1]
+    ranking = lines[layouts:]
+    first = next(i for i, line in enumerate(ranking) if RANKED.match(line))
+    overlapped = [line for line in ranking if OVERLAPPED.search(line)]
+    return "```\n" + "\n".join([*table, "", *ranking[:first + 4], "  ...", *overlapped]) + "\n```"
+
+
+def layout_comparison(family: str) -> tuple[dict, dict | None, float | None]:
+    """The family's first layout, the fastest of the other sharding (if listed), and the first's seconds a step of
+    overlapped data-parallel collectives (if any)."""
+    rows = layout_rows(family)
+    other = next((row for row in rows if row["sharding"] != rows[0]["sharding"]), None)
+    match = next(filter(None, map(OVERLAPPED.search, layout_output(family))), None)
+    return rows[0], other, float(match[1]) if match else None
+
+
+def layout_example_verdict() -> str:
+    """What the search puts first for anGPT, against the other sharding's fastest, and for GPT+ of the shape."""
+    first, other, overlapped = layout_comparison("angpt")
+    text = f"`{first['sharding']}` at {first['layout']}: {first['gib']:.1f} GiB and {first['seconds']:.2f} s a step"
+    if other:
+        text += (f", against {other['seconds']:.2f} s ({other['seconds'] / first['seconds'] - 1:.1%} more) and "
+                 f"{other['gib']:.1f} GiB for the fastest with `{other['sharding']}`, {other['layout']}")
+    if overlapped and other:
+        text += (f". Its data-parallel collectives take {overlapped:.1f} s a step beside the compute: were "
+                 f"{(other['seconds'] - first['seconds']) / overlapped:.0%} of them left exposed, the gain would be "
+                 "gone")
+    first, other, _ = layout_comparison("gptplus")
+    return text + (f". For GPT+ of the same shape: `{first['sharding']}` at {first['layout']}, {first['seconds']:.2f} s"
+                   + (f" against {other['seconds']:.2f} s with `{other['sharding']}`" if other else ""))
+
+
 # The flags (docs/megatron.md, written from the parser and held by tests/test_megatron_lm_flags.py)
 
 def megatron_flags() -> str:
@@ -261,6 +337,50 @@ def suite_times() -> str:
     return "; ".join(one(run) for run in load(SUITE_TIMES)["runs"])
 
 
+# The matrix of bad inputs (docs/results/bad_inputs.json, written by tools/bad_inputs.py from the tests' records)
+
+def bad_inputs_summary() -> str:
+    data = load(BAD_INPUTS)
+    cells = data["cells"]
+    counts = collections.Counter(cell["outcome"] for cell in cells)
+    return (f"{len(cells)} cases ({data['date']}, `{BAD_INPUTS}`, pytest: {data['pytest']}): {counts['refused']} "
+            f"refused in one line, {counts['accepted']} accepted (the damage cannot be seen, or is harmless: the "
+            f"table says why), {counts['elsewhere']} tested in another module; {counts['traceback']} printed a "
+            f"traceback" + (f", {counts['failed']} failed their test" if counts["failed"] else ""))
+
+
+def bad_inputs_table() -> str:
+    """One table per group of files, headed by its tests: file, damage, what is printed (or why it runs, or the test
+    elsewhere), whether a traceback was."""
+    def escaped(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    def code(text: str) -> str:
+        return "`" + escaped(text.replace("`", "'")) + "`"
+
+    sections, groups = [], {}
+    for cell in load(BAD_INPUTS)["cells"]:
+        groups.setdefault(cell["group"], []).append(cell)
+    for group, cells in groups.items():
+        tests = sorted({cell["test"].split("[")[0] for cell in cells if cell["outcome"] != "elsewhere"})
+        lines = [f"**{group}** ({', '.join(f'`{test}`' for test in tests)})", "",
+                 "| file | damage | printed | traceback |", "|---|---|---|---|"]
+        for cell in cells:
+            damage = cell["damage"] + (f" ({cell['where']})" if cell["where"] else "")
+            if cell["outcome"] == "failed":
+                printed = "**failed its test**" + (f": {code(cell['line'])}" if cell["line"] else "")
+            elif cell["accepted"]:
+                printed = f"runs: {escaped(cell['accepted'])}" + (f"; {code(cell['line'])}" if cell["line"] else "")
+            elif cell["line"]:
+                printed = code(cell["line"])
+            else:
+                printed = "tested in " + ", ".join(f"`{test.strip()}`" for test in cell["test"].split(","))
+            traceback = "**yes**" if cell["traceback"] else "no"
+            lines.append(f"| {code(cell['kind'])} | {damage} | {printed} | {traceback} |")
+        sections.append(table(lines))
+    return "\n\n".join(sections)
+
+
 FIGURES: dict[str, Callable[[], str]] = {
     "h200-date": h200_date,
     "h200-status": h200_status,
@@ -279,6 +399,11 @@ FIGURES: dict[str, Callable[[], str]] = {
     "megatron-flags": megatron_flags,
     "megatron-flags-count": megatron_flags_count,
     "suite-times": suite_times,
+    "layout-example-command": layout_example_command,
+    "layout-example-output": layout_example_output,
+    "layout-example-verdict": layout_example_verdict,
+    "bad-inputs-summary": bad_inputs_summary,
+    "bad-inputs-table": bad_inputs_table,
 }
 
 

@@ -29,6 +29,9 @@ from angpt.training import checkpointing
 from angpt.training.megatron_configs import transformer_config
 
 logger = logging.getLogger("angpt.hf")
+# The tensors indexed by token (angpt.hf.weights.vocabulary_weights'): the directory's rows, padded with zeros to
+# the model's.
+PADDED = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.logit_scale.s_hat")
 
 
 def read_hf(directory: str) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -133,11 +136,27 @@ def import_hf(directory: str, save: str, make_vocab_size_divisible_by: int = 128
     model_config = transformer_config(single_process(run))
     padded = run.replace(parallel=dict(tensor_model_parallel_size=tensor_parallel)).padded_vocab_size(vocab_size)
     model = build_model(model_config, padded, run.model.seq_length)
-    state = {**layer_weights(config, tensors, model_config), **vocabulary_weights(config, tensors)}
+    fit = f"do not fit the model its config.json describes ({model_flags(args)})"
+    try:
+        state = {**layer_weights(config, tensors, model_config), **vocabulary_weights(config, tensors)}
+    except KeyError as error:  # a tensor the config's layers need is in none of the files
+        raise ExportError(f"{directory}: its safetensors files have no tensor {error.args[0]}, which its config.json's "
+                          f"model has") from None
+    except RuntimeError as error:  # the query, key and value rows of another shape than the config's heads
+        raise ExportError(f"{directory}: its tensors {fit}: {str(error).splitlines()[0]}") from None
     parameters = dict(model.named_parameters())
     missing = sorted(set(parameters) - set(state))
     if missing:
         raise ExportError(f"{directory} lacks tensors for {missing[:5]}")
+    # Each tensor of the config's shape, the vocabulary's at most its padded rows.
+    wrong = [f"{name} {tuple(state[name].shape)}, the model's {tuple(parameter.shape)}"
+             for name, parameter in parameters.items() if not (
+                 state[name].shape == parameter.shape
+                 or name in PADDED and state[name].shape[1:] == parameter.shape[1:]
+                 and state[name].shape[0] <= parameter.shape[0])]
+    if wrong:
+        raise ExportError(f"{directory}: its tensors {fit}: {'; '.join(wrong[:3])}"
+                          f"{f' and {len(wrong) - 3} more' if len(wrong) > 3 else ''}")
     with torch.no_grad():
         for name, parameter in parameters.items():
             value = state[name].to(parameter.dtype)

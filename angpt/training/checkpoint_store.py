@@ -42,7 +42,12 @@ NEXT_TO_NO_SPACE = 1 << 20  # bytes free after a failed save that leave no doubt
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint directory that cannot be resumed from; the message names the file."""
+    """A checkpoint directory that cannot be resumed from or saved; the message names the file. `every_rank`: every
+    rank raised this very message (a verdict rank 0 broadcast), so rank 0 alone says it."""
+
+    def __init__(self, message: str, every_rank: bool = False):
+        super().__init__(message)
+        self.every_rank = every_rank
 
 
 @dataclass
@@ -274,7 +279,7 @@ def prepare_staging(root: str, iteration: int, needed: int) -> None:
             os.makedirs(staging)
     dist.broadcast_object_list(refusal, src=0)
     if refusal[0] is not None:
-        raise CheckpointError(refusal[0])  # else the directory exists: rank 0 made it before the broadcast
+        raise CheckpointError(refusal[0], every_rank=True)  # else rank 0 made the directory before the broadcast
 
 
 def verify_checkpoint(path: str) -> bool:

@@ -425,7 +425,8 @@ def pretrain(config: RunConfig) -> int:
         print(f"angpt.pretrain: {error}", file=sys.stderr)
         return 2
     except checkpointing.CheckpointError as error:  # a save that found no space: the previous checkpoint stands
-        print(f"angpt.pretrain: {error}", file=sys.stderr)
+        if not error.every_rank or int(os.environ.get("RANK", "0")) == 0:
+            print(f"angpt.pretrain: {error}", file=sys.stderr)
         return 1
     dist.barrier()
     dist.destroy_process_group()
