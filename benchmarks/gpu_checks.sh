@@ -217,7 +217,7 @@ if [ $te -eq 0 ]; then
     fsdp2_shape=(--hidden-size 2048 --num-layers 8 --num-attention-heads 16 --seq-length 2048 --micro-batch-size 2)
     [ $gpu -eq 1 ] || fsdp2_shape=(--hidden-size 64 --num-layers 2 --seq-length 32 --vocab-size 256)
     stage fsdp2 90 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/sixteen_bit_optimizer.py \
-        --family gptplus "${fsdp2_shape[@]}" --rounds 5 --output "$out/fsdp2.json"
+        --family angpt "${fsdp2_shape[@]}" --rounds 5 --output "$out/fsdp2.json"
 fi
 large_variants=("${variants[@]}")
 [ ${#variants[@]} -le 4 ] || large_variants=("${variants[@]: -4}")

@@ -12,8 +12,8 @@ whole: bf16 weights (2 bytes a parameter; anGPT's and nGPT's learnable scales st
 reduced in fp32 as Megatron-LM's) and an fp32 main copy and Adam's two moments (12). The distributed optimizer
 divides the last 12 over the data-parallel ranks. FSDP2 divides all of it: 18 bytes over the ranks (its bf16
 gradients, reduce-scattered in the weights' dtype, are freed once the optimizer has copied them into its fp32
-gradients, which stay between steps); it is left out for anGPT and nGPT, whose
-fp32 scales FSDP2 does not gather at bf16 yet (angpt.config.validation). The embeddings are untied, as FSDP2 needs.
+gradients, which stay between steps); anGPT's and nGPT's fp32 scales are FSDP2 units of their own
+(angpt.megatron_compat.fsdp2). The embeddings are untied, as FSDP2 needs.
 Memory is counted from the tensors themselves, after a first
 step (Adam's moments exist from then on), each storage once: the distributed optimizer's weights live in one
 buffer, its fp32 scales' "main copies" are views of the weights; FSDP2's are this rank's shards, between steps
@@ -114,9 +114,7 @@ def main():
     distributed.initialize()  # without torchrun, a one-process group
     dp = parallel_state.get_data_parallel_world_size()
     batch = random_batch(args.micro_batch_size, args.seq_length, args.vocab_size)
-    variants = {name: flags for name, flags in VARIANTS.items()
-                if not (flags[1] and args.family in ("angpt", "ngpt"))}  # FSDP2 at bf16: gpt and gptplus
-    runs = {name: build(args, *flags, batch) for name, flags in variants.items()}
+    runs = {name: build(args, *flags, batch) for name, flags in VARIANTS.items()}
     held = {name: memory(chunks, optimizer) for name, (chunks, optimizer, _) in runs.items()}
     parameters = sum(param.numel() for chunk in runs["without"][0] for param in chunk.parameters())
     steps = interleaved_step_times(runs, batch, args.rounds)
@@ -131,7 +129,7 @@ def main():
     columns = [*held["without"], "total", "dry run", "measured/est", "bytes/param", "median step"]
     print(f"{'per rank':<22}" + "".join(f"{column:>16}" for column in columns))
     rows = {}
-    for name, (distributed_optimizer, fsdp2) in variants.items():
+    for name, (distributed_optimizer, fsdp2) in VARIANTS.items():
         total = sum(held[name].values())
         estimate = parameters * bytes_per_parameter(True, distributed_optimizer, dp, fsdp2)
         rows[name] = dict(**{key: value / 2**20 for key, value in held[name].items()}, total=total / 2**20,
