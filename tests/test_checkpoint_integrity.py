@@ -7,6 +7,8 @@ Trainers run in this process (one-process gloo group) on a tiny model; one test 
 
 from __future__ import annotations
 
+import atexit
+import errno
 import io
 import json
 import logging
@@ -434,3 +436,240 @@ def test_two_runs_on_one_save_directory(tmp_path):
            in output
     assert f"loaded checkpoint {tmp_path / f'iter_{previous:07d}'} (iteration {previous})" in output
     assert checkpointing.read_latest_iteration(str(tmp_path)) == previous + 1
+
+
+def test_the_files_are_shared_out_largest_first_each_to_the_least_loaded_rank(monkeypatch):
+    """digests.py's rule, by hand on two ranks: c (5 bytes) to rank 0; d (4) to rank 1; b (3) to rank 1, which
+    has 4 to rank 0's 5; a (1) to rank 0, which has 5 to rank 1's 7. Every rank computes the same split."""
+    sizes = {"a": 1, "b": 3, "c": 5, "d": 4}
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    shares = []
+    for rank in (0, 1):
+        monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None, rank=rank: rank)
+        shares.append(digests._my_share(sizes))
+    assert shares == [["c", "a"], ["d", "b"]]
+
+
+def write_digests(directory, content) -> None:
+    with open(os.path.join(directory, digests.DIGESTS), "w") as file:
+        file.write(content if isinstance(content, str) else json.dumps(content))
+
+
+def test_digests_of_another_algorithm_or_unreadable_are_refused_saying_why(tmp_path, single_process):
+    path = tmp_path / digests.DIGESTS
+    write_digests(tmp_path, {"algorithm": "md5", "files": {}})
+    assert digests.check(str(tmp_path)) == f"{path} uses the digest 'md5', which this version does not know"
+    write_digests(tmp_path, "{")
+    assert digests.check(str(tmp_path)).startswith(f"{path} is unreadable (JSONDecodeError: ")
+
+
+def test_the_verdict_names_the_first_damaged_file_and_counts_the_others(tmp_path, single_process):
+    """digests.check: one line naming the first damaged file (by name), and how many others are."""
+    for name in ("a", "b", "c"):
+        (tmp_path / name).write_bytes(name.encode() * 10)
+    digests.record(str(tmp_path))
+    assert digests.check(str(tmp_path)) is None
+    (tmp_path / "c").write_bytes(b"c" * 5)
+    assert digests.check(str(tmp_path)) == f"{tmp_path / 'c'} has 5 bytes, 10 when it was saved (truncated or " \
+        "overwritten)"
+    (tmp_path / "b").unlink()
+    assert digests.check(str(tmp_path)) == f"{tmp_path / 'b'} is missing (and 1 other damaged files)"
+    (tmp_path / "a").write_bytes(b"x" * 10)
+    assert digests.check(str(tmp_path)) == f"{tmp_path / 'a'} is corrupted (its content differs from the digest " \
+        "recorded when it was saved) (and 2 other damaged files)"
+
+
+def test_a_file_that_cannot_be_read_is_named_with_the_systems_reason(tmp_path, single_process):
+    """A directory where a file of the same size was recorded: the size matches, reading it fails."""
+    (tmp_path / "shard").mkdir()
+    write_digests(tmp_path, {"algorithm": digests.ALGORITHM,
+                             "files": {"shard": {"size": os.path.getsize(tmp_path / "shard"), "digest": "0"}}})
+    assert digests.check(str(tmp_path)) == f"{tmp_path / 'shard'} cannot be read ({os.strerror(errno.EISDIR)})"
+
+
+@pytest.fixture
+def this_host_only(monkeypatch):
+    """No Slurm job around: the lock's tests set their own."""
+    for name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_a_lock_names_this_process_and_is_released_by_it_alone(tmp_path, this_host_only, monkeypatch):
+    """Released when the run ends (at exit), by the process that holds it only. The lock is a file of data that
+    every user may read."""
+    at_exit = []
+    monkeypatch.setattr(atexit, "register", lambda function, *args: at_exit.append((function, args)))
+    directory = tmp_path / "not" / "yet"
+    save_lock.acquire(str(directory))
+    assert at_exit == [(save_lock.release, (str(directory),))]
+    mode = os.stat(directory / save_lock.LOCK).st_mode
+    assert mode & 0o444 == 0o444 and not mode & 0o111
+    holder = json.loads((directory / save_lock.LOCK).read_text())
+    assert holder == {"host": socket.gethostname(), "pid": os.getpid(), "started": psutil.Process().create_time(),
+                      "command": " ".join(sys.argv), "slurm_job_id": None, "slurm_restart_count": 0}
+    save_lock.acquire(str(directory))  # taken again by the same process: a no-op
+    assert json.loads((directory / save_lock.LOCK).read_text()) == holder
+    write_lock(directory, {**holder, "pid": holder["pid"] + 1})  # another process's lock is not released
+    save_lock.release(str(directory))
+    assert (directory / save_lock.LOCK).exists()
+    write_lock(directory, holder)
+    save_lock.release(str(directory))
+    assert not (directory / save_lock.LOCK).exists()
+    save_lock.release(str(directory))  # nothing to release
+
+
+@pytest.mark.parametrize("content", ["{", "[]", json.dumps({"host": "h", "pid": "1", "started": 1.0}),
+                                     json.dumps({"host": 1, "pid": 1, "started": 1.0}),
+                                     json.dumps({"host": "h", "pid": 1, "started": "now"}),
+                                     json.dumps({"pid": 1, "started": 1.0})])
+def test_a_lock_that_names_no_run_is_refused_after_waiting_for_its_writer(content, tmp_path, monkeypatch,
+                                                                          this_host_only):
+    waits = []
+    monkeypatch.setattr(time, "sleep", waits.append)
+    (tmp_path / save_lock.LOCK).write_text(content)
+    with pytest.raises(save_lock.SaveLockError, match=rf"^{re.escape(str(tmp_path / save_lock.LOCK))} exists but "
+                       rf"names no run \(damaged\?\): if no run writes into {re.escape(str(tmp_path))}, remove it"):
+        save_lock.acquire(str(tmp_path))
+    assert len(waits) == 50 and sum(waits) == pytest.approx(5.0)  # 5 s for a run to write who it is
+
+
+# How the lock's messages name its holder: PID, host, local start time.
+HOLDER = r"\(PID \d+ on \S+, started \d{4}-\d\d-\d\d \d\d:\d\d:\d\d\)"
+
+
+def test_a_lock_is_stale_when_its_pid_started_at_another_time(tmp_path, caplog, this_host_only, monkeypatch):
+    """A PID is the same process when psutil's start time agrees to within STARTED_TOLERANCE_S (1 s): a lock
+    naming a live PID with a start time 1 s off names a process that ended (its PID reused). Taken over, it is
+    released at exit as a lock created."""
+    at_exit = []
+    monkeypatch.setattr(atexit, "register", lambda function, *args: at_exit.append((function, args)))
+    running = subprocess.Popen(["sleep", "60"])
+    try:
+        holder = lock_of(psutil.Process(running.pid))
+        write_lock(tmp_path, {**holder, "started": holder["started"] + 0.9})
+        with pytest.raises(save_lock.SaveLockError, match=rf"^{re.escape(str(tmp_path))} is being written by another "
+                           rf"run \(PID {running.pid} .*\): wait for it to end or give this run another --save$"):
+            save_lock.acquire(str(tmp_path))
+        write_lock(tmp_path, {**holder, "started": holder["started"] + 1.0})
+        with caplog.at_level(logging.WARNING):
+            save_lock.acquire(str(tmp_path))
+    finally:
+        running.kill()
+        running.wait()
+    [message] = caplog.messages
+    assert re.fullmatch(rf"taking over {re.escape(str(tmp_path / save_lock.LOCK))} from a run that is no longer "
+                        rf"running {HOLDER}", message) and f"(PID {running.pid} " in message
+    assert at_exit == [(save_lock.release, (str(tmp_path),))]
+    assert json.loads((tmp_path / save_lock.LOCK).read_text())["pid"] == os.getpid()
+    save_lock.release(str(tmp_path))
+    write_lock(tmp_path, holder)  # its PID now names no process
+    with caplog.at_level(logging.WARNING):
+        save_lock.acquire(str(tmp_path))
+    assert json.loads((tmp_path / save_lock.LOCK).read_text())["pid"] == os.getpid()
+    save_lock.release(str(tmp_path))
+
+
+@pytest.mark.parametrize("winner", ["another run", "damaged"])
+def test_of_two_runs_taking_over_one_stale_lock_the_one_overwritten_is_refused(winner, tmp_path, monkeypatch,
+                                                                              this_host_only):
+    """Both replace the stale lock at the same moment; the file then names the other (or, half written, no one)."""
+    ended = subprocess.Popen(["sleep", "60"])
+    stale = lock_of(psutil.Process(ended.pid))
+    ended.kill()
+    ended.wait()
+    write_lock(tmp_path, stale)
+    replace = save_lock._replace
+
+    def overwritten(path, me):
+        replace(path, me)
+        if winner == "damaged":
+            (tmp_path / save_lock.LOCK).write_text("{")
+        else:
+            write_lock(tmp_path, {**me, "host": "another-host"})
+
+    monkeypatch.setattr(save_lock, "_replace", overwritten)
+    named = rf" {HOLDER}" if winner == "another run" else ""
+    with pytest.raises(save_lock.SaveLockError, match=rf"^{re.escape(str(tmp_path))} was taken over at the same "
+                                                      rf"time by another run{named}$"):
+        save_lock.acquire(str(tmp_path))
+
+
+def test_a_lock_released_while_it_is_read_is_taken(tmp_path, monkeypatch, this_host_only):
+    """Between this run's attempt to create the lock and its reading of the holder, the holder released it."""
+    write_lock(tmp_path, lock_of(psutil.Process(), host="another-host"))
+    read = save_lock._read
+
+    def released_meanwhile(path):
+        monkeypatch.setattr(save_lock, "_read", read)
+        os.remove(path)
+        return read(path)
+
+    monkeypatch.setattr(save_lock, "_read", released_meanwhile)
+    save_lock.acquire(str(tmp_path))
+    assert json.loads((tmp_path / save_lock.LOCK).read_text())["pid"] == os.getpid()
+    save_lock.release(str(tmp_path))
+
+
+def test_this_process_is_itself_to_within_the_tolerance_of_its_start_time(tmp_path, caplog, this_host_only):
+    me = save_lock.this_process()
+    write_lock(tmp_path, {**me, "started": me["started"] + 0.9})
+    save_lock.acquire(str(tmp_path))  # its own lock: nothing to take over
+    assert json.loads((tmp_path / save_lock.LOCK).read_text())["started"] == me["started"] + 0.9
+    write_lock(tmp_path, {**me, "started": me["started"] + 1.0})  # an earlier process of the same PID
+    with caplog.at_level(logging.WARNING):
+        save_lock.acquire(str(tmp_path))
+    assert "from a run that is no longer running" in caplog.text
+    assert json.loads((tmp_path / save_lock.LOCK).read_text()) == me
+    save_lock.release(str(tmp_path))
+
+
+@pytest.mark.parametrize("holder, taken_over", [
+    ({"slurm_job_id": "42", "slurm_restart_count": 0}, True),  # the attempt before
+    ({"slurm_job_id": "42", "slurm_restart_count": 1}, False),  # this very attempt, elsewhere
+    ({"slurm_job_id": "42", "slurm_restart_count": "0"}, False),  # not a count
+    ({"slurm_job_id": "42"}, False),
+    ({"slurm_job_id": "43", "slurm_restart_count": 0}, False),  # another job
+])
+def test_only_an_earlier_attempt_of_this_slurm_job_is_taken_over_from_another_host(holder, taken_over, tmp_path,
+                                                                                   monkeypatch, caplog):
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    write_lock(tmp_path, {**lock_of(psutil.Process(), host="another-host"), **holder})
+    if not taken_over:
+        with pytest.raises(save_lock.SaveLockError, match="locked by a run on another host"):
+            save_lock.acquire(str(tmp_path))
+        return
+    with caplog.at_level(logging.WARNING):
+        save_lock.acquire(str(tmp_path))
+    [message] = caplog.messages
+    assert re.fullmatch(rf"taking over {re.escape(str(tmp_path / save_lock.LOCK))} from an earlier attempt of Slurm "
+                        rf"job 42, requeued {HOLDER}", message) and f"(PID {os.getpid()} on another-host" in message
+    assert json.loads((tmp_path / save_lock.LOCK).read_text())["slurm_restart_count"] == 1
+    save_lock.release(str(tmp_path))
+
+
+def test_outside_slurm_a_lock_from_another_host_is_refused_whatever_its_job(tmp_path, this_host_only):
+    """Two runs outside Slurm both have no job id: that is no earlier attempt of one job."""
+    write_lock(tmp_path, {**lock_of(psutil.Process(), host="another-host"), "slurm_job_id": None,
+                          "slurm_restart_count": -1})
+    with pytest.raises(save_lock.SaveLockError, match="locked by a run on another host"):
+        save_lock.acquire(str(tmp_path))
+
+
+def test_the_holder_is_described_by_its_local_start_time(tmp_path, this_host_only):
+    started = time.mktime((2026, 3, 4, 5, 6, 7, 0, 0, -1))
+    write_lock(tmp_path, {"host": "another-host", "pid": 12, "started": started})
+    with pytest.raises(save_lock.SaveLockError, match=r"\(PID 12 on another-host, started 2026-03-04 05:06:07\)"):
+        save_lock.acquire(str(tmp_path))
+
+
+def test_taking_a_lock_that_cannot_be_written_is_refused_on_every_rank(tmp_path, single_process, this_host_only):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(save_lock.SaveLockError, match=rf"^cannot lock {re.escape(str(tmp_path / 'file' / 'run'))}: "):
+        save_lock.take(str(tmp_path / "file" / "run"))
+    write_lock(tmp_path, lock_of(psutil.Process(), host="another-host"))
+    with pytest.raises(save_lock.SaveLockError, match="locked by a run on another host"):
+        save_lock.take(str(tmp_path))
+    save_lock.take(str(tmp_path / "free"))
+    assert json.loads((tmp_path / "free" / save_lock.LOCK).read_text())["pid"] == os.getpid()
+    save_lock.release(str(tmp_path / "free"))

@@ -8,7 +8,13 @@ import sys
 import pytest
 import torch
 
-from angpt.models.factors import NU_PLAIN_RESIDUAL, derive_factors, nu_acf_monte_carlo, nu_alpha
+from angpt.models.factors import (
+    NU_PLAIN_RESIDUAL,
+    NormalizationFactors,
+    derive_factors,
+    nu_acf_monte_carlo,
+    nu_alpha,
+)
 
 from conftest import ROOT
 
@@ -101,3 +107,47 @@ def test_factor_tool_prints_the_table():
     assert float(rows["nu_d"]) == pytest.approx(2.0)
     assert float(rows["nu_p"]) == pytest.approx(1.0)
     assert float(rows["nu_acf"]) == pytest.approx(3.72, rel=0.01)
+
+
+def test_the_cache_follows_the_xdg_cache_home_else_home(tmp_path, monkeypatch):
+    # docs/model.md: $ANGPT_CACHE_DIR/nu_acf.json, else ~/.cache/angpt/; the XDG base directory spec puts
+    # ~/.cache at $XDG_CACHE_HOME when that is set.
+    monkeypatch.delenv("ANGPT_CACHE_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    value = nu_acf_monte_carlo(8, 32, 100, 0)
+    assert json.loads((tmp_path / "home" / ".cache" / "angpt" / "nu_acf.json").read_text()) == {
+        "d=8,f=32,samples=100,seed=0": value}
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    nu_acf_monte_carlo(8, 32, 100, 1)
+    assert list(json.loads((tmp_path / "xdg" / "angpt" / "nu_acf.json").read_text())) == [
+        "d=8,f=32,samples=100,seed=1"]
+
+
+def test_the_cache_directory_is_created_with_its_parents(tmp_path, monkeypatch):
+    monkeypatch.setenv("ANGPT_CACHE_DIR", str(tmp_path / "not" / "yet"))
+    value = nu_acf_monte_carlo(8, 32, 100, 0)
+    assert json.loads((tmp_path / "not" / "yet" / "nu_acf.json").read_text()) == {"d=8,f=32,samples=100,seed=0": value}
+
+
+def test_derive_factors_reads_the_estimate_of_its_samples_and_seed(tmp_path):
+    # docs/model.md: nu_acf_samples and nu_acf_seed default to 100000 and 0. Values planted in the cache
+    # (no estimate is near them) show which estimate derive_factors asked for, without computing one.
+    (tmp_path / "nu_acf.json").write_text(json.dumps({"d=64,f=256,samples=100000,seed=0": 1.25,
+                                                      "d=64,f=256,samples=1000,seed=7": 2.5}))
+    assert derive_factors(64, 256, 4).nu_acf == 1.25
+    assert derive_factors(64, 256, 4, nu_acf_samples=1000, nu_acf_seed=7).nu_acf == 2.5
+
+
+def test_an_unknown_nu_p_reading_is_refused_by_name():
+    with pytest.raises(ValueError, match="'two'") as refused:
+        derive_factors(64, 256, 4, nu_p_reading="two")
+    assert "sqrt_h_over_d" in str(refused.value)
+
+
+def test_the_factors_as_a_dict_and_scaled_keep_the_names_of_docs_model_md():
+    factors = NormalizationFactors(nu_qkv=1.0, nu_p=2.0, nu_uz=3.0, nu_acf=4.0, nu_d=5.0)
+    names = {"nu_qkv": 1.0, "nu_p": 2.0, "nu_uz": 3.0, "nu_acf": 4.0, "nu_d": 5.0}
+    assert factors.as_dict() == names
+    assert list(factors.as_dict()) == list(names)  # the table's order (tools/angpt_factors.py prints it)
+    assert factors.scaled(-0.5) == NormalizationFactors(-0.5, -1.0, -1.5, -2.0, -2.5)

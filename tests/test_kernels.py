@@ -230,6 +230,41 @@ def test_projection_refuses_pieces_past_the_buffer():
         kernels.project_whole_(cut(w, True, [0, 5]), "bound")
 
 
+@pytest.mark.parametrize("along_rows", [True, False])
+def test_reference_projects_one_weight_and_none(along_rows):
+    """The reference's one pass with a single weight (and with none: nothing to do), against the projection
+    computed apart in float64: each vector divided by max(1, its norm)."""
+    w = weight(13, 7, along_rows)
+    dim = 1 if along_rows else 0
+    norms = w.double().norm(dim=dim, keepdim=True)
+    expected = (w.double() / norms.clamp_min(1.0)).float()
+    reference.project_whole_([whole(w, along_rows)], "bound")
+    assert relative(w, expected) < 1e-7
+    reference.project_whole_([], "bound")
+
+
+def test_reference_swiglu_multiplies_in_the_activations_dtype():
+    """Its docstring: each factor a separate multiply in the activations' dtype, so bf16 activations with fp32
+    scales give bf16, rounded after each multiply."""
+    uz, s_u, s_v, _ = swiglu_inputs(5, 8, torch.bfloat16, "cpu")
+    u, z = uz[:, :8], uz[:, 8:]
+    expected = (s_u.bfloat16() * u) * torch.nn.functional.silu(s_v.bfloat16() * z)
+    out = reference.scaled_swiglu(uz, s_u, s_v)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("input_factor, output_factor", [(2.0, 1.0), (1.0, 2.0), (0.5, 3.7)])
+def test_reference_swiglu_applies_both_factors(input_factor, output_factor):
+    """Its docstring's output_factor * (s_u input_factor u) * SiLU(s_v input_factor z), in float64; a factor of 2,
+    beside 1, tells applying it from skipping it."""
+    uz, s_u, s_v, _ = swiglu_inputs(5, 8, torch.float64, "cpu")
+    u, z = uz[:, :8] * input_factor, uz[:, 8:] * input_factor
+    expected = output_factor * (s_u * u) * torch.nn.functional.silu(s_v * z)
+    torch.testing.assert_close(reference.scaled_swiglu(uz, s_u, s_v, input_factor, output_factor), expected,
+                               rtol=1e-15, atol=0)
+
+
 @pytest.mark.multiprocess
 def test_two_phase_projection_over_ranks_equals_single_process():
     """Tensor parallelism 2 (row vectors split over ranks) and distributed-optimizer shards over 2

@@ -19,6 +19,7 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, Indexe
 from nltk.tokenize.punkt import PunktLanguageVars, PunktSentenceTokenizer
 
 from angpt.config.sections import DataSection
+from angpt.data.corpus import Record
 from angpt.data.gpt_datasets import dataset_vocabulary
 from angpt.data.indexed import IndexedDatasetError, check_indexed_dataset, read_metadata
 from angpt.data.tokenizers import build_tokenizer
@@ -649,6 +650,75 @@ def write_sharded_corpus(directory) -> list:
     (directory / "d.jsonl").write_bytes(b"")
     write_jsonl(directory / "e.jsonl", [{"text": f"last file {i}"} for i in range(40)])
     return [str(directory / name) for name in ("a.jsonl", "b.jsonl.gz", "c.txt", "d.jsonl", "e.jsonl")]
+
+
+def megatron_lm_documents(documents, eod):
+    """Megatron-LM's tools/preprocess_data.py (Encoder.encode, then add_document) on documents given as their
+    sentences' ids: a sentence of no ids is dropped, and with --append-eod a document that has ids gets the EOD
+    after its last sentence. Returns (the ids, each sentence's length, each document's count of sentences)."""
+    tokens, lengths, counts = [], [], []
+    for sentences in documents:
+        doc_ids, sentence_lens = [], []
+        for sentence_ids in sentences:
+            if len(sentence_ids) > 0:
+                doc_ids.extend(sentence_ids)
+                sentence_lens.append(len(sentence_ids))
+        if len(doc_ids) > 0 and eod is not None:
+            doc_ids.append(eod)
+            sentence_lens[-1] += 1
+        tokens += doc_ids
+        lengths += sentence_lens
+        counts.append(len(sentence_lens))
+    return tokens, lengths, counts
+
+
+@pytest.mark.parametrize("eod", [None, 65535])
+@pytest.mark.parametrize("documents", [
+    [],  # an empty batch
+    [[]],  # a document of no sentences
+    [[[]]],  # a document of one empty sentence
+    [[[5]]],  # one id
+    [[[1, 2], [], [3]], [], [[]], [[65535, 0, 4], [6]], [[7]]],  # empty documents and sentences between others
+    [[[1, 2]], [], [[]]],  # empty documents last
+], ids=["no documents", "no sentences", "an empty sentence", "one id", "mixed", "empty last"])
+def test_a_batch_is_assembled_as_megatron_lm_assembles_its_documents(documents, eod):
+    tool = load_tool()
+    sentences = [sentence for document in documents for sentence in document]
+    ids = numpy.array([i for sentence in sentences for i in sentence], dtype=numpy.int64)
+    lengths = numpy.array([len(sentence) for sentence in sentences], dtype=numpy.int64)
+    counts = numpy.array([len(document) for document in documents], dtype=numpy.int64)
+    out, out_lengths, out_counts = tool.assemble_documents(ids, lengths, counts, eod, numpy.uint16)
+    tokens, expected_lengths, expected_counts = megatron_lm_documents(documents, eod)
+    assert out.dtype == numpy.uint16 and out.tolist() == tokens
+    assert out_lengths.tolist() == expected_lengths and out_counts.tolist() == expected_counts
+
+
+def test_a_batch_of_records_is_encoded_key_by_key_with_its_bad_lines_set_apart(byte_tokenizer):
+    """encode_batch with the byte tokenizer (id = byte, EOD 256) and sentences cut at "|": each key's documents
+    as Megatron-LM assembles them from their sentences' bytes, a bad line reported and left out, every record's
+    bytes counted."""
+    tool = load_tool()
+    tokenizer = build_tokenizer("TikTokenizer", byte_tokenizer)
+    tool.configure_encoding(tokenizer, lambda text: text.split("|"), ["text", "title"], True, numpy.uint16, 1)
+    lines = [{"text": "ab|c", "title": "d"}, {"text": "", "title": ""}, "not json", {"text": "e||fg", "title": "h|"}]
+    raws = [(line if isinstance(line, str) else json.dumps(line)).encode() for line in lines]
+    batch = tool.encode_batch([Record("c.jsonl", number, raw) for number, raw in enumerate(raws, 1)])
+    for key in ("text", "title"):
+        documents = [[list(sentence.encode()) for sentence in line[key].split("|")] for line in lines
+                     if isinstance(line, dict)]
+        tokens, lengths, counts = megatron_lm_documents(documents, 256)
+        assert batch.tokens[key].dtype == numpy.uint16 and batch.tokens[key].tolist() == tokens, key
+        assert batch.lengths[key].tolist() == lengths and batch.sequences[key].tolist() == counts, key
+    assert [(bad.line, bad.reason) for bad in batch.bad_lines] == [(3, "not JSON")]
+    assert batch.bytes == sum(map(len, raws))
+    tool.configure_encoding(tokenizer, None, ["text"], False, numpy.int32, 1)  # no splitter, no EOD
+    rows = [tool.ParquetRow("p.parquet", 0, ("xy",), 2), tool.ParquetRow("p.parquet", 1, (None,), 0)]
+    batch = tool.encode_batch([Record("c.txt", None, b"a|b"), Record("d.txt", None, b""), *rows])
+    assert batch.tokens["text"].dtype == numpy.int32 and batch.tokens["text"].tolist() == list(b"a|bxy")
+    assert batch.lengths["text"].tolist() == [3, 2] and batch.sequences["text"].tolist() == [1, 0, 1]
+    assert [(bad.line, bad.reason) for bad in batch.bad_lines] == [(1, "missing key")]
+    batch = tool.encode_batch([Record("c.jsonl", 1, b"[]")])  # nothing but a bad line: no document
+    assert batch.tokens["text"].tolist() == [] and batch.sequences["text"].tolist() == []
 
 
 def test_shards_hold_every_document_once_in_order(tmp_path):

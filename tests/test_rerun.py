@@ -4,16 +4,24 @@ reproduces), with Megatron-LM's exit codes; in this process, on the CPU."""
 
 import logging
 import re
+import socket
+from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
+from megatron.core import tensor_parallel
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.rerun_state_machine import (
     EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
     EXIT_CODE_RESUME_TO_DISAMBIGUATE,
+    RerunDataIterator,
+    RerunDiagnostic,
+    RerunMode,
     RerunStateMachine,
     RerunValidationStatus,
     destroy_rerun_state_machine,
+    get_rerun_state_machine,
 )
 from megatron.core.utils import get_model_config
 from test_gpt_datasets import write_dataset
@@ -171,7 +179,7 @@ def test_report_stats_reruns_every_step_and_reports_the_variability(seeded, capl
             chunks, optimizer, scheduler = model
             train_step(data, chunks, optimizer, scheduler, 1, MB, S, checks=checks)
             assert data.read == 1
-    assert f"iteration 2: rerun variability of '{rerun.NAN_LOSS}': 2 samples, all identical" in caplog.text
+    assert f"iteration 2: rerun variability of '{rerun.NAN_LOSS}': 2 samples, all identical" in caplog.messages
     nan = batch(7)
     nan["loss_mask"] = nan["loss_mask"] * float("nan")
     assert not step(model, [nan], checks)[2]  # reported, not validated: angpt's skip
@@ -255,7 +263,8 @@ def test_which_nan_checks_run(flags, nan, single_process, caplog):
     assert rerun.checks(config.rerun).nan is nan
     with caplog.at_level(logging.INFO, logger="angpt.rerun"):
         rerun.initialize(config.rerun, 0)
-    said = "--check-for-nan-in-loss-and-grad: off with --fp16's dynamic loss scale, as in Megatron-LM" in caplog.text
+    said = ("--check-for-nan-in-loss-and-grad: off with --fp16's dynamic loss scale, as in Megatron-LM (its overflows "
+            "are expected): a NaN/Inf step is skipped") in caplog.messages
     assert said is ("--fp16" in flags and not nan)
 
 
@@ -281,3 +290,165 @@ def test_an_injection_that_would_inject_nothing_is_refused(flags, message, capsy
     with pytest.raises(SystemExit):
         parse_args([*FLAGS, *flags], world_size=1)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, checks", [
+    ([], (True, False, False)),
+    (["--check-for-spiky-loss"], (True, True, False)),
+    (["--check-for-large-grads", "--no-check-for-nan-in-loss-and-grad"], (False, False, True)),
+])
+def test_the_checks_are_the_flags_megatron_lm_names_them_by(flags, checks, single_process):
+    assert machine_checks(*flags) == rerun.Checks(nan=checks[0], spiky=checks[1], large_grads=checks[2])
+
+
+@pytest.mark.parametrize("mode, megatron", [("disabled", RerunMode.DISABLED),
+                                            ("validate_results", RerunMode.VALIDATE_RESULTS),
+                                            ("report_stats", RerunMode.REPORT_DETERMINISM_STATS)])
+def test_the_machine_runs_in_megatron_cores_mode_from_the_steps_already_done(mode, megatron, single_process):
+    """Megatron-LM passes --rerun-mode to RerunMode(); its train() sets the machine's iteration to the steps done."""
+    config = parse_args([*FLAGS, "--rerun-mode", mode], world_size=1)
+    rerun.initialize(config.rerun, 7)
+    machine = get_rerun_state_machine()
+    assert machine.mode == megatron and machine.current_iteration == 7 and rerun.findings() == []
+
+
+def test_the_machine_injects_the_errors_the_flags_ask_for(single_process):
+    """--error-injection-rate and --error-injection-type, as Megatron-LM hands them to megatron-core's injector."""
+    flags = ["--error-injection-rate", "5", "--error-injection-type", "persistent_error"]
+    rerun.initialize(parse_args([*FLAGS, *flags], world_size=1).rerun, 0)
+    injector = get_rerun_state_machine().error_injector
+    assert (injector.error_injection_rate, injector.error_injection_type) == (5, RerunDiagnostic.PERSISTENT_ERROR)
+
+
+def test_a_finding_names_its_micro_batch_and_what_its_reruns_found():
+    """A loss check's call number is its micro-batch (a grad check's is not one); the outcome is the machine's last
+    status: a rerun that differs is a fault of the GPU, one that reproduces is the data (docs in rerun.py)."""
+    initial = (RerunValidationStatus.INITIAL_RUN,)
+    for message in rerun.LOSS_CHECKS:
+        assert rerun.Finding(message, 1.0, initial, 3).micro_batch == 3
+    assert rerun.Finding("found unexpected large grads in bucket #0", 1.0, initial, 3).micro_batch is None
+    outcomes = {status: rerun.Finding(rerun.NAN_LOSS, 1.0, (*initial, status), 1).outcome for status in (
+        RerunValidationStatus.FIRST_RERUN_NOT_REPRODUCIBLE, RerunValidationStatus.FIRST_RERUN_REPRODUCIBLE)}
+    assert outcomes == {
+        RerunValidationStatus.FIRST_RERUN_NOT_REPRODUCIBLE:
+            "not reproduced by a rerun on the same micro-batches: a transient fault of this GPU",
+        RerunValidationStatus.FIRST_RERUN_REPRODUCIBLE:
+            "reproduced by a rerun on the same micro-batches: the data (or a persistent fault of this GPU)"}
+    disabled = (RerunValidationStatus.RERUN_DISABLED,)
+    assert rerun.Finding(rerun.NAN_LOSS, 1.0, disabled, None).outcome == "not rerun (--rerun-mode disabled)"
+    assert rerun.Finding(rerun.NAN_LOSS, 1.0, initial, 1).outcome == "awaiting its rerun"
+
+
+def test_the_exit_names_megatron_lms_exit_code():
+    """Megatron-LM's codes: 16 to resume elsewhere and disambiguate, 17 for a validation that failed."""
+    resume = rerun.ResultValidationExit(16, True)
+    assert (resume.exit_code, resume.save, str(resume)) == (16, True, "exit code 16 (EXIT_CODE_RESUME_TO_DISAMBIGUATE)")
+    failed = rerun.ResultValidationExit(17, False)
+    assert (failed.exit_code, failed.save) == (17, False)
+    assert str(failed) == "exit code 17 (EXIT_CODE_FAILED_ON_RESULT_VALIDATION)"
+    assert str(rerun.ResultValidationExit(3, False)) == "exit code 3 (result validation)"
+
+
+def test_the_steps_iterators_are_wrapped_once_for_replay():
+    plain, wrapped = iter([1]), RerunDataIterator(iter([2]))
+    assert isinstance(rerun.replayable(plain), RerunDataIterator)
+    assert rerun.replayable(wrapped) is wrapped and rerun.replayable(None) is None
+    first, second, third = rerun.replayable([plain, wrapped, None])  # one per virtual pipeline stage
+    assert isinstance(first, RerunDataIterator) and second is wrapped and third is None
+
+
+def test_the_rank_is_named_with_its_host_and_device(single_process):
+    assert rerun.where() == f"rank 0 on {socket.gethostname()} (device {torch.cuda.current_device()})"
+
+
+def test_a_machine_angpt_did_not_build_has_no_findings():
+    """megatron-core's own machine (get_rerun_state_machine builds one when none is set) keeps none."""
+    assert rerun.findings() == []
+
+
+def test_each_failed_check_is_kept_with_its_value_its_call_and_what_its_reruns_found(tmp_path, single_process):
+    """And megatron-core's line for each in --result-rejected-tracker-filename, as its machine writes it."""
+    tracker = tmp_path / "rejected.txt"
+    rerun.initialize(parse_args([*FLAGS, "--result-rejected-tracker-filename", str(tracker)], world_size=1).rerun, 4)
+    machine = get_rerun_state_machine()
+    machine._log_validation_error_to_file(RerunValidationStatus.FIRST_RERUN_REPRODUCIBLE, 1.0, rerun.NAN_LOSS)
+    assert rerun.findings() == []  # a rerun's status with no check failed before: nothing to add it to
+    machine.failed_validation_call = SimpleNamespace(sequence=2)  # the check's second call in the step
+    machine._log_validation_error_to_file(RerunValidationStatus.INITIAL_RUN, torch.tensor(12.5), rerun.SPIKY_LOSS)
+    machine._log_validation_error_to_file(RerunValidationStatus.FIRST_RERUN_REPRODUCIBLE, 12.5, rerun.SPIKY_LOSS)
+    machine._log_validation_error_to_file(RerunValidationStatus.RERUN_DISABLED, 7, rerun.NAN_LOSS)
+    assert rerun.findings() == [
+        rerun.Finding(rerun.SPIKY_LOSS, 12.5, (RerunValidationStatus.INITIAL_RUN,
+                                               RerunValidationStatus.FIRST_RERUN_REPRODUCIBLE), 2),
+        rerun.Finding(rerun.NAN_LOSS, 7.0, (RerunValidationStatus.RERUN_DISABLED,), None)]
+    lines = tracker.read_text().splitlines()
+    assert len(lines) == 4
+    assert lines[1].endswith(f"iteration=4 status={RerunValidationStatus.INITIAL_RUN} result={torch.tensor(12.5)} "
+                             f"message='{rerun.SPIKY_LOSS}'")
+
+
+class RecordingMachine:
+    """Stands for megatron-core's machine: records what is asked of it."""
+
+    def __init__(self, exit_asked=(False, False, 0)):
+        self.calls, self.exit_asked = [], exit_asked
+
+    def validate_result(self, **kwargs):
+        self.calls.append(kwargs)
+
+    def is_unexpectedly_large(self, result, threshold, context):
+        raise AssertionError("not called by validate_loss itself")
+
+    def should_checkpoint_and_exit(self):
+        return self.exit_asked
+
+
+@pytest.mark.parametrize("checks", [rerun.Checks(True, True, False), rerun.Checks(False, False, False)])
+def test_the_loss_checks_are_pretrain_gpts(checks, monkeypatch):
+    """Megatron-LM's pretrain_gpt.py loss_func: NaN and Inf fatal, a spike (10x the largest loss seen) reported,
+    all with tolerance 0 (the forward pass is deterministic)."""
+    machine = RecordingMachine()
+    monkeypatch.setattr(rerun, "get_rerun_state_machine", lambda: machine)
+    loss = torch.tensor(2.5)
+    rerun.validate_loss(loss, checks)
+    if not checks.nan:
+        assert machine.calls == []
+        return
+    nan, inf, spiky = machine.calls
+    assert nan == dict(result=loss, rejection_func=torch.isnan, message="found NaN in local forward loss calculation",
+                       tolerance=0.0, fatal=True)
+    assert inf == dict(result=loss, rejection_func=torch.isinf, message="found Inf in local forward loss calculation",
+                       tolerance=0.0, fatal=True)
+    rejection = spiky.pop("rejection_func")
+    assert spiky == dict(result=loss, message="Spiky loss", tolerance=0.0, fatal=False)
+    assert isinstance(rejection, partial) and rejection.func == machine.is_unexpectedly_large
+    assert (rejection.args, rejection.keywords) == ((), dict(threshold=10, context="loss"))
+
+
+@pytest.mark.parametrize("asked", [(True, True, 16), (False, True, 17), (False, False, 0)])
+def test_the_job_exits_when_the_machine_asks_with_its_code_and_whether_to_save(asked, monkeypatch):
+    monkeypatch.setattr(rerun, "get_rerun_state_machine", lambda: RecordingMachine(asked))
+    save, stop, code = asked
+    if not stop:
+        rerun.exit_if_asked()
+        return
+    with pytest.raises(rerun.ResultValidationExit) as asked_to_exit:
+        rerun.exit_if_asked()
+    assert (asked_to_exit.value.exit_code, asked_to_exit.value.save) == (code, save)
+
+
+def test_a_rerun_saves_and_restores_megatron_cores_rng_tracker(seeded):
+    """The machine replays a step from the same RNG state: that of megatron-core's CUDA RNG tracker."""
+    rerun.initialize(parse_args(FLAGS, world_size=1).rerun, 0)
+    machine = get_rerun_state_machine()
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    saved = machine.state_save_func()
+    assert saved.keys() == {"rng_tracker_states"} and saved["rng_tracker_states"].keys() == tracker.get_states().keys()
+    with tracker.fork():  # a step's dropout draws
+        torch.rand(3)
+    advanced = tracker.get_states()
+    assert not all(torch.equal(advanced[name], state) for name, state in saved["rng_tracker_states"].items())
+    machine.state_restore_func({"rng_tracker_states": {}})  # nothing saved: nothing to restore
+    assert all(torch.equal(tracker.get_states()[name], state) for name, state in advanced.items())
+    machine.state_restore_func(saved)
+    assert all(torch.equal(tracker.get_states()[name], state) for name, state in saved["rng_tracker_states"].items())

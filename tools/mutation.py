@@ -35,8 +35,9 @@ RESULTS = ROOT / "docs" / "results" / "mutation.json"
 DOC = ROOT / "docs" / "testing.md"
 TABLE_BEGIN = "<!-- mutation table: written by tools/mutation.py from docs/results/mutation.json -->"
 TABLE_END = "<!-- end of mutation table -->"
-# What each copy holds: the package, the tests, the tools and result files some of them read, pytest's configuration.
-ALSO_COPIED = ["tools", "pytest.ini", "docs/results"]
+# What each copy holds: the package, the tests, the tools, benchmarks and result files some of them read, pytest's
+# configuration.
+ALSO_COPIED = ["tools", "benchmarks", "pytest.ini", "docs/results"]
 COPIED = ["angpt", "tests", *ALSO_COPIED]
 # In-process tests only: no torchrun jobs, no end-to-end scripts (a mutant must take seconds).
 FAST = "not multiprocess and not slow and not long and not gpu"
@@ -47,8 +48,20 @@ class Module:
     name: str
     source: str
     tests: list[str]
-    # Whole-package directories mutmut copies and puts first on sys.path (tools/ for the preprocessing tool).
+    # Whole-package directories mutmut copies and puts first on sys.path.
     source_paths: list[str] = field(default_factory=lambda: ["angpt"])
+    # Only the mutants of these functions are run and counted (all of the module's when empty): a part of a
+    # large module, such as the preprocessing tool's document assembly.
+    functions: list[str] = field(default_factory=list)
+    # A script its tests load from its file under its bare name (tools/preprocess_data.py as `preprocess_data`).
+    # mutmut names a module by its path (tools.preprocess_data) and finds no test of it, but strips a leading
+    # src/: the copy holds the script as src/NAME.py, and the path the tests load links to its mutated copy.
+    script: bool = False
+
+    @property
+    def mutated(self) -> str:
+        """The mutated file's path in the copy."""
+        return f"src/{Path(self.source).name}" if self.script else self.source
 
 
 MODULES = [
@@ -63,15 +76,16 @@ MODULES = [
     Module("activation_memory", "angpt/models/activation_memory.py", ["tests/test_memory_estimate.py"]),
     Module("layout_search", "angpt/training/layout_search.py", ["tests/test_memory_estimate.py"]),
     Module("factors", "angpt/models/factors.py", ["tests/test_factors.py"]),
-    Module("scales", "angpt/models/scales.py", ["tests/test_optimizer.py"]),
+    Module("scales", "angpt/models/scales.py", ["tests/test_optimizer.py", "tests/test_scales.py"]),
     Module("bounding", "angpt/models/bounding.py", ["tests/test_bounding.py"]),
     Module("kernels_reference", "angpt/kernels/reference.py", ["tests/test_kernels.py"]),
-    Module("stragglers", "angpt/telemetry/stragglers.py", ["tests/test_run_diagnostics.py"]),
+    Module("stragglers", "angpt/telemetry/stragglers.py",
+           ["tests/test_run_diagnostics.py", "tests/test_stragglers.py"]),
     Module("digests", "angpt/training/digests.py", ["tests/test_checkpoint_integrity.py"]),
     Module("save_lock", "angpt/training/save_lock.py", ["tests/test_checkpoint_integrity.py"]),
     Module("rerun", "angpt/training/rerun.py", ["tests/test_rerun.py"]),
     Module("preprocess_data", "tools/preprocess_data.py", ["tests/test_preprocess_data.py"],
-           source_paths=["angpt", "tools"]),
+           source_paths=["angpt", "src"], functions=["encode_batch", "assemble_documents"], script=True),
 ]
 
 # Survivors that cannot change behaviour, by module: (function, OLD, NEW, why): a survivor of that function
@@ -92,6 +106,74 @@ DESCRIPTIONS = re.findall(r'Saved\(\s*"([^"]*)"', (ROOT / "angpt" / "models" / "
 POWERS = ("the candidates are powers of two: one that does not divide a count leaves every larger one not "
           "dividing it either, so stopping there drops nothing")
 EQUIVALENT: dict[str, list[tuple[str, str, str, str]]] = {
+    "factors": [
+        ("derive_factors", "hidden_size // num_attention_heads", "hidden_size / num_attention_heads",
+         "a hidden size not divisible by the heads without --kv-channels is refused before (Megatron-LM's check, "
+         "in the flags' validation and tools/angpt_factors.py): the quotient is whole"),
+    ],
+    "bounding": [
+        ("_kernel_piece", "region: int = 0", "region: int = 1",
+         "only project_whole_ takes pieces made without a region, and it ignores their region"),
+        ("split_over_tp", '"tensor_model_parallel", False)', '"tensor_model_parallel", None)',
+         "None and False are both false, and the callers only test the truth"),
+        ("attach_weight_constraint", 'getattr(inner.config, "timers", None)', 'getattr(inner.config, "timers", )',
+         "megatron-core's OptimizerConfig declares `timers` (None by default): the attribute always exists"),
+    ],
+    "rerun": [
+        ("_Machine._log_validation_error_to_file", "if isinstance(result, torch.Tensor) else",
+         "if (isinstance(result, torch.Tensor)) and False else", "float() of a one-element tensor is its item()"),
+    ],
+    "scales": [
+        *[("LearnableScale._apply", old, new, "a scale has no submodules: whether the cast recurses into them "
+           "changes nothing") for old, new in (("recurse=True)", "recurse=False)"), ("(fn, recurse)", "(fn, None)"),
+                                                ("(fn, recurse)", "(fn, )"))],
+        ("LearnableScale.sharded_state_dict", 'self.state_dict(prefix="", keep_vars=True)',
+         "self.state_dict(keep_vars=True)", "state_dict's prefix is \"\" by default"),
+        ("LearnableScale.forward", "if factor == 1.0 else", "if (factor == 1.0) and False else",
+         "multiplying by 1.0 is exact: the same values"),
+        *[("LearnableScale.__init__", "dtype=torch.float32, ", new, "torch's default dtype is float32, which "
+           "nothing in angpt changes") for new in ("dtype=None, ", "")],
+        ("LearnableScale.__init__", "self.reduce_grad_over_tp = reduce_grad_over_tp and tp_size > 1 and not "
+         "partitioned", "self.reduce_grad_over_tp = None", "None and False are both false, and the callers test "
+         "only the truth (at one rank it is False)"),
+    ],
+    "preprocess_data": [
+        *[("assemble_documents", "copy=False)", new, "whether astype copies ids already of the dtype: the same "
+           "values, which the caller only reads") for new in ("copy=None)", ")", "copy=True)")],
+        ("encode_batch", "if texts[key] else", "if (texts[key]) or True else", "a shortcut: every tokenizer backend "
+         "(tokenizers, tiktoken, gigatoken) encodes no texts into no ids, the same empty arrays"),
+    ],
+    "save_lock": [
+        ("_read", '"rb")', ")", "json.dump writes the lock in ASCII (it escapes the rest), which text mode reads as "
+         "the bytes"),
+        *[("take", "refusal, src=0)", new, "torch's broadcast_object_list takes no source (None) as rank 0")
+          for new in ("refusal, src=None)", "refusal, )")],
+    ],
+    "stragglers": [
+        ("ForwardTimer.__init__", "self.enabled = False", "self.enabled = None",
+         "None and False are both false, and the callers test only the truth"),
+        *[("ForwardTimer.__init__", "self._started = 0.0", new, "__enter__ sets it before __exit__ reads it")
+          for new in ("self._started = None", "self._started = 1.0")],
+    ],
+    "digests": [
+        ("_my_share", "[0] * dist.get_world_size()", "[1] * dist.get_world_size()",
+         "every rank's load then starts 1 higher: the comparisons between them are the same"),
+        *[("file_digest", "buffering=0)", new, "the buffering of the reads: readinto fills the buffer with the same "
+           "bytes either way (a binary file takes no line buffering)") for new in (")", "buffering=1)")],
+        *[(function, f"{what}, src=0)", f"{what}, {new})", "torch's broadcast_object_list takes no source (None) as "
+           "rank 0") for function, what in (("record", "listing"), ("check", "read")) for new in ("src=None", "")],
+        *[(function, "if dist.get_rank() == 0 else None", "if (dist.get_rank() == 0) or True else None",
+           f"every rank then {what}, and the broadcast replaces what each found with rank 0's")
+          for function, what in (("record", "lists the directory"), ("check", "reads the digests"))],
+    ],
+    "kernels_reference": [
+        ("blocks", "end - position < cols", "end - position <= cols",
+         "with exactly one whole row left, both branches yield it as one block of 1 x cols"),
+        ("scaled_swiglu", "if output_factor == 1.0 else", "if (output_factor == 1.0) and False else",
+         "multiplying by 1.0 is exact: the same values"),
+        ("project_whole_", "regions, total = [], 0", "regions, total = [], 1",
+         "the regions then start at 1 in a buffer one longer: entry 0 is unused, every vector keeps its own"),
+    ],
     "layout_search": [
         ("candidate_layouts", "tp > GPUS_PER_NODE or heads % tp", "tp > GPUS_PER_NODE and heads % tp",
          "no TP here exceeds a node, which leaves `groups % tp`: the groups divide the heads, so a TP that does not "
@@ -190,7 +272,72 @@ EQUIVALENT: dict[str, list[tuple[str, str, str, str]]] = {
 # kills them). They count as surviving.
 READ_ONLY = ("numpy.memmap's default mode is r+, which fails on a dataset the user may not write: a test run as "
              "root (CI) cannot see it")
-LEFT: dict[str, list[tuple[str, str, str, str]]] = {
+ON_GPU = ("differs only for weights on a GPU (the sums would then be on the CPU): the tests on CUDA are marked gpu, "
+          "outside the fast selection, and on the CPU the default device is the CPU")
+TP_OVER_ONE = ("differs only at tensor-parallel size above 1, which an in-process test lacks: the multi-process "
+               "test_parallel_equivalence.py (tp2) compares it with one process")
+ON_GPU_SCALE = ("where the scale is made: on the CPU every device is the CPU (megatron_compat's CPU adapter); "
+                "the fast selection has no GPU")
+STRAGGLER_DETECTOR = ("megatron-core's StragglerDetector, on CUDA only: the CPU's tests cannot reach it, and the fast "
+                      "selection has no GPU (test_run_diagnostics.py times it on CUDA)")
+DP_OVER_ONE = ("differs only with a data-parallel group of more than one rank, which an in-process test lacks: the "
+               "multi-process test_parallel_equivalence.py (dp2, dp2_fsdp2) compares it with one process")
+LEFT: dict[str, list[tuple[str, str, str | None, str]]] = {
+    "rerun": [
+        *[("_Machine._maybe_report_stats", old, new, "differs only with more than one rank, whose statistics rank 0 "
+           "gathers: the in-process tests have one, and no multi-process test runs --rerun-mode report_stats")
+          for old, new in (("if dist.get_rank() == 0 else None", "if (dist.get_rank() == 0) or True else None"),
+                           ("gathered[1:]", "gathered[2:]"), ("if caller in stats]", "if caller not in stats]"))],
+    ],
+    "scales": [
+        *[("LearnableScale.__init__", statement, None, TP_OVER_ONE) for statement in (
+            "local_size = size // tp_size if partitioned", "does not split over", "tp_size > 1 and not partitioned")],
+        *[("LearnableScale.surrogate", "copy_to_tensor_model_parallel_region(", None, TP_OVER_ONE)],
+        *[("LearnableScale.sharded_state_dict", statement, None, TP_OVER_ONE)
+          for statement in ('{"s_hat": 0} if self.partitioned', "tp_group=self.tp_group")],
+        ("LearnableScale.__init__", "reduce_grad_over_tp: bool = False", "reduce_grad_over_tp: bool = True",
+         TP_OVER_ONE),
+        *[("LearnableScale.__init__", statement, None, ON_GPU_SCALE)
+          for statement in ('device = "cpu" if config.use_cpu_initialization', "device=device))")],
+    ],
+    "stragglers": [
+        *[(function, statement, None, STRAGGLER_DETECTOR) for function, statement in (
+            ("ForwardTimer.configure", "torch.cuda.temperature()"), ("ForwardTimer.configure", "raise ValueError("),
+            ("ForwardTimer.configure", "temperature through NVML"), ("ForwardTimer.configure", "StragglerDetector()"),
+            ("ForwardTimer.configure", "self.detector.configure("), ("ForwardTimer.configure", "except ("),
+            ("ForwardTimer.__enter__", "self.detector.start()"), ("ForwardTimer.__exit__", "self.detector.stop()"),
+            ("ForwardTimer.take_ms", "self.detector.elapsed()"), ("ForwardTimer.active", "self.detector.enabled if"),
+            ("StragglerReport.__init__", 'torch.device("cuda"'),
+            ("StragglerReport.__init__", "FORWARD_TIMER.configure("),
+            ("StragglerReport.gather", "device=self.device)"), ("StragglerReport.gather", "detector.report()"),
+            ("StragglerReport.gather", "if FORWARD_TIMER.detector is not None:"))],
+    ],
+    "kernels_reference": [
+        ("project_whole_", 'pieces[0].data.device if pieces else torch.device("cpu")', "None", ON_GPU),
+        ("project_whole_", "if pieces else", "if (pieces) and False else", ON_GPU),
+        ("project_whole_", "device=device)", "device=None)", ON_GPU),
+        ("project_whole_", ", device=device)", ", )", ON_GPU),
+    ],
+    "factors": [
+        *[("_store_in_cache", old, new, "the cache file's layout: json.loads reads it back the same, no reader "
+           "depends on it") for old, new in (
+              ("indent=1", "indent=None"), ("indent=1", "indent=2"), ("indent=1, ", ""),
+              ("sort_keys=True", "sort_keys=None"), ("sort_keys=True", "sort_keys=False"), ("sort_keys=True", ""))],
+    ],
+    "digests": [
+        *[("record", "indent=1)", new, "the digests file's layout: no reader depends on it")
+          for new in ("indent=None)", ")", "indent=2)")],
+    ],
+    "bounding": [
+        *[("attach_weight_constraint", "mode, data_parallel_group)", new, DP_OVER_ONE)
+          for new in ("mode, None)", "mode, )")],
+        ("_optimizer_pieces", "buffer.params if wanted(p)]", "buffer.params if wanted(None)]",
+         "the distributed optimizer's list of every weight matters only where its shards cut weights, never at "
+         "one rank: the multi-process test_parallel_equivalence.py (dp2) compares it with one process"),
+        *[("_fsdp_piece", old, new, "at one rank the shard starts at row 0 whatever the arithmetic; a shard "
+           "elsewhere needs two ranks, as in the multi-process test_parallel_equivalence.py (dp2_fsdp2)")
+          for old, new in (("offset[0] * param", "offset[0] / param"), ("offset[0] * param", "offset[1] * param"))],
+    ],
     "layout_search": [
         *[(function, "1e9", "1000000001.0", "one part in a billion of an estimate: below the float tolerance the "
            "tests allow") for function in ("_collective_seconds", "step_seconds")],
@@ -219,7 +366,7 @@ def mutmut_config(module: Module) -> str:
     return "\n".join([
         "[tool.mutmut]",
         f"source_paths = {toml_list(module.source_paths)}",
-        f"only_mutate = {toml_list([module.source])}",
+        f"only_mutate = {toml_list([module.mutated])}",
         f"pytest_add_cli_args_test_selection = {toml_list(module.tests)}",
         # mutmut copies the source paths and tests/ into mutants/; the tests also read these.
         f"also_copy = {toml_list([name for name in ALSO_COPIED if name not in module.source_paths])}",
@@ -247,6 +394,13 @@ def prepare(module: Module, label: str) -> Path:
         shutil.rmtree(work / "tests")
         archive = subprocess.run(["git", "archive", "HEAD", "tests"], cwd=ROOT, capture_output=True, check=True)
         subprocess.run(["tar", "-x", "-C", str(work)], input=archive.stdout, check=True)
+    if module.script:
+        (work / "src").mkdir()
+        shutil.move(work / module.source, work / module.mutated)
+        # mutmut copies tools/ (without the script now) around this link, and writes the mutants where it points.
+        link = work / "mutants" / module.source
+        link.parent.mkdir(parents=True)
+        link.symlink_to(os.path.relpath(work / "mutants" / module.mutated, link.parent))
     (work / "pyproject.toml").write_text(mutmut_config(module))
     return work
 
@@ -254,7 +408,7 @@ def prepare(module: Module, label: str) -> Path:
 def mutant_diff(work: Path, module: Module, name: str) -> str:
     """The mutant's changed lines ("-" the original's, "+" the mutant's)."""
     with contextlib.chdir(work):  # mutmut reads its mutants/ relative to the working directory
-        diff = get_diff_for_mutant(name, path=module.source)
+        diff = get_diff_for_mutant(name, path=module.mutated)
     return "\n".join(line for line in diff.splitlines()
                      if line[:1] in "+-" and not line.startswith(("+++", "---")))
 
@@ -265,15 +419,17 @@ def run_module(module: Module, label: str, max_children: int) -> dict | None:
     start = time.monotonic()
     # mutmut's own entry point rather than `python -m mutmut`, which it warns imports it twice.
     mutmut = Path(sys.executable).with_name("mutmut")
-    completed = subprocess.run([str(mutmut), "run", "--max-children", str(max_children)], cwd=work,
+    patterns = [f"*.x_{function}__mutmut_*" for function in module.functions]
+    completed = subprocess.run([str(mutmut), "run", "--max-children", str(max_children), *patterns], cwd=work,
                                capture_output=True, text=True)
     seconds = time.monotonic() - start
     (work / "mutmut.log").write_text(completed.stdout + completed.stderr)
     if completed.returncode != 0:
         print(f"   mutmut failed (exit {completed.returncode}); its output is in {work / 'mutmut.log'}", flush=True)
         return None
-    meta = json.loads((work / "mutants" / (module.source + ".meta")).read_text())
-    codes = meta["exit_code_by_key"]
+    meta = json.loads((work / "mutants" / (module.mutated + ".meta")).read_text())
+    codes = {name: code for name, code in meta["exit_code_by_key"].items()
+             if not module.functions or function_of(name) in module.functions}
     stats = json.loads((work / "mutants" / "mutmut-stats.json").read_text())
     # 1 and 3: a test failed or pytest stopped with an error; timeouts (SIGXCPU) also detect the mutant.
     killed = sorted(name for name, code in codes.items() if code in (1, 3))
@@ -304,16 +460,19 @@ def function_of(mutant: str) -> str:
     return ".".join(part for part in re.sub(r"^x[_ǁ]", "", local).split("ǁ") if part)
 
 
-def reason(entries: list[tuple[str, str, str, str]], mutant: str, diff: str) -> str | None:
+def reason(entries: list[tuple[str, str, str | None, str]], mutant: str, diff: str) -> str | None:
     """The why of the entry (of EQUIVALENT or LEFT) that describes the mutant's change, if one does: in that
     function, the original statement with one OLD replaced by NEW (an OLD that starts with a space is the whole
-    line, indentation included, which tells nested loops apart)."""
+    line, indentation included, which tells nested loops apart), or with NEW None any change of a statement that
+    holds OLD (a statement that runs only on CUDA or at tensor-parallel size above 1)."""
     removed = [line[1:].rstrip() for line in diff.splitlines() if line.startswith("-")]
     added = [line[1:].rstrip() for line in diff.splitlines() if line.startswith("+")]
     for function, old, new, why in entries:
         if function != function_of(mutant):
             continue
-        if old.startswith(" "):
+        if new is None:
+            matches = any(old in line for line in removed)
+        elif old.startswith(" "):
             matches = removed == [old] and added == [new]
         else:  # a statement over several lines is compared as one
             before, after = (" ".join(line.strip() for line in lines) for lines in (removed, added))
@@ -357,7 +516,8 @@ def table(results: dict) -> str:
         # The tests of the latest run (the after run's may add a file the before run lacked).
         tests = ", ".join(f"`{Path(test).name}`" for test in (runs.get("after") or runs.get("before") or
                                                               {"tests": module.tests})["tests"])
-        lines.append(f"| `{module.source}` | {tests} | {' | '.join(cells)} | {times} | {run} |")
+        part = f" ({', '.join(f'`{function}`' for function in module.functions)})" if module.functions else ""
+        lines.append(f"| `{module.source}`{part} | {tests} | {' | '.join(cells)} | {times} | {run} |")
     return "\n".join(lines)
 
 
@@ -421,7 +581,8 @@ def main() -> None:
     by_name = {module.name: module for module in MODULES}
     if args.list:
         for module in MODULES:
-            print(f"{module.name:18} {module.source:36} {' '.join(module.tests)}")
+            part = f" ({' '.join(module.functions)})" if module.functions else ""
+            print(f"{module.name:18} {module.source + part:36} {' '.join(module.tests)}")
         return
     unknown = [name for name in args.modules if name not in by_name]
     if unknown:
