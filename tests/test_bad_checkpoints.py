@@ -44,10 +44,8 @@ from test_bad_inputs import (
     Elsewhere,
     cell,
     damage,
-    load_tool,
     record_elsewhere,
-    write_byte_ranks,
-    write_corpus,
+    write_dataset,
 )
 
 from angpt.training import checkpointing, digests
@@ -92,13 +90,7 @@ ELSEWHERE = {
 def saved(tmp_path_factory, single_process):
     """A tiny run of each format on data written with a tokenizer, checkpointed at iterations 1 and 2."""
     directory = tmp_path_factory.mktemp("data")
-    write_corpus(directory / "corpus.jsonl", "jsonl")
-    tool = load_tool("preprocess_data")
-    tool.preprocess(tool.parse_args([
-        "--input", str(directory / "corpus.jsonl"), "--output-prefix", str(directory / "corpus"), "--tokenizer-type",
-        "TikTokenizer", "--tokenizer-model", write_byte_ranks(directory / "bytes.tiktoken"), "--append-eod",
-        "--tokenizer-backend", "tokenizers"]))
-    data = ["--data-path", str(directory / "corpus_text_document"), "--split", "100,0,0", "--data-cache-path",
+    data = ["--data-path", write_dataset(directory), "--split", "100,0,0", "--data-cache-path",
             str(directory / "cache")]
     runs = {}
     for name, flags in FORMATS.items():

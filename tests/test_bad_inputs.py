@@ -190,6 +190,17 @@ def write_byte_ranks(path) -> str:
     return str(path)
 
 
+def write_dataset(directory) -> str:
+    """A jsonl corpus preprocessed with the byte tokenizer into `directory`: the dataset's prefix."""
+    write_corpus(directory / "corpus.jsonl", "jsonl")
+    tool = load_tool("preprocess_data")
+    tool.preprocess(tool.parse_args([
+        "--input", str(directory / "corpus.jsonl"), "--output-prefix", str(directory / "corpus"), "--tokenizer-type",
+        "TikTokenizer", "--tokenizer-model", write_byte_ranks(directory / "bytes.tiktoken"), "--append-eod",
+        "--tokenizer-backend", "tokenizers"]))
+    return str(directory / "corpus_text_document")
+
+
 @pytest.fixture(scope="module")
 def byte_ranks(tmp_path_factory):
     return write_byte_ranks(tmp_path_factory.mktemp("ranks") / "bytes.tiktoken")

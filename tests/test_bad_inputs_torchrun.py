@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 from test_bad_checkpoints import MODEL
-from test_bad_inputs import cell, damage, load_tool, write_byte_ranks, write_corpus
+from test_bad_inputs import cell, damage, write_dataset
 from test_faults import write_understated_dataset
 
 from conftest import ROOT, in_process_trainer
@@ -32,13 +32,7 @@ def written(tmp_path_factory, single_process):
     """A dataset written with a tokenizer, and a run on it checkpointed at iterations 1 and 2 (one process:
     torch_dist loads at any layout)."""
     directory = tmp_path_factory.mktemp("written")
-    write_corpus(directory / "corpus.jsonl", "jsonl")
-    tool = load_tool("preprocess_data")
-    tool.preprocess(tool.parse_args([
-        "--input", str(directory / "corpus.jsonl"), "--output-prefix", str(directory / "corpus"), "--tokenizer-type",
-        "TikTokenizer", "--tokenizer-model", write_byte_ranks(directory / "bytes.tiktoken"), "--append-eod",
-        "--tokenizer-backend", "tokenizers"]))
-    prefix = str(directory / "corpus_text_document")
+    prefix = write_dataset(directory)
     data = ["--data-path", prefix, "--split", "100,0,0"]
     save = directory / "saved"
     assert in_process_trainer([*MODEL, *data, "--data-cache-path", str(directory / "cache"), "--save", str(save),

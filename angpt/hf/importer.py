@@ -23,15 +23,12 @@ from angpt.data.tokenizers import describe_file, read_huggingface_tokenizer
 from angpt.hf.checkpoint_reader import ensure_process_group
 from angpt.hf.errors import ExportError
 from angpt.hf.hf_config import MODEL_FLAGS
-from angpt.hf.weights import layer_weights, vocabulary_weights
+from angpt.hf.weights import BY_TOKEN, layer_weights, vocabulary_weights
 from angpt.models.gpt import build_model
 from angpt.training import checkpointing
 from angpt.training.megatron_configs import transformer_config
 
 logger = logging.getLogger("angpt.hf")
-# The tensors indexed by token (angpt.hf.weights.vocabulary_weights'): the directory's rows, padded with zeros to
-# the model's.
-PADDED = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.logit_scale.s_hat")
 
 
 def read_hf(directory: str) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -152,7 +149,7 @@ def import_hf(directory: str, save: str, make_vocab_size_divisible_by: int = 128
     wrong = [f"{name} {tuple(state[name].shape)}, the model's {tuple(parameter.shape)}"
              for name, parameter in parameters.items() if not (
                  state[name].shape == parameter.shape
-                 or name in PADDED and state[name].shape[1:] == parameter.shape[1:]
+                 or name in BY_TOKEN and state[name].shape[1:] == parameter.shape[1:]
                  and state[name].shape[0] <= parameter.shape[0])]
     if wrong:
         raise ExportError(f"{directory}: its tensors {fit}: {'; '.join(wrong[:3])}"

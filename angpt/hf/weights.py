@@ -215,6 +215,11 @@ def layer_weights(config_json: dict, tensors: dict, config: AnGPTConfig) -> dict
     return state
 
 
+# The tensors vocabulary_weights gives that are indexed by token: the directory's rows, padded with zeros to the
+# model's.
+BY_TOKEN = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.logit_scale.s_hat")
+
+
 def vocabulary_weights(config_json: dict, tensors: dict) -> dict[str, torch.Tensor]:
     """The tensors indexed by token (padded later) and GPT+'s final norm, of a model directory with this
     config.json."""
