@@ -34,6 +34,23 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+# torchrun's variables as the session found them (unset, but for the warm workers of tests/distributed).
+TORCHRUN_VARIABLES = {name: os.environ.get(name) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                               "MASTER_PORT")}
+
+
+@pytest.fixture(autouse=True)
+def torchrun_variables_as_the_session_found_them():
+    """An in-process trainer or importer joins as the only process of a job by setting torchrun's variables
+    (angpt.training.distributed), and its store keeps MASTER_PORT bound: a process a later test of the worker
+    starts inherited them and failed to bind that port (EADDRINUSE). Each test ends with them as they were."""
+    yield
+    for name, value in TORCHRUN_VARIABLES.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one")
     config.addinivalue_line("markers", "multiprocess: launches real processes with torchrun on gloo")
