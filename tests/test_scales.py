@@ -60,6 +60,19 @@ def test_a_scale_starts_at_its_s_scale_in_fp32_and_stays_fp32_when_the_model_is_
     assert torch.equal(scale.s_hat, torch.full((16,), 1 / math.sqrt(D)))  # 1/8, a bf16 value too
 
 
+@pytest.mark.parametrize("cast", [torch.nn.Module.bfloat16, torch.nn.Module.half])
+def test_a_cast_to_16_bits_keeps_every_fp32_digit_of_the_surrogate(single_process, cast):
+    """At d = 1280, s_scale = 1/sqrt(1280) is no bf16 (or fp16) value: a cast that rounds through 16 bits and back
+    would start s_qk 1.2e-4 (relative) off the table under --bf16."""
+    d = 1280
+    scale = LearnableScale(model_config("angpt", num_layers=2, hidden_size=d, num_attention_heads=4), "s_qk", 8)
+    expected = torch.full((8,), 1 / math.sqrt(d), dtype=torch.float32)
+    assert not torch.equal(expected.bfloat16().float(), expected)  # the case is one a rounding would change
+    cast(scale)
+    assert scale.s_hat.dtype == torch.float32
+    assert torch.equal(scale.s_hat, expected)
+
+
 def test_only_a_partitioned_scale_carries_megatrons_tensor_parallel_attributes(single_process):
     """megatron-core's attributes of a vector split along its only dimension (as its VocabParallelEmbedding's
     rows): tensor_model_parallel, partition_dim 0, stride 1. A scale is replicated unless said otherwise."""

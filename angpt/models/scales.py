@@ -67,10 +67,12 @@ class LearnableScale(MegatronModule):
             tensor_parallel.set_tensor_model_parallel_attributes(self.s_hat, True, 0, 1)
 
     def _apply(self, fn, recurse=True):
-        # Stay fp32 when the model is cast to bf16/fp16 (megatron-core's Float16Module casts everything).
+        # Stay fp32 when the model is cast to bf16/fp16 (megatron-core's Float16Module casts everything),
+        # with the fp32 values as they were: a round trip through bf16 would round s_hat (1/sqrt(d) at init).
+        fp32 = self.s_hat.data
         super()._apply(fn, recurse)
         if self.s_hat.dtype != torch.float32:
-            self.s_hat.data = self.s_hat.data.float()
+            self.s_hat.data = fp32.to(device=self.s_hat.device)
         return self
 
     def surrogate(self) -> torch.Tensor:
