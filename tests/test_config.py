@@ -70,6 +70,7 @@ TRANSFORMER_VALUES = dict(
     account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True, apply_rope_fusion=True,
     attention_dropout=0.25, bf16=True, calculate_per_token_loss=True, context_parallel_size=2,
     cross_entropy_fusion_impl="te", cross_entropy_loss_fusion=True, cuda_graph_warmup_steps=5, deterministic_mode=True,
+    defer_embedding_wgrad_compute=True, wgrad_deferral_limit=3,
     ffn_hidden_size=96, first_last_layers_bf16=True, fp16=True, fp8_amax_compute_algo="max", fp8_amax_history_len=16,
     fp8_margin=1, fp8_recipe="tensorwise",
     expert_tensor_parallel_size=4, hidden_dropout=0.25, hidden_size=64, hierarchical_context_parallel_sizes=[2, 2],

@@ -573,6 +573,39 @@ def test_the_interleaved_schedules_exchanges_follow_megatron_lm(pp, argv, overla
             "schedule's exchanges run one at a time here"])
 
 
+@pytest.mark.parametrize("pp, argv, message", [
+    (1, ["--defer-embedding-wgrad-compute"], "--defer-embedding-wgrad-compute needs --pipeline-model-parallel-size "
+     "> 1"),
+    (2, ["--defer-embedding-wgrad-compute", "--no-gradient-accumulation-fusion"], "--defer-embedding-wgrad-compute "
+     "needs gradient-accumulation fusion, which --no-gradient-accumulation-fusion turns off"),
+    (2, ["--defer-embedding-wgrad-compute", "--wgrad-deferral-limit", "-1"], "--wgrad-deferral-limit -1 cannot be "
+     "negative"),
+])
+def test_a_deferred_embedding_wgrad_refuses_what_megatron_core_refuses(pp, argv, message, capsys):
+    with pytest.raises(SystemExit):
+        pipeline(pp, *argv)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", MODEL_FAMILIES)
+@pytest.mark.parametrize("limit", ["0", "1"])
+def test_a_deferred_embedding_wgrad_reaches_megatron_core_with_the_fusion_it_needs(family, limit):
+    """Megatron-LM's flags reach ModelParallelConfig by name; megatron-core's own checks of them (PP > 1, the fusion,
+    the limit from 0, which defers every micro-batch) pass. Without the deferral the fusion stays off, and a limit
+    alone changes nothing, as in Megatron-LM, said in one line."""
+    config = pipeline(2, "--model-family", family, "--defer-embedding-wgrad-compute", "--wgrad-deferral-limit", limit)
+    built = transformer_config(config)
+    assert (built.defer_embedding_wgrad_compute, built.wgrad_deferral_limit, built.gradient_accumulation_fusion) == (
+        True, int(limit), True)
+    assert not [line for line in megatron_lm.notes(config) if "wgrad" in line]
+    alone = pipeline(2, "--model-family", family, "--wgrad-deferral-limit", "2")
+    assert not transformer_config(alone).defer_embedding_wgrad_compute
+    assert not transformer_config(alone).gradient_accumulation_fusion
+    assert [line for line in megatron_lm.notes(alone) if "wgrad" in line] == [
+        "--wgrad-deferral-limit: without --defer-embedding-wgrad-compute nothing is deferred (as in Megatron-LM, "
+        "nothing changes)"]
+
+
 GPT_QK = [*TINY, "--model-family", "gpt", "--qk-layernorm"]
 
 

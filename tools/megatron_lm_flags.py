@@ -1,5 +1,6 @@
 """Write angpt/config/megatron_lm_flags.py: every flag of Megatron-LM's pretraining parser, by argument group, with
-its arity, type and default, read from a Megatron-LM checkout by building its own parser.
+its arity, type and default, read from a Megatron-LM checkout by building its own parser (with the ModelOpt flags
+pretrain_gpt.py adds where nvidia-modelopt is installed).
 
     git clone https://github.com/NVIDIA/Megatron-LM && git -C Megatron-LM checkout core_v0.16.1
     python tools/megatron_lm_flags.py --megatron-lm Megatron-LM
@@ -47,7 +48,13 @@ def megatron_lm_parser(checkout: str) -> argparse.ArgumentParser:
         warnings.simplefilter("ignore")
         spec.loader.exec_module(arguments)
     print(f"megatron-core {megatron.core.__version__} imported", file=sys.stderr)
-    return arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    # pretrain_gpt.py's extra_args_provider where nvidia-modelopt is installed (its post-training flags).
+    path = os.path.join(checkout, "megatron", "post_training", "arguments.py")
+    spec = importlib.util.spec_from_file_location("megatron_post_training_arguments", path)
+    post_training = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(post_training)
+    return post_training.add_modelopt_args(parser)
 
 
 def flags_by_group(parser: argparse.ArgumentParser) -> dict[str, list[tuple]]:

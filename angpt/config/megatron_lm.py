@@ -97,9 +97,6 @@ FLAGS: dict[str, Decision] = {
     "--delay-wgrad-compute": refused(f"{NOT_YET} (it needs Transformer Engine's split weight gradients)"),
     "--ep-overlap-early-attn-memory-release": refused(f"MoE: {DENSE}"),
     "--use-ring-exchange-p2p": refused(f"{NOT_YET}: pipeline stages exchange with megatron-core's batched p2p"),
-    "--defer-embedding-wgrad-compute": refused(f"{NOT_YET} (it needs gradient-accumulation fusion, apex or "
-                                               "Transformer Engine)"),
-    "--wgrad-deferral-limit": refused(f"{NOT_YET} (with --defer-embedding-wgrad-compute)"),
     "--softmax-type": refused(ATTENTION),
     "--fp32-residual-connection": refused(f"{NOT_YET}: the residual stream is in the parameters' precision"),
     "--apply-residual-connection-post-layernorm": refused(f"{NOT_YET} for --model-family gpt; the other families' "
@@ -184,8 +181,8 @@ FLAGS: dict[str, Decision] = {
     "--dataloader-type": implied("samples are read in order of megatron-core's GPTDataset shuffle (Megatron-LM's "
                                  "single)", only("single", "only --dataloader-type single is built")),
     "--no-persist-layer-norm": implied("the persistent layer-norm kernel (apex) is never used here"),
-    "--no-gradient-accumulation-fusion": implied("gradient-accumulation fusion (apex or Transformer Engine) is "
-                                                 "off here"),
+    "--no-gradient-accumulation-fusion": implied("gradient-accumulation fusion is off here but for "
+                                                 "--defer-embedding-wgrad-compute, which needs it"),
     "--use-mcore-models": implied("the families are megatron-core models"),
     "--use-legacy-models": refused(LEGACY),
     "--high-priority-stream-groups": refused(f"{NOT_YET}"),
@@ -377,6 +374,9 @@ GROUP_DECISIONS: dict[str, Decision] = {
                                   "resumes from --load"),
     "workload inspector": refused("NVIDIA's workload inspector is not used"),
     "msc": refused("the multi-storage client is not used: checkpoints and data are on a file system"),
+    # pretrain_gpt.py adds these only where nvidia-modelopt is installed.
+    "modelopt-generic": refused("ModelOpt's post-training (quantization, knowledge distillation, speculative "
+                                "decoding, its export formats) is not part of angpt (pretraining)"),
 }
 
 
@@ -522,6 +522,9 @@ def notes(config: RunConfig, cuda: bool = True) -> list[str]:
     if config.checkpoint.use_persistent_ckpt_worker and not config.checkpoint.async_save:
         lines.append("--use-persistent-ckpt-worker: without --async-save, saves are written by the training "
                      "processes, with no background writer (as in Megatron-LM)")
+    if config.parallel.wgrad_deferral_limit and not config.parallel.defer_embedding_wgrad_compute:
+        lines.append("--wgrad-deferral-limit: without --defer-embedding-wgrad-compute nothing is deferred (as in "
+                     "Megatron-LM, nothing changes)")
     if config.parallel.cp_comm_type_all_gather_default:
         lines.append("--cp-comm-type: all_gather, the only one built on --transformer-impl local (Megatron-LM's "
                      "default p2p needs Transformer Engine)")

@@ -261,6 +261,12 @@ class ParallelSection:
     overlap_p2p_comm_warmup_flush: bool = flag(False, "the interleaved schedule: overlap the exchanges of the "
         "warm-up and flush phases too (megatron-core's tunable overlap)",
         option="--overlap-p2p-communication-warmup-flush")
+    defer_embedding_wgrad_compute: bool = flag(False, "with pipeline parallelism: the output layer's weight "
+        "gradients (the embedding's, when tied) are computed in the pipeline's flush, after the last micro-batch's "
+        "backward, instead of in each backward (megatron-core's; it turns on gradient-accumulation fusion, apex's "
+        "kernel where installed, torch's addmm otherwise)")
+    wgrad_deferral_limit: int = flag(0, "with --defer-embedding-wgrad-compute: defer at most this many "
+        "micro-batches' output-layer weight gradients, compute the later ones at once (0: all)")
     ddp_bucket_size: Optional[int] = flag(None, "elements per gradient bucket of data-parallel reduction (default: "
         "megatron-core's, at least 40M and 1M per data-parallel rank)")
     world_size: int = derived(1)  # the processes of the job (of --dry-run's WORLD_SIZE)

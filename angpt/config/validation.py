@@ -88,6 +88,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
     except ValueError as error:
         parser.error(str(error))
     _validate_virtual_stages(parser, args, pp)
+    _validate_deferred_wgrad(parser, args, pp)
     if args.global_batch_size % (args.micro_batch_size * dp):
         parser.error(f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
                      f"{args.micro_batch_size} x data-parallel size {dp}")
@@ -182,6 +183,22 @@ def _validate_virtual_stages(parser, args, pp: int) -> None:
         if args.overlap_p2p_comm_warmup_flush:
             parser.error("--overlap-p2p-communication-warmup-flush needs the overlap that --no-overlap-p2p-"
                          "communication turns off")
+
+
+def _validate_deferred_wgrad(parser, args, pp: int) -> None:
+    """megatron-core's checks of --defer-embedding-wgrad-compute (ModelParallelConfig); without it Megatron-LM
+    ignores --wgrad-deferral-limit (said in one line, megatron_lm.notes)."""
+    if not args.defer_embedding_wgrad_compute:
+        return
+    if pp == 1:
+        parser.error("--defer-embedding-wgrad-compute needs --pipeline-model-parallel-size > 1: the output layer's "
+                     "weight gradients are deferred to the pipeline's flush (megatron-core's check)")
+    if getattr(args, "megatron_no_gradient_accumulation_fusion", False):
+        parser.error("--defer-embedding-wgrad-compute needs gradient-accumulation fusion, which "
+                     "--no-gradient-accumulation-fusion turns off (megatron-core's check)")
+    if args.wgrad_deferral_limit < 0:
+        parser.error(f"--wgrad-deferral-limit {args.wgrad_deferral_limit} cannot be negative (0 defers every "
+                     "micro-batch; megatron-core's check)")
 
 
 def _validate_context_parallel(parser, args) -> None:

@@ -29,6 +29,12 @@ Each workaround, where it is, and what breaks without it under megatron-core 0.1
   tensors Adam cannot mix with DTensors, and a gated MLP's fc1 was saved with rows of W and V swapped; at bf16 a
   layer's fp32 learnable scales beside its bf16 weights (one dtype a unit), and megatron-core's 16-bit optimizer
   takes an fp32 parameter's gradient from a DDP buffer FSDP2 has none of.
+- Gradient-accumulation fusion without apex (`wgrad_fusion.py`): megatron-core's linear layers refuse to build
+  with `gradient_accumulation_fusion` (RuntimeError: "fused_weight_gradient_mlp_cuda module is not found"), so
+  --defer-embedding-wgrad-compute, which needs it, could not run without apex; torch's addmm stands in.
+- The deferred weight gradient on the output layer only (`angpt/models/gpt.py`, `_defer_only_the_output_layers_wgrad`):
+  with --defer-embedding-wgrad-compute megatron-core's local ColumnParallelLinear layers all defer into a buffer that
+  only the output layer has (TypeError at the first forward; Transformer Engine's layers never defer).
 - Checkpoints loaded as data (`checkpoint_unpickling.py`): torch's distributed checkpoint unpickles its
   `.metadata` and its non-tensor items (the RNG states) with Python's unrestricted unpickler, so a crafted
   checkpoint runs code when `--load` or the export reads it; megatron-core reads `common.pt` weights-only only

@@ -25,7 +25,15 @@ from megatron.core.transformer import cuda_graphs
 from megatron.core.utils import local_multi_tensor_l2_norm
 
 from angpt.config.sections import EXIT_SIGNALS
-from angpt.megatron_compat import WRITTEN_FOR, checkpoint_unpickling, cpu, fsdp2, parent_watch, results_queue
+from angpt.megatron_compat import (
+    WRITTEN_FOR,
+    checkpoint_unpickling,
+    cpu,
+    fsdp2,
+    parent_watch,
+    results_queue,
+    wgrad_fusion,
+)
 from angpt.models.attention import fused_rotary_pos_emb
 
 logger = logging.getLogger("angpt.megatron_compat")
@@ -45,6 +53,7 @@ def install() -> None:
     checkpoint_unpickling.install()
     fsdp2.install()
     parent_watch.install()
+    wgrad_fusion.install()
     PersistentAsyncCaller.async_loop = staticmethod(cpu.persistent_writer_loop)
     if not HAVE_APEX_OR_TE:
         _load_only_checkpointed_states()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Optional
 
+from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -104,14 +106,29 @@ def build_model(
         vp_stage=vp_stage,
     )
     if config.normalized:
-        return NormalizedGPTModel(config, vocab_size, **kwargs)
-    model = PositionedGPTModel(config, block_spec(config, vp_stage), vocab_size, **kwargs)
+        model = NormalizedGPTModel(config, vocab_size, **kwargs)
+    else:
+        model = PositionedGPTModel(config, block_spec(config, vp_stage), vocab_size, **kwargs)
     if config.model_family == "gpt" and config.transformer_impl == "local":
         # Megatron-LM runs a 16-bit GPT in its Float16Module, which casts the whole model: the learned positions'
         # table (a torch Embedding) and the local spec's torch norms ignore params_dtype, and the 16-bit linear
         # layers after them refuse their fp32 outputs.
         model.to(config.params_dtype)
+    if config.defer_embedding_wgrad_compute:
+        _defer_only_the_output_layers_wgrad(model)
     return model
+
+
+def _defer_only_the_output_layers_wgrad(model: GPTModel) -> None:
+    """megatron-core's ColumnParallelLinear defers its weight gradient whenever its config says
+    defer_embedding_wgrad_compute, but only GPTModel's output layer has the buffers to defer into (Transformer Engine's
+    layers, Megatron-LM's default, never look): the local spec's W_qkv and fc1 raised TypeError at the first forward.
+    They compute their weight gradients as they go, under a copy of the config that says so (a megatron-core
+    workaround: angpt/megatron_compat)."""
+    for module in model.modules():
+        if isinstance(module, tensor_parallel.ColumnParallelLinear) and module.embedding_activation_buffer is None:
+            module.config = copy.copy(module.config)
+            module.config.defer_embedding_wgrad_compute = False
 
 
 def build_model_with_impl(config: AnGPTConfig, vocab_size: int, max_sequence_length: int,

@@ -519,8 +519,15 @@ class ScaledOutputLayer(tensor_parallel.ColumnParallelLinear):
     def forward(self, input_, weight=None, runtime_gather_output=None):
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         weight = self.weight if weight is None else weight  # the embedding's, with tied embeddings
-        scaled_weight = self.logit_scale().to(weight.dtype).unsqueeze(1) * weight
-        logits, bias = super().forward(input_, scaled_weight, runtime_gather_output=False)
+        if self.config.gradient_accumulation_fusion:
+            # megatron-core then accumulates the GEMM's weight gradient into weight.main_grad itself (deferred to
+            # the pipeline's flush with --defer-embedding-wgrad-compute): the GEMM must see W_head, and s_Z
+            # scales its output.
+            logits, bias = super().forward(input_, weight, runtime_gather_output=False)
+            logits = self.logit_scale().to(logits.dtype) * logits
+        else:
+            scaled_weight = self.logit_scale().to(weight.dtype).unsqueeze(1) * weight
+            logits, bias = super().forward(input_, scaled_weight, runtime_gather_output=False)
         if gather:
             logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits, group=self.tp_group)
         return logits, bias

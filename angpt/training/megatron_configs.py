@@ -68,6 +68,9 @@ def transformer_config(config: RunConfig) -> AnGPTConfig:
         # not derived by validation, megatron-core's default.
         cp_comm_type=parallel.cp_comm_type[0] if parallel.cp_comm_type else None,
         nu_alpha_grad=not config.switches.angpt_no_nu_alpha_grad,
+        # megatron-core defers the output layer's weight-gradient GEMMs only with the fused accumulation into
+        # main_grad (apex's kernel, or angpt.megatron_compat.wgrad_fusion's); off otherwise, as "implied" says.
+        gradient_accumulation_fusion=parallel.defer_embedding_wgrad_compute,
         **{field: getattr(config.switches, switch) for switch, field in SWITCH_FIELDS.items()},
         **_fusions(config),
         # The recompute flags' defaults are Megatron-LM's for full recompute: each applies to its granularity.
