@@ -42,7 +42,8 @@ NUMERIC_RANGES = (
         "clip_grad", "seed", "fp8_margin", "eval_iters", "max_skipped_steps", "dry_run", "cuda_graph_warmup_steps",
         "megatron_local_rank", "rampup_batch_size", "manual_gc_interval", "empty_unused_memory_level",
         "num_workers", "decoupled_min_lr", "profile_step_start", "profile_step_end", "profile_ranks",
-        "straggler_ctrlr_port", "error_injection_rate", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")),
+        "straggler_ctrlr_port", "error_injection_rate", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16",
+        "wgrad_deferral_limit")),
     ("must be positive", lambda value: value > 0, (
         "init_method_std", "norm_epsilon", "angpt_constant_factor_multiplier", "angpt_nu_alpha_multiplier",
         "distributed_timeout_minutes", "hang_timeout_minutes", "lr", "adam_eps", "exit_duration_in_mins",
@@ -196,9 +197,6 @@ def _validate_deferred_wgrad(parser, args, pp: int) -> None:
     if getattr(args, "megatron_no_gradient_accumulation_fusion", False):
         parser.error("--defer-embedding-wgrad-compute needs gradient-accumulation fusion, which "
                      "--no-gradient-accumulation-fusion turns off (megatron-core's check)")
-    if args.wgrad_deferral_limit < 0:
-        parser.error(f"--wgrad-deferral-limit {args.wgrad_deferral_limit} cannot be negative (0 defers every "
-                     "micro-batch; megatron-core's check)")
 
 
 def _validate_context_parallel(parser, args) -> None:
