@@ -182,6 +182,7 @@ def assert_resumes_exactly(family, precision, root, **flags) -> list[bool]:
     return applied
 
 
+@pytest.mark.slow  # in-process trainer runs, saved and resumed
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_run_without_the_distributed_optimizer_resumes_exactly(family, precision, single_process, tmp_path):
@@ -194,6 +195,7 @@ def test_a_run_without_the_distributed_optimizer_resumes_exactly(family, precisi
 BEFORE_THE_FIRST_APPLIED_STEP = {"angpt": 2.0**24, "gptplus": 2.0**21}
 
 
+@pytest.mark.slow  # in-process trainer runs, saved and resumed
 @pytest.mark.parametrize("use_distributed_optimizer", [False, True])
 @pytest.mark.parametrize("family", BEFORE_THE_FIRST_APPLIED_STEP)
 def test_an_fp16_run_saved_before_its_first_applied_step_resumes_exactly(family, use_distributed_optimizer,

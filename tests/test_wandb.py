@@ -149,6 +149,7 @@ def test_wandb_has_the_steps_and_losses_of_metrics_jsonl(offline_run):
         assert rows[record["iteration"]]["validation/lm_loss"] == record["lm_loss"]
 
 
+@pytest.mark.slow  # the offline run: an in-process trainer with W&B
 def test_wandb_keys_are_the_tensorboard_tags(offline_run):
     run_dir, run_file, _ = offline_run
     rows = history(wandb_records(run_file))
@@ -166,6 +167,7 @@ def test_wandb_keys_are_the_tensorboard_tags(offline_run):
                 assert got[event.step] == pytest.approx(event.value, rel=1e-6), (tag, event.step)  # float32
 
 
+@pytest.mark.slow  # the offline run: an in-process trainer with W&B
 def test_wandb_run_has_the_flags_as_config_and_is_finished(offline_run):
     _, run_file, _ = offline_run
     records = wandb_records(run_file)
@@ -177,11 +179,13 @@ def test_wandb_run_has_the_flags_as_config_and_is_finished(offline_run):
     assert only(records, "exit").exit_code == 0  # run.finish() at the end of training
 
 
+@pytest.mark.slow  # the offline run: an in-process trainer with W&B
 def test_wandb_offline_costs_seconds_not_a_hang(offline_run):
     # The whole in-process run (model built, 4 steps, evaluations, W&B's service started and shut down).
     assert offline_run[2] < 60
 
 
+@pytest.mark.slow  # the offline run: an in-process trainer with W&B
 def test_wandb_prints_nothing_between_the_log_lines(offline_run):
     lines = (offline_run[0] / "console.txt").read_text().splitlines()
     assert sum(line.startswith(" iteration ") for line in lines) == ITERS
