@@ -2,12 +2,15 @@
 log line, the forward timer against a scripted clock, and the report gathered over ranks (the other ranks' rows as
 all_gather delivers them). The rule's first cases and a trainer's report: tests/test_run_diagnostics.py."""
 
+import inspect
 import math
 import time
 
 import pytest
 import torch
+from megatron.core.utils import StragglerDetector
 
+from angpt.telemetry import stragglers as module
 from angpt.telemetry.stragglers import (
     CONTROLLER_PORT,
     FORWARD_TIMER,
@@ -112,3 +115,94 @@ def test_the_report_gathers_each_ranks_milliseconds_per_iteration_and_stage(cloc
     assert report.gather(3)["forward_ms_fastest"] == [[0, 0.0]]  # nothing timed since
     report.close()
     assert report.gather(3) is None  # timing off
+
+
+class RecordingDetector:
+    """megatron-core's StragglerDetector as the timer drives it on CUDA, in a stand-in: configure's arguments bound
+    to the real method's signature (so each is read by the name megatron-core gives it), start/stop/report
+    recorded, the enabled state the test sets (the controller's toggle), and elapsed()'s six figures (megatron-core's
+    docstring: the time in the timed kernels, the time in get_batch, then the GPU's temperature, power, utilization
+    and clock)."""
+
+    def __init__(self):
+        self.calls, self.enabled, self.configured = [], True, None
+
+    def configure(self, *args, **kwargs):
+        arguments = inspect.signature(StragglerDetector.configure).bind(self, *args, **kwargs).arguments
+        self.configured = {name: value for name, value in arguments.items() if name != "self"}
+
+    def start(self):
+        self.calls.append("start")
+
+    def stop(self):
+        self.calls.append("stop")
+
+    def elapsed(self):
+        return 12.5, 3.0, 60, 200, 90, 1980
+
+    def report(self):
+        self.calls.append("report")
+
+
+@pytest.fixture
+def on_cuda(monkeypatch):
+    """This process as one on GPU 1 whose NVML answers, with megatron-core's detector replaced by the stand-in."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "temperature", lambda *args: 40)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(module, "StragglerDetector", RecordingDetector)
+    yield
+    FORWARD_TIMER.close()
+
+
+def test_on_cuda_the_timer_hands_megatron_cores_detector_the_flags_and_reads_its_kernel_time(on_cuda):
+    timer = ForwardTimer()
+    timer.configure(4, 3, 2, 29500, True)  # none of them megatron-core's default
+    detector = timer.detector
+    assert isinstance(detector, RecordingDetector)
+    assert detector.configured == {"world": 4, "rank": 3, "mmcnt": 2, "port": 29500, "enabled": True}
+    with timer:
+        pass
+    assert detector.calls == ["start", "stop"]
+    assert timer.take_ms() == 12.5  # elapsed()'s first figure, the forward kernels' time
+    # Whether it times is the detector's own state, which the controller's port toggles.
+    detector.enabled = False
+    assert not timer.active()
+    detector.enabled = True
+    assert timer.active()
+
+
+@pytest.mark.parametrize("error", [ModuleNotFoundError("No module named 'pynvml'"), RuntimeError("NVML_ERROR")])
+def test_on_cuda_without_nvml_the_timer_is_refused_saying_what_to_install(on_cuda, monkeypatch, error):
+    def temperature(*args):
+        raise error
+
+    monkeypatch.setattr(torch.cuda, "temperature", temperature)
+    with pytest.raises(ValueError) as refusal:
+        ForwardTimer().configure(4, 3, 2, 29500, True)
+    assert str(refusal.value) == ("--log-straggler on CUDA: megatron-core's StragglerDetector reads the GPU's "
+                                  f"temperature through NVML, which failed ({error}); pip install nvidia-ml-py")
+
+
+def test_on_cuda_the_report_configures_the_timer_and_gathers_on_the_ranks_gpu(on_cuda, monkeypatch):
+    """The report's rows go through all_gather on the rank's own GPU (NCCL gathers no CPU tensors); off, it
+    gathers nothing, and megatron-core's report() still runs at each interval (it applies the controller's
+    toggle)."""
+    report = StragglerReport(4, 3, 1, 2, 29500, False)
+    assert report.device == torch.device("cuda", 1)
+    detector = FORWARD_TIMER.detector
+    assert detector.configured == {"world": 4, "rank": 3, "mmcnt": 2, "port": 29500, "enabled": False}
+    detector.enabled = False
+    assert report.gather(3) is None and detector.calls == ["report"]
+    devices = []
+
+    def all_gather(every, mine):
+        devices.append([mine.device, *(row.device for row in every)])
+        every[:] = [torch.tensor([ms, 1.0], dtype=torch.float64) for ms in (10.0, 10.0)]
+
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(torch.distributed, "all_gather", all_gather)
+    report.device = torch.device("meta")  # a device this CPU machine has, standing in for the GPU
+    detector.enabled = True
+    assert report.gather(3)["stragglers"] == [] and devices == [[torch.device("meta")] * 3]
+    assert detector.calls == ["report", "report"]

@@ -2,10 +2,12 @@
 and angpt.data.indexed.DatasetWriter writes what megatron-core's builder writes."""
 
 import glob
+import importlib.metadata
 import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy
 import pytest
@@ -165,3 +167,121 @@ def test_the_format_constants_are_megatron_cores():
         member.name: member.value for member in megatron_indexed.DType}
     for vocab_size in (1, 65499, 65500, 2**31 - 1):  # either side of megatron-core's cut
         assert indexed.optimal_dtype(vocab_size) == megatron_indexed.DType.optimal_dtype(vocab_size)
+
+
+@pytest.fixture
+def tiny_gpt2(tmp_path):
+    """GPT-2's byte-level BPE with three merges (tests/test_tokenizers.py's pair): built in milliseconds."""
+    from test_tokenizers import gpt2_pair  # noqa: PLC0415 (a helper of the other tokenizer tests)
+
+    return gpt2_pair(tmp_path, "#version: 0.2\nh e\nĠ t\nĠt he\n")
+
+
+def test_each_backend_is_described_by_its_library_and_version(tiny_gpt2, byte_ranks, sentencepiece_model,
+                                                               tmp_path):
+    """The description in the log and the dataset's metadata: gigatoken's, or the tokenizer's own library's
+    (tokenizers, tiktoken or sentencepiece) with the installed version, chosen by hand or automatically, and why
+    gigatoken was not used where it was not."""
+    version = importlib.metadata.version
+    hugging_face = tokenizers.load_gpt2_vocab_merges(*tiny_gpt2)
+    fast, backend = select_backend(hugging_face, None)
+    assert isinstance(fast, GigatokenTokenizer) and backend == {"name": "gigatoken", "version": version("gigatoken"),
+                                                                "chosen": "auto"}
+    assert select_backend(hugging_face, "gigatoken")[1]["chosen"] == "by hand"
+    ranks = build_tokenizer("TikTokenizer", byte_ranks)
+    sentencepiece = build_tokenizer("Llama2Tokenizer", sentencepiece_model)
+    megatron = build_tokenizer("TikTokenizer", write_megatron_tiktoken(tmp_path / "vocab.json", [b"th"]),
+                               vocab_size=1257)
+    for tokenizer, library in ((hugging_face, "tokenizers"), (ranks, "tiktoken"), (sentencepiece, "sentencepiece"),
+                               (megatron, "tiktoken")):
+        chosen, backend = select_backend(tokenizer, "tokenizers")
+        assert chosen is tokenizer and backend == {"name": "tokenizers", "library": library,
+                                                   "version": version(library), "chosen": "by hand"}
+    chosen, backend = select_backend(sentencepiece, None)
+    assert chosen is sentencepiece and backend == {
+        "name": "tokenizers", "library": "sentencepiece", "version": version("sentencepiece"), "chosen": "auto",
+        "gigatoken_not_used": "gigatoken does not encode Llama2Tokenizer here (Megatron-LM's tiktoken patterns v1/v2 "
+                              "and SentencePiece models are not verified)"}
+    with pytest.raises(ValueError) as refusal:
+        select_backend(hugging_face, "fast")
+    assert str(refusal.value) == "--tokenizer-backend fast: choose one of tokenizers, gigatoken"
+
+
+def test_without_gigatoken_the_library_is_used_unless_gigatoken_was_asked_for(tiny_gpt2, monkeypatch):
+    reference = tokenizers.load_gpt2_vocab_merges(*tiny_gpt2)
+    monkeypatch.setitem(sys.modules, "gigatoken", None)  # not installed
+    chosen, backend = select_backend(reference, None)
+    assert chosen is reference and backend["gigatoken_not_used"] == "gigatoken is not installed (pip install gigatoken)"
+    with pytest.raises(TokenizerBackendError) as refusal:
+        select_backend(reference, "gigatoken")
+    assert str(refusal.value) == "--tokenizer-backend gigatoken: gigatoken is not installed (pip install gigatoken)"
+
+
+@pytest.mark.parametrize("as_text", [False, True], ids=["special tokens", "special tokens as text"])
+def test_gigatoken_reads_special_tokens_as_the_tokenizer_and_keeps_its_other_added_tokens(tiny_gpt2, byte_ranks,
+                                                                                          as_text):
+    """special_tokens_as_text: <|endoftext|> in the text is text for gigatoken too, while an added token that is not
+    special (<tag>) is still matched, as tokenizers' encode_special_tokens reads them. The reference's vocabulary,
+    end of document, description and decoding stay; a ranks file's EOD is matched only without as_text."""
+    from tokenizers import Tokenizer as RustTokenizer  # noqa: PLC0415 (this test only)
+
+    rust = RustTokenizer.from_str(tokenizers.load_gpt2_vocab_merges(*tiny_gpt2).tokenizer.to_str())
+    rust.add_tokens(["<tag>"])
+    reference = tokenizers.HuggingFaceTokenizer(rust, "<|endoftext|>", {"type": "HuggingFaceTokenizer"}, as_text)
+    texts = ["a<tag>b<|endoftext|>", "the <|endoftext|>", ""]
+    expected = [ord("a"), 260, ord("b"), *(list(b"<|endoftext|>") if as_text else [259])]  # byte b is id b
+    fast, backend = select_backend(reference, None)
+    assert backend["name"] == "gigatoken"
+    assert fast.encode_batch(texts) == reference.encode_batch(texts)
+    assert fast.encode_batch(texts[:1]) == [expected]
+    assert (fast.vocab_size, fast.eod, fast.description, fast.special_tokens_as_text) == (
+        261, 259, reference.description, as_text)
+    assert fast.decode(expected) == reference.decode(expected) == texts[0]
+    ranks = build_tokenizer("TikTokenizer", byte_ranks, special_tokens_as_text=as_text)
+    fast, backend = select_backend(ranks, None)
+    assert backend["name"] == "gigatoken" and isinstance(fast, GigatokenTokenizer)
+    assert fast.encode_batch(["a<|endoftext|>"]) == [[97, *(list(b"<|endoftext|>") if as_text else [256])]]
+    assert fast.special_tokens_as_text is as_text
+
+
+def test_gigatoken_encodes_no_texts_into_nothing_and_caps_its_threads(tiny_gpt2, monkeypatch):
+    fast = select_backend(tokenizers.load_gpt2_vocab_merges(*tiny_gpt2), "gigatoken")[0]
+    assert fast.encode_batch([]) == []
+    ids, lengths = fast.encode_flat([])
+    assert ids.shape == lengths.shape == (0,)
+    monkeypatch.setenv("RAYON_NUM_THREADS", "16")
+    fast.set_threads(3)
+    assert os.environ["RAYON_NUM_THREADS"] == "3"
+
+
+def test_the_encoder_is_rebuilt_only_past_the_memory_bound(tiny_gpt2, monkeypatch):
+    """Growth since the build equal to GIGATOKEN_CACHE_BYTES keeps the encoder; one byte more rebuilds it, and the
+    growth counts again from there (the resident memory scripted here)."""
+    rss = [1 << 30]
+    monkeypatch.setattr(tokenizers.psutil, "Process", lambda: SimpleNamespace(
+        memory_info=lambda: SimpleNamespace(rss=rss[0])))
+    fast = select_backend(tokenizers.load_gpt2_vocab_merges(*tiny_gpt2), "gigatoken")[0]
+    first = fast.encoder
+    rss[0] += tokenizers.GIGATOKEN_CACHE_BYTES
+    assert fast.encode_batch(["the"]) == [[ord("t"), 256]] and (fast.rebuilds, fast.encoder) == (0, first)
+    rss[0] += 1
+    assert fast.encode_batch(["the"]) == [[ord("t"), 256]] and fast.rebuilds == 1 and fast.encoder is not first
+    assert fast.built_at == rss[0]
+    second = fast.encoder
+    fast.encode_batch(["the"])
+    assert (fast.rebuilds, fast.encoder) == (1, second)
+
+
+def test_a_difference_is_quoted_by_the_texts_first_60_characters_and_the_first_12_ids(tiny_gpt2, byte_ranks,
+                                                                                       monkeypatch):
+    text = "the " * 20
+    reference = tokenizers.load_gpt2_vocab_merges(*tiny_gpt2)
+    other = build_tokenizer("TikTokenizer", byte_ranks)  # bytes only: another vocabulary
+    builder = tokenizers.gigatoken_builder(other)
+    monkeypatch.setattr(tokenizers, "gigatoken_builder", lambda tokenizer: builder)
+    monkeypatch.setattr(tokenizers, "PROBE_TEXTS", [text])
+    expected = reference.tokenizer.encode(text, add_special_tokens=False).ids
+    with pytest.raises(TokenizerBackendError) as refusal:
+        select_backend(reference, "gigatoken")
+    assert str(refusal.value) == (f"--tokenizer-backend gigatoken: gigatoken 0.10.0 encodes {text[:60]!r} as "
+                                  f"{list(text.encode())[:12]}, the tokenizer as {expected[:12]}")

@@ -70,7 +70,9 @@ MODULES = [
     Module("indexed", "angpt/data/indexed.py",
            ["tests/test_gpt_datasets.py", "tests/test_bad_inputs.py",
             "tests/test_tokenizer_backends.py::test_the_writer_writes_what_megatron_cores_builder_writes"]),
-    Module("tokenizers", "angpt/data/tokenizers.py", ["tests/test_tokenizers.py"]),
+    Module("tokenizers", "angpt/data/tokenizers.py",
+           ["tests/test_tokenizers.py", "tests/test_tokenizer_backends.py", "tests/test_bad_inputs.py",
+            "tests/test_preprocess_data.py"]),
     Module("batch_schedule", "angpt/config/batch_schedule.py", ["tests/test_batch_schedule.py"]),
     Module("memory_estimate", "angpt/training/memory_estimate.py", ["tests/test_memory_estimate.py"]),
     Module("activation_memory", "angpt/models/activation_memory.py", ["tests/test_memory_estimate.py"]),
@@ -133,9 +135,6 @@ EQUIVALENT: dict[str, list[tuple[str, str, str, str]]] = {
          "multiplying by 1.0 is exact: the same values"),
         *[("LearnableScale.__init__", "dtype=torch.float32, ", new, "torch's default dtype is float32, which "
            "nothing in angpt changes") for new in ("dtype=None, ", "")],
-        ("LearnableScale.__init__", "self.reduce_grad_over_tp = reduce_grad_over_tp and tp_size > 1 and not "
-         "partitioned", "self.reduce_grad_over_tp = None", "None and False are both false, and the callers test "
-         "only the truth (at one rank it is False)"),
     ],
     "preprocess_data": [
         *[("assemble_documents", "copy=False)", new, "whether astype copies ids already of the dtype: the same "
@@ -251,6 +250,32 @@ EQUIVALENT: dict[str, list[tuple[str, str, str, str]]] = {
            "is off either way") for old, new in (("pin_memory=torch.cuda.is_available()", "pin_memory=None"),
                                                   (", pin_memory=torch.cuda.is_available())", ", )"))],
     ],
+    "tokenizers": [
+        *[("load_gpt2_vocab_merges", "special=True, ", new, "tokenizers' add_special_tokens marks every token it adds "
+           "special, whatever the AddedToken says") for new in ("", "special=False, ")],
+        *[("load_gpt2_vocab_merges", ", normalized=False)", new, "the byte-level BPE has no normalizer: the token is "
+           "matched in the same text either way") for new in (", )", ", normalized=True)")],
+        ("GigatokenTokenizer.__init__", 'version("gigatoken")', 'version("GIGATOKEN")',
+         "importlib.metadata finds a distribution by its normalized name, whatever its case"),
+        ("GigatokenTokenizer._rebuild", "self.encoder = None", 'self.encoder = ""',
+         "either drops the old encoder (and its caches) before the new one is built; nothing reads it between"),
+        *[("flat_ids", old, new, "`count` only lets numpy allocate the array once: without it fromiter grows it to "
+           "the same values") for old, new in ((", count=len(encoded))", ", )"),
+                                               (", count=int(lengths.sum()))", ", )"))],
+        ("TikTokenizer.__init__", "name=os.path.basename(path), ", "name=None, ", "the Encoding's name is a label "
+         "(its repr, and carried through pickling): no encoding reads it"),
+        ("MegatronCoreTokenizer.__init__", "num_special_tokens=tiktoken_num_special_tokens, special_tokens=None)",
+         "num_special_tokens=tiktoken_num_special_tokens, )", "megatron-core's tiktoken library takes special_tokens "
+         "None as its default template (its SPECIAL_TOKENS), which it is when not passed"),
+        ("select_backend", "reason = None", 'reason = ""', "both are false, and the only reader tests the truth "
+         "(`if reason:`)"),
+        ("_tiktoken_vocabulary_error", "entries = None", 'entries = ""',
+         "neither is a list, the only case the message reads entries"),
+        ("_tiktoken_vocabulary_error", 'encoding="utf-8"', 'encoding="UTF-8"', "codec names are case-insensitive"),
+        *[("MegatronCoreTokenizer.encode_batch", "out_type=int, ", new, "megatron-core builds the "
+           "SentencePieceProcessor with sentencepiece's default return type, ids (int), which out_type None reads")
+          for new in ("out_type=None, ", "")],
+    ],
     "batch_schedule": [
         *[(function, old, new, RANK_LOGS) for function in ("ramp", "rampup_train_iters")
           for old, new in (("rank=1", "rank=None"), ("rank=1", "rank=2"), ("rank=1", ""))],
@@ -274,43 +299,19 @@ READ_ONLY = ("numpy.memmap's default mode is r+, which fails on a dataset the us
              "root (CI) cannot see it")
 ON_GPU = ("differs only for weights on a GPU (the sums would then be on the CPU): the tests on CUDA are marked gpu, "
           "outside the fast selection, and on the CPU the default device is the CPU")
-TP_OVER_ONE = ("differs only at tensor-parallel size above 1, which an in-process test lacks: the multi-process "
-               "test_parallel_equivalence.py (tp2) compares it with one process")
-ON_GPU_SCALE = ("where the scale is made: on the CPU every device is the CPU (megatron_compat's CPU adapter); "
-                "the fast selection has no GPU")
-STRAGGLER_DETECTOR = ("megatron-core's StragglerDetector, on CUDA only: the CPU's tests cannot reach it, and the fast "
-                      "selection has no GPU (test_run_diagnostics.py times it on CUDA)")
 DP_OVER_ONE = ("differs only with a data-parallel group of more than one rank, which an in-process test lacks: the "
                "multi-process test_parallel_equivalence.py (dp2, dp2_fsdp2) compares it with one process")
 LEFT: dict[str, list[tuple[str, str, str | None, str]]] = {
+    "tokenizers": [
+        *[("_tiktoken_vocabulary_error", ', encoding="utf-8")', new, "differs only where Python's locale encoding is "
+           "not UTF-8 (it is on the supported Linux, PEP 538/540) and only for a vocabulary that is not ASCII JSON; "
+           "it then only words the refusal") for new in (", encoding=None)", ", )")],
+    ],
     "rerun": [
         *[("_Machine._maybe_report_stats", old, new, "differs only with more than one rank, whose statistics rank 0 "
            "gathers: the in-process tests have one, and no multi-process test runs --rerun-mode report_stats")
           for old, new in (("if dist.get_rank() == 0 else None", "if (dist.get_rank() == 0) or True else None"),
                            ("gathered[1:]", "gathered[2:]"), ("if caller in stats]", "if caller not in stats]"))],
-    ],
-    "scales": [
-        *[("LearnableScale.__init__", statement, None, TP_OVER_ONE) for statement in (
-            "local_size = size // tp_size if partitioned", "does not split over", "tp_size > 1 and not partitioned")],
-        *[("LearnableScale.surrogate", "copy_to_tensor_model_parallel_region(", None, TP_OVER_ONE)],
-        *[("LearnableScale.sharded_state_dict", statement, None, TP_OVER_ONE)
-          for statement in ('{"s_hat": 0} if self.partitioned', "tp_group=self.tp_group")],
-        ("LearnableScale.__init__", "reduce_grad_over_tp: bool = False", "reduce_grad_over_tp: bool = True",
-         TP_OVER_ONE),
-        *[("LearnableScale.__init__", statement, None, ON_GPU_SCALE)
-          for statement in ('device = "cpu" if config.use_cpu_initialization', "device=device))")],
-    ],
-    "stragglers": [
-        *[(function, statement, None, STRAGGLER_DETECTOR) for function, statement in (
-            ("ForwardTimer.configure", "torch.cuda.temperature()"), ("ForwardTimer.configure", "raise ValueError("),
-            ("ForwardTimer.configure", "temperature through NVML"), ("ForwardTimer.configure", "StragglerDetector()"),
-            ("ForwardTimer.configure", "self.detector.configure("), ("ForwardTimer.configure", "except ("),
-            ("ForwardTimer.__enter__", "self.detector.start()"), ("ForwardTimer.__exit__", "self.detector.stop()"),
-            ("ForwardTimer.take_ms", "self.detector.elapsed()"), ("ForwardTimer.active", "self.detector.enabled if"),
-            ("StragglerReport.__init__", 'torch.device("cuda"'),
-            ("StragglerReport.__init__", "FORWARD_TIMER.configure("),
-            ("StragglerReport.gather", "device=self.device)"), ("StragglerReport.gather", "detector.report()"),
-            ("StragglerReport.gather", "if FORWARD_TIMER.detector is not None:"))],
     ],
     "kernels_reference": [
         ("project_whole_", 'pieces[0].data.device if pieces else torch.device("cpu")', "None", ON_GPU),
