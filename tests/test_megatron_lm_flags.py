@@ -58,8 +58,7 @@ def test_docs_megatron_md_is_what_the_parser_and_the_table_say():
     (["--hybrid-context-parallel"], "argument --hybrid-context-parallel: not supported: hybrid (per-sample) context "
      "parallelism"),
     (["--rl-use-sequence-packing"], "not supported: reinforcement learning"),
-    (["--use-megatron-fsdp"], "argument --use-megatron-fsdp: not supported: Megatron-FSDP is not built: use "
-                              "--use-torch-fsdp2"),
+    (["--fsdp-double-buffer"], "argument --fsdp-double-buffer: not supported: not built with Megatron-FSDP"),
 ])
 def test_a_refused_flag_stops_the_parse_in_one_line_saying_why(argv, message, capsys):
     line = parse_error(argv, capsys)

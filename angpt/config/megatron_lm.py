@@ -55,8 +55,8 @@ def only(expected, why: str):
 
 
 NOT_YET = "not built yet"
-FSDP = ("Megatron-FSDP is not built: use --use-torch-fsdp2 (PyTorch's FSDP2) or --use-distributed-optimizer "
-        "(megatron-core's ZeRO-1 sharding of the optimizer)")
+FSDP = ("not built with Megatron-FSDP: --use-megatron-fsdp runs with megatron-core's defaults of its other settings "
+        "(docs/reference.md, Megatron-FSDP)")
 OFFLOAD = "CPU offloading is not built"
 TE_OVERLAP = "Transformer Engine's userbuffer overlap of tensor-parallel communication is not built"
 INFERENCE = "an inference setting: angpt pretrains; generate with the Hugging Face export (tools/convert_to_hf.py)"
@@ -250,10 +250,7 @@ FLAGS: dict[str, Decision] = {
     "--use-sharp": refused(f"{NOT_YET}"),
     "--sharp-enabled-group": refused(f"{NOT_YET}"),
     "--create-all-gather-group": refused(f"{NOT_YET}"),
-    "--use-megatron-fsdp": refused(FSDP),
-    "--data-parallel-sharding-strategy": refused(FSDP),
     "--outer-dp-sharding-strategy": refused(FSDP),
-    "--no-gradient-reduce-div-fusion": refused(FSDP),
     "--suggested-communication-unit-size": refused(FSDP),
     "--keep-fp8-transpose-cache": refused(FSDP),
     "--enable-full-sharding-in-hsdp": refused(FSDP),

@@ -225,6 +225,16 @@ class ParallelSection:
     torch_fsdp2_reshard_after_forward: bool = flag(True, "with --use-torch-fsdp2: keep each layer's gathered weights "
         "from its forward to its backward (more memory, one all-gather fewer)",
         option="--torch-fsdp2-no-reshard-after-forward")
+    use_megatron_fsdp: bool = flag(False, "shard Adam's state, and by --data-parallel-sharding-strategy the gradients "
+        "and weights, over the data-parallel ranks with megatron-core's Megatron-FSDP (Megatron-LM's; with "
+        "--use-distributed-optimizer and --ckpt-format fsdp_dtensor)")
+    data_parallel_sharding_strategy: str = flag("no_shard", "with --use-megatron-fsdp, what is sharded: optim (Adam's "
+        "state and fp32 weights), optim_grads (and the gradients) or optim_grads_params (and the weights, gathered for "
+        "each layer's forward and backward); no_shard (Megatron-LM's default) is refused",
+        choices=("no_shard", "optim", "optim_grads", "optim_grads_params"))
+    gradient_reduce_div_fusion: bool = flag(True, "with --use-megatron-fsdp: divide the gradients by the "
+        "data-parallel size before their reduction, not in it (NCCL's PREMUL_SUM, which gloo lacks: needed without "
+        "CUDA)", option="--no-gradient-reduce-div-fusion")
     overlap_grad_reduce: bool = flag(False, switch=True)
     overlap_param_gather: bool = flag(False, switch=True)
     overlap_param_gather_with_optimizer_step: bool = flag(False, "with --overlap-param-gather and the interleaved "
@@ -472,8 +482,10 @@ class CheckpointSection:
     ckpt_format: str = flag("torch_dist", "the format saves write: torch_dist, megatron-core's distributed "
         "checkpoints (load at any layout), or torch, Megatron-LM's legacy format (a model_optim_rng.pt per tensor and "
         "pipeline rank, distrib_optim.pt beside it with the distributed optimizer; loads at its own TP and PP only, "
-        "no --async-save); a load reads either (with torch: torch only, unless --auto-detect-ckpt-format)",
-        choices=("torch_dist", "torch"))
+        "no --async-save), or fsdp_dtensor, Megatron-FSDP's (torch's distributed checkpoint of its shards; with "
+        "--use-megatron-fsdp, which takes no other); a load reads either of the first two (with torch: torch only, "
+        "unless --auto-detect-ckpt-format)",
+        choices=("torch_dist", "torch", "fsdp_dtensor"))
     auto_detect_ckpt_format: bool = flag(False, "with --ckpt-format torch: load a distributed checkpoint too (a load "
         "reads the format on disk; Megatron-LM's)")
     async_save: bool = flag(False, "write checkpoints from a background process while training goes on "

@@ -97,6 +97,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
         parser.error("give one of --bf16 and --fp16")
     _validate_dependent_flags(parser, args)
     validate_fsdp2(parser, args)
+    validate_megatron_fsdp(parser, args, dp)
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         parser.error("--overlap-param-gather needs --use-distributed-optimizer")
     if args.overlap_param_gather_with_optimizer_step:  # Megatron-LM's checks
@@ -154,6 +155,49 @@ def validate_fsdp2(parser, args) -> None:
     ):
         if given:
             parser.error(f"--use-torch-fsdp2 {why}")
+
+
+def validate_megatron_fsdp(parser, args, dp: int) -> None:
+    """Megatron-LM's refusals of --use-megatron-fsdp, what megatron-core 0.16.1 gets wrong with it, and what angpt
+    has not built with it yet."""
+    if not args.use_megatron_fsdp:
+        if args.ckpt_format == "fsdp_dtensor":
+            parser.error("--ckpt-format fsdp_dtensor needs --use-megatron-fsdp (Megatron-LM's check)")
+        if args.data_parallel_sharding_strategy != "no_shard" or not args.gradient_reduce_div_fusion:
+            parser.error("--data-parallel-sharding-strategy and --no-gradient-reduce-div-fusion need "
+                         "--use-megatron-fsdp")
+        return
+    for given, why in (
+        (args.use_torch_fsdp2, "with --use-torch-fsdp2: give one of them"),
+        (args.ckpt_format != "fsdp_dtensor", "needs --ckpt-format fsdp_dtensor (Megatron-LM's check)"),
+        (not args.use_distributed_optimizer, "needs --use-distributed-optimizer, which steps its shards (Megatron-LM's "
+                                             "usage; megatron-core's plain optimizer is not built with it)"),
+        (args.data_parallel_sharding_strategy == "no_shard",
+         "with --data-parallel-sharding-strategy no_shard (Megatron-LM's default): megatron-core 0.16.1's grad norm "
+         "is sqrt(DP) times the true one there (clipping too hard), and without --overlap-param-gather its first step "
+         "fails (fetch_bucket of None); give optim or optim_grads"),
+        (dp == 1 and args.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params"),
+         f"with --data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} at data-parallel size 1: "
+         "megatron-core 0.16.1 adds each reduced gradient bucket into itself there (grad norm 2-3x DDP's); give optim"),
+        (args.check_weight_hash_across_dp_replicas_interval,
+         "with --check-weight-hash-across-dp-replicas-interval: not built yet (Megatron-LM refuses it with "
+         "optim_grads_params, whose ranks hold different shards, no replicas)"),
+        (args.overlap_grad_reduce or args.overlap_param_gather,
+         "with --overlap-grad-reduce or --overlap-param-gather: not built yet (with optim, megatron-core 0.16.1's "
+         "overlapped reduction gave wrong gradients on the CPU)"),
+        (args.pipeline_model_parallel_size > 1, "with pipeline parallelism: not built yet"),
+        (args.tensor_model_parallel_size > 1 or args.context_parallel_size > 1,
+         "with tensor or context parallelism: not built yet"),
+        (args.num_distributed_optimizer_instances > 1, "with --num-distributed-optimizer-instances: not built yet"),
+        (args.fp16, "with --fp16: not built yet (fp32 and --bf16 are)"),
+        (args.async_save, "with --async-save: not built yet (fsdp_dtensor checkpoints are written synchronously)"),
+        (args.data_parallel_sharding_strategy == "optim_grads_params",
+         "with --data-parallel-sharding-strategy optim_grads_params: not built yet in the trainer, whose health "
+         "figures and params norm read the weights whole between steps, where this strategy leaves shards (it trains "
+         "as DDP: tests/test_megatron_fsdp.py); give optim or optim_grads"),
+    ):
+        if given:
+            parser.error(f"--use-megatron-fsdp {why}")
 
 
 def _validate_virtual_stages(parser, args, pp: int) -> None:

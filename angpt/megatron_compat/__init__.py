@@ -35,6 +35,15 @@ Each workaround, where it is, and what breaks without it under megatron-core 0.1
 - The deferred weight gradient on the output layer only (`angpt/models/gpt.py`, `_defer_only_the_output_layers_wgrad`):
   with --defer-embedding-wgrad-compute megatron-core's local ColumnParallelLinear layers all defer into a buffer that
   only the output layer has (TypeError at the first forward; Transformer Engine's layers never defer).
+- Megatron-FSDP through megatron-core (`megatron_fsdp.py`, installed when a model is wrapped in it): without CUDA
+  its device string is "cuda:cpu" and its streams lack `current_stream` and events; on every device a gradient
+  bucket was reduce-scattered twice in anGPT and nGPT (1.5 times every gradient at DP 2: its root hook sat on the
+  model's last submodule, fixed upstream after 0.16.1), `unwrap_model` stopped at it, and the first fsdp_dtensor
+  save hangs when a rank holds an empty shard (Adam has no state for it).
+- Megatron-FSDP's model whole between steps (`angpt/training/step.py`, `whole_weights_between_steps`): its
+  parameters stay the optimizer's shards from the gradients' sync to the next forward, and the health probe's read of
+  nGPT's alphas (their modules called outside the forward) failed with a KeyError in its hooks at the first logged
+  step.
 - Checkpoints loaded as data (`checkpoint_unpickling.py`): torch's distributed checkpoint unpickles its
   `.metadata` and its non-tensor items (the RNG states) with Python's unrestricted unpickler, so a crafted
   checkpoint runs code when `--load` or the export reads it; megatron-core reads `common.pt` weights-only only

@@ -9,11 +9,13 @@ The projection runs on whatever holds the authoritative copy of each weight:
 - the fp32 main parameters of megatron-core's mixed-precision optimizer;
 - the fp32 main-parameter shards of the distributed optimizer, which cut rows at arbitrary points;
 - the row shards of FSDP2 (`--use-torch-fsdp2`: DTensors sharded on dim 0), which hold whole rows but cut the
-  columns that nGPT normalizes along dim 0 (its W_p and W_d).
+  columns that nGPT normalizes along dim 0 (its W_p and W_d);
+- the shards of Megatron-FSDP (`--use-megatron-fsdp`), whole rows too, any number of them per rank (see
+  `_megatron_fsdp_pieces`).
 
 A vector is complete on one rank unless it is split by tensor parallelism (row-parallel W_p, W_d under
-anGPT), by the distributed optimizer's shards or by FSDP2's. Every rank therefore computes partial squared norms for
-the vectors it holds (in float64), sums them over the tensor-parallel and data-parallel groups where
+anGPT), by the distributed optimizer's shards or by FSDP2's or Megatron-FSDP's. Every rank therefore computes partial
+squared norms for the vectors it holds (in float64), sums them over the tensor-parallel and data-parallel groups where
 vectors are split, and scales its own elements: one collective per group per step. Weights a rank holds
 whole are projected in one pass each. The arithmetic runs in the fused kernels of `angpt.kernels`.
 """
@@ -130,6 +132,8 @@ def _optimizer_pieces(optimizer) -> tuple[list[torch.nn.Parameter], list[_Piece]
     def wanted(param):
         return hasattr(param, "unit_norm_dim")
 
+    if isinstance(optimizer, DistributedOptimizer) and optimizer.ddp_config.use_megatron_fsdp:
+        return _megatron_fsdp_pieces(optimizer)
     if isinstance(optimizer, DistributedOptimizer):
         pieces = []
         for model_groups, main_groups in (
@@ -154,6 +158,29 @@ def _optimizer_pieces(optimizer) -> tuple[list[torch.nn.Parameter], list[_Piece]
     if isinstance(optimizer, FP32Optimizer):
         return _pieces_of([(p, p) for group in optimizer.optimizer.param_groups for p in group["params"] if wanted(p)])
     raise TypeError(f"weight constraints do not support {type(optimizer).__name__}")
+
+
+def _megatron_fsdp_pieces(optimizer: DistributedOptimizer):
+    """_optimizer_pieces of Megatron-FSDP's optimizer, whose parameters are DTensors of its main weights' shards,
+    each over the model's weight `orig_param` (which keeps its global shape and carries `unit_norm_dim`). A shard is
+    the run `megatron_fsdp_slice` of its flattened weight. megatron-core cuts its buffers at multiples of a row (the
+    bucket's chunk_size_factor), so a shard holds whole rows, any number of them, none on some ranks: a weight
+    normalized along dim 1 (rows) has each vector on one rank, one normalized along dim 0 (nGPT's W_p and W_d:
+    columns) has each vector split over the ranks where its rows are. The partial norms are summed over the
+    data-parallel group either way."""
+    params, pieces = [], []
+    for group in optimizer.optimizer.param_groups:
+        for param in group["params"]:
+            weight = param.orig_param
+            if not hasattr(weight, "unit_norm_dim"):
+                continue
+            params.append(weight)
+            shard, run = param.to_local(), param.megatron_fsdp_slice
+            if run.stop - run.start != shard.numel():
+                raise TypeError(f"a Megatron-FSDP shard of {shard.numel()} elements at {run} of its weight")
+            if shard.numel():
+                pieces.append(_Piece(shard.view(-1), weight, run.start))
+    return params, pieces, parallel_state.get_data_parallel_group(with_context_parallel=True)
 
 
 def _pieces_of(weights: list[tuple[torch.nn.Parameter, torch.Tensor]]):

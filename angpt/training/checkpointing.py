@@ -1,11 +1,13 @@
 """Checkpoints written and read with megatron-core distributed checkpointing (torch_dist), and the public
 `save_checkpoint` / `load_checkpoint`, which dispatch by the format to Megatron-LM's legacy torch format
-(angpt.training.torch_checkpoint) where asked or found on disk. Sharded tensors are stored by their global names and
-offsets, so a checkpoint loads at another tensor, pipeline, virtual-pipeline, context-parallel or data-parallel
-layout; the distributed optimizer's state is stored per parameter ("fully_reshardable") for the same reason, and RNG
-states are restored only at the layout they were saved at (elsewhere each rank's generator would be some other
-rank's). The directory both formats write (its layout, staging and commit, digests, full-disk guard, RNG and layout
-records, errors) is angpt.training.checkpoint_store's, whose names callers use are re-exported here.
+(angpt.training.torch_checkpoint) where asked or found on disk, and to Megatron-FSDP's fsdp_dtensor (torch's
+distributed checkpoint of its DTensors, as Megatron-LM's checkpointing.py writes it with --use-megatron-fsdp).
+Sharded tensors are stored by their global names and offsets, so a checkpoint loads at another tensor, pipeline,
+virtual-pipeline, context-parallel or data-parallel layout; the distributed optimizer's state is stored per parameter
+("fully_reshardable") for the same reason, and RNG states are restored only at the layout they were saved at
+(elsewhere each rank's generator would be some other rank's). The directory both formats write (its layout, staging
+and commit, digests, full-disk guard, RNG and layout records, errors) is angpt.training.checkpoint_store's, whose
+names callers use are re-exported here.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -26,12 +29,16 @@ from megatron.core.dist_checkpointing.serialization import (
     get_default_load_sharded_strategy,
     get_default_save_sharded_strategy,
 )
+from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy, TorchCommonSaveStrategy
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper,
     FullyParallelSaveStrategyWrapper,
 )
 from megatron.core.dist_checkpointing.validation import StrictHandling
+from megatron.core.distributed import TorchFullyShardedDataParallel
+from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.tensor import DTensor
 
 from angpt.config.saved import config_from_saved, model_refusal, optimizer_refusal, vocabulary_refusal
@@ -55,6 +62,7 @@ from angpt.training.checkpoint_store import (
     refusing_a_full_disk,
     refusing_unsafe,
     remove_incomplete,
+    rng_state,
     save_tokenizer_files,
     saved_layout,
     set_rng_state,
@@ -78,6 +86,8 @@ logger = logging.getLogger("angpt.checkpointing")
 # The distributed optimizer's state gathered per parameter: loadable at any layout (megatron-core 0.16's
 # per-parameter "fully_sharded_model_space" format no longer validates; angpt/megatron_compat lists it).
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
+# The file torch's distributed checkpoint (fsdp_dtensor) writes beside its shards.
+DCP_METADATA = ".metadata"
 
 
 def _model_state(chunks) -> dict:
@@ -94,8 +104,8 @@ def check_savable(chunks) -> None:
     """Raise a CheckpointError, before any step, if a checkpoint of these chunks cannot be written or read: FSDP2
     over more ranks than some weight has rows, or with tensor parallelism over ranks some weight's rows do not
     divide over (angpt.megatron_compat.fsdp2)."""
-    sharded = {name: param.shape[0] for chunk in chunks for name, param in chunk.module.named_parameters()
-               if isinstance(param, DTensor)}
+    sharded = {name: param.shape[0] for chunk in chunks if isinstance(chunk, TorchFullyShardedDataParallel)
+               for name, param in chunk.module.named_parameters() if isinstance(param, DTensor)}
     ranks = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
     short = fsdp2.fewer_rows_than_ranks(sharded, ranks)
     uneven = ({name: rows for name, rows in sharded.items() if rows % ranks}
@@ -183,6 +193,10 @@ def save_checkpoint(
         torch_checkpoint.save_checkpoint(root, state, chunks, optimizer, scheduler, args, tokenizer, keep_last,
                                          retain_interval, hooks)
         return
+    if ckpt_format == "fsdp_dtensor":
+        _save_fsdp_dtensor(root, state, chunks, optimizer, scheduler, args, tokenizer, keep_last, retain_interval,
+                           hooks)
+        return
     iteration = state.iteration  # the state moves on while an async save is being written
     staging = checkpoint_dir(root, iteration) + INCOMPLETE
     model = _model_state(chunks)
@@ -232,6 +246,85 @@ def save_checkpoint(
         request._replace(finalize_fns=[refusing_a_full_disk(finalize, root, iteration, needed)]))
 
 
+class _FileSystemWriter(dcp.FileSystemWriter):
+    """torch's writer, with its checkpoint id (the directory) a string in .metadata, which loads name no path class
+    (angpt.megatron_compat.checkpoint_unpickling reads .metadata as data: a pathlib.PosixPath is refused)."""
+
+    def storage_meta(self) -> StorageMeta:
+        return StorageMeta(checkpoint_id=str(self.checkpoint_id), save_id=self.save_id)
+
+
+def _fsdp_dtensor_metadata() -> dict:
+    """Megatron-LM's sharded-state metadata for --ckpt-format fsdp_dtensor with the distributed optimizer."""
+    return {"distrib_optim_sharding_type": "fsdp_dtensor", "singleton_local_shards": False,
+            "chained_optim_avoid_prefix": True,
+            "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+
+
+def _fsdp_dtensor_state(chunks, optimizer, is_loading: bool = False) -> dict:
+    """The model's and optimizer's DTensors under Megatron-FSDP, by Megatron-LM's keys (one model chunk): the model's
+    parameters are the optimizer's shards again (angpt.training.step keeps them whole between steps)."""
+    chunks[0].module._replace_param_with_distributed_if_needed()
+    model = chunks[0].state_dict_for_save_checkpoint()
+    return {"model": model, "optimizer": optimizer.sharded_state_dict({"model": model}, is_loading=is_loading,
+                                                                       metadata=_fsdp_dtensor_metadata())}
+
+
+def _save_fsdp_dtensor(root: str, state: TrainState, chunks, optimizer, scheduler, args: dict, tokenizer,
+                       keep_last, retain_interval, hooks: Hooks) -> None:
+    """save_checkpoint in Megatron-FSDP's fsdp_dtensor format: the model's and optimizer's DTensors (Megatron-LM's
+    state dict, without its swiglu and experts conversions, which reshard over tensor parallelism, not built with it)
+    and each rank's RNG states by torch's distributed checkpoint; the rest in common.pt, as torch_dist keeps it."""
+    iteration = state.iteration
+    staging = checkpoint_dir(root, iteration) + INCOMPLETE
+    sharded = {**_fsdp_dtensor_state(chunks, optimizer), "rng_state": {str(dist.get_rank()): rng_state()}}
+    common = {"opt_param_scheduler": scheduler.state_dict(), "train_state": asdict(state), "layout": layout(),
+              "args": args, "checkpoint_version": 3.0}
+    local = sum(value.to_local().numel() * value.element_size() for value in nested_values(sharded)
+                if isinstance(value, DTensor))
+    needed = torch.tensor([local], dtype=torch.float64)
+    dist.all_reduce(needed)
+    prepare_staging(root, iteration, int(needed.item()))
+    preprocess_state_dict_for_uneven_dtensor(sharded)
+
+    def write_and_commit():
+        dcp.save(sharded, storage_writer=_FileSystemWriter(staging))
+        TorchCommonSaveStrategy("torch", 1).save_common(common, staging)  # on rank 0
+        hooks.before_commit(iteration)
+        dist.barrier()
+        commit_checkpoint(root, iteration, tokenizer, keep_last, retain_interval)
+
+    refusing_a_full_disk(write_and_commit, root, iteration, int(needed.item()))()
+
+
+def _load_fsdp_dtensor(path: str, chunks, optimizer, scheduler, load_optimizer: bool, load_rng: bool,
+                       finetune: bool) -> TrainState:
+    """load_checkpoint of an fsdp_dtensor checkpoint, at any data-parallel size: torch's distributed checkpoint reads
+    the saved shards into this run's DTensors in place (Megatron-LM's load, strict); the RNG states at the layout
+    they were saved at only."""
+    common = refusing_unsafe(lambda: TorchCommonLoadStrategy().load_common(path))
+    state = _fsdp_dtensor_state(chunks, optimizer, is_loading=True)
+    raw = {key: value.copy() for key, value in state.items()}  # preprocessing replaces the DTensors' entries
+    if not load_optimizer:
+        del state["optimizer"]
+    load_rng = load_rng and saved_layout(common) == layout()
+    if load_rng:
+        state["rng_state"] = {str(dist.get_rank()): rng_state()}
+    preprocess_state_dict_for_uneven_dtensor(state)
+    refusing_unsafe(lambda: checkpoint_unpickling.check_metadata(path))
+    refusing_unsafe(lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(path)))
+    chunks[0].load_state_dict(raw["model"], strict=True)
+    if load_optimizer:
+        optimizer.load_state_dict(raw["optimizer"])
+        scheduler.load_state_dict(common["opt_param_scheduler"])
+    if load_rng:
+        set_rng_state(state["rng_state"][str(dist.get_rank())])
+    if dist.get_rank() == 0:
+        logger.info("loaded checkpoint %s (iteration %d)%s", path, iteration_of(path),
+                    " for fine-tuning" if finetune else "")
+    return TrainState() if finetune else TrainState(**common["train_state"])
+
+
 def _after(first: Callable[[], None], function: Callable, *args, **kwargs):
     """`first()`, then `function(*args, **kwargs)`."""
     first()
@@ -253,6 +346,8 @@ def checkpoint_format(path: str) -> str:
     (megatron-core's metadata.json), "torch" (Megatron-LM's mp_rank_* directories); a CheckpointError otherwise."""
     if dist_checkpointing.check_is_distributed_checkpoint(path):
         return "torch_dist"
+    if os.path.isfile(os.path.join(path, DCP_METADATA)):
+        return "fsdp_dtensor"
     if os.path.isdir(path) and any(name.startswith("mp_rank_0") for name in os.listdir(path)):
         return "torch"
     raise CheckpointError(f"the checkpoint of iteration {iteration_of(path)} in {path} is in no format angpt reads: "
@@ -264,6 +359,9 @@ def read_common_state(path: str) -> dict:
     only: a common.pt that would run code is refused by a CheckpointError naming it, and so is Megatron-LM's torch
     format, which has no common state; megatron-core's other errors pass as they are."""
     if os.path.isdir(path) and not dist_checkpointing.check_is_distributed_checkpoint(path) and \
+            checkpoint_format(path) == "fsdp_dtensor":
+        return refusing_unsafe(lambda: TorchCommonLoadStrategy().load_common(path))
+    if os.path.isdir(path) and not dist_checkpointing.check_is_distributed_checkpoint(path) and \
             checkpoint_format(path) == "torch":
         raise CheckpointError(f"{path} is in Megatron-LM's torch format (--ckpt-format torch), which is read only by a "
                               "run at its layout: continue it under --ckpt-format torch_dist for a step and read that "
@@ -274,7 +372,11 @@ def read_common_state(path: str) -> dict:
 def read_plain_tensors(path: str) -> dict:
     """Every tensor (and object) of the distributed checkpoint `path` whole, by its global name: the checkpoint
     as one process reads it, whatever layout saved it (the Hugging Face export). Read as data only, .metadata
-    checked first; refusals and other errors as `read_common_state`."""
+    checked first; refusals and other errors as `read_common_state`; Megatron-FSDP's fsdp_dtensor is refused."""
+    if os.path.isdir(path) and not dist_checkpointing.check_is_distributed_checkpoint(path) and \
+            checkpoint_format(path) == "fsdp_dtensor":
+        raise CheckpointError(f"{path} is Megatron-FSDP's fsdp_dtensor checkpoint, whose tensors are not read whole "
+                              "yet: the Hugging Face export reads torch_dist checkpoints")
     refusing_unsafe(lambda: checkpoint_unpickling.check_metadata(path))
     return refusing_unsafe(lambda: dist_checkpointing.load_plain_tensors(path))
 
@@ -306,6 +408,10 @@ def load_checkpoint(
     torch_dist or --auto-detect-ckpt-format; with `ckpt_format` torch and not `auto_detect`, a distributed checkpoint
     is refused (Megatron-LM's error)."""
     found = checkpoint_format(path)
+    if (found == "fsdp_dtensor") != (ckpt_format == "fsdp_dtensor"):
+        raise CheckpointError(f"{path} is an {found} checkpoint and this run has --ckpt-format {ckpt_format}: "
+                              "Megatron-FSDP's fsdp_dtensor checkpoints load under --use-megatron-fsdp only, which "
+                              "loads no other format (as in Megatron-LM)")
     if found == "torch":
         return torch_checkpoint.load_checkpoint(path, chunks, optimizer, scheduler, config, load_optimizer, load_rng,
                                                 finetune, vocab_size)
@@ -325,7 +431,7 @@ def load_checkpoint(
                 raise
             raise unreadable(error, path) from error
 
-    common = read(lambda: dist_checkpointing.load_common_state_dict(path))
+    common = read(lambda: read_common_state(path))
     if config is not None and isinstance(common.get("args"), dict):
         saved = config_from_saved(common["args"])
         refusal = (model_refusal(path, saved, config, finetune)
@@ -334,6 +440,9 @@ def load_checkpoint(
                                              config.parallel.use_distributed_optimizer)))
         if refusal:
             raise CheckpointError(refusal)
+    if found == "fsdp_dtensor":  # torch's checkpoint checks the embedding's shape
+        return _load_fsdp_dtensor(path, chunks, optimizer, scheduler, load_optimizer and not finetune,
+                                  load_rng and not finetune, finetune)
     if config is not None and vocab_size is not None:
         metadata = read(lambda: dist_checkpointing.load_tensors_metadata(path))  # shapes only
         embedding = metadata.get(torch_checkpoint.EMBEDDING)

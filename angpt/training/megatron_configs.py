@@ -150,12 +150,16 @@ def _fusions(config: RunConfig) -> dict:
 def ddp_config(config: RunConfig) -> DistributedDataParallelConfig:
     """Data-parallel gradient reduction (Megatron-LM's `get_model`): in fp32 unless --grad-reduce-in-bf16; the local
     grads checked before it (the rerun state machine's checks). With --use-torch-fsdp2, FSDP2's config (which
-    angpt.training.step wraps the model for)."""
-    if config.parallel.use_torch_fsdp2:
-        return TorchFullyShardedDataParallelConfig(
-            reshard_after_forward=config.parallel.torch_fsdp2_reshard_after_forward)
+    angpt.training.step wraps the model for); with --use-megatron-fsdp, Megatron-FSDP's settings are fields of it."""
+    parallel = config.parallel
+    if parallel.use_torch_fsdp2:
+        return TorchFullyShardedDataParallelConfig(reshard_after_forward=parallel.torch_fsdp2_reshard_after_forward)
+    if parallel.use_megatron_fsdp and parallel.gradient_reduce_div_fusion and not torch.cuda.is_available():
+        raise ValueError("--use-megatron-fsdp without CUDA needs --no-gradient-reduce-div-fusion: the fused division "
+                         "reduces with NCCL's PREMUL_SUM, which gloo lacks")
     return DistributedDataParallelConfig(**{
         **by_name(config, DistributedDataParallelConfig),
+        "use_custom_fsdp": parallel.use_megatron_fsdp,  # Megatron-LM sets its deprecated name with it
         "check_for_nan_in_grad": config.rerun.nan_checks,
         "grad_reduce_in_fp32": not config.precision.grad_reduce_in_bf16,
         "bucket_size": config.parallel.ddp_bucket_size,

@@ -22,6 +22,7 @@ from angpt.models import WEIGHT_CONSTRAINTS
 from angpt.models.bounding import attach_weight_constraint
 from angpt.models.specs import gpt_layer_spec
 from angpt.training.megatron_configs import by_name
+from angpt.training.step import whole_weights_between_steps
 
 logger = logging.getLogger("angpt.optimizer")
 
@@ -177,6 +178,7 @@ def build_optimizer(model_chunks, config: RunConfig, fused_adam: Optional[bool] 
                                                  "samples" if training.train_samples is not None else "iters"))
     optimizer = get_megatron_optimizer(megatron_config, model_chunks,
                                        use_gloo_process_groups=config.parallel.enable_gloo_process_groups)
+    whole_weights_between_steps(model_chunks)  # Megatron-FSDP's optimizer took its shards
     if schedule.decoupled_lr is not None:
         decoupled = (schedule.decoupled_lr, min_lr if schedule.decoupled_min_lr is None else schedule.decoupled_min_lr)
         if decoupled == (lr, min_lr):

@@ -16,12 +16,14 @@ from megatron.core.distributed import (
     TorchFullyShardedDataParallelConfig,
     finalize_model_grads,
 )
+from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 from megatron.core.enums import ModelType
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.utils import get_batch_on_this_cp_rank, get_model_config
 
+from angpt.megatron_compat import megatron_fsdp
 from angpt.models import AnGPTConfig, build_model
 from angpt.telemetry.stragglers import FORWARD_TIMER
 from angpt.telemetry.timers import timer
@@ -36,10 +38,18 @@ def build_model_chunks(
     one_bucket_group: bool = False,
 ) -> list[DistributedDataParallel]:
     """This rank's model chunks (one per virtual pipeline stage), each wrapped in megatron-core's DDP, or in its
-    FSDP2 wrapper for a TorchFullyShardedDataParallelConfig. The chunks after the first reduce their gradients in one
+    FSDP2 wrapper for a TorchFullyShardedDataParallelConfig, or in Megatron-FSDP for a config with
+    use_megatron_fsdp (Megatron-LM's get_model). The chunks after the first reduce their gradients in one
     bucket group each (their communication overlaps computation anyway), and the first too with `one_bucket_group`
     (--overlap-param-gather-with-optimizer-step, as Megatron-LM's get_model)."""
     ddp_config = ddp_config or DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+    if isinstance(ddp_config, TorchFullyShardedDataParallelConfig):
+        wrapper = TorchFullyShardedDataParallel
+    elif ddp_config.use_megatron_fsdp:
+        megatron_fsdp.install()
+        wrapper = FullyShardedDataParallel
+    else:
+        wrapper = DistributedDataParallel
     virtual_stages = config.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(virtual_stages) if virtual_stages else [None]:
@@ -52,8 +62,6 @@ def build_model_chunks(
             vp_stage=vp_stage,
         )
         model.model_type = ModelType.encoder_or_decoder
-        wrapper = (TorchFullyShardedDataParallel if isinstance(ddp_config, TorchFullyShardedDataParallelConfig)
-                   else DistributedDataParallel)
         chunks.append(wrapper(config=config, ddp_config=ddp_config, module=model,
                               disable_bucketing=len(chunks) > 0 or one_bucket_group))
     config.finalize_model_grads_func = finalize_model_grads
@@ -63,6 +71,19 @@ def build_model_chunks(
         if len(chunks) == 1:
             config.no_sync_func, config.grad_sync_func = config.no_sync_func[0], config.grad_sync_func[0]
     return chunks
+
+
+def whole_weights_between_steps(model_chunks) -> None:
+    """Megatron-FSDP leaves its model's parameters the optimizer's shards (DTensors) once built (its optimizer is built
+    from them) and after the gradients' sync, until the next forward; what reads the model between steps
+    (angpt.telemetry.health's alphas, through the scales' modules, whose Megatron-FSDP hooks then fail with a
+    KeyError) reads its own parameters, whole, where the strategy keeps them whole (optim, optim_grads): the ones
+    the next forward takes anyway. optim_grads_params gathers them only inside its layers' forward and backward: its
+    shards stay."""
+    for chunk in model_chunks:
+        if isinstance(chunk, FullyShardedDataParallel) and \
+                chunk.ddp_config.data_parallel_sharding_strategy != "optim_grads_params":
+            chunk.module._replace_param_with_raw_if_needed()
 
 
 def pre_hooks_on(model_chunks) -> bool:
@@ -178,6 +199,7 @@ def train_step(
     timer(timers, "optimizer").start(barrier=barrier_with_l1_time)
     updated, grad_norm = step_unless_not_finite(optimizer, loss)
     timer(timers, "optimizer").stop()
+    whole_weights_between_steps(model_chunks)
     if empty_unused_memory_level >= 2:
         torch.cuda.empty_cache()
     if updated:

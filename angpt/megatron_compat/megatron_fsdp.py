@@ -1,0 +1,153 @@
+"""megatron-core 0.16.1's Megatron-FSDP (`megatron.core.distributed.fsdp.mcore_fsdp_adapter.FullyShardedDataParallel`,
+Megatron-LM's --use-megatron-fsdp), made to train angpt's models, on a machine without CUDA (gloo) too; each
+workaround says what breaks without it. `install()` is called by angpt.training.step before it wraps a model in it.
+
+- Its device: the adapter and `MegatronFSDP.__init__` build `torch.device(f"cuda:{torch.cuda.current_device()}")`,
+  which the CPU adapter's `current_device()` (torch.device("cpu")) makes "cuda:cpu": RuntimeError "Invalid device
+  string" while wrapping. Without CUDA the adapter's device is the CPU, and `current_device()` answers 0 while
+  `MegatronFSDP` is built (its device is only compared with it, for a warning, dropped: on the CPU it is no news).
+- Its streams: the gradients' reduce-scatter and the weights' all-gather take `torch.cuda.current_stream()` and
+  record events on streams ("Torch not compiled with CUDA enabled" at the first backward). The CPU adapter's streams
+  lack both; on the CPU every op runs in program order on the calling thread, so there is nothing to wait for.
+- Its root hooks (on every device; fixed upstream after 0.16.1, NVIDIA/Megatron-LM#5808): `MegatronFSDP.forward`
+  calls the model's `forward`, not the model, so the hook that starts each backward pass (it lists the parameters
+  whose gradients are still to be reduced) is never set on the model's output, only on the model's last submodule
+  (a loop variable left over). In anGPT and nGPT that is the output layer's logit scale s_Z, whose gradient comes
+  after W_head's: W_head's gradient is reduced, listed again, and its bucket reduce-scattered a second time at the
+  end of the backward pass, which adds the bucket's pre-divided gradients once more. Every gradient but W_head's
+  was 1.5 times the true one at DP 2 (optim_grads and optim_grads_params). `_forward_through_hooks` calls the
+  model, as upstream now does.
+- megatron-core's `unwrap_model` stops at `MegatronFSDP` (the adapter's module), not at the model inside it, so
+  what reads the model's layers (angpt.telemetry.health) found none ("'MegatronFSDP' object has no attribute
+  'decoder'" at the start of every run): its default classes take `MegatronFSDP` too.
+- The optimizer's state in an fsdp_dtensor checkpoint (on every device; upstream NVIDIA/Megatron-LM#4910): torch's
+  Adam creates a parameter's state at its first gradient, and Megatron-FSDP gives a parameter whose shard on this
+  rank is empty no gradient (`update_main_grads`), so ranks hold state for different parameters, and
+  `preprocess_state_dict_for_uneven_dtensor`, one collective per DTensor, pairs them wrongly: the first save hangs.
+  `_every_parameters_state` gives each parameter Adam's initial state (zero moments, the step of the others) before
+  the state dict is built, in the order of the parameter groups on every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections import defaultdict
+
+import megatron.core.distributed.fsdp.mcore_fsdp_adapter as adapter
+import torch
+import torch.distributed as dist
+from megatron.core import utils
+from megatron.core.distributed import DistributedDataParallel, TorchFullyShardedDataParallel
+from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.transformer.module import Float16Module
+
+from angpt.megatron_compat import cpu
+
+_installed = False
+
+
+class _Event:
+    """A recorded CUDA event where there is none: what it marks has run."""
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _Stream(cpu._Stream):
+    """The CPU adapter's stream, with the events Megatron-FSDP records on it."""
+
+    def record_event(self, event=None):
+        return event or _Event()
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _NotTheCudaDevice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "instead of the current device" not in record.getMessage()
+
+
+def _adapter_on_the_cpu(init):
+    @functools.wraps(init)
+    def __init__(self, *args, device=None, **kwargs):
+        return init(self, *args, device=device or torch.device("cpu"), **kwargs)
+
+    return __init__
+
+
+def _cuda_index_while_built(init):
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        current_device = torch.cuda.current_device
+        torch.cuda.current_device = lambda: 0
+        try:
+            return init(self, *args, **kwargs)
+        finally:
+            torch.cuda.current_device = current_device
+
+    return __init__
+
+
+def _forward_through_hooks(self, *inputs, **kwargs):
+    """megatron-core's `MegatronFSDP.forward`, calling the model (its forward hooks run)."""
+    self._replace_param_with_raw_if_needed()
+    with torch.autograd.profiler.record_function("CustomFSDP.forward"):
+        return self.module(*inputs, **kwargs)
+
+
+_sharded_param_state_fsdp_dtensor = DistributedOptimizer.sharded_param_state_fsdp_dtensor
+
+
+def _every_parameters_state(self, is_loading: bool = False):
+    """megatron-core's, with Adam's state for every parameter, in the order of the parameter groups."""
+    if is_loading:
+        self._init_optimizer_states_with_dummy_values()
+    adam = self.optimizer
+    steps = [float(state["step"]) for state in adam.state.values() if "step" in state]
+    step = torch.tensor([max(steps, default=0.0)], device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(step, op=dist.ReduceOp.MAX)  # a rank may hold no state at all
+    step = step.cpu()  # torch's Adam keeps its step counts on the CPU
+    ordered = defaultdict(dict)
+    for group in adam.param_groups:
+        for param in group["params"]:
+            state = adam.state[param]
+            if "exp_avg" not in state:
+                state.update(step=step[0].clone(), exp_avg=torch.zeros_like(param),
+                             exp_avg_sq=torch.zeros_like(param))
+            ordered[param] = state
+    adam.state = ordered
+    return _sharded_param_state_fsdp_dtensor(self, is_loading=False)
+
+
+def install() -> None:
+    """Apply the workarounds once per process (the CPU ones only without CUDA)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    DistributedOptimizer.sharded_param_state_fsdp_dtensor = _every_parameters_state
+    megatron_fsdp.MegatronFSDP.forward = _forward_through_hooks
+    # Its classes (megatron-core's, when None is given) as a default: every module's `unwrap_model` is this function.
+    utils.unwrap_model.__defaults__ = ((DistributedDataParallel, TorchFullyShardedDataParallel,
+                                        adapter.FullyShardedDataParallel, megatron_fsdp.MegatronFSDP,
+                                        Float16Module),)
+    if torch.cuda.is_available():
+        return
+    adapter.FullyShardedDataParallel.__init__ = _adapter_on_the_cpu(adapter.FullyShardedDataParallel.__init__)
+    megatron_fsdp.MegatronFSDP.__init__ = _cuda_index_while_built(megatron_fsdp.MegatronFSDP.__init__)
+    megatron_fsdp.logger.addFilter(_NotTheCudaDevice())
+    torch.cuda.Stream = _Stream
+    torch.cuda.current_stream = lambda device=None: _Stream()
+    torch.cuda.default_stream = lambda device=None: _Stream()

@@ -1,0 +1,419 @@
+"""Megatron-FSDP (--use-megatron-fsdp): its flags and refusals; against DDP at DP 2, fp32, every family, the loss
+of each step, every gradient the optimizer steps with (after clipping, so the grad norm too) and the weights after
+each step, for each sharding strategy angpt takes, and at bf16 each step's loss and grad norm; anGPT's rows within
+the unit ball and nGPT's unit vectors after each step and after a projection alone (docs/model.md); its fsdp_dtensor
+checkpoints resumed bit for bit and loaded at DP 1; the trainer's logged figures as DDP's.
+
+The long tests launch this file as torchrun's two ranks (one job for everything) and compare what they saved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallelConfig
+from test_trainer import records, train
+from torch.distributed.tensor import DTensor
+
+from angpt.config.arguments import parse_args
+from angpt.config.sections import RunConfig
+from angpt.models import WEIGHT_CONSTRAINTS
+from angpt.training import checkpointing, distributed
+from angpt.training.megatron_configs import ddp_config
+from angpt.training.optimizer import build_optimizer
+from angpt.training.step import build_model_chunks, train_step
+
+from conftest import ROOT, run_workers
+
+sys.path.insert(0, os.path.join(ROOT, "tests", "distributed"))
+from common import MICRO_BATCH, S, V, fixed_batches, small_config  # noqa: E402
+
+FAMILIES = ["gpt", "gptplus", "angpt", "ngpt"]
+STRATEGIES = ["optim", "optim_grads", "optim_grads_params"]
+LR, STEPS = 1e-2, 3
+# Three layers: with optim and optim_grads the shard boundary then falls inside layer 1's W_o (linear_proj), whose
+# vectors are its rows in anGPT (unit_norm_dim 1: 20 rows on rank 0, 28 on rank 1) and its columns in nGPT
+# (unit_norm_dim 0: each column split over the two ranks); with optim_grads_params inside fc1 and W_head (rows).
+LAYERS = 3
+# Saved at DP 2 after STEPS steps and resumed: at DP 2 exactly, at DP 1 under optim (its DTensors resharded).
+RESUMED = ("angpt", "optim_grads_params")
+SPLIT = {("angpt", "optim"): {1}, ("angpt", "optim_grads"): {1}, ("angpt", "optim_grads_params"): {1},
+         ("ngpt", "optim"): {0}, ("ngpt", "optim_grads"): {0}, ("ngpt", "optim_grads_params"): {1}}
+
+
+BASE = ["--mock-data", "--vocab-size", "64", "--train-iters", "4", "--num-layers", "2", "--hidden-size", "32",
+        "--num-attention-heads", "4", "--seq-length", "16"]
+FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads", "--use-distributed-optimizer",
+        "--ckpt-format", "fsdp_dtensor", "--no-gradient-reduce-div-fusion"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--use-megatron-fsdp"], "--use-megatron-fsdp needs --ckpt-format fsdp_dtensor (Megatron-LM's check)"),
+    (["--ckpt-format", "fsdp_dtensor"], "--ckpt-format fsdp_dtensor needs --use-megatron-fsdp (Megatron-LM's check)"),
+    (["--data-parallel-sharding-strategy", "optim"], "need --use-megatron-fsdp"),
+    (["--no-gradient-reduce-div-fusion"], "need --use-megatron-fsdp"),
+    ([*FSDP, "--data-parallel-sharding-strategy", "no_shard"], "sqrt(DP) times the true one"),
+    ([*FSDP, "--no-use-distributed-optimizer"], "needs --use-distributed-optimizer"),
+    ([*FSDP, "--use-torch-fsdp2"], "--use-torch-fsdp2"),
+    ([*FSDP, "--check-weight-hash-across-dp-replicas-interval", "1"], "no replicas)"),
+    ([*FSDP, "--overlap-grad-reduce"], "with --overlap-grad-reduce or --overlap-param-gather: not built yet"),
+    ([*FSDP, "--overlap-param-gather"], "with --overlap-grad-reduce or --overlap-param-gather: not built yet"),
+    ([*FSDP, "--pipeline-model-parallel-size", "2"], "with pipeline parallelism: not built yet"),
+    ([*FSDP, "--tensor-model-parallel-size", "2"], "with tensor or context parallelism: not built yet"),
+    ([*FSDP, "--fp16"], "with --fp16: not built yet"),
+    ([*FSDP, "--fsdp-double-buffer"], "not supported: not built with Megatron-FSDP"),
+    ([*FSDP, "--data-parallel-sharding-strategy", "optim_grads_params"], "optim_grads_params: not built yet in the "
+     "trainer"),
+])
+def test_megatron_fsdp_refuses_in_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args([*BASE, "--micro-batch-size", "1", *argv], world_size=4)
+    error = capsys.readouterr().err.splitlines()
+    assert len(error) == 1 and message in error[0], error
+
+
+def test_megatron_fsdp_refuses_sharded_gradients_at_one_data_parallel_rank(capsys):
+    """megatron-core 0.16.1 adds each reduced gradient bucket into itself at DP 1 (optim_grads, optim_grads_params)."""
+    for strategy in ("optim_grads", "optim_grads_params"):
+        with pytest.raises(SystemExit):
+            parse_args([*BASE, *FSDP, "--data-parallel-sharding-strategy", strategy], world_size=1)
+        assert f"{strategy} at data-parallel size 1" in capsys.readouterr().err
+    optim = parse_args([*BASE, *FSDP, "--data-parallel-sharding-strategy", "optim"], world_size=1)
+    assert optim.parallel.data_parallel_sharding_strategy == "optim"
+
+
+def test_megatron_fsdp_flags_reach_megatron_cores_config():
+    """As Megatron-LM's get_model builds it: Megatron-FSDP's settings in DistributedDataParallelConfig."""
+    for strategy in ("optim", "optim_grads"):  # optim_grads_params: refused by the trainer's flags (above)
+        config = ddp_config(parse_args([*BASE, *FSDP, "--data-parallel-sharding-strategy", strategy], world_size=2))
+        assert (config.use_megatron_fsdp, config.use_custom_fsdp, config.data_parallel_sharding_strategy,
+                config.use_distributed_optimizer, config.gradient_reduce_div_fusion) == (True, True, strategy, True,
+                                                                                         False)
+    plain = ddp_config(parse_args(BASE, world_size=2))
+    assert not plain.use_megatron_fsdp and plain.data_parallel_sharding_strategy == "no_shard"
+    if not torch.cuda.is_available():  # gloo has no PREMUL_SUM
+        fused = parse_args([*BASE, *FSDP[:-1]], world_size=2)
+        with pytest.raises(ValueError, match="needs --no-gradient-reduce-div-fusion"):
+            ddp_config(fused)
+
+
+def test_an_fsdp_dtensor_checkpoint_is_refused_in_one_line_where_it_is_not_read(tmp_path):
+    """Told by torch's .metadata (no metadata.json): under another --ckpt-format (as in Megatron-LM) and by the Hugging
+    Face export, before anything is read."""
+    path = tmp_path / "iter_0000002"
+    path.mkdir()
+    (path / checkpointing.DCP_METADATA).write_bytes(b"")
+    assert checkpointing.checkpoint_format(str(path)) == "fsdp_dtensor"
+    with pytest.raises(checkpointing.CheckpointError, match="load under --use-megatron-fsdp only"):
+        checkpointing.load_checkpoint(str(path), [], None, None, ckpt_format="torch_dist")
+    with pytest.raises(checkpointing.CheckpointError, match="the Hugging Face export reads torch_dist"):
+        checkpointing.read_plain_tensors(str(path))
+
+
+def _full(tensor) -> torch.Tensor:
+    """The whole tensor of a Megatron-FSDP shard (a collective: its rows, rank after rank), or the tensor."""
+    if isinstance(tensor, DTensor):
+        shards = [None] * dist.get_world_size()
+        dist.all_gather_object(shards, tensor.to_local().detach().clone())
+        return torch.cat(shards)
+    return tensor.detach().clone()
+
+
+class _Run:
+    """`family` at this job's data-parallel size under DDP (`strategy` None) or Megatron-FSDP, built as the trainer
+    builds it (seeded alike), with what its steps are compared by."""
+
+    def __init__(self, family: str, strategy: str | None, bf16: bool = False):
+        # At bf16 DDP with the distributed optimizer (its fp32 main weights, as Megatron-FSDP's).
+        flags = dict(model_family=family, lr=LR, train_iters=2 * STEPS, bf16=bf16, use_distributed_optimizer=bf16)
+        if strategy:
+            flags.update(use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy,
+                         use_distributed_optimizer=True, gradient_reduce_div_fusion=False, ckpt_format="fsdp_dtensor")
+        distributed.initialize()
+        config = RunConfig.from_flags(flags)
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        model = small_config(family, num_layers=LAYERS, bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype)
+        self.chunks = build_model_chunks(model, V, S, ddp_config(config) if strategy else DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=bf16))
+        self.optimizer, self.scheduler = build_optimizer(self.chunks, config)
+        model = self.chunks[0].module.module if strategy else self.chunks[0].module
+        # Megatron-FSDP's model and optimizer hold DTensors over the model's weights (orig_param).
+        weights = {name: getattr(param, "orig_param", param) for name, param in model.named_parameters()}
+        self.names = {id(weight): name for name, weight in weights.items()}
+        self.constrained = {name: weight.unit_norm_dim for name, weight in weights.items()
+                            if hasattr(weight, "unit_norm_dim")}
+        # The weights the optimizer steps: the model's under DDP, the main weights' shards under Megatron-FSDP (its
+        # model's own shards are left to its buffers between steps).
+        self.params = [param for group in self.optimizer.optimizer.param_groups for param in group["params"]]
+        rank, size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+        self.mine = fixed_batches()[rank::size]
+
+    def by_name(self, tensors) -> dict:
+        return {self.names[id(getattr(param, "orig_param", param))]: _full(tensor)
+                for param, tensor in zip(self.params, tensors)}
+
+    def weights(self) -> dict:
+        return self.by_name(self.params)
+
+    def step(self) -> tuple[float, float]:
+        loss, grad_norm, updated = train_step(iter(self.mine), self.chunks, self.optimizer, self.scheduler,
+                                              len(self.mine), MICRO_BATCH, S)
+        assert updated
+        return loss, grad_norm
+
+
+def _run(family: str, strategy: str | None) -> dict:
+    """Three steps: the losses, and after each step the gradients the optimizer stepped with and the weights, whole,
+    by name; under Megatron-FSDP with anGPT or nGPT, `_projection`'s too."""
+    run = _Run(family, strategy)
+    grads = []
+    run.optimizer.optimizer.register_step_pre_hook(lambda *_: grads.append(run.by_name(
+        param.grad if param.grad is not None else torch.zeros_like(param) for param in run.params)))
+    losses, grad_norms, weights = [], [], [run.weights()]
+    for _ in range(STEPS):
+        loss, grad_norm = run.step()
+        losses.append(loss)
+        grad_norms.append(grad_norm)
+        weights.append(run.weights())
+    result = dict(losses=losses, grad_norms=grad_norms, grads=grads, weights=weights, constrained=run.constrained)
+    if strategy and run.constrained:
+        result.update(_projection(run))
+    distributed.destroy_model_parallel()
+    return result
+
+
+def _bf16_run(family: str, strategy: str | None) -> dict:
+    """Three steps at bf16: the losses and grad norms; under Megatron-FSDP the fp32 weights Adam steps after each
+    step."""
+    run = _Run(family, strategy, bf16=True)
+    steps = [run.step() for _ in range(STEPS)] if not strategy else [(run.step(), run.weights())
+                                                                      for _ in range(STEPS)]
+    result = dict(steps=steps, constrained=run.constrained)
+    distributed.destroy_model_parallel()
+    return result
+
+
+def _resume(family: str, strategy: str, root: str, saving: bool) -> dict:
+    """STEPS steps, a save (`saving`, else a load of the save, in a fresh run), and STEPS more: the last steps' losses
+    and the weights after them."""
+    run = _Run(family, strategy)
+    if saving:
+        os.makedirs(root, exist_ok=True)
+        for _ in range(STEPS):
+            run.step()
+        checkpointing.save_checkpoint(root, checkpointing.TrainState(iteration=STEPS), run.chunks, run.optimizer,
+                                      run.scheduler, {}, ckpt_format="fsdp_dtensor")
+    else:
+        checkpointing.load_checkpoint(checkpointing.checkpoint_dir(root, STEPS), run.chunks, run.optimizer,
+                                      run.scheduler, ckpt_format="fsdp_dtensor")
+    losses = [run.step() for _ in range(STEPS)]
+    result = dict(losses=losses, weights=run.weights())
+    distributed.destroy_model_parallel()
+    return result
+
+
+def _projection(run: _Run) -> dict:
+    """One more step at lr 0 from the weights with rows scaled by 0.3-3 (pushed out of the unit ball and into it):
+    the perturbed weights, the weights after the step (the projection alone), and where each rank's shard of each
+    constrained weight lies ({name: [(first element, elements) per rank]})."""
+    generator = torch.Generator().manual_seed(7)
+    current = run.weights()
+    perturbed = {name: tensor * torch.empty(tensor.shape[0], 1).uniform_(0.3, 3.0, generator=generator)
+                 for name, tensor in sorted(current.items()) if name in run.constrained}
+    shards = {}
+    with torch.no_grad():
+        for param in run.params:
+            name = run.names[id(param.orig_param)]
+            if name in perturbed:
+                shard = param.megatron_fsdp_slice
+                param.to_local().view(-1).copy_(perturbed[name].view(-1)[shard])
+                shards[name] = (shard.start, shard.stop - shard.start)
+    for group in run.optimizer.param_groups:
+        group["lr"] = 0.0
+    run.step()
+    projected = {name: tensor for name, tensor in run.weights().items() if name in run.constrained}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, shards)
+    return dict(perturbed=perturbed, projected=projected,
+                shards={name: [rank_shards[name] for rank_shards in everyone] for name in perturbed})
+
+
+def worker(out: str, families: list[str], strategies: list[str], resumed: str | None) -> None:
+    """At DP 2: each family under DDP and each strategy, then RESUMED's saves, loads and continuous runs (in `out`);
+    at DP 1 (`resumed`, the DP 2 job's `out`): the load of its save under optim."""
+    distributed.initialize()  # joins the torchrun job
+    distributed.destroy_model_parallel()
+    if resumed:
+        result = _resume(RESUMED[0], "optim", os.path.join(resumed, "checkpoints"), saving=False)
+        torch.save(result, os.path.join(out, "resumed_dp1.pt"))
+        dist.destroy_process_group()
+        return
+    for family in families:
+        for strategy in [None, *strategies]:
+            result = _run(family, strategy)
+            if dist.get_rank() == 0:
+                torch.save(result, os.path.join(out, f"{family}_{strategy or 'ddp'}.pt"))
+                print(f"{family} {strategy or 'ddp'}: losses {result['losses']} grad norms {result['grad_norms']}",
+                      flush=True)
+    for family in families:
+        for strategy in [None, *strategies]:
+            result = _bf16_run(family, strategy)
+            if dist.get_rank() == 0:
+                torch.save(result, os.path.join(out, f"{family}_{strategy or 'ddp'}_bf16.pt"))
+    family, strategy = RESUMED
+    for saving in (True, False):
+        result = _resume(family, strategy, os.path.join(out, "checkpoints"), saving)
+        if dist.get_rank() == 0:
+            torch.save(result, os.path.join(out, f"resumed_{'saved' if saving else 'loaded'}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("megatron_fsdp")
+    run_workers(os.path.abspath(__file__), "--out", str(out))
+    run_workers(os.path.abspath(__file__), "--out", str(out), "--resumed", str(out), nproc=1)
+    return out
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_megatron_fsdp_trains_as_ddp(runs, family, strategy):
+    ddp = torch.load(runs / f"{family}_ddp.pt")
+    fsdp = torch.load(runs / f"{family}_{strategy}.pt")
+    # fp32 arithmetic in another order (the reduce-scatter's sums, the grad norm's): the bounds that
+    # tests/test_parallel_equivalence.py holds parallel layouts to.
+    assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=1e-6)
+    assert fsdp["grad_norms"] == pytest.approx(ddp["grad_norms"], rel=1e-6)
+    assert len(ddp["grads"]) == STEPS  # Megatron-FSDP's run has a fourth, the projection's (lr 0)
+    for step, (theirs, ours) in enumerate(zip(ddp["grads"], fsdp["grads"])):
+        assert set(ours) == set(theirs)
+        for name in theirs:
+            scale = theirs[name].abs().max().clamp_min(1e-30)
+            assert (ours[name] - theirs[name]).abs().max() <= 1e-5 * scale, f"step {step}: the gradient of {name}"
+    init = ddp["weights"][0]
+    assert fsdp["weights"][0].keys() == init.keys()
+    for name in init:
+        assert torch.equal(fsdp["weights"][0][name], init[name]), name
+    # Adam turns round-off in near-zero gradients into steps of up to lr for a few elements: the weights are compared
+    # through their updates.
+    for step, (theirs, ours) in enumerate(zip(ddp["weights"][1:], fsdp["weights"][1:]), 1):
+        for name in init:
+            moved = (theirs[name] - init[name]).norm().clamp_min(1e-30)
+            assert (ours[name] - theirs[name]).norm() / moved < 1e-3, f"step {step}: {name}"
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("family", ["angpt", "ngpt"])
+def test_megatron_fsdp_shards_are_bounded_as_the_spec(runs, family, strategy):
+    """anGPT's rows (or columns) within the unit ball and nGPT's on the unit sphere after each step, and one
+    projection alone (lr 0) of weights pushed out of the ball and into it equal to the spec's
+    w / max(1, ||w||) (anGPT) or w / ||w|| (nGPT), computed here, where a rank's shard holds part of a vector too."""
+    fsdp = torch.load(runs / f"{family}_{strategy}.pt")
+    constraint = WEIGHT_CONSTRAINTS[family]
+    assert fsdp["constrained"]
+    for weights in fsdp["weights"][1:]:
+        for name, dim in fsdp["constrained"].items():
+            norms = weights[name].norm(dim=dim)
+            if constraint == "bound":
+                assert norms.max() <= 1 + 1e-6, name
+            else:
+                assert torch.allclose(norms, torch.ones_like(norms), atol=1e-6), name
+    for name, perturbed in fsdp["perturbed"].items():
+        norms = perturbed.norm(dim=fsdp["constrained"][name], keepdim=True)
+        expected = perturbed / (norms.clamp_min(1.0) if constraint == "bound" else norms)
+        assert torch.allclose(fsdp["projected"][name], expected, rtol=1e-6, atol=1e-7), name
+    # The unit_norm_dim of the weights held on both ranks (whole rows on each): 1, its rows on one rank each; 0, each
+    # column split over the ranks.
+    split = {fsdp["constrained"][name] for name, shards in fsdp["shards"].items() if all(size for _, size in shards)}
+    assert split == SPLIT[family, strategy]
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_megatron_fsdp_trains_as_ddp_at_bf16(runs, family, strategy):
+    """At bf16 against DDP with the distributed optimizer: each step's loss and grad norm within bf16 round-off (the
+    weights all-gathered and the gradients reduced in other orders), and anGPT's and nGPT's fp32 weights bounded or
+    normalized after each step (docs/model.md)."""
+    ddp = torch.load(runs / f"{family}_ddp_bf16.pt")
+    fsdp = torch.load(runs / f"{family}_{strategy}_bf16.pt")
+    ours = [value for (loss_and_norm, _) in fsdp["steps"] for value in loss_and_norm]
+    assert ours == pytest.approx([value for loss_and_norm in ddp["steps"] for value in loss_and_norm], rel=1e-3)
+    constraint = WEIGHT_CONSTRAINTS[family]
+    assert bool(fsdp["constrained"]) == bool(constraint)
+    for _, weights in fsdp["steps"]:
+        for name, dim in fsdp["constrained"].items():
+            assert weights[name].dtype == torch.float32
+            norms = weights[name].norm(dim=dim)
+            if constraint == "bound":
+                assert norms.max() <= 1 + 1e-6, name
+            else:
+                assert torch.allclose(norms, torch.ones_like(norms), atol=1e-6), name
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+def test_fsdp_dtensor_checkpoint_resumes_bit_for_bit_and_loads_at_another_data_parallel_size(runs):
+    """--ckpt-format fsdp_dtensor (RESUMED, DP 2): the three steps after a load equal those after the save, every
+    loss and weight bit for bit; loaded at DP 1 under optim, they equal them within fp32 round-off (the micro-batches'
+    gradients summed in another order)."""
+    saved, loaded = torch.load(runs / "resumed_saved.pt"), torch.load(runs / "resumed_loaded.pt")
+    assert loaded["losses"] == saved["losses"]
+    assert loaded["weights"].keys() == saved["weights"].keys()
+    for name, weight in saved["weights"].items():
+        assert torch.equal(loaded["weights"][name], weight), name
+    elsewhere = torch.load(runs / "resumed_dp1.pt")
+    assert [loss for loss, _ in elsewhere["losses"]] == pytest.approx([loss for loss, _ in saved["losses"]], rel=1e-6)
+    assert [norm for _, norm in elsewhere["losses"]] == pytest.approx([norm for _, norm in saved["losses"]], rel=1e-5)
+    for name, weight in saved["weights"].items():
+        assert (elsewhere["weights"][name] - weight).norm() <= 1e-5 * weight.norm(), name
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+def test_the_trainer_under_megatron_fsdp_logs_as_ddp_and_resumes_its_checkpoint_bit_for_bit(tmp_path):
+    """angpt.pretrain with --use-megatron-fsdp (nGPT, optim_grads, DP 2): every logged figure (loss, grad norm, params
+    norm, the health probe's) as DDP's within fp32 round-off; stopped at iteration 2 and resumed from its fsdp_dtensor
+    checkpoint, iterations 3 and 4 as the uninterrupted run's, bit for bit."""
+    common = ["--model-family", "ngpt", "--lr-decay-iters", "4", "--log-params-norm"]
+    fsdp = [*FSDP, "--data-parallel-sharding-strategy", "optim_grads"]
+    ddp, whole, resumed = (tmp_path / name for name in ("ddp", "whole", "resumed"))
+    train(*common, "--train-iters", "4", "--save", str(ddp))
+    train(*common, *fsdp, "--train-iters", "4", "--save", str(whole))
+    train(*common, *fsdp, "--train-iters", "2", "--save", str(resumed))
+    train(*common, *fsdp, "--train-iters", "4", "--save", str(resumed), "--load", str(resumed))
+
+    def figures(run_dir) -> dict[int, dict]:
+        return {r["iteration"]: {key: value for key, value in r.items() if key == "lm_loss" or key.endswith("_norm")
+                                 or key.startswith("health/")} for r in records(run_dir)}
+
+    theirs, ours, again = figures(ddp), figures(whole), figures(resumed)
+    assert set(ours) == set(theirs) == set(again) == {1, 2, 3, 4}
+    for iteration, figure in theirs.items():
+        assert figure.keys() == ours[iteration].keys() and "health/alpha_mlp/layer_01" in figure
+        assert ours[iteration] == pytest.approx(figure, rel=1e-5, abs=1e-9), iteration
+    assert {i: again[i] for i in (3, 4)} == {i: ours[i] for i in (3, 4)}
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--resumed", help="load this DP 2 job's checkpoint at DP 1")
+    args = parser.parse_args()
+    worker(args.out, args.families.split(","), args.strategies.split(","), args.resumed)
+
