@@ -68,8 +68,6 @@ FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads
     ([*FSDP, "--tensor-model-parallel-size", "2"], "with tensor or context parallelism: not built yet"),
     ([*FSDP, "--fp16"], "with --fp16: not built yet"),
     ([*FSDP, "--fsdp-double-buffer"], "not supported: not built with Megatron-FSDP"),
-    ([*FSDP, "--data-parallel-sharding-strategy", "optim_grads_params"], "optim_grads_params: not built yet in the "
-     "trainer"),
 ])
 def test_megatron_fsdp_refuses_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -90,7 +88,7 @@ def test_megatron_fsdp_refuses_sharded_gradients_at_one_data_parallel_rank(capsy
 
 def test_megatron_fsdp_flags_reach_megatron_cores_config():
     """As Megatron-LM's get_model builds it: Megatron-FSDP's settings in DistributedDataParallelConfig."""
-    for strategy in ("optim", "optim_grads"):  # optim_grads_params: refused by the trainer's flags (above)
+    for strategy in STRATEGIES:
         config = ddp_config(parse_args([*BASE, *FSDP, "--data-parallel-sharding-strategy", strategy], world_size=2))
         assert (config.use_megatron_fsdp, config.use_custom_fsdp, config.data_parallel_sharding_strategy,
                 config.use_distributed_optimizer, config.gradient_reduce_div_fusion) == (True, True, strategy, True,
@@ -384,12 +382,16 @@ def test_fsdp_dtensor_checkpoint_resumes_bit_for_bit_and_loads_at_another_data_p
 
 @pytest.mark.long
 @pytest.mark.multiprocess
-def test_the_trainer_under_megatron_fsdp_logs_as_ddp_and_resumes_its_checkpoint_bit_for_bit(tmp_path):
-    """angpt.pretrain with --use-megatron-fsdp (nGPT, optim_grads, DP 2): every logged figure (loss, grad norm, params
-    norm, the health probe's) as DDP's within fp32 round-off; stopped at iteration 2 and resumed from its fsdp_dtensor
-    checkpoint, iterations 3 and 4 as the uninterrupted run's, bit for bit."""
-    common = ["--model-family", "ngpt", "--lr-decay-iters", "4", "--log-params-norm"]
-    fsdp = [*FSDP, "--data-parallel-sharding-strategy", "optim_grads"]
+@pytest.mark.parametrize("family, strategy, health", [("ngpt", "optim_grads", "health/alpha_mlp/layer_01"),
+                                                      ("angpt", "optim_grads_params", "health/rows_at_bound")])
+def test_the_trainer_under_megatron_fsdp_logs_as_ddp_and_resumes_its_checkpoint_bit_for_bit(tmp_path, family,
+                                                                                           strategy, health):
+    """angpt.pretrain with --use-megatron-fsdp (DP 2): every logged figure (loss, grad norm, params norm, the health
+    probe's, which optim_grads_params reads from the weights its step gathers) as DDP's within fp32 round-off; stopped
+    at iteration 2 and resumed from its fsdp_dtensor checkpoint, iterations 3 and 4 as the uninterrupted run's, bit
+    for bit."""
+    common = ["--model-family", family, "--lr-decay-iters", "4", "--log-params-norm"]
+    fsdp = [*FSDP, "--data-parallel-sharding-strategy", strategy]
     ddp, whole, resumed = (tmp_path / name for name in ("ddp", "whole", "resumed"))
     train(*common, "--train-iters", "4", "--save", str(ddp))
     train(*common, *fsdp, "--train-iters", "4", "--save", str(whole))
@@ -403,7 +405,7 @@ def test_the_trainer_under_megatron_fsdp_logs_as_ddp_and_resumes_its_checkpoint_
     theirs, ours, again = figures(ddp), figures(whole), figures(resumed)
     assert set(ours) == set(theirs) == set(again) == {1, 2, 3, 4}
     for iteration, figure in theirs.items():
-        assert figure.keys() == ours[iteration].keys() and "health/alpha_mlp/layer_01" in figure
+        assert figure.keys() == ours[iteration].keys() and health in figure
         assert ours[iteration] == pytest.approx(figure, rel=1e-5, abs=1e-9), iteration
     assert {i: again[i] for i in (3, 4)} == {i: ours[i] for i in (3, 4)}
 

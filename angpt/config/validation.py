@@ -191,10 +191,6 @@ def validate_megatron_fsdp(parser, args, dp: int) -> None:
         (args.num_distributed_optimizer_instances > 1, "with --num-distributed-optimizer-instances: not built yet"),
         (args.fp16, "with --fp16: not built yet (fp32 and --bf16 are)"),
         (args.async_save, "with --async-save: not built yet (fsdp_dtensor checkpoints are written synchronously)"),
-        (args.data_parallel_sharding_strategy == "optim_grads_params",
-         "with --data-parallel-sharding-strategy optim_grads_params: not built yet in the trainer, whose health "
-         "figures and params norm read the weights whole between steps, where this strategy leaves shards (it trains "
-         "as DDP: tests/test_megatron_fsdp.py); give optim or optim_grads"),
     ):
         if given:
             parser.error(f"--use-megatron-fsdp {why}")

@@ -43,7 +43,8 @@ Each workaround, where it is, and what breaks without it under megatron-core 0.1
 - Megatron-FSDP's model whole between steps (`angpt/training/step.py`, `whole_weights_between_steps`): its
   parameters stay the optimizer's shards from the gradients' sync to the next forward, and the health probe's read of
   nGPT's alphas (their modules called outside the forward) failed with a KeyError in its hooks at the first logged
-  step.
+  step; under optim_grads_params (`gather_whole_weights`) the log line waits for the gather its step started, whose
+  release and regather from outside crashed gloo's next coalesced all-gather about one run in six.
 - Checkpoints loaded as data (`checkpoint_unpickling.py`): torch's distributed checkpoint unpickles its
   `.metadata` and its non-tensor items (the RNG states) with Python's unrestricted unpickler, so a crafted
   checkpoint runs code when `--load` or the export reads it; megatron-core reads `common.pt` weights-only only

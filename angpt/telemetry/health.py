@@ -57,12 +57,7 @@ class HealthProbe:
             for model in self._models
             for layer in model.decoder.layers
         ]
-        # The last stage's copy of a tied embedding (`shared`) would count the embedding twice.
-        self._bounded_weights = (
-            [p for p in constrained_parameters(self._models) if not getattr(p, "shared", False)]
-            if WEIGHT_CONSTRAINTS[config.model_family] == "bound"
-            else []
-        )
+        self._bounded = WEIGHT_CONSTRAINTS[config.model_family] == "bound"
         self._fp8_max = {
             "scaling_fwd": FP8_MAX["e4m3"],
             "scaling_bwd": FP8_MAX["e5m2" if config.fp8 == "hybrid" else "e4m3"],
@@ -120,10 +115,15 @@ class HealthProbe:
     def _rows_at_bound(self) -> tuple[int, int]:
         """(rows at the bound, rows) that this rank counts, so that over all ranks each row counts once:
         on data-parallel rank 0, and on TP rank 0 for weights replicated over TP and rows split over it."""
+        if not self._bounded:
+            return 0, 0
+        # Looked up now: Megatron-FSDP swaps its model's parameter objects (angpt.training.step.weights_gathered).
+        # The last stage's copy of a tied embedding (`shared`) would count the embedding twice.
+        weights = [p for p in constrained_parameters(self._models) if not getattr(p, "shared", False)]
         tp_group = parallel_state.get_tensor_model_parallel_group()
         # FSDP2's row shards are gathered whole (every rank, in the same order: a collective each).
-        squared = [_whole(p).detach().float().pow(2).sum(dim=p.unit_norm_dim) for p in self._bounded_weights]
-        split = [split_over_tp(p) for p in self._bounded_weights]
+        squared = [_whole(p).detach().float().pow(2).sum(dim=p.unit_norm_dim) for p in weights]
+        split = [split_over_tp(p) for p in weights]
         if tp_group.size() > 1:
             # Row-parallel weights hold a part of each row on each TP rank: sum the partial squared norms.
             all_reduce_in_place([sq for sq, is_split in zip(squared, split) if is_split], tp_group)
@@ -131,7 +131,7 @@ class HealthProbe:
             return 0, 0
         counted = [
             sq
-            for sq, param, is_split in zip(squared, self._bounded_weights, split)
+            for sq, param, is_split in zip(squared, weights, split)
             if (tp_group.rank() == 0 if is_split else param_is_not_tensor_parallel_duplicate(param))
         ]
         if not counted:

@@ -86,6 +86,22 @@ def whole_weights_between_steps(model_chunks) -> None:
             chunk.module._replace_param_with_raw_if_needed()
 
 
+def gather_whole_weights(model_chunks) -> None:
+    """Megatron-FSDP's optim_grads_params holds its model's weights whole only from the all-gather its optimizer step
+    starts (overlapped: Megatron-FSDP turns --overlap-param-gather on for it) until each layer's forward is done; what
+    reads them between steps (the health probe, the params norm) waits for that gather, and starts it where no step
+    has (before the first), leaving the model as its next forward's pre-hook would: its buckets gathered, its own
+    parameters in place of the optimizer's shards. Other wrappers' models are whole already."""
+    for chunk in model_chunks:
+        if isinstance(chunk, FullyShardedDataParallel) and \
+                chunk.ddp_config.data_parallel_sharding_strategy == "optim_grads_params":
+            gather = chunk.module.all_gather_pipeline
+            for bucket in range(gather.num_buckets):
+                gather.async_bucket_gather(bucket, bwd=False)  # none where the step's gather is under way or done
+                gather.wait_bucket_ready(bucket, bwd=False)
+            chunk.module._replace_param_with_raw_if_needed()
+
+
 def pre_hooks_on(model_chunks) -> bool:
     """Whether the chunks' forward pre-hooks (the overlapped param gather's) are registered (Megatron-LM's check)."""
     return len(model_chunks[0].remove_forward_pre_hook_handles) > 0

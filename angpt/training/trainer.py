@@ -11,7 +11,9 @@ import math
 import os
 import signal
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional
 
 import torch
@@ -48,6 +50,7 @@ from angpt.training.replica_check import ReplicasDifferError, check_weight_hashe
 from angpt.training.step import (
     build_model_chunks,
     eval_step,
+    gather_whole_weights,
     param_gather_finished,
     pre_hooks_on,
     set_pre_hooks,
@@ -165,7 +168,7 @@ class Trainer:
         overlapped_gather = parallel.use_distributed_optimizer and parallel.overlap_param_gather
         self.monitor = TrainingMonitor(config, self.config, self.chunks, self.vocab_size, self.rank,
                                        self.state.iteration, self.loaded_from, self.timers, self.optimizer,
-                                       weights_ready=lambda: param_gather_finished(self.chunks, overlapped_gather))
+                                       weights_ready=partial(self._weights_whole, overlapped_gather))
         if logging_section.profile and self.rank in logging_section.profile_ranks:
             self.profiler = StepProfiler(logging_section.profile_step_start, logging_section.profile_step_end,
                                          logging_section.use_pytorch_profiler, self.monitor.tensorboard_dir)
@@ -271,6 +274,13 @@ class Trainer:
         loss = sum(losses) / len(losses)
         self.monitor.log_evaluation(self.state.iteration, name, loss)
         return loss
+
+    @contextmanager
+    def _weights_whole(self, overlapped_gather: bool):
+        """The model's weights whole, as the last step left them, for what the log line reads between steps."""
+        with param_gather_finished(self.chunks, overlapped_gather):
+            gather_whole_weights(self.chunks)
+            yield
 
     def save(self) -> None:
         checkpoint = self.run_config.checkpoint
