@@ -2,7 +2,8 @@
 of each step, every gradient the optimizer steps with (after clipping, so the grad norm too) and the weights after
 each step, for each sharding strategy angpt takes, and at bf16 each step's loss and grad norm; anGPT's rows within
 the unit ball and nGPT's unit vectors after each step and after a projection alone (docs/model.md); its fsdp_dtensor
-checkpoints resumed bit for bit and loaded at DP 1; the trainer's logged figures as DDP's.
+checkpoints resumed bit for bit and loaded at DP 1; at DP 1 anGPT under each strategy as DDP; the trainer's logged
+figures as DDP's.
 
 The long tests launch this file as torchrun's two ranks (one job for everything) and compare what they saved.
 """
@@ -74,16 +75,6 @@ def test_megatron_fsdp_refuses_in_one_line(argv, message, capsys):
         parse_args([*BASE, "--micro-batch-size", "1", *argv], world_size=4)
     error = capsys.readouterr().err.splitlines()
     assert len(error) == 1 and message in error[0], error
-
-
-def test_megatron_fsdp_refuses_sharded_gradients_at_one_data_parallel_rank(capsys):
-    """megatron-core 0.16.1 adds each reduced gradient bucket into itself at DP 1 (optim_grads, optim_grads_params)."""
-    for strategy in ("optim_grads", "optim_grads_params"):
-        with pytest.raises(SystemExit):
-            parse_args([*BASE, *FSDP, "--data-parallel-sharding-strategy", strategy], world_size=1)
-        assert f"{strategy} at data-parallel size 1" in capsys.readouterr().err
-    optim = parse_args([*BASE, *FSDP, "--data-parallel-sharding-strategy", "optim"], world_size=1)
-    assert optim.parallel.data_parallel_sharding_strategy == "optim"
 
 
 def test_megatron_fsdp_flags_reach_megatron_cores_config():
@@ -244,12 +235,15 @@ def _projection(run: _Run) -> dict:
 
 def worker(out: str, families: list[str], strategies: list[str], resumed: str | None) -> None:
     """At DP 2: each family under DDP and each strategy, then RESUMED's saves, loads and continuous runs (in `out`);
-    at DP 1 (`resumed`, the DP 2 job's `out`): the load of its save under optim."""
+    at DP 1 (`resumed`, the DP 2 job's `out`): the load of its save under optim, and anGPT under DDP and each
+    strategy."""
     distributed.initialize()  # joins the torchrun job
     distributed.destroy_model_parallel()
     if resumed:
         result = _resume(RESUMED[0], "optim", os.path.join(resumed, "checkpoints"), saving=False)
         torch.save(result, os.path.join(out, "resumed_dp1.pt"))
+        for strategy in (None, *STRATEGIES):
+            torch.save(_run("angpt", strategy), os.path.join(out, f"dp1_angpt_{strategy or 'ddp'}.pt"))
         dist.destroy_process_group()
         return
     for family in families:
@@ -308,6 +302,22 @@ def test_megatron_fsdp_trains_as_ddp(runs, family, strategy):
         for name in init:
             moved = (theirs[name] - init[name]).norm().clamp_min(1e-30)
             assert (ours[name] - theirs[name]).norm() / moved < 1e-3, f"step {step}: {name}"
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_megatron_fsdp_trains_as_ddp_at_one_data_parallel_rank(runs, strategy):
+    """At DP 1 Megatron-FSDP's buffers are not distributed, where megatron-core 0.16.1 added each reduced gradient
+    bucket into itself (angpt.megatron_compat.megatron_fsdp): anGPT's gradients, over the global batch's micro-batches
+    accumulated, as DDP's."""
+    ddp, fsdp = (torch.load(runs / f"dp1_angpt_{name}.pt") for name in ("ddp", strategy))
+    assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=1e-6)
+    assert fsdp["grad_norms"] == pytest.approx(ddp["grad_norms"], rel=1e-6)
+    for step, (theirs, ours) in enumerate(zip(ddp["grads"], fsdp["grads"])):
+        for name in theirs:
+            scale = theirs[name].abs().max().clamp_min(1e-30)
+            assert (ours[name] - theirs[name]).abs().max() <= 1e-5 * scale, f"step {step}: the gradient of {name}"
 
 
 @pytest.mark.long

@@ -97,7 +97,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
         parser.error("give one of --bf16 and --fp16")
     _validate_dependent_flags(parser, args)
     validate_fsdp2(parser, args)
-    validate_megatron_fsdp(parser, args, dp)
+    validate_megatron_fsdp(parser, args)
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         parser.error("--overlap-param-gather needs --use-distributed-optimizer")
     if args.overlap_param_gather_with_optimizer_step:  # Megatron-LM's checks
@@ -157,7 +157,7 @@ def validate_fsdp2(parser, args) -> None:
             parser.error(f"--use-torch-fsdp2 {why}")
 
 
-def validate_megatron_fsdp(parser, args, dp: int) -> None:
+def validate_megatron_fsdp(parser, args) -> None:
     """Megatron-LM's refusals of --use-megatron-fsdp, what megatron-core 0.16.1 gets wrong with it, and what angpt
     has not built with it yet."""
     if not args.use_megatron_fsdp:
@@ -176,9 +176,6 @@ def validate_megatron_fsdp(parser, args, dp: int) -> None:
          "with --data-parallel-sharding-strategy no_shard (Megatron-LM's default): megatron-core 0.16.1's grad norm "
          "is sqrt(DP) times the true one there (clipping too hard), and without --overlap-param-gather its first step "
          "fails (fetch_bucket of None); give optim or optim_grads"),
-        (dp == 1 and args.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params"),
-         f"with --data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} at data-parallel size 1: "
-         "megatron-core 0.16.1 adds each reduced gradient bucket into itself there (grad norm 2-3x DDP's); give optim"),
         (args.check_weight_hash_across_dp_replicas_interval,
          "with --check-weight-hash-across-dp-replicas-interval: not built yet (Megatron-LM refuses it with "
          "optim_grads_params, whose ranks hold different shards, no replicas)"),

@@ -26,6 +26,12 @@ workaround says what breaks without it. `install()` is called by angpt.training.
   `preprocess_state_dict_for_uneven_dtensor`, one collective per DTensor, pairs them wrongly: the first save hangs.
   `_every_parameters_state` gives each parameter Adam's initial state (zero moments, the step of the others) before
   the state dict is built, in the order of the parameter groups on every rank.
+- Sharded gradients at data-parallel size 1 (optim_grads, optim_grads_params; on every device; fixed upstream after
+  0.16.1): a buffer over one rank is not distributed, so the bucket that `_bucket_group_gradient_reduce`
+  reduce-scatters is its gradient buffer itself, and the reduced copy is then added into that buffer: every
+  gradient accumulated so far counted again at each micro-batch's reduction (the grad norm 2-3 times DDP's).
+  `_reduced_once` points that addition at a scratch tensor where the buffer is not distributed, as upstream skips it
+  there (the buffer holds the reduction already).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import utils
 from megatron.core.distributed import DistributedDataParallel, TorchFullyShardedDataParallel
-from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp
+from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp, param_and_grad_buffer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.transformer.module import Float16Module
 
@@ -131,6 +137,30 @@ def _every_parameters_state(self, is_loading: bool = False):
     return _sharded_param_state_fsdp_dtensor(self, is_loading=False)
 
 
+def _reduced_once(reduce):
+    """megatron-core's `GradReducePipeline._bucket_group_gradient_reduce`, whose reduced gradients are added into a
+    scratch tensor, not into the gradient buffer, where the buffer is the bucket reduced (not distributed)."""
+
+    @functools.wraps(reduce)
+    def _bucket_group_gradient_reduce(self, bucket_group, *args, **kwargs):
+        if self.buffer.ddp_config.data_parallel_sharding_strategy == "no_shard":
+            return reduce(self, bucket_group, *args, **kwargs)
+        whole = [buffer for buffer in map(self.get_fsdp_buffer, bucket_group) if not buffer.is_data_distributed]
+        scratches = [torch.empty_like(buffer.get_shard_from_local_buffer()) for buffer in whole]
+        for buffer, scratch in zip(whole, scratches):
+            buffer.get_shard_from_local_buffer = functools.partial(lambda scratch: scratch, scratch)
+        try:
+            return reduce(self, bucket_group, *args, **kwargs)
+        finally:
+            for buffer in whole:
+                del buffer.get_shard_from_local_buffer  # the class's method again
+            if torch.cuda.is_available() and self.rs_stream is not None:
+                for scratch in scratches:  # added into on the reduce-scatter stream: kept until that is done
+                    scratch.record_stream(self.rs_stream)
+
+    return _bucket_group_gradient_reduce
+
+
 def install() -> None:
     """Apply the workarounds once per process (the CPU ones only without CUDA)."""
     global _installed
@@ -139,6 +169,8 @@ def install() -> None:
     _installed = True
     DistributedOptimizer.sharded_param_state_fsdp_dtensor = _every_parameters_state
     megatron_fsdp.MegatronFSDP.forward = _forward_through_hooks
+    pipeline = param_and_grad_buffer.GradReducePipeline
+    pipeline._bucket_group_gradient_reduce = _reduced_once(pipeline._bucket_group_gradient_reduce)
     # Its classes (megatron-core's, when None is given) as a default: every module's `unwrap_model` is this function.
     utils.unwrap_model.__defaults__ = ((DistributedDataParallel, TorchFullyShardedDataParallel,
                                         adapter.FullyShardedDataParallel, megatron_fsdp.MegatronFSDP,
