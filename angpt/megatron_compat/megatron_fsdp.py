@@ -26,6 +26,10 @@ workaround says what breaks without it. `install()` is called by angpt.training.
   `preprocess_state_dict_for_uneven_dtensor`, one collective per DTensor, pairs them wrongly: the first save hangs.
   `_every_parameters_state` gives each parameter Adam's initial state (zero moments, the step of the others) before
   the state dict is built, in the order of the parameter groups on every rank.
+- Tensor parallelism without Transformer Engine (on every device): the adapter marks TP-duplicated weights with
+  `isinstance(module, (TELinear,))`, and `TELinear` is megatron-core's MagicMock where Transformer Engine is not
+  installed ("isinstance() arg 2 must be a type" while wrapping). Without it the adapter's `TELinear` is a class
+  of which no module is an instance, as none is a Transformer Engine layer.
 - Sharded gradients at data-parallel size 1 (optim_grads, optim_grads_params; on every device; fixed upstream after
   0.16.1): a buffer over one rank is not distributed, so the bucket that `_bucket_group_gradient_reduce`
   reduce-scatters is its gradient buffer itself, and the reduced copy is then added into that buffer: every
@@ -161,6 +165,10 @@ def _reduced_once(reduce):
     return _bucket_group_gradient_reduce
 
 
+class _NoTELinear:
+    """Transformer Engine's linear layer where it is not installed: no module is one."""
+
+
 def install() -> None:
     """Apply the workarounds once per process (the CPU ones only without CUDA)."""
     global _installed
@@ -169,6 +177,8 @@ def install() -> None:
     _installed = True
     DistributedOptimizer.sharded_param_state_fsdp_dtensor = _every_parameters_state
     megatron_fsdp.MegatronFSDP.forward = _forward_through_hooks
+    if not isinstance(adapter.TELinear, type):
+        adapter.TELinear = _NoTELinear
     pipeline = param_and_grad_buffer.GradReducePipeline
     pipeline._bucket_group_gradient_reduce = _reduced_once(pipeline._bucket_group_gradient_reduce)
     # Its classes (megatron-core's, when None is given) as a default: every module's `unwrap_model` is this function.

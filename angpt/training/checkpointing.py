@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+from collections import defaultdict
 from dataclasses import asdict
 from functools import partial
 from typing import Callable, Optional
@@ -37,8 +39,16 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.distributed import TorchFullyShardedDataParallel
 from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
+from megatron.core.transformer.fsdp_dtensor_checkpoint import (
+    flatten_state_dict,
+    handle_fp8_extra_state_case,
+    handle_swiglu_in_state_dict,
+)
+from megatron.core.utils import get_model_config
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.tensor import DTensor
 
 from angpt.config.saved import config_from_saved, model_refusal, optimizer_refusal, vocabulary_refusal
@@ -270,14 +280,37 @@ def _fsdp_dtensor_state(chunks, optimizer, is_loading: bool = False) -> dict:
                                                                        metadata=_fsdp_dtensor_metadata())}
 
 
+def _as_on_disk(chunks, state: dict, split_glu: bool) -> dict:
+    """`_fsdp_dtensor_state`'s `state` as Megatron-LM's preprocess_fsdp_dtensor_state_dict writes it (a new dict):
+    the layers' _extra_state dropped and, with gated linear units (`split_glu`, unless a checkpoint of angpt's from
+    before holds fc1 whole), fc1's weight and its Adam moments as their halves W and V (`linear_fc1.weight_w`, `_v`,
+    views of fc1's shards), which tensor parallelism splits each on its own: whole, fc1's DTensor over the TP group
+    would interleave them, [W_0; V_0; W_1; V_1], and load wrongly at another TP size."""
+    model, optimizer = dict(state["model"]), state["optimizer"]
+    handle_fp8_extra_state_case(model)
+    if split_glu and get_model_config(chunks[0]).gated_linear_unit:
+        # megatron-core finds the model's keys' parameters under the wrapper, the optimizer's (a "module." longer)
+        # under Megatron-FSDP's module inside it.
+        model, _ = handle_swiglu_in_state_dict(chunks[0], model, None)
+        _, optimizer = handle_swiglu_in_state_dict(chunks[0].module, {}, optimizer)
+    return {"model": model, "optimizer": optimizer}
+
+
+def _glu_split_on_disk(path: str) -> bool:
+    """Whether the fsdp_dtensor checkpoint `path` holds fc1 split as Megatron-LM's (see `_fsdp_dtensor_state`)."""
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return not any(key.endswith(".mlp.linear_fc1.weight") for key in keys)
+
+
 def _save_fsdp_dtensor(root: str, state: TrainState, chunks, optimizer, scheduler, args: dict, tokenizer,
                        keep_last, retain_interval, hooks: Hooks) -> None:
     """save_checkpoint in Megatron-FSDP's fsdp_dtensor format: the model's and optimizer's DTensors (Megatron-LM's
-    state dict, without its swiglu and experts conversions, which reshard over tensor parallelism, not built with it)
-    and each rank's RNG states by torch's distributed checkpoint; the rest in common.pt, as torch_dist keeps it."""
+    state dict, `_as_on_disk`; no experts here, so without its experts' conversion) and each rank's RNG states by
+    torch's distributed checkpoint; the rest in common.pt, as torch_dist keeps it."""
     iteration = state.iteration
     staging = checkpoint_dir(root, iteration) + INCOMPLETE
-    sharded = {**_fsdp_dtensor_state(chunks, optimizer), "rng_state": {str(dist.get_rank()): rng_state()}}
+    sharded = {**_as_on_disk(chunks, _fsdp_dtensor_state(chunks, optimizer), split_glu=True),
+               "rng_state": {str(dist.get_rank()): rng_state()}}
     common = {"opt_param_scheduler": scheduler.state_dict(), "train_state": asdict(state), "layout": layout(),
               "args": args, "checkpoint_version": 3.0}
     local = sum(value.to_local().numel() * value.element_size() for value in nested_values(sharded)
@@ -303,15 +336,16 @@ def _load_fsdp_dtensor(path: str, chunks, optimizer, scheduler, load_optimizer: 
     the saved shards into this run's DTensors in place (Megatron-LM's load, strict); the RNG states at the layout
     they were saved at only."""
     common = refusing_unsafe(lambda: TorchCommonLoadStrategy().load_common(path))
-    state = _fsdp_dtensor_state(chunks, optimizer, is_loading=True)
-    raw = {key: value.copy() for key, value in state.items()}  # preprocessing replaces the DTensors' entries
+    refusing_unsafe(lambda: checkpoint_unpickling.check_metadata(path))
+    raw = _fsdp_dtensor_state(chunks, optimizer, is_loading=True)
+    # Read into the DTensors in place (W's and V's land in fc1's); the uneven preprocessing replaces their entries.
+    state = {key: value.copy() for key, value in _as_on_disk(chunks, raw, _glu_split_on_disk(path)).items()}
     if not load_optimizer:
         del state["optimizer"]
     load_rng = load_rng and saved_layout(common) == layout()
     if load_rng:
         state["rng_state"] = {str(dist.get_rank()): rng_state()}
     preprocess_state_dict_for_uneven_dtensor(state)
-    refusing_unsafe(lambda: checkpoint_unpickling.check_metadata(path))
     refusing_unsafe(lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(path)))
     chunks[0].load_state_dict(raw["model"], strict=True)
     if load_optimizer:
@@ -372,13 +406,43 @@ def read_common_state(path: str) -> dict:
 def read_plain_tensors(path: str) -> dict:
     """Every tensor (and object) of the distributed checkpoint `path` whole, by its global name: the checkpoint
     as one process reads it, whatever layout saved it (the Hugging Face export). Read as data only, .metadata
-    checked first; refusals and other errors as `read_common_state`; Megatron-FSDP's fsdp_dtensor is refused."""
+    checked first; refusals and other errors as `read_common_state`; Megatron-FSDP's fsdp_dtensor's tensors alone."""
+    refusing_unsafe(lambda: checkpoint_unpickling.check_metadata(path))
     if os.path.isdir(path) and not dist_checkpointing.check_is_distributed_checkpoint(path) and \
             checkpoint_format(path) == "fsdp_dtensor":
-        raise CheckpointError(f"{path} is Megatron-FSDP's fsdp_dtensor checkpoint, whose tensors are not read whole "
-                              "yet: the Hugging Face export reads torch_dist checkpoints")
-    refusing_unsafe(lambda: checkpoint_unpickling.check_metadata(path))
+        return refusing_unsafe(lambda: _fsdp_dtensor_plain_tensors(path))
     return refusing_unsafe(lambda: dist_checkpointing.load_plain_tensors(path))
+
+
+def _fsdp_dtensor_plain_tensors(path: str) -> dict:
+    """read_plain_tensors of an fsdp_dtensor checkpoint, by torch's distributed checkpoint in this process alone: its
+    model's and optimizer's tensors whole (not the RNG states), the model's by torch_dist's names (`model.module.`
+    dropped, fc1's halves W and V, `_as_on_disk`, joined again as [W; V], the layers' weights stacked), the
+    optimizer's by their own."""
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    keys = {key for key, item in metadata.items() if isinstance(item, TensorStorageMetadata)}
+    loaded = {}  # filled by the planner, as torch's dcp_to_torch_save reads a checkpoint (dcp.load would not)
+    _load_state_dict(loaded, storage_reader=dcp.FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(keys=keys),
+                     no_dist=True)
+    flat, prefix, tensors, layers = flatten_state_dict(loaded), "model.module.", {}, defaultdict(dict)
+    for key, tensor in flat.items():
+        if key.startswith("optimizer."):
+            tensors[key] = tensor
+            continue
+        if key.endswith("linear_fc1.weight_v"):
+            continue
+        if key.endswith("linear_fc1.weight_w"):
+            key, tensor = key[:-len("_w")], torch.cat([tensor, flat[key[:-len("_w")] + "_v"]])
+        name = key[len(prefix):]
+        layer = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
+        if layer:
+            layers[f"decoder.layers.{layer.group(2)}"][int(layer.group(1))] = tensor
+        else:
+            tensors[name] = tensor
+    # torch_dist's layers: each weight of every layer stacked, layer by layer (megatron-core's sharded state dict).
+    for name, by_layer in layers.items():
+        tensors[name] = torch.stack([by_layer[i] for i in range(len(by_layer))])
+    return tensors
 
 
 def load_checkpoint(

@@ -173,7 +173,8 @@ class Trainer:
             self.profiler = StepProfiler(logging_section.profile_step_start, logging_section.profile_step_end,
                                          logging_section.use_pytorch_profiler, self.monitor.tensorboard_dir)
         if self.rank == 0:
-            parameters = sum(p.numel() for c in self.chunks for p in c.parameters())
+            # Megatron-FSDP's DTensors span the tensor-parallel group; the weights they stand for (orig_param) do not.
+            parameters = sum(getattr(p, "orig_param", p).numel() for c in self.chunks for p in c.parameters())
             logger.info("%s: %d layers, d=%d, vocabulary %d (padded %d), %d parameters on rank 0; world %d "
                         "(TP %d, PP %d, CP %d, DP %d); starting at iteration %d of %d",
                         model.model_family, model.num_layers, model.hidden_size, self.vocabulary.vocab_size,
