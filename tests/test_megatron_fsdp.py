@@ -53,7 +53,7 @@ SPLIT = {("angpt", "optim"): {1}, ("angpt", "optim_grads"): {1}, ("angpt", "opti
 BASE = ["--mock-data", "--vocab-size", "64", "--train-iters", "4", "--num-layers", "2", "--hidden-size", "32",
         "--num-attention-heads", "4", "--seq-length", "16"]
 FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads", "--use-distributed-optimizer",
-        "--ckpt-format", "fsdp_dtensor", "--no-gradient-reduce-div-fusion"]
+        "--ckpt-format", "fsdp_dtensor"]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -85,13 +85,11 @@ def test_megatron_fsdp_flags_reach_megatron_cores_config():
         config = ddp_config(parse_args([*BASE, *FSDP, "--data-parallel-sharding-strategy", strategy], world_size=2))
         assert (config.use_megatron_fsdp, config.use_custom_fsdp, config.data_parallel_sharding_strategy,
                 config.use_distributed_optimizer, config.gradient_reduce_div_fusion) == (True, True, strategy, True,
-                                                                                         False)
+                                                                                         True)
+    unfused = ddp_config(parse_args([*BASE, *FSDP, "--no-gradient-reduce-div-fusion"], world_size=2))
+    assert not unfused.gradient_reduce_div_fusion
     plain = ddp_config(parse_args(BASE, world_size=2))
     assert not plain.use_megatron_fsdp and plain.data_parallel_sharding_strategy == "no_shard"
-    if not torch.cuda.is_available():  # gloo has no PREMUL_SUM
-        fused = parse_args([*BASE, *FSDP[:-1]], world_size=2)
-        with pytest.raises(ValueError, match="needs --no-gradient-reduce-div-fusion"):
-            ddp_config(fused)
 
 
 def test_an_fsdp_dtensor_checkpoint_is_refused_in_one_line_under_another_ckpt_format(tmp_path):

@@ -233,8 +233,8 @@ class ParallelSection:
         "each layer's forward and backward); no_shard (Megatron-LM's default) is refused",
         choices=("no_shard", "optim", "optim_grads", "optim_grads_params"))
     gradient_reduce_div_fusion: bool = flag(True, "with --use-megatron-fsdp: divide the gradients by the "
-        "data-parallel size before their reduction, not in it (NCCL's PREMUL_SUM, which gloo lacks: needed without "
-        "CUDA)", option="--no-gradient-reduce-div-fusion")
+        "data-parallel size in their reduction (NCCL's PREMUL_SUM; without CUDA, gloo's sum of the premultiplied "
+        "gradients)", option="--no-gradient-reduce-div-fusion")
     overlap_grad_reduce: bool = flag(False, switch=True)
     overlap_param_gather: bool = flag(False, switch=True)
     overlap_param_gather_with_optimizer_step: bool = flag(False, "with --overlap-param-gather and the interleaved "

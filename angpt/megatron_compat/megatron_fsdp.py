@@ -36,6 +36,9 @@ workaround says what breaks without it. `install()` is called by angpt.training.
   gradient accumulated so far counted again at each micro-batch's reduction (the grad norm 2-3 times DDP's).
   `_reduced_once` points that addition at a scratch tensor where the buffer is not distributed, as upstream skips it
   there (the buffer holds the reduction already).
+- The fused gradient division (`--gradient-reduce-div-fusion`, Megatron-LM's default) reduces with NCCL's
+  PREMUL_SUM, which gloo lacks ("_make_nccl_premul_sum" fails at the first reduction). Without CUDA the gradients are
+  multiplied by the factor and summed, as megatron-core does without the fusion: the same products, the same sum.
 """
 
 from __future__ import annotations
@@ -165,6 +168,18 @@ def _reduced_once(reduce):
     return _bucket_group_gradient_reduce
 
 
+def _premultiplied(grad_data, scaling_factor, ddp_config):
+    """megatron-core's `gradient_reduce_preprocessing`, with the fused division's PREMUL_SUM done as its
+    multiplication and a SUM (gloo)."""
+    if scaling_factor is None or ddp_config.average_in_collective:
+        return _gradient_reduce_preprocessing(grad_data, scaling_factor, ddp_config)
+    grad_data.mul_(scaling_factor)
+    return dist.ReduceOp.SUM
+
+
+_gradient_reduce_preprocessing = param_and_grad_buffer.gradient_reduce_preprocessing
+
+
 class _NoTELinear:
     """Transformer Engine's linear layer where it is not installed: no module is one."""
 
@@ -193,3 +208,4 @@ def install() -> None:
     torch.cuda.Stream = _Stream
     torch.cuda.current_stream = lambda device=None: _Stream()
     torch.cuda.default_stream = lambda device=None: _Stream()
+    param_and_grad_buffer.gradient_reduce_preprocessing = _premultiplied

@@ -154,9 +154,6 @@ def ddp_config(config: RunConfig) -> DistributedDataParallelConfig:
     parallel = config.parallel
     if parallel.use_torch_fsdp2:
         return TorchFullyShardedDataParallelConfig(reshard_after_forward=parallel.torch_fsdp2_reshard_after_forward)
-    if parallel.use_megatron_fsdp and parallel.gradient_reduce_div_fusion and not torch.cuda.is_available():
-        raise ValueError("--use-megatron-fsdp without CUDA needs --no-gradient-reduce-div-fusion: the fused division "
-                         "reduces with NCCL's PREMUL_SUM, which gloo lacks")
     return DistributedDataParallelConfig(**{
         **by_name(config, DistributedDataParallelConfig),
         "use_custom_fsdp": parallel.use_megatron_fsdp,  # Megatron-LM sets its deprecated name with it
