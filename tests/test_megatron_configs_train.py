@@ -27,6 +27,7 @@ import torch
 from megatron.core.dist_checkpointing import load_plain_tensors
 
 from angpt.megatron_compat.checkpoint_unpickling import read_as_data
+from angpt.training import checkpointing
 
 from conftest import ROOT, load_benchmark, run_workers
 
@@ -113,6 +114,11 @@ CONFIGS = {
         ("gpt", "angpt"), {"--num-layers": 2}, "TP 2 x DP 2 (4)",
         "--use-torch-fsdp2 at TP 2: every weight, gradient and Adam state sharded by rows over the data-parallel "
         "ranks, bf16 with the 16-bit optimizer"),
+    # Megatron-FSDP (ZeRO-3): every weight, gradient and Adam state sharded over the data-parallel ranks.
+    "gpt3_mcore_te_tp2_zp_z3_resume_fsdp_dtensor": (
+        ("gpt", "angpt"), {"--num-layers": 2}, "TP 2 x DP 2 (4)",
+        "--use-megatron-fsdp, optim_grads_params at TP 2, bf16, per-token loss, deterministic mode; the fsdp_dtensor "
+        "format"),
     # Its own 6 layers: with the embedding and loss, 2 a rank, 1 a virtual stage; rank 0 starts with the embedding
     # alone, rank 3 ends with the loss alone.
     "gpt3_mcore_te_tp1_pp4_vp2_account_for_embedding_loss_in_pipeline_split": (
@@ -200,6 +206,8 @@ def logged(run_dir, after: int = 0) -> list[dict]:
 
 def checkpoint_tensors(run_dir, iteration: int) -> dict[str, torch.Tensor]:
     path = run_dir / f"iter_{iteration:07d}"
+    if checkpointing.checkpoint_format(str(path)) == "fsdp_dtensor":  # the model's and optimizer's, in one process
+        return checkpointing.read_plain_tensors(str(path))
     if not (path / "metadata.json").exists():  # Megatron-LM's torch format: each rank's files, but the RNG states
         # (the distributed optimizer's state in distrib_optim.pt: optimizer.* too)
         return {f"{key} ({file.relative_to(path)})": value for file in sorted(path.rglob("*.pt"))

@@ -346,8 +346,11 @@ def _load_fsdp_dtensor(path: str, chunks, optimizer, scheduler, load_optimizer: 
     if load_rng:
         state["rng_state"] = {str(dist.get_rank()): rng_state()}
     preprocess_state_dict_for_uneven_dtensor(state)
-    refusing_unsafe(lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(path)))
-    chunks[0].load_state_dict(raw["model"], strict=True)
+    refusing_unsafe(lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(path)))  # in place, every key
+    # The main weights read, into the model's weights: what Megatron-LM's load_state_dict after the read does, by its
+    # post-hook (the keys it loads are the ones just read; under bf16's Float16Module the adapter's miss a level,
+    # and Megatron-LM falls back to strict=False).
+    chunks[0].module.install_optimized_model_weights()
     if load_optimizer:
         optimizer.load_state_dict(raw["optimizer"])
         scheduler.load_state_dict(common["opt_param_scheduler"])
@@ -429,7 +432,7 @@ def _fsdp_dtensor_plain_tensors(path: str) -> dict:
         if key.startswith("optimizer."):
             tensors[key] = tensor
             continue
-        if key.endswith("linear_fc1.weight_v"):
+        if not key.startswith(prefix) or key.endswith("linear_fc1.weight_v"):  # rng_state.*: each rank's own
             continue
         if key.endswith("linear_fc1.weight_w"):
             key, tensor = key[:-len("_w")], torch.cat([tensor, flat[key[:-len("_w")] + "_v"]])
