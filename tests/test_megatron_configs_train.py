@@ -142,7 +142,7 @@ RESHARD_RELATIVE = {"lm_loss": 1e-4, "grad_norm": 1e-3, "params_norm": 1e-6}
 CASES = [(name, family) for name, (families, *_) in CONFIGS.items() for family in families]
 TRAINED = [*CASES, *((RESHARD, family) for family in RESHARD_FAMILIES)]
 
-# Over the suite's budget of 60 s: 52 runs of 2 or 4 iterations (17 configurations, each under one or both
+# Over the suite's budget of 60 s: 60 runs of 2 or 4 iterations (18 configurations, each under one or both
 # families, and their resumed runs), each building its model and saving or loading its checkpoints (megatron-core's
 # distributed ones, Megatron-LM's torch format for two): 77 s in one warm job of 4 ranks on a quiet 2-core machine
 # before the two torch-format configurations joined, 95 s with the corpus and the comparisons (113 s with them, on
