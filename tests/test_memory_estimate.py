@@ -19,16 +19,18 @@ from angpt.training.layout_search import (
     FSDP2,
     HBM_GBPS,
     MEASURED_MFU,
+    MEGATRON_FSDP,
     NETWORK_GBPS,
     NVLINK_GBPS,
     Estimate,
     _collective_seconds,
     candidate_layouts,
+    data_parallel_seconds,
     describe_ranking,
     describe_refusals,
-    fsdp2_refusal,
     recompute_flops_per_token,
     search,
+    sharding_refusal,
     step_seconds,
 )
 from angpt.training.memory_estimate import (
@@ -38,6 +40,7 @@ from angpt.training.memory_estimate import (
     bytes_per_parameter,
     in_flight,
     layers_activation_bytes,
+    megatron_fsdp_gathered,
     stage_memory,
 )
 
@@ -446,6 +449,78 @@ def test_the_estimate_of_each_sharding_is_the_memory_measured_on_its_ranks(data_
                                               rel=1e-3)
 
 
+@pytest.mark.parametrize("data_parallel", [2, 4])
+def test_megatron_fsdps_estimate_is_the_memory_measured_on_its_ranks(data_parallel):
+    """benchmarks/sixteen_bit_optimizer.py read Megatron-FSDP's buffers after a bf16 step of GPT+ (6.29M parameters, 4
+    layers, 2 x 4096 x 256 of them in the untied embedding and head): bf16 weights (2 bytes), fp32 gradients (4),
+    fp32 main weights and moments (12), of which optim shards 12, optim_grads 16, optim_grads_params all 18, which
+    also keeps every weight gathered between steps (fewer than its all-gather's 5e8 elements of prefetch): 2 more.
+    At the backward pass's end, optim_grads holds its fp32 gradients whole in one bucket (4 more), optim_grads_params
+    them too (its 1e9-element queue holds them all), and the weights outside the layers and one layer's (the rest
+    freed after their backward): the dry run's estimate of it within 10%, under it by no more than the buffers'
+    padding."""
+    with open(os.path.join(ROOT, "docs", "results", f"memory_dp{data_parallel}.json")) as file:
+        measured = json.load(file)
+    parameters, dp = measured["parameters"], data_parallel
+    outside = 2 * 4096 * 256
+    layer = (parameters - outside) / 4
+    between_steps = {"optim": 6 + 12 / dp, "optim_grads": 2 + 16 / dp, "optim_grads_params": 18 / dp + 2}
+    backward = {"optim": 6 + 12 / dp, "optim_grads": 2 + 16 / dp + 4,
+                "optim_grads_params": 18 / dp + 2 * (outside + layer) / parameters + 4}
+    for strategy in MEGATRON_FSDP:
+        row = measured["rows"][f"megatron-fsdp {strategy}"]
+        assert row["total"] * 2**20 / parameters == pytest.approx(between_steps[strategy], rel=5e-3)  # padding
+        assert row["estimate"] * 2**20 / parameters == pytest.approx(between_steps[strategy], rel=1e-6)
+        assert row["backward_peak"] * 2**20 / parameters == pytest.approx(backward[strategy], rel=5e-3)
+        assert 0.9 <= row["backward_peak_measured_over_estimate"] <= 1.01  # 1%: the buffers' padding
+    # The distributed optimizer's figures, measured beside them in the same run.
+    assert measured["rows"]["megatron-fsdp optim"]["total"] == pytest.approx(
+        measured["rows"]["distributed optimizer"]["total"], rel=1e-3)
+
+
+@pytest.mark.parametrize("bf16, weight", [(True, 2), (False, 4)])
+def test_megatron_fsdps_buffers_per_parameter(bf16, weight):
+    """megatron-core's Megatron-FSDP (param_and_grad_buffer.py): a weight buffer at the weights' dtype, an fp32 main
+    weight buffer even at fp32 (preserve_fp32_weights), an fp32 gradient buffer, and Adam's two fp32 moments; optim
+    distributes the main weights (and so the moments), optim_grads the gradients too, optim_grads_params the weights
+    too. Over one rank nothing is distributed."""
+    for dp in (1, 2, 8):
+        assert bytes_per_parameter(bf16, True, dp, megatron_fsdp="optim") == weight + 4 + (4 + 8) / dp
+        assert bytes_per_parameter(bf16, True, dp, megatron_fsdp="optim_grads") == weight + (4 + 4 + 8) / dp
+        assert bytes_per_parameter(bf16, True, dp, megatron_fsdp="optim_grads_params") == (weight + 16) / dp
+    # At fp32 optim keeps 4 bytes more than the distributed optimizer (its fp32 weights double as the main copy).
+    assert bytes_per_parameter(False, True, 4, megatron_fsdp="optim") - bytes_per_parameter(False, True, 4) == 1
+
+
+def test_megatron_fsdp_holds_whole_its_gathered_weights_and_queued_gradients_up_to_its_unit():
+    """A rank of 4e9 parameters in 40 layers and 4e8 outside them (an untied embedding and head of 50000 x 4000):
+    optim_grads_params gathers the 4e8, a layer (9e7) and 5e8 prefetched (half its 1e9-element unit): 9.9e8 weights;
+    as the backward pass starts they are held with the gradients of the 4e8 and one layer, as it ends the 4e8 and a
+    layer's weights with the 4e8's gradients, two layers' and the queue's 1e9 (fp32). optim_grads: every gradient,
+    fp32, in its one bucket; optim: nothing beyond its buffers. Over one rank nothing is gathered."""
+    starts = 9.9e8 * 2 + 4.9e8 * 4
+    ends = 4.9e8 * 2 + (4e8 + 1.8e8 + 1e9) * 4
+    assert ends > starts
+    assert megatron_fsdp_gathered("optim_grads_params", 4e9, 9e7, 4e8, 2) == pytest.approx((9.9e8, ends))
+    assert megatron_fsdp_gathered("optim_grads", 4e9, 9e7, 4e8, 2) == (0, 4 * 4e9)
+    assert megatron_fsdp_gathered("optim", 4e9, 9e7, 4e8, 2) == (0, 0)
+    # A small model: every weight gathered and every gradient queued, the ends' 2 + 4 bytes outweighing the starts'.
+    assert megatron_fsdp_gathered("optim_grads_params", 1e6, 2e5, 2e5, 2) == pytest.approx((1e6, 4e5 * 2 + 4e6))
+    # In the dry run: a stage of 4e9 over DP 4, its outside parameters the vocabulary's two matrices (50000 x 4000).
+    config = model_config("gptplus", num_layers=40, hidden_size=4000, num_attention_heads=40)
+
+    def model_bytes(strategy, dp=4, bf16=True):
+        return stage_memory(config, Layout(1, 1, 1, dp), {0: (4e9, 0)}, [40], 50000, 64, 1, 1, bf16=bf16,
+                            distributed_optimizer=True, megatron_fsdp=strategy)[0].model_bytes
+
+    assert model_bytes("optim_grads_params") == pytest.approx(4e9 * 18 / 4 + ends)
+    assert model_bytes("optim_grads_params", bf16=False) == pytest.approx(
+        4e9 * 20 / 4 + max(9.9e8 * 4 + 4.9e8 * 4, 4.9e8 * 4 + (4e8 + 1.8e8 + 1e9) * 4))
+    assert model_bytes("optim_grads") == pytest.approx(4e9 * (2 + 16 / 4) + 4e9 * 4)
+    assert model_bytes("optim") == pytest.approx(4e9 * (6 + 12 / 4))
+    assert model_bytes("optim_grads_params", dp=1) == model_bytes("optim_grads", dp=1) == pytest.approx(4e9 * 18)
+
+
 def test_the_ranking_lists_the_ten_fastest_that_fit_or_the_smallest_that_does_not():
     """12 layouts, the k-th taking 12 - k seconds and k GiB: with 20 GiB all fit, and the 10 fastest are listed,
     fastest first, under a header of the columns; with 0.5 GiB none fits, and the smallest (1 GiB) is named."""
@@ -647,6 +722,7 @@ def test_the_search_shards_with_fsdp2_where_only_it_fits_and_the_distributed_opt
     steps faster under the distributed optimizer: FSDP2 moves each micro-batch's weights three times over the
     network, which the little compute of 64 tokens does not hide, the distributed optimizer once a step."""
     estimates, refusals = searched(search_run())
+    estimates = [e for e in estimates if e.sharding in (FSDP2, DISTRIBUTED_OPTIMIZER)]  # Megatron-FSDP: below
     fsdp2 = [e for e in estimates if e.sharding == FSDP2]
     distributed = [e for e in estimates if e.sharding == DISTRIBUTED_OPTIMIZER]
     assert fsdp2 and len(distributed) == len(estimates) - len(fsdp2)
@@ -669,13 +745,23 @@ def test_the_search_shards_with_fsdp2_where_only_it_fits_and_the_distributed_opt
         {part: seconds for part, seconds in same[DISTRIBUTED_OPTIMIZER].seconds.items() if part != "data_parallel"}
 
 
-def test_the_search_weighs_fsdp2_only_without_pipeline_parallelism():
+def test_the_search_weighs_fsdp2_only_without_pipeline_parallelism_megatron_fsdp_without_pp_and_cp():
+    """As angpt.config.validation has it: FSDP2 refuses pipeline parallelism, Megatron-FSDP (each strategy alike)
+    pipeline and context parallelism (its refusal of PP given first where a layout has both)."""
     estimates, refusals = searched(search_run())
     assert {e.layout.pipeline_parallel for e in estimates} == {1, 2}
+    assert {e.layout.context_parallel for e in estimates} == {1, 2, 4, 8, 16, 32}
     assert {e.layout.pipeline_parallel for e in estimates if e.sharding == FSDP2} == {1}
-    assert refusals[1] is None
+    assert {(e.layout.pipeline_parallel, e.layout.context_parallel) for e in estimates
+            if e.sharding in MEGATRON_FSDP.values()} == {(1, 1)}
+    assert {e.sharding for e in estimates if e.layout == Layout(1, 1, 1, 64)} == {DISTRIBUTED_OPTIMIZER, FSDP2,
+                                                                                 *MEGATRON_FSDP.values()}
+    assert refusals[FSDP2][1, 1] is None and refusals[FSDP2][1, 2] is None
     assert describe_refusals(refusals) == [
-        "  FSDP2 not weighed with PP 2: --use-torch-fsdp2 with pipeline parallelism (Megatron-LM's check)"]
+        "  FSDP2 not weighed with PP 2: --use-torch-fsdp2 with pipeline parallelism (Megatron-LM's check)",
+        "  Megatron-FSDP not weighed with CP 2, 4, 8, 16, 32: --use-megatron-fsdp with context parallelism: not "
+        "built yet",
+        "  Megatron-FSDP not weighed with PP 2: --use-megatron-fsdp with pipeline parallelism: not built yet"]
 
 
 @pytest.mark.parametrize("family, sections, why", [
@@ -686,17 +772,72 @@ def test_the_search_weighs_fsdp2_only_without_pipeline_parallelism():
 ])
 def test_the_search_never_weighs_fsdp2_where_the_run_refuses_it(family, sections, why):
     estimates, refusals = searched(search_run(family, **sections))
-    assert estimates and all(e.sharding == DISTRIBUTED_OPTIMIZER for e in estimates)
-    assert set(refusals) == {1, 2} and why in refusals[1] and "pipeline parallelism" in refusals[2]
-    (line,) = describe_refusals(refusals)
+    assert estimates and all(e.sharding != FSDP2 for e in estimates)
+    assert {pp for pp, _ in refusals[FSDP2]} == {1, 2} and why in refusals[FSDP2][1, 1]
+    assert "pipeline parallelism" in refusals[FSDP2][2, 1]
+    (line,) = [line for line in describe_refusals(refusals) if line.startswith("  FSDP2")]
     assert line.startswith("  FSDP2 not weighed: --use-torch-fsdp2 ") and why in line
 
 
 def test_fsdp2_is_refused_in_the_parsers_words_and_only_where_the_parser_refuses_it():
     run = search_run()
-    assert fsdp2_refusal(run, 1) is None
-    assert fsdp2_refusal(run, 2) == "--use-torch-fsdp2 with pipeline parallelism (Megatron-LM's check)"
+    assert sharding_refusal(run, FSDP2, 1) is None
+    assert sharding_refusal(run, FSDP2, 2) == "--use-torch-fsdp2 with pipeline parallelism (Megatron-LM's check)"
     # The run's own sharding is what FSDP2 replaces: given the distributed optimizer, FSDP2 is still weighed.
-    assert fsdp2_refusal(search_run(parallel=dict(use_distributed_optimizer=True)), 1) is None
-    assert fsdp2_refusal(search_run("gptplus", precision=dict(bf16=False)), 1) is None  # fp32
-    assert fsdp2_refusal(search_run("gpt", model=dict(untie_embeddings_and_output_weights=True)), 1) is None
+    assert sharding_refusal(search_run(parallel=dict(use_distributed_optimizer=True)), FSDP2, 1) is None
+    assert sharding_refusal(search_run("gptplus", precision=dict(bf16=False)), FSDP2, 1) is None  # fp32
+    assert sharding_refusal(search_run("gpt", model=dict(untie_embeddings_and_output_weights=True)), FSDP2, 1) is None
+
+
+def test_megatron_fsdp_is_refused_in_the_parsers_words_and_only_where_the_parser_refuses_it():
+    """Megatron-FSDP takes the distributed optimizer and fsdp_dtensor checkpoints, and its own overlap in place of
+    the run's --overlap-grad-reduce and --overlap-param-gather (search_run gives both): weighed at PP 1 x CP 1,
+    whatever the run's own sharding or checkpoint format; the parser's refusals otherwise."""
+    for strategy in MEGATRON_FSDP.values():
+        assert sharding_refusal(search_run(), strategy, 1) is None
+        assert sharding_refusal(search_run(checkpoint=dict(ckpt_format="torch")), strategy, 1) is None
+        assert sharding_refusal(search_run(parallel=dict(use_torch_fsdp2=True)), strategy, 1) is None
+        assert sharding_refusal(search_run(), strategy, 2) == \
+            "--use-megatron-fsdp with pipeline parallelism: not built yet"
+        assert sharding_refusal(search_run(), strategy, 1, 2) == \
+            "--use-megatron-fsdp with context parallelism: not built yet"
+    estimates, refusals = searched(search_run(precision=dict(bf16=False, fp16=True)))
+    assert estimates and not any(e.sharding in MEGATRON_FSDP.values() for e in estimates)
+    assert [line for line in describe_refusals(refusals) if "Megatron-FSDP" in line] == [
+        "  Megatron-FSDP not weighed: --use-megatron-fsdp with --fp16: not built yet (fp32 and --bf16 are)"]
+
+
+def test_megatron_fsdps_collectives_by_strategy():
+    """Megatron-FSDP over DP 16 (two nodes: the network), 4 micro-batches a rank, 1e9 BF16 weights a rank with fp32
+    gradients: each all-gather moves 15/16 of 2e9 bytes, each reduce-scatter of 4e9, at 45 GB/s. optim: one of each
+    a step, waited for (its overlap is refused); optim_grads: a reduce-scatter a micro-batch, overlapped (Megatron-FSDP
+    turns it on), the all-gather after the step waited for; optim_grads_params: per micro-batch two all-gathers and a
+    reduce-scatter, overlapped."""
+    gather, reduce = 2e9 * 15 / 16 / 45e9, 4e9 * 15 / 16 / 45e9
+
+    def seconds(strategy, overlap=True):
+        return data_parallel_seconds(Layout(1, 1, 1, 16), 4, 1e9, overlap, overlap, 4, 2, False, True, strategy)
+
+    assert seconds("optim") == seconds("optim", overlap=False) == pytest.approx((reduce + gather, 0))
+    assert seconds("optim_grads") == pytest.approx((gather, 4 * reduce))
+    assert seconds("optim_grads_params") == pytest.approx((0, 4 * (2 * gather + reduce)))
+    assert seconds("optim_grads_params", overlap=False) == seconds("optim_grads_params")
+    config = model_config("gptplus", num_layers=4, hidden_size=128, num_attention_heads=4)
+    step = step_seconds(config, Layout(1, 1, 1, 16), 256, 64, 64, 1, 1e9, 1e12, False, False,
+                        megatron_fsdp="optim_grads")
+    assert step["data_parallel"] == pytest.approx(gather + 4 * reduce - step["compute"])
+    # Alone in its data-parallel group, a rank moves nothing.
+    assert data_parallel_seconds(Layout(8, 1, 1, 1), 4, 1e9, True, True, 4, 2, False, True,
+                                 "optim_grads_params") == (0, 0)
+
+
+def test_the_ranking_names_megatron_fsdps_flags():
+    estimates = [Estimate(Layout(1, 1, 1, 8), [StageMemory(0, 1, GIB, 0.0, 1)], dict(compute=1.0),
+                          MEGATRON_FSDP["optim_grads"])]
+    lines = describe_ranking(estimates, 2 * GIB)
+    assert lines[2].split()[11:13] == ["Megatron-FSDP", "optim_grads"]
+    assert lines[3] == ("  Megatron-FSDP optim_grads: --use-megatron-fsdp --data-parallel-sharding-strategy "
+                        "optim_grads --ckpt-format fsdp_dtensor, with --use-distributed-optimizer, without "
+                        "--overlap-grad-reduce and --overlap-param-gather")
+    # Only the strategies shown are named.
+    assert not any("optim_grads_params" in line for line in lines)

@@ -238,7 +238,8 @@ def alpha_range() -> str:
 
 # docs/scaling.md's example (docs/results/layout_example.json: what tools/layout_example.py's dry runs printed)
 
-RANKED = re.compile(r"^  (.+?) +(--\S+) +([\d.]+) +([\d.]+)  (\S+)$")  # a row of --suggest-layout's ranking
+# a row of --suggest-layout's ranking
+RANKED = re.compile(r"^  (.+?) +(--\S+|Megatron-FSDP \S+) +([\d.]+) +([\d.]+)  (\S+)$")
 OVERLAPPED = re.compile(r"overlapped data-parallel collectives: ([\d.]+) s beside ([\d.]+) s of compute")
 
 

@@ -153,7 +153,8 @@ def describe(run: RunConfig) -> str:
     gpu_bytes, gpu = gpu_memory(run)
     memory = stage_memory(config, layout, stages, layer_split, vocab_size, seq_length, training.micro_batch_size,
                           micro_batches, run.precision.bf16, parallel.use_distributed_optimizer,
-                          parallel.use_torch_fsdp2, parallel.torch_fsdp2_reshard_after_forward)
+                          parallel.use_torch_fsdp2, parallel.torch_fsdp2_reshard_after_forward,
+                          parallel.data_parallel_sharding_strategy if parallel.use_megatron_fsdp else None)
     lines += ["", *memory_report(memory, layout, run.precision, gpu_bytes - CUDA_CONTEXT_BYTES, gpu)]
     if run.dry_run.suggest_layout:
         lines += ["", f"layouts of {world_size} GPUs (--suggest-layout; the model of time: docs/scaling.md)",
@@ -207,7 +208,8 @@ def memory_report(memory: list, layout: Layout, precision: PrecisionSection, usa
 
 def suggest(model: torch.nn.Module, config, run: RunConfig, world_size: int, vocab_size: int,
             usable: float) -> list[str]:
-    """The layouts that fit, fastest first, and where FSDP2 was not weighed (angpt.training.layout_search)."""
+    """The layouts that fit, fastest first, and where FSDP2 or Megatron-FSDP was not weighed
+    (angpt.training.layout_search)."""
     elementwise = tuple(module for module in ("layernorm", "qk_norm", "residual_update")
                         if recompute_module_refusal(module, config.model_family) is None)
     recompute_choices = [(None, ()), ("selective", elementwise), ("selective", (*elementwise, "mlp")),

@@ -11,16 +11,23 @@ are in docs/scaling.md; in short, one step is
     + the data-parallel collectives over the data x context-parallel ranks: the distributed optimizer's gradient
       reduce-scatter and weight all-gather once a step; FSDP2's (--use-torch-fsdp2) all-gather of each layer's
       weights in every micro-batch's forward pass, again in its backward pass when it reshards after the forward
-      (Megatron-LM's default), and the reduce-scatter of its gradients, at the dtype of the weights
+      (Megatron-LM's default), and the reduce-scatter of its gradients, at the dtype of the weights;
+      Megatron-FSDP's (--use-megatron-fsdp, megatron-core 0.16.1's megatron_fsdp.py): optim reduce-scatters the
+      gradients (at their reduction dtype) at the last micro-batch and all-gathers the updated weights after the
+      step, as the distributed optimizer; optim_grads reduce-scatters them in every micro-batch, overlapped (it
+      turns --overlap-grad-reduce on itself), and all-gathers the weights after the step; optim_grads_params
+      gathers each layer's weights in every micro-batch's forward and again in its backward pass and
+      reduce-scatters its gradients, all overlapped
 
 each collective moving (n - 1) / n of its bytes per rank (twice that for an all-reduce) at NVLink's
 bandwidth when its group fits in one node of GPUS_PER_NODE, at the network's otherwise. An overlapped
 collective (the distributed optimizer's with --overlap-grad-reduce, --overlap-param-gather; FSDP2's always,
-on its own streams) runs beside the step's compute: only what exceeds the compute counts. Nothing else
-overlaps (pessimistic where megatron-core overlaps a collective with compute).
+on its own streams; Megatron-FSDP's as above) runs beside the step's compute: only what exceeds the compute
+counts. Nothing else overlaps (pessimistic where megatron-core overlaps a collective with compute).
 
-The search weighs each layout under the distributed optimizer and, where the run can take it (fsdp2_refusal),
-under FSDP2; plain DDP is not weighed: it keeps more than the distributed optimizer and moves as many bytes.
+The search weighs each layout under the distributed optimizer and, where the run can take them (sharding_refusal:
+the parser's checks), under FSDP2 and Megatron-FSDP's three strategies; plain DDP is not weighed: it keeps more
+than the distributed optimizer and moves as many bytes.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from angpt.config.sections import RunConfig
-from angpt.config.validation import validate_fsdp2
+from angpt.config.validation import validate_fsdp2, validate_megatron_fsdp
 from angpt.models.activation_memory import layer_bytes
 from angpt.models.config import AnGPTConfig
 from angpt.telemetry.performance import model_flops_per_token
@@ -45,9 +52,20 @@ HBM_GBPS = 3350.0  # H100 SXM's HBM3 (the H200's HBM3e: 4800)
 # BF16 MFU of each family, measured on one H200 at 1B parameters, 2048 tokens of context, micro-batch 8
 # (docs/results/gpu/throughput.json, 2026-11-30). GPT, not measured, takes GPT+'s: the same megatron-core layers.
 MEASURED_MFU = {"gptplus": 0.453, "angpt": 0.428, "ngpt": 0.418, "gpt": 0.453}
-# The data-parallel shardings the search weighs, by the flag that chooses each.
+# The data-parallel shardings the search weighs, by the flag that chooses each (Megatron-FSDP's: MEGATRON_FSDP_FLAGS).
 DISTRIBUTED_OPTIMIZER = "--use-distributed-optimizer"
 FSDP2 = "--use-torch-fsdp2"
+MEGATRON_FSDP = {strategy: f"Megatron-FSDP {strategy}" for strategy in ("optim", "optim_grads", "optim_grads_params")}
+MEGATRON_FSDP_FLAGS = "--use-megatron-fsdp --data-parallel-sharding-strategy {} --ckpt-format fsdp_dtensor"
+# What each sharding changes of the run's flags: Megatron-FSDP's overlap is its own (the run's flags are refused).
+SHARDING_FLAGS = {
+    DISTRIBUTED_OPTIMIZER: {},
+    FSDP2: dict(use_torch_fsdp2=True, use_distributed_optimizer=False, use_megatron_fsdp=False),
+    **{name: dict(use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy, use_distributed_optimizer=True,
+                  use_torch_fsdp2=False, ckpt_format="fsdp_dtensor", overlap_grad_reduce=False,
+                  overlap_param_gather=False)
+       for strategy, name in MEGATRON_FSDP.items()},
+}
 
 
 @dataclass
@@ -90,15 +108,22 @@ def _collective_seconds(bytes_moved: float, group: int, within_node: bool) -> fl
 
 def data_parallel_seconds(layout: Layout, micro_batches: int, parameters_per_rank: float, overlap_grad_reduce: bool,
                           overlap_param_gather: bool, grad_reduce_bytes: int, weight_bytes: int, fsdp2: bool,
-                          reshard_after_forward: bool) -> tuple[float, float]:
+                          reshard_after_forward: bool, megatron_fsdp: str | None = None) -> tuple[float, float]:
     """The seconds of a step's data-parallel collectives (module docstring): (those the step waits for, those
-    overlapped with its compute). `parameters_per_rank`: a rank's weights before data-parallel sharding."""
+    overlapped with its compute). `parameters_per_rank`: a rank's weights before data-parallel sharding;
+    `megatron_fsdp`: Megatron-FSDP's strategy, where it shards."""
     shards = layout.data_parallel * layout.context_parallel
     within = layout.tensor_parallel * layout.pipeline_parallel * shards <= GPUS_PER_NODE
     gather = _collective_seconds(parameters_per_rank * weight_bytes, shards, within)
     if fsdp2:  # per micro-batch: gathered forward (and backward when resharded), gradients reduce-scattered
         return 0.0, micro_batches * (2 + reshard_after_forward) * gather
     reduce = _collective_seconds(parameters_per_rank * grad_reduce_bytes, shards, within)
+    if megatron_fsdp == "optim_grads_params":
+        return 0.0, micro_batches * (2 * gather + reduce)
+    if megatron_fsdp == "optim_grads":
+        return gather, micro_batches * reduce
+    if megatron_fsdp == "optim":  # the run's overlap flags are refused with it
+        return reduce + gather, 0.0
     return ((not overlap_grad_reduce) * reduce + (not overlap_param_gather) * gather,
             overlap_grad_reduce * reduce + overlap_param_gather * gather)
 
@@ -106,7 +131,7 @@ def data_parallel_seconds(layout: Layout, micro_batches: int, parameters_per_ran
 def step_seconds(config: AnGPTConfig, layout: Layout, vocab_size: int, seq_length: int, global_batch: int,
                  micro_batch: int, parameters_per_rank: float, peak_flops: float, overlap_grad_reduce: bool,
                  overlap_param_gather: bool, grad_reduce_bytes: int = 4, weight_bytes: int = 2, fsdp2: bool = False,
-                 reshard_after_forward: bool = True) -> dict[str, float]:
+                 reshard_after_forward: bool = True, megatron_fsdp: str | None = None) -> dict[str, float]:
     """The parts of one step's time on one GPU (module docstring). `parameters_per_rank`: a rank's weights before
     data-parallel sharding, of `weight_bytes` each."""
     tp, pp, cp, dp = (layout.tensor_parallel, layout.pipeline_parallel, layout.context_parallel,
@@ -142,7 +167,7 @@ def step_seconds(config: AnGPTConfig, layout: Layout, vocab_size: int, seq_lengt
                                                * 1e9)
     waited, overlapped = data_parallel_seconds(layout, micro_batches, parameters_per_rank, overlap_grad_reduce,
                                                overlap_param_gather, grad_reduce_bytes, weight_bytes, fsdp2,
-                                               reshard_after_forward)
+                                               reshard_after_forward, megatron_fsdp)
     data = waited + max(0.0, overlapped - compute)  # the compute hides an overlapped collective up to its own time
     return dict(compute=compute, bubble=compute * (pp - 1) / (micro_batches * (layout.virtual_stages or 1)),
                 tensor_parallel=tensor, context_parallel=context, pipeline=pipeline, data_parallel=data)
@@ -186,13 +211,16 @@ class _Refusing:
         raise _Refused(message)
 
 
-def fsdp2_refusal(run: RunConfig, pipeline_parallel: int) -> str | None:
-    """Why `run` at `pipeline_parallel` stages, sharded by FSDP2 in place of its own choice, would be refused, in
-    the parser's words (angpt.config.validation: Megatron-LM's refusals and what angpt has not built), or None."""
-    flags = {**run.flags(), "use_torch_fsdp2": True, "use_distributed_optimizer": False,
-             "pipeline_model_parallel_size": pipeline_parallel}
+def sharding_refusal(run: RunConfig, sharding: str, pipeline_parallel: int, context_parallel: int = 1) -> str | None:
+    """Why `run` at `pipeline_parallel` stages and `context_parallel` ranks, sharded by `sharding` in place of its own
+    choice (SHARDING_FLAGS), would be refused, in the parser's words (angpt.config.validation: Megatron-LM's refusals
+    and what angpt has not built), or None."""
+    flags = argparse.Namespace(**{**run.flags(), **SHARDING_FLAGS[sharding],
+                                  "pipeline_model_parallel_size": pipeline_parallel,
+                                  "context_parallel_size": context_parallel})
     try:
-        validate_fsdp2(_Refusing, argparse.Namespace(**flags))
+        validate_fsdp2(_Refusing, flags)
+        validate_megatron_fsdp(_Refusing, flags)
     except _Refused as refusal:
         return str(refusal)
     return None
@@ -200,27 +228,36 @@ def fsdp2_refusal(run: RunConfig, pipeline_parallel: int) -> str | None:
 
 def search(config: AnGPTConfig, run: RunConfig, world_size: int, vocab_size: int, peak_flops: float,
            parameters_by_stage: Callable[[list[int]], dict], recompute_choices: list[tuple]
-           ) -> tuple[list[Estimate], dict[int, str | None]]:
-    """Every candidate layout's memory and step time under the distributed optimizer and, where `run` can take it,
-    FSDP2; and {pipeline stages: why FSDP2 is refused there, or None}. `parameters_by_stage(layer_split)`:
-    {stage: (tensor-parallel, replicated)} parameter counts (angpt.training.dry_run.parameters_by_stage)."""
+           ) -> tuple[list[Estimate], dict[str, dict[tuple[int, int], str | None]]]:
+    """Every candidate layout's memory and step time under the distributed optimizer and, where `run` can take them,
+    FSDP2 and Megatron-FSDP's strategies; and {sharding: {(pipeline stages, context-parallel ranks): why it is
+    refused there, or None}}. `parameters_by_stage(layer_split)`: {stage: (tensor-parallel, replicated)} parameter
+    counts (angpt.training.dry_run.parameters_by_stage)."""
     training, parallel, precision, seq_length = run.training, run.parallel, run.precision, run.model.seq_length
     reshard = parallel.torch_fsdp2_reshard_after_forward
-    estimates, stages, refusals = [], {}, {}
+    strategies = {name: strategy for strategy, name in MEGATRON_FSDP.items()}
+    estimates, stages = [], {}
+    refusals = {sharding: {} for sharding in SHARDING_FLAGS if sharding != DISTRIBUTED_OPTIMIZER}
     for layout in candidate_layouts(config, world_size, seq_length, training.global_batch_size,
                                     training.micro_batch_size, recompute_choices):
-        pp = layout.pipeline_parallel
+        pp, cp = layout.pipeline_parallel, layout.context_parallel
         split = [config.num_layers // pp] * pp
         if pp not in stages:
-            stages[pp], refusals[pp] = parameters_by_stage(split), fsdp2_refusal(run, pp)
+            stages[pp] = parameters_by_stage(split)
+        for sharding, refused in refusals.items():
+            if (pp, cp) not in refused:
+                refused[pp, cp] = sharding_refusal(run, sharding, pp, cp)
         micro_batches = training.global_batch_size // (training.micro_batch_size * layout.data_parallel)
-        for sharding in (DISTRIBUTED_OPTIMIZER, FSDP2) if refusals[pp] is None else (DISTRIBUTED_OPTIMIZER,):
-            fsdp2 = sharding == FSDP2
+        for sharding in SHARDING_FLAGS:
+            if sharding != DISTRIBUTED_OPTIMIZER and refusals[sharding][pp, cp] is not None:
+                continue
+            fsdp2, megatron_fsdp = sharding == FSDP2, strategies.get(sharding)
             memory = stage_memory(config, layout, stages[pp], split, vocab_size, seq_length, training.micro_batch_size,
-                                  micro_batches, precision.bf16, not fsdp2, fsdp2, reshard)
+                                  micro_batches, precision.bf16, sharding == DISTRIBUTED_OPTIMIZER, fsdp2, reshard,
+                                  megatron_fsdp)
             data_parallel = (parallel.overlap_grad_reduce, parallel.overlap_param_gather,
-                             2 if precision.grad_reduce_in_bf16 else 4, 2 if precision.bf16 or precision.fp16 else 4,
-                             fsdp2, reshard)
+                             2 if precision.grad_reduce_in_bf16 else 4,
+                             2 if precision.bf16 or precision.fp16 else 4, fsdp2, reshard, megatron_fsdp)
             parameters = max(m.parameters for m in memory)
             seconds = step_seconds(config, layout, vocab_size, seq_length, training.global_batch_size,
                                    training.micro_batch_size, parameters, peak_flops, *data_parallel)
@@ -229,13 +266,37 @@ def search(config: AnGPTConfig, run: RunConfig, world_size: int, vocab_size: int
     return estimates, refusals
 
 
-def describe_refusals(refusals: dict[int, str | None]) -> list[str]:
-    """The line saying where the search did not weigh FSDP2 and why (the first refusal, at the fewest stages)."""
-    refused = {pp: why for pp, why in refusals.items() if why}
-    if not refused:
-        return []
-    where = "" if len(refused) == len(refusals) else f" with PP {', '.join(map(str, sorted(refused)))}"
-    return [f"  FSDP2 not weighed{where}: {refused[min(refused)]}"]
+def _where(keys: list[tuple[int, int]]) -> str:
+    """The layouts of `keys` ((pipeline stages, context-parallel ranks)) in words."""
+    if all(pp > 1 for pp, _ in keys):
+        return " with PP " + ", ".join(map(str, sorted({pp for pp, _ in keys})))
+    if all(cp > 1 for _, cp in keys):
+        return " with CP " + ", ".join(map(str, sorted({cp for _, cp in keys})))
+    return " with " + ", ".join(f"PP {pp} x CP {cp}" for pp, cp in sorted(keys))
+
+
+def describe_refusals(refusals: dict[str, dict[tuple[int, int], str | None]]) -> list[str]:
+    """The lines saying where the search did not weigh a sharding and why: one per reason, or where it was weighed
+    nowhere the first refusal (at the fewest stages and context-parallel ranks); Megatron-FSDP's three strategies in
+    one where the parser refuses them alike."""
+    named = dict(refusals)
+    alike = [named.pop(name) for name in MEGATRON_FSDP.values() if name in named]
+    if alike and all(refused == alike[0] for refused in alike):
+        named["Megatron-FSDP"] = alike[0]
+    else:
+        named.update({name: refusals[name] for name in MEGATRON_FSDP.values() if name in refusals})
+    lines = []
+    for name, refused in named.items():
+        name = "FSDP2" if name == FSDP2 else name
+        if refused and all(refused.values()):
+            lines.append(f"  {name} not weighed: {refused[min(refused)]}")
+            continue
+        by_reason = {}
+        for key, why in sorted(refused.items()):
+            if why:
+                by_reason.setdefault(why, []).append(key)
+        lines += [f"  {name} not weighed{_where(keys)}: {why}" for why, keys in by_reason.items()]
+    return lines
 
 
 def describe_ranking(estimates: list[Estimate], usable: float, top: int = 10) -> list[str]:
@@ -247,11 +308,15 @@ def describe_ranking(estimates: list[Estimate], usable: float, top: int = 10) ->
         smallest = min(estimates, key=lambda e: e.peak_bytes)
         return [f"  none of {len(estimates)} layouts fits {usable / GIB:.1f} GiB; the smallest needs "
                 f"{smallest.peak_bytes / GIB:.1f} GiB ({smallest.layout.describe()}, {smallest.sharding})"]
-    lines.append(f"  {'layout':68} {'sharding':27} {'GiB':>6} {'step s':>8}  compute/bubble/TP/CP/PP/DP s")
+    lines.append(f"  {'layout':68} {'sharding':32} {'GiB':>6} {'step s':>8}  compute/bubble/TP/CP/PP/DP s")
     for estimate in fits[:top]:
         parts = "/".join(f"{seconds:.2f}" for seconds in estimate.seconds.values())
-        lines.append(f"  {estimate.layout.describe():68} {estimate.sharding:27} {estimate.peak_bytes / GIB:6.1f} "
+        lines.append(f"  {estimate.layout.describe():68} {estimate.sharding:32} {estimate.peak_bytes / GIB:6.1f} "
                      f"{estimate.step_seconds:8.2f}  {parts}")
+    for strategy, name in MEGATRON_FSDP.items():
+        if any(estimate.sharding == name for estimate in fits[:top]):
+            lines.append(f"  {name}: {MEGATRON_FSDP_FLAGS.format(strategy)}, with --use-distributed-optimizer, "
+                         "without --overlap-grad-reduce and --overlap-param-gather")
     if fits[0].overlapped:
         lines.append(f"  the first's overlapped data-parallel collectives: {fits[0].overlapped:.2f} s beside "
                      f"{fits[0].seconds['compute']:.2f} s of compute (its DP part: what exceeds the compute)")
