@@ -217,7 +217,15 @@ if [ $te -eq 0 ]; then
     fsdp2_shape=(--hidden-size 2048 --num-layers 8 --num-attention-heads 16 --seq-length 2048 --micro-batch-size 2)
     [ $gpu -eq 1 ] || fsdp2_shape=(--hidden-size 64 --num-layers 2 --seq-length 32 --vocab-size 256)
     stage fsdp2 90 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/sixteen_bit_optimizer.py \
-        --family angpt "${fsdp2_shape[@]}" --rounds 5 --output "$out/fsdp2.json"
+        --family angpt "${fsdp2_shape[@]}" --rounds 5 --variants "distributed optimizer" without fsdp2 \
+        --output "$out/fsdp2.json"
+    # Megatron-FSDP's three strategies (never run on a GPU before): step time and the device's peak against the
+    # distributed optimizer's, in a stage of their own so that a failure leaves FSDP2's rows. Over one rank nothing
+    # is sharded; their memory at DP 2 and 4 is measured on the CPU (docs/results/memory_dp*.json).
+    stage megatron-fsdp 90 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \
+        benchmarks/sixteen_bit_optimizer.py --family angpt "${fsdp2_shape[@]}" --rounds 5 \
+        --variants "megatron-fsdp optim" "megatron-fsdp optim_grads" "megatron-fsdp optim_grads_params" \
+        --output "$out/megatron-fsdp.json"
 fi
 large_variants=("${variants[@]}")
 [ ${#variants[@]} -le 4 ] || large_variants=("${variants[@]: -4}")
@@ -237,6 +245,8 @@ printf '%s\n' "${summary[@]}"
 [ -f "$out/tests.log" ] && echo "gpu tests: $(grep -E "passed|failed|error|skipped|no tests ran" "$out/tests.log" | tail -n 1)"
 [ -f "$out/race/race.md" ] && { echo; cat "$out/race/race.md"; }
 [ -f "$out/fsdp2.log" ] && { echo; echo "FSDP2 against the distributed optimizer"; grep -A6 "^per rank" "$out/fsdp2.log"; }
+[ -f "$out/megatron-fsdp.log" ] && { echo; echo "Megatron-FSDP against the distributed optimizer"; \
+    grep -A12 "^per rank" "$out/megatron-fsdp.log"; }
 [ -f "$out/fp8-training/fp8_training.md" ] && { echo; echo "BF16 against FP8 on data/shakespeare"; cat "$out/fp8-training/fp8_training.md"; }
 for name in recompute-$small recompute-norms-gptplus recompute-norms; do
     [ -f "$out/$name.md" ] && { echo; echo "activation recompute: $name"; cat "$out/$name.md"; }
