@@ -3,7 +3,8 @@ of each step, every gradient the optimizer steps with (after clipping, so the gr
 each step, for each sharding strategy angpt takes, and at bf16 each step's loss and grad norm; anGPT's rows within
 the unit ball and nGPT's unit vectors after each step and after a projection alone (docs/model.md); its fsdp_dtensor
 checkpoints resumed bit for bit and loaded at DP 1; at DP 1 anGPT under each strategy as DDP; the trainer's logged
-figures as DDP's.
+figures as DDP's; checkpoints read across formats, fsdp_dtensor under the distributed optimizer (or plain DDP's
+weights alone) and torch_dist under Megatron-FSDP, continuing as the saving run went on.
 
 The long tests launch this file as torchrun's two ranks (one job for everything) and compare what they saved.
 """
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallelConfig
 from safetensors.torch import load_file
-from test_trainer import records, train
+from test_trainer import copy_checkpoint, losses, records, train
 from torch.distributed.tensor import DTensor
 
 from angpt.config.arguments import parse_args
@@ -46,6 +47,10 @@ LR, STEPS = 1e-2, 3
 LAYERS = 3
 # Saved at DP 2 after STEPS steps and resumed: at DP 2 exactly, at DP 1 under optim (its DTensors resharded).
 RESUMED = ("angpt", "optim_grads_params")
+# Checkpoints read across formats (checkpointing.load_checkpoint): each family saved at DP 2 under Megatron-FSDP
+# (fsdp_dtensor) and under the distributed optimizer (torch_dist), each loaded under the other at DP 1, anGPT's
+# torch_dist checkpoint under every strategy, and at DP 2 under one.
+CROSSED = ["gpt", "angpt", "ngpt"]
 SPLIT = {("angpt", "optim"): {1}, ("angpt", "optim_grads"): {1}, ("angpt", "optim_grads_params"): {1},
          ("ngpt", "optim"): {0}, ("ngpt", "optim_grads"): {0}, ("ngpt", "optim_grads_params"): {1}}
 
@@ -92,14 +97,27 @@ def test_megatron_fsdp_flags_reach_megatron_cores_config():
     assert not plain.use_megatron_fsdp and plain.data_parallel_sharding_strategy == "no_shard"
 
 
-def test_an_fsdp_dtensor_checkpoint_is_refused_in_one_line_under_another_ckpt_format(tmp_path):
-    """Told by torch's .metadata (no metadata.json), as in Megatron-LM, before anything is read."""
+@pytest.mark.parametrize("found, ckpt_format, message", [
+    ("fsdp_dtensor", "torch", "is a distributed checkpoint (fsdp_dtensor) and this run has --ckpt-format torch: give "
+                              "--auto-detect-ckpt-format to load it (as Megatron-LM)"),
+    ("torch", "fsdp_dtensor", "is in Megatron-LM's torch format, which --use-megatron-fsdp does not read: continue it "
+                              "under --ckpt-format torch_dist for a step and load that checkpoint"),
+])
+def test_checkpoint_formats_read_across_only_where_built_else_refused_in_one_line(tmp_path, found, ckpt_format,
+                                                                                 message):
+    """Told by the files (torch's .metadata without metadata.json: fsdp_dtensor; mp_rank_*: Megatron-LM's torch
+    format), as in Megatron-LM, before anything is read. fsdp_dtensor and torch_dist read each other (the long tests
+    below); Megatron-LM's torch format is read at its layout only, by a run outside Megatron-FSDP."""
     path = tmp_path / "iter_0000002"
     path.mkdir()
     (path / checkpointing.DCP_METADATA).write_bytes(b"")
-    assert checkpointing.checkpoint_format(str(path)) == "fsdp_dtensor"
-    with pytest.raises(checkpointing.CheckpointError, match="load under --use-megatron-fsdp only"):
-        checkpointing.load_checkpoint(str(path), [], None, None, ckpt_format="torch_dist")
+    if found == "torch":
+        (path / checkpointing.DCP_METADATA).unlink()
+        (path / "mp_rank_00").mkdir()
+    assert checkpointing.checkpoint_format(str(path)) == found
+    with pytest.raises(checkpointing.CheckpointError) as error:
+        checkpointing.load_checkpoint(str(path), [], None, None, ckpt_format=ckpt_format)
+    assert str(error.value) == f"{path} {message}"
 
 
 def _full(tensor) -> torch.Tensor:
@@ -115,9 +133,12 @@ class _Run:
     """`family` at this job's data-parallel size under DDP (`strategy` None) or Megatron-FSDP, built as the trainer
     builds it (seeded alike), with what its steps are compared by."""
 
-    def __init__(self, family: str, strategy: str | None, bf16: bool = False, tp: int = 1):
+    def __init__(self, family: str, strategy: str | None, bf16: bool = False, tp: int = 1,
+                 distributed_optimizer: bool = False):
         # At bf16 DDP with the distributed optimizer (its fp32 main weights, as Megatron-FSDP's).
-        flags = dict(model_family=family, lr=LR, train_iters=2 * STEPS, bf16=bf16, use_distributed_optimizer=bf16)
+        distributed_optimizer = distributed_optimizer or bf16
+        flags = dict(model_family=family, lr=LR, train_iters=2 * STEPS, bf16=bf16,
+                     use_distributed_optimizer=distributed_optimizer)
         if strategy:
             flags.update(use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy,
                          use_distributed_optimizer=True, gradient_reduce_div_fusion=False, ckpt_format="fsdp_dtensor")
@@ -127,7 +148,7 @@ class _Run:
         model = small_config(family, num_layers=LAYERS, bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
                              tensor_model_parallel_size=tp)
         self.chunks = build_model_chunks(model, V, S, ddp_config(config) if strategy else DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=bf16))
+            grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer))
         self.optimizer, self.scheduler = build_optimizer(self.chunks, config)
         model = self.chunks[0].module.module if strategy else self.chunks[0].module
         # Megatron-FSDP's model and optimizer hold DTensors over the model's weights (orig_param).
@@ -136,8 +157,10 @@ class _Run:
         self.constrained = {name: weight.unit_norm_dim for name, weight in weights.items()
                             if hasattr(weight, "unit_norm_dim")}
         # The weights the optimizer steps: the model's under DDP, the main weights' shards under Megatron-FSDP (its
-        # model's own shards are left to its buffers between steps).
-        self.params = [param for group in self.optimizer.optimizer.param_groups for param in group["params"]]
+        # model's own shards are left to its buffers between steps); under DDP's distributed optimizer at fp32 the
+        # model's, which its shards are views of.
+        self.params = [param for group in self.optimizer.optimizer.param_groups for param in group["params"]] if (
+            strategy or not distributed_optimizer) else list(model.parameters())
         rank, size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
         self.mine = fixed_batches()[rank::size]
 
@@ -186,21 +209,25 @@ def _bf16_run(family: str, strategy: str | None) -> dict:
     return result
 
 
-def _resume(family: str, strategy: str, root: str, saving: bool, tp: int = 1) -> dict:
-    """STEPS steps, a save (`saving`, else a load of the save, in a fresh run), and STEPS more: the last steps' losses
-    and the weights after them; at tensor-parallel size `tp`."""
-    run = _Run(family, strategy, tp=tp)
+def _resume(family: str, strategy: str | None, root: str, saving: bool, tp: int = 1,
+            distributed_optimizer: bool = False, load_optimizer: bool = True) -> dict:
+    """STEPS steps, a save (`saving`, else a load of the save, in a fresh run), and STEPS more: the weights at the save
+    or load, the last steps' losses and the weights after them; at tensor-parallel size `tp`; under Megatron-FSDP
+    (`strategy`) in its fsdp_dtensor format, else DDP's torch_dist, whichever format the load finds."""
+    run = _Run(family, strategy, tp=tp, distributed_optimizer=distributed_optimizer)
+    ckpt_format = "fsdp_dtensor" if strategy else "torch_dist"
     if saving:
         os.makedirs(root, exist_ok=True)
         for _ in range(STEPS):
             run.step()
         checkpointing.save_checkpoint(root, checkpointing.TrainState(iteration=STEPS), run.chunks, run.optimizer,
-                                      run.scheduler, {}, ckpt_format="fsdp_dtensor")
+                                      run.scheduler, {}, ckpt_format=ckpt_format)
     else:
         checkpointing.load_checkpoint(checkpointing.checkpoint_dir(root, STEPS), run.chunks, run.optimizer,
-                                      run.scheduler, ckpt_format="fsdp_dtensor")
+                                      run.scheduler, ckpt_format=ckpt_format, load_optimizer=load_optimizer)
+    start = run.weights()
     losses = [run.step() for _ in range(STEPS)]
-    result = dict(losses=losses, weights=run.weights())
+    result = dict(start=start, losses=losses, weights=run.weights())
     distributed.destroy_model_parallel()
     return result
 
@@ -242,6 +269,16 @@ def worker(out: str, families: list[str], strategies: list[str], resumed: str | 
         torch.save(result, os.path.join(out, "resumed_dp1.pt"))
         for strategy in (None, *STRATEGIES):
             torch.save(_run("angpt", strategy), os.path.join(out, f"dp1_angpt_{strategy or 'ddp'}.pt"))
+        for family in CROSSED:  # the DP 2 job's checkpoints, read across formats
+            fsdp_dtensor, torch_dist = (os.path.join(resumed, f"{kind}_{family}") for kind in ("fsdp", "distopt"))
+            torch.save(_resume(family, None, fsdp_dtensor, saving=False, distributed_optimizer=True),
+                       os.path.join(out, f"crossed_{family}_fsdp_to_distopt_dp1.pt"))
+            for strategy in STRATEGIES if family == "angpt" else ["optim_grads_params"]:
+                torch.save(_resume(family, strategy, torch_dist, saving=False),
+                           os.path.join(out, f"crossed_{family}_distopt_to_{strategy}_dp1.pt"))
+        # Plain DDP takes the weights alone (Adam's state of the distributed optimizer is not its own).
+        torch.save(_resume("angpt", None, os.path.join(resumed, "fsdp_angpt"), saving=False, load_optimizer=False),
+                   os.path.join(out, "crossed_angpt_fsdp_to_ddp_dp1.pt"))
         dist.destroy_process_group()
         return
     for family in families:
@@ -265,6 +302,15 @@ def worker(out: str, families: list[str], strategies: list[str], resumed: str | 
         result = _resume(family, strategy, os.path.join(out, "checkpoints_tp2"), saving, tp)
         if dist.get_rank() == 0:
             torch.save(result, os.path.join(out, f"resharded_tp{tp}.pt"))
+    for family in CROSSED:  # saved for the DP 1 job; the distributed optimizer's loaded here too
+        for name, strategy in (("fsdp", "optim_grads"), ("distopt", None)):
+            result = _resume(family, strategy, os.path.join(out, f"{name}_{family}"), saving=True,
+                             distributed_optimizer=True)
+            if dist.get_rank() == 0:
+                torch.save(result, os.path.join(out, f"crossed_{family}_{name}_saved.pt"))
+        result = _resume(family, "optim", os.path.join(out, f"distopt_{family}"), saving=False)
+        if dist.get_rank() == 0:
+            torch.save(result, os.path.join(out, f"crossed_{family}_distopt_to_optim_dp2.pt"))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -401,6 +447,109 @@ def test_fsdp_dtensor_checkpoint_saved_at_tp2_continues_at_tp1(runs):
     saved, loaded = (torch.load(runs / f"resharded_tp{tp}.pt") for tp in (2, 1))
     assert [loss for loss, _ in loaded["losses"]] == pytest.approx([loss for loss, _ in saved["losses"]], rel=1e-5)
     assert [norm for _, norm in loaded["losses"]] == pytest.approx([norm for _, norm in saved["losses"]], rel=1e-4)
+
+
+def _continues(saved: dict, loaded: dict) -> None:
+    """`loaded` (`_resume`'s, after a load) continued `saved` (`_resume`'s, after the save) as if uninterrupted: the
+    weights read back bit for bit, and the next steps' losses within 1e-6 and grad norms within 1e-5 relative (fp32;
+    the micro-batches' gradients summed in another order and by other ranks: the bounds of the DP 1 resume above), the
+    weights through their updates as in test_megatron_fsdp_trains_as_ddp (Adam turns round-off in gpt's key biases,
+    whose true gradient is 0, into steps)."""
+    assert loaded["start"].keys() == saved["start"].keys()
+    for name, weight in saved["start"].items():
+        assert torch.equal(loaded["start"][name], weight), name
+    assert [loss for loss, _ in loaded["losses"]] == pytest.approx([loss for loss, _ in saved["losses"]], rel=1e-6)
+    assert [norm for _, norm in loaded["losses"]] == pytest.approx([norm for _, norm in saved["losses"]], rel=1e-5)
+    for name, weight in saved["weights"].items():
+        moved = (weight - saved["start"][name]).norm().clamp_min(1e-30)
+        assert (loaded["weights"][name] - weight).norm() / moved < 1e-3, name
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("family", CROSSED)
+def test_an_fsdp_dtensor_checkpoint_continues_under_the_distributed_optimizer_at_dp1(runs, family):
+    """Megatron-FSDP's checkpoint (optim_grads, DP 2) loaded by DDP with the distributed optimizer at DP 1, read
+    across formats: Megatron-FSDP's fp32 main weights as the weights (fc1's W and V joined into [W; V], the layers
+    stacked), Adam's moments and step, the scheduler; it continues as Megatron-FSDP went on after its save."""
+    _continues(*(torch.load(runs / f"crossed_{family}_{name}.pt") for name in ("fsdp_saved", "fsdp_to_distopt_dp1")))
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+def test_plain_ddp_takes_an_fsdp_dtensor_checkpoints_weights_alone(runs):
+    """Without the distributed optimizer (--no-load-optim: its Adam state is not plain DDP's, the rule for every
+    resume into the other optimizer kind), anGPT's weights as saved, bit for bit: the first step's loss, which they
+    alone give, as Megatron-FSDP's after its save (1e-6, the DP 1 resume's bound); Adam starts afresh, so the next
+    are not."""
+    saved, loaded = (torch.load(runs / f"crossed_angpt_{name}.pt") for name in ("fsdp_saved", "fsdp_to_ddp_dp1"))
+    for name, weight in saved["start"].items():
+        assert torch.equal(loaded["start"][name], weight), name
+    assert loaded["losses"][0][0] == pytest.approx(saved["losses"][0][0], rel=1e-6)
+    assert loaded["losses"][1][0] != pytest.approx(saved["losses"][1][0], rel=1e-6)
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("family, strategy, size", [
+    *(("angpt", strategy, 1) for strategy in STRATEGIES), ("gpt", "optim_grads_params", 1),
+    ("ngpt", "optim_grads_params", 1), *((family, "optim", 2) for family in CROSSED)])
+def test_a_torch_dist_checkpoint_continues_under_megatron_fsdp(runs, family, strategy, size):
+    """The distributed optimizer's torch_dist checkpoint (DP 2) loaded under Megatron-FSDP at DP `size`, read across
+    formats: the distributed optimizer's fp32 main weights into Megatron-FSDP's shards (fc1's rows [W; V] into W and
+    V), Adam's moments and step, the scheduler; it continues as the distributed optimizer went on after its save."""
+    _continues(*(torch.load(runs / f"crossed_{family}_{name}.pt")
+                 for name in ("distopt_saved", f"distopt_to_{strategy}_dp{size}")))
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+def _main_weights(run_dir, iteration: int) -> dict[str, torch.Tensor]:
+    """The fp32 main weights a checkpoint holds, by torch_dist's names: Megatron-FSDP's model weights (fsdp_dtensor),
+    the distributed optimizer's `param` state (torch_dist)."""
+    path = os.path.join(run_dir, f"iter_{iteration:07d}")
+    tensors, state = checkpointing.read_plain_tensors(path), "optimizer.state.param."
+    if checkpointing.checkpoint_format(path) == "fsdp_dtensor":
+        return {name: tensor for name, tensor in tensors.items() if not name.startswith("optimizer.")}
+    return {name[len(state):]: tensor for name, tensor in tensors.items() if name.startswith(state)}
+
+
+def test_the_trainer_reads_checkpoints_across_megatron_fsdp_and_the_distributed_optimizer_at_bf16(tmp_path,
+                                                                                                 single_process):
+    """angpt.pretrain, anGPT at --bf16 (bf16 weights, fp32 scales and main weights): Megatron-FSDP's checkpoint of
+    iteration 2 (optim_grads_params, DP 2) continued by the distributed optimizer at DP 1, and the distributed
+    optimizer's (DP 2) by Megatron-FSDP at DP 1, each saying so in its load's line. Iterations 3 and 4 log the
+    uninterrupted run's losses within 1e-5 relative: iteration 3's is the forward of the same bf16 weights (the
+    roundings of the same fp32 main weights) averaged in another order (1e-6); iteration 4's follows an update from
+    gradients summed in another order, whose 1e-6 can flip the bf16 rounding (2^-8) of a few weights. The fp32 main
+    weights saved at iteration 4 are the uninterrupted run's within 1e-6 relative (two Adam steps from gradients
+    equal to 1e-6; main weights taken from the bf16 weights would be 2^-9 off). Plain DDP is
+    refused the distributed optimizer's state in one line, and with --no-load-optim takes the weights: its first
+    loss, theirs alone, is the uninterrupted run's."""
+    common = ["--model-family", "angpt", "--lr-decay-iters", "4", "--bf16", "--train-iters", "4", "--save-interval",
+              "2"]
+    fsdp = [*FSDP, "--data-parallel-sharding-strategy", "optim_grads_params"]
+    sharded, distributed_optimizer = tmp_path / "fsdp", tmp_path / "distributed_optimizer"
+    train(*common, *fsdp, "--save", str(sharded))
+    train(*common, "--use-distributed-optimizer", "--save", str(distributed_optimizer))
+    for source, flags, found, run_format in ((sharded, ["--use-distributed-optimizer"], "fsdp_dtensor", "torch_dist"),
+                                             (distributed_optimizer, fsdp, "torch_dist", "fsdp_dtensor")):
+        continued = copy_checkpoint(source, 2, tmp_path / f"from_{found}")
+        output = train(*common, *flags, "--load", continued, "--save", continued, nproc=1)
+        assert output.count(f"(iteration 2), its {found} read across formats into this run's {run_format}") == 1
+        theirs, ours = _main_weights(source, 4), _main_weights(continued, 4)
+        assert ours.keys() == theirs.keys()
+        for name, weight in theirs.items():
+            assert (ours[name] - weight).norm() <= 1e-6 * weight.norm(), (found, name)
+        assert losses(continued).keys() == {3, 4}
+        for iteration, loss in losses(continued).items():
+            assert loss == pytest.approx(losses(source)[iteration], rel=1e-5), (found, iteration)
+    plain = copy_checkpoint(sharded, 2, tmp_path / "plain")
+    output = train(*common, "--load", plain, "--save", plain, nproc=1, expect=1)
+    assert output.count("was saved with the distributed optimizer and this run is without the distributed optimizer: "
+                        "its optimizer state does not convert") == 1
+    train(*common, "--load", plain, "--save", plain, "--no-load-optim", nproc=1)
+    assert losses(plain)[3] == pytest.approx(losses(sharded)[3], rel=1e-6)
 
 
 @pytest.mark.long

@@ -16,7 +16,7 @@ import logging
 import os
 import re
 from collections import defaultdict
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from functools import partial
 from typing import Callable, Optional
 
@@ -25,12 +25,20 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.core import CheckpointingException
-from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory, is_main_replica
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge, nested_values
+from megatron.core.dist_checkpointing.mapping import (
+    ShardedBase,
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+    apply_factory_merges,
+    is_main_replica,
+)
 from megatron.core.dist_checkpointing.serialization import (
     get_default_load_sharded_strategy,
     get_default_save_sharded_strategy,
 )
+from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
 from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy, TorchCommonSaveStrategy
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper,
@@ -39,6 +47,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.distributed import TorchFullyShardedDataParallel
 from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
+from megatron.core.transformer import TransformerLayer
 from megatron.core.transformer.fsdp_dtensor_checkpoint import (
     flatten_state_dict,
     handle_fp8_extra_state_case,
@@ -46,8 +55,15 @@ from megatron.core.transformer.fsdp_dtensor_checkpoint import (
 )
 from megatron.core.utils import get_model_config
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -330,23 +346,32 @@ def _save_fsdp_dtensor(root: str, state: TrainState, chunks, optimizer, schedule
     refusing_a_full_disk(write_and_commit, root, iteration, int(needed.item()))()
 
 
-def _load_fsdp_dtensor(path: str, chunks, optimizer, scheduler, load_optimizer: bool, load_rng: bool,
+def _load_fsdp_dtensor(path: str, found: str, chunks, optimizer, scheduler, load_optimizer: bool, load_rng: bool,
                        finetune: bool) -> TrainState:
-    """load_checkpoint of an fsdp_dtensor checkpoint, at any data-parallel size: torch's distributed checkpoint reads
-    the saved shards into this run's DTensors in place (Megatron-LM's load, strict); the RNG states at the layout
-    they were saved at only."""
+    """load_checkpoint under Megatron-FSDP, at any data-parallel size, of a checkpoint in the format `found`:
+    fsdp_dtensor's saved shards read by torch's distributed checkpoint into this run's DTensors in place (Megatron-LM's
+    load, strict), torch_dist's by `_read_torch_dist_as_fsdp_dtensor`; the RNG states at the layout they were saved
+    at only."""
     common = refusing_unsafe(lambda: TorchCommonLoadStrategy().load_common(path))
     refusing_unsafe(lambda: checkpoint_unpickling.check_metadata(path))
     raw = _fsdp_dtensor_state(chunks, optimizer, is_loading=True)
     # Read into the DTensors in place (W's and V's land in fc1's); the uneven preprocessing replaces their entries.
-    state = {key: value.copy() for key, value in _as_on_disk(chunks, raw, _glu_split_on_disk(path)).items()}
+    split_glu = found != "fsdp_dtensor" or _glu_split_on_disk(path)
+    state = {key: value.copy() for key, value in _as_on_disk(chunks, raw, split_glu).items()}
     if not load_optimizer:
         del state["optimizer"]
     load_rng = load_rng and saved_layout(common) == layout()
-    if load_rng:
-        state["rng_state"] = {str(dist.get_rank()): rng_state()}
-    preprocess_state_dict_for_uneven_dtensor(state)
-    refusing_unsafe(lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(path)))  # in place, every key
+    if found == "fsdp_dtensor":
+        if load_rng:
+            state["rng_state"] = {str(dist.get_rank()): rng_state()}
+        preprocess_state_dict_for_uneven_dtensor(state)
+        refusing_unsafe(lambda: dcp.load(state, storage_reader=dcp.FileSystemReader(path)))  # in place, every key
+        rng = state["rng_state"][str(dist.get_rank())] if load_rng else None
+    else:
+        preprocess_state_dict_for_uneven_dtensor(state)
+        step = max((group["step"] for group in _param_groups(common.get("optimizer"))), default=None)
+        refusing_unsafe(lambda: _read_torch_dist_as_fsdp_dtensor(path, chunks, state, load_optimizer, step))
+        rng = _torch_dist_rng_state(path) if load_rng else None
     # The main weights read, into the model's weights: what Megatron-LM's load_state_dict after the read does, by its
     # post-hook (the keys it loads are the ones just read; under bf16's Float16Module the adapter's miss a level,
     # and Megatron-LM falls back to strict=False).
@@ -354,12 +379,185 @@ def _load_fsdp_dtensor(path: str, chunks, optimizer, scheduler, load_optimizer: 
     if load_optimizer:
         optimizer.load_state_dict(raw["optimizer"])
         scheduler.load_state_dict(common["opt_param_scheduler"])
-    if load_rng:
-        set_rng_state(state["rng_state"][str(dist.get_rank())])
-    if dist.get_rank() == 0:
-        logger.info("loaded checkpoint %s (iteration %d)%s", path, iteration_of(path),
-                    " for fine-tuning" if finetune else "")
+    if rng is not None:
+        set_rng_state(rng)
+    _log_loaded(path, found, "fsdp_dtensor", finetune)
     return TrainState() if finetune else TrainState(**common["train_state"])
+
+
+def _log_loaded(path: str, found: str, run_format: str, finetune: bool) -> None:
+    """The one line (rank 0's) saying `path` was loaded, and read across formats where `found` is not `run_format`."""
+    if dist.get_rank() == 0:
+        across = f", its {found} read across formats into this run's {run_format}" if found != run_format else ""
+        logger.info("loaded checkpoint %s (iteration %d)%s%s", path, iteration_of(path), across,
+                    " for fine-tuning" if finetune else "")
+
+
+def _param_groups(state) -> list:
+    """Every parameter group in the optimizer's state dict `state` (a chained optimizer's too)."""
+    if not isinstance(state, dict):
+        return []
+    if isinstance(state.get("param_groups"), list):
+        return state["param_groups"]
+    return [group for value in state.values() for group in _param_groups(value)]
+
+
+def _renamed_in_layers(chunks) -> dict[str, str]:
+    """megatron-core's renaming of a layer's weights in its sharded state dict (`sharded_state_dict_keys_map`: a local
+    layer's norms under the names of Transformer Engine's fused ones, `input_layernorm.` as
+    `self_attention.linear_qkv.layer_norm_`), which fsdp_dtensor's keys, the modules' names, do not make."""
+    return next((module.submodules_config.sharded_state_dict_keys_map for module in chunks[0].modules()
+                 if isinstance(module, TransformerLayer)), {})
+
+
+def _stacked(name: str, renamed: dict[str, str]) -> tuple[str, tuple[int, ...]]:
+    """torch_dist's key of the model's weight `name` and its offsets on the axes megatron-core prepends: each weight
+    of every layer stacked, layer by layer (its offset the layer's number), under its name in the sharded state dict
+    (`renamed`: `_renamed_in_layers`)."""
+    layer = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
+    if not layer:
+        return name, ()
+    weight = next((key + layer.group(2)[len(module):] for module, key in renamed.items()
+                   if layer.group(2).startswith(module)), layer.group(2))
+    return f"decoder.layers.{weight}", (int(layer.group(1)),)
+
+
+def _unstacked(key: str, prepended: tuple[int, ...], renamed: dict[str, str]) -> str:
+    """The model's name of the weight at offsets `prepended` of torch_dist's `key` (`_stacked`'s inverse)."""
+    if not prepended:
+        return key
+    weight = key[len("decoder.layers."):]
+    weight = next((module + weight[len(stacked):] for module, stacked in renamed.items()
+                   if weight.startswith(stacked)), weight)
+    return f"decoder.layers.{prepended[0]}.{weight}"
+
+
+def _fsdp_dtensor_name(key: str) -> tuple[str, Optional[str]]:
+    """The model's name of the weight an fsdp_dtensor `key` (model.* or optimizer.state.*) holds, Megatron-FSDP's
+    wrappers' `module.` dropped, and the Adam state's name (None: the weight itself, Megatron-FSDP's main weight)."""
+    if key.startswith("model."):
+        return re.sub(r"^(module\.)+", "", key[len("model."):]), None
+    name, state = key[len("optimizer.state."):].rsplit(".", 1)
+    return re.sub(r"^(module\.)+", "", name), state
+
+
+class _RegionsPlanner(DefaultLoadPlanner):
+    """torch's load planner, reading into each tensor of the state dict its region of a tensor of the checkpoint
+    (`regions`: {name: (the checkpoint's key, the region's offsets)}), of the tensor's shape; several tensors may read
+    one of the checkpoint's. (torch's own reads a tensor of the checkpoint whole, or a DTensor's shard of it, into the
+    tensor of its name.)"""
+
+    def __init__(self, regions: dict):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.regions = regions
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for name, tensor in self.state_dict.items():
+            key, offsets = self.regions[name]
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=tensor.size())
+            items += [replace(item, dest_index=MetadataIndex(name)) for item in
+                      create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], [chunk])]
+        return LoadPlan(items)
+
+
+def _read_regions(path: str, reads: list) -> None:
+    """Read into each tensor of `reads` ((key, offsets, tensor, shape) each) its region at `offsets` of the tensor
+    `key` of the checkpoint `path` (both torch_dist and fsdp_dtensor are torch's distributed checkpoints), cast to its
+    dtype, in this process alone. A key that is not there, or of a tensor whose trailing dimensions are not `shape`,
+    is refused by a CheckpointError naming it, before anything is read."""
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    for key, _, _, shape in reads:
+        if not isinstance(saved.get(key), TensorStorageMetadata):
+            raise CheckpointError(f"{path} holds no tensor {key}, which this run loads")
+        if tuple(saved[key].size)[len(saved[key].size) - len(shape):] != tuple(shape):
+            raise CheckpointError(f"{path} holds {key} of shape {tuple(saved[key].size)}, which this run loads as "
+                                  f"{tuple(shape)}")
+    reads = [read for read in reads if read[2].numel()]  # Megatron-FSDP's empty shards
+    _load_state_dict({str(i): tensor for i, (_, _, tensor, _) in enumerate(reads)},
+                     storage_reader=dcp.FileSystemReader(path), no_dist=True,
+                     planner=_RegionsPlanner({str(i): (key, offsets) for i, (key, offsets, _, _) in enumerate(reads)}))
+
+
+def _read_torch_dist_as_fsdp_dtensor(path: str, chunks, state: dict, load_optimizer: bool, step) -> None:
+    """dcp.load of `state` (`_as_on_disk`'s, preprocessed for uneven DTensors) from the torch_dist checkpoint `path`,
+    in place: each DTensor's shard from the torch_dist tensor of its weight (`_stacked`; fc1's W and V the halves of
+    its rows, its bias's likewise) or Adam state, at the shard's offsets; Megatron-FSDP's main weights from the
+    distributed optimizer's fp32 ones (its `param` state) with `load_optimizer`, else from the model's weights, as
+    --no-load-optim refreshes them under torch_dist; Adam's `step`, the parameter groups' under torch_dist, for every
+    parameter."""
+    reads, renamed = [], _renamed_in_layers(chunks)
+    for key, value in flatten_state_dict(state).items():
+        if not key.startswith(("model.", "optimizer.state.")):  # param_to_group_meta: this run's groups
+            continue
+        name, kind = _fsdp_dtensor_name(key)
+        if kind == "step":
+            value.fill_(step)
+            continue
+        half = re.fullmatch(r"(.+\.linear_fc1\.(?:weight|bias))_([wv])", name)
+        stacked, prepended = _stacked(half.group(1) if half else name, renamed)
+        offsets, shape = list(value.__create_chunk_list__()[0].offsets), list(value.shape)
+        if half:
+            offsets[0] += shape[0] if half.group(2) == "v" else 0
+            shape[0] *= 2
+        prefix = f"optimizer.state.{kind}." if kind else "optimizer.state.param." if load_optimizer else ""
+        local = value.to_local().detach()
+        reads.append((prefix + stacked, (*prepended, *offsets), local.view(*[1] * len(prepended), *local.shape),
+                      shape))
+    _read_regions(path, reads)
+
+
+def _torch_dist_rng_state(path: str) -> dict:
+    """This rank's RNG states in the torch_dist checkpoint `path` (saved at this layout)."""
+    loaded = dist_checkpointing.load({"rng_state": _rng_sharded_object(None)}, path,
+                                     get_default_load_sharded_strategy(path))
+    return loaded["rng_state"][parallel_state.get_data_parallel_rank(with_context_parallel=True)]
+
+
+def _fsdp_dtensor_rng_state(path: str) -> dict:
+    """This rank's RNG states in the fsdp_dtensor checkpoint `path` (saved at this layout), collectively."""
+    state = {"rng_state": {str(dist.get_rank()): rng_state()}}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+    return state["rng_state"][str(dist.get_rank())]
+
+
+def _read_fsdp_dtensor_as_torch_dist(path: str, chunks, request: dict) -> dict:
+    """What megatron-core's load of the torch_dist sharded state dict `request` returns, read from the fsdp_dtensor
+    checkpoint `path`: each sharded tensor's region of the fsdp_dtensor tensor of its weight (a layer's own; fc1's W
+    or V for its rows of [W; V]) or Adam state, the distributed optimizer's fp32 main weights (`param`) from the
+    model's (Megatron-FSDP saves its main weights as the model's; a 16-bit weight is their rounding, as each step
+    makes it). What fsdp_dtensor has not stays this run's: the optimizer's parameter groups, given the saved Adam
+    step, and the layers' _extra_state, which Megatron-LM's fsdp_dtensor drops."""
+    sharded, nonpersistent, factories = load_preprocess(request)
+    saved = {_fsdp_dtensor_name(key): key for key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+             if key.startswith(("model.", "optimizer.state."))}
+    reads, renamed = [], _renamed_in_layers(chunks)
+    for tensor in nested_values(sharded):
+        if not isinstance(tensor, ShardedTensor):
+            continue
+        kind, key = tensor.key[len("optimizer.state."):].split(".", 1) if tensor.key.startswith(
+            "optimizer.state.") else (None, tensor.key)
+        prepended = tensor.prepend_axis_num
+        name = _unstacked(key, tensor.global_offset[:prepended], renamed)
+        offsets, shape = list(tensor.global_offset[prepended:]), list(tensor.global_shape[prepended:])
+        if (f"{name}_w", None) in saved:  # Megatron-LM's split of fc1 (`_as_on_disk`)
+            shape[0] //= 2
+            name, offsets[0] = (f"{name}_w", offsets[0]) if offsets[0] < shape[0] else (f"{name}_v",
+                                                                                          offsets[0] - shape[0])
+        kind = None if kind == "param" else kind
+        if (name, kind) not in saved:
+            raise CheckpointError(f"{path} holds no {name}{f' ({kind})' if kind else ''}, which this run loads")
+        reads.append((saved[name, kind], offsets, tensor.data, shape))
+    _read_regions(path, reads)
+    loaded = dict_list_map_inplace(lambda value: value.data if isinstance(value, ShardedBase) else value, sharded)
+    merge(loaded, nonpersistent)
+    groups = _param_groups(loaded.get("optimizer"))
+    if groups:
+        step = torch.zeros(())
+        _read_regions(path, [(next(key for (_, kind), key in saved.items() if kind == "step"), (), step, ())])
+        for group in groups:
+            group["step"] = step.item()
+    return apply_factory_merges(loaded, factories)
 
 
 def _after(first: Callable[[], None], function: Callable, *args, **kwargs):
@@ -427,19 +625,18 @@ def _fsdp_dtensor_plain_tensors(path: str) -> dict:
     loaded = {}  # filled by the planner, as torch's dcp_to_torch_save reads a checkpoint (dcp.load would not)
     _load_state_dict(loaded, storage_reader=dcp.FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(keys=keys),
                      no_dist=True)
-    flat, prefix, tensors, layers = flatten_state_dict(loaded), "model.module.", {}, defaultdict(dict)
+    flat, tensors, layers = flatten_state_dict(loaded), {}, defaultdict(dict)
     for key, tensor in flat.items():
         if key.startswith("optimizer."):
             tensors[key] = tensor
             continue
-        if not key.startswith(prefix) or key.endswith("linear_fc1.weight_v"):  # rng_state.*: each rank's own
+        if not key.startswith("model.") or key.endswith("linear_fc1.weight_v"):  # rng_state.*: each rank's own
             continue
         if key.endswith("linear_fc1.weight_w"):
             key, tensor = key[:-len("_w")], torch.cat([tensor, flat[key[:-len("_w")] + "_v"]])
-        name = key[len(prefix):]
-        layer = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
-        if layer:
-            layers[f"decoder.layers.{layer.group(2)}"][int(layer.group(1))] = tensor
+        name, prepended = _stacked(_fsdp_dtensor_name(key)[0], {})
+        if prepended:
+            layers[name][prepended[0]] = tensor
         else:
             tensors[name] = tensor
     # torch_dist's layers: each weight of every layer stacked, layer by layer (megatron-core's sharded state dict).
@@ -473,19 +670,19 @@ def load_checkpoint(
 
     The format is the one on disk (`checkpoint_format`), as Megatron-LM's load_checkpoint finds it with --ckpt-format
     torch_dist or --auto-detect-ckpt-format; with `ckpt_format` torch and not `auto_detect`, a distributed checkpoint
-    is refused (Megatron-LM's error)."""
+    is refused (Megatron-LM's error). A checkpoint of Megatron-FSDP (fsdp_dtensor) loads in a run without it, and a
+    torch_dist one under Megatron-FSDP, read across formats (Megatron-LM converts torch_dist to fsdp_dtensor offline,
+    with its checkpoint_inspector): weights, the distributed optimizer's state, scheduler and iteration."""
     found = checkpoint_format(path)
-    if (found == "fsdp_dtensor") != (ckpt_format == "fsdp_dtensor"):
-        raise CheckpointError(f"{path} is an {found} checkpoint and this run has --ckpt-format {ckpt_format}: "
-                              "Megatron-FSDP's fsdp_dtensor checkpoints load under --use-megatron-fsdp only, which "
-                              "loads no other format (as in Megatron-LM)")
+    if found == "torch" and ckpt_format == "fsdp_dtensor":
+        raise CheckpointError(f"{path} is in Megatron-LM's torch format, which --use-megatron-fsdp does not read: "
+                              "continue it under --ckpt-format torch_dist for a step and load that checkpoint")
     if found == "torch":
         return torch_checkpoint.load_checkpoint(path, chunks, optimizer, scheduler, config, load_optimizer, load_rng,
                                                 finetune, vocab_size)
     if ckpt_format == "torch" and not auto_detect:
-        raise CheckpointError(f"{path} is a distributed checkpoint (torch_dist) and this run has --ckpt-format torch: "
+        raise CheckpointError(f"{path} is a distributed checkpoint ({found}) and this run has --ckpt-format torch: "
                               "give --auto-detect-ckpt-format to load it (as Megatron-LM)")
-    iteration = iteration_of(path)
     verified = os.path.isfile(os.path.join(path, digests.DIGESTS))
 
     def read(function: Callable):
@@ -507,15 +704,14 @@ def load_checkpoint(
                                              config.parallel.use_distributed_optimizer)))
         if refusal:
             raise CheckpointError(refusal)
-    if found == "fsdp_dtensor":  # torch's checkpoint checks the embedding's shape
-        return _load_fsdp_dtensor(path, chunks, optimizer, scheduler, load_optimizer and not finetune,
-                                  load_rng and not finetune, finetune)
     if config is not None and vocab_size is not None:
-        metadata = read(lambda: dist_checkpointing.load_tensors_metadata(path))  # shapes only
-        embedding = metadata.get(torch_checkpoint.EMBEDDING)
-        refusal = embedding is not None and vocabulary_refusal(path, embedding.global_shape[0], config, vocab_size)
+        rows = read(lambda: _embedding_rows(path, found))
+        refusal = rows is not None and vocabulary_refusal(path, rows, config, vocab_size)
         if refusal:
             raise CheckpointError(refusal)
+    if ckpt_format == "fsdp_dtensor":
+        return _load_fsdp_dtensor(path, found, chunks, optimizer, scheduler, load_optimizer and not finetune,
+                                  load_rng and not finetune, finetune)
     if finetune:
         load_optimizer = load_rng = False
     same_layout = saved_layout(common) == layout()
@@ -529,9 +725,13 @@ def load_checkpoint(
     if load_optimizer:
         patches.prepare_optimizer_for_loading(optimizer)
         request["optimizer"] = optimizer.sharded_state_dict(model, is_loading=True, metadata=dict(OPTIMIZER_SHARDING))
-    if load_rng:
+    if load_rng and found == "torch_dist":
         request["rng_state"] = _rng_sharded_object(None)
     read(lambda: checkpoint_unpickling.check_metadata(path))
+    if found == "fsdp_dtensor":
+        loaded = {**common, **read(lambda: _read_fsdp_dtensor_as_torch_dist(path, chunks, request))}
+        return _load_model_and_optimizer(loaded, path, found, chunks, optimizer, scheduler, load_optimizer, finetune,
+                                         read(lambda: _fsdp_dtensor_rng_state(path)) if load_rng else None)
     strategy = get_default_load_sharded_strategy(path)
     if fully_parallel:
         strategy = FullyParallelLoadStrategyWrapper(
@@ -551,7 +751,27 @@ def load_checkpoint(
             logger.warning("--dist-ckpt-strictness %s: %s holds %d tensors this run does not load (%s) and lacks %d "
                            "it asks for (%s)", strictness, path, len(missing), ", ".join(sorted(missing)) or "none",
                            len(unexpected), ", ".join(sorted(unexpected)) or "none")
+    rng = loaded["rng_state"][parallel_state.get_data_parallel_rank(with_context_parallel=True)] if load_rng else None
+    return _load_model_and_optimizer(loaded, path, found, chunks, optimizer, scheduler, load_optimizer, finetune, rng)
 
+
+def _embedding_rows(path: str, found: str) -> Optional[int]:
+    """The rows of the embedding in the checkpoint `path` of the format `found` (torch_dist or fsdp_dtensor), read
+    from its metadata; None where it has none."""
+    if found == "fsdp_dtensor":
+        checkpoint_unpickling.check_metadata(path)  # before torch unpickles it
+        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        rows = [item.size[0] for key, item in saved.items()
+                if key.startswith("model.") and _fsdp_dtensor_name(key)[0] == torch_checkpoint.EMBEDDING]
+        return rows[0] if rows else None
+    embedding = dist_checkpointing.load_tensors_metadata(path).get(torch_checkpoint.EMBEDDING)  # shapes only
+    return None if embedding is None else embedding.global_shape[0]
+
+
+def _load_model_and_optimizer(loaded: dict, path: str, found: str, chunks, optimizer, scheduler, load_optimizer: bool,
+                              finetune: bool, rng: Optional[dict]) -> TrainState:
+    """load_checkpoint's end outside Megatron-FSDP: what megatron-core `loaded` into the model chunks (and optimizer,
+    scheduler, this rank's RNG states `rng`); the checkpoint's training state."""
     if len(chunks) == 1:
         _load_model_state(chunks[0].module, loaded["model"])
     else:
@@ -565,8 +785,7 @@ def load_checkpoint(
     else:
         # Mixed-precision optimizers keep fp32 copies of the weights: refresh them from the model.
         optimizer.reload_model_params()
-    if load_rng:
-        set_rng_state(loaded["rng_state"][parallel_state.get_data_parallel_rank(with_context_parallel=True)])
-    if dist.get_rank() == 0:
-        logger.info("loaded checkpoint %s (iteration %d)%s", path, iteration, " for fine-tuning" if finetune else "")
+    if rng is not None:
+        set_rng_state(rng)
+    _log_loaded(path, found, "torch_dist", finetune)
     return TrainState() if finetune else TrainState(**loaded["train_state"])
