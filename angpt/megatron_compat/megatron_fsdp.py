@@ -144,26 +144,34 @@ def _every_parameters_state(self, is_loading: bool = False):
     return _sharded_param_state_fsdp_dtensor(self, is_loading=False)
 
 
+class _Installed:
+    """A not-distributed gradient buffer's shard, into which `+=` installs the reduced shard (in the reduction's
+    stream, where megatron-core adds it)."""
+
+    def __init__(self, shard: torch.Tensor):
+        self.shard = shard
+
+    def __iadd__(self, reduced: torch.Tensor):
+        self.shard.copy_(reduced)
+        return self
+
+
 def _reduced_once(reduce):
-    """megatron-core's `GradReducePipeline._bucket_group_gradient_reduce`, whose reduced gradients are added into a
-    scratch tensor, not into the gradient buffer, where the buffer is the bucket reduced (not distributed)."""
+    """megatron-core's `GradReducePipeline._bucket_group_gradient_reduce`, whose reduced shard replaces the
+    gradient buffer's where the buffer is the bucket reduced (not distributed), rather than being added to it."""
 
     @functools.wraps(reduce)
     def _bucket_group_gradient_reduce(self, bucket_group, *args, **kwargs):
         if self.buffer.ddp_config.data_parallel_sharding_strategy == "no_shard":
             return reduce(self, bucket_group, *args, **kwargs)
         whole = [buffer for buffer in map(self.get_fsdp_buffer, bucket_group) if not buffer.is_data_distributed]
-        scratches = [torch.empty_like(buffer.get_shard_from_local_buffer()) for buffer in whole]
-        for buffer, scratch in zip(whole, scratches):
-            buffer.get_shard_from_local_buffer = functools.partial(lambda scratch: scratch, scratch)
+        for buffer in whole:
+            buffer.get_shard_from_local_buffer = functools.partial(_Installed, buffer.get_shard_from_local_buffer())
         try:
             return reduce(self, bucket_group, *args, **kwargs)
         finally:
             for buffer in whole:
                 del buffer.get_shard_from_local_buffer  # the class's method again
-            if torch.cuda.is_available() and self.rs_stream is not None:
-                for scratch in scratches:  # added into on the reduce-scatter stream: kept until that is done
-                    scratch.record_stream(self.rs_stream)
 
     return _bucket_group_gradient_reduce
 
