@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "distributed"))
 from common import MICRO_BATCH, S, V, fixed_batches, small_config  # noqa: E402
 
 FAMILIES = ["gpt", "gptplus", "angpt", "ngpt"]
-STRATEGIES = ["optim", "optim_grads", "optim_grads_params"]
+STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 LR, STEPS = 1e-2, 3
 # Three layers: with optim and optim_grads the shard boundary then falls inside layer 1's W_o (linear_proj), whose
 # vectors are its rows in anGPT (unit_norm_dim 1: 20 rows on rank 0, 28 on rank 1) and its columns in nGPT
@@ -61,7 +61,6 @@ FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads
     (["--ckpt-format", "fsdp_dtensor"], "--ckpt-format fsdp_dtensor needs --use-megatron-fsdp (Megatron-LM's check)"),
     (["--data-parallel-sharding-strategy", "optim"], "need --use-megatron-fsdp"),
     (["--no-gradient-reduce-div-fusion"], "need --use-megatron-fsdp"),
-    ([*FSDP, "--data-parallel-sharding-strategy", "no_shard"], "sqrt(DP) times the true one"),
     ([*FSDP, "--no-use-distributed-optimizer"], "needs --use-distributed-optimizer"),
     ([*FSDP, "--use-torch-fsdp2"], "--use-torch-fsdp2"),
     ([*FSDP, "--check-weight-hash-across-dp-replicas-interval", "1"], "no replicas)"),
@@ -104,12 +103,13 @@ def test_an_fsdp_dtensor_checkpoint_is_refused_in_one_line_under_another_ckpt_fo
 
 
 def _full(tensor) -> torch.Tensor:
-    """The whole tensor of a Megatron-FSDP shard (a collective: its rows, rank after rank), or the tensor."""
-    if isinstance(tensor, DTensor):
+    """The whole tensor of a Megatron-FSDP shard (a collective: its rows, rank after rank), or the tensor (no_shard's
+    replicated DTensors too)."""
+    if isinstance(tensor, DTensor) and not all(placement.is_replicate() for placement in tensor.placements):
         shards = [None] * dist.get_world_size()
         dist.all_gather_object(shards, tensor.to_local().detach().clone())
         return torch.cat(shards)
-    return tensor.detach().clone()
+    return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach().clone()
 
 
 class _Run:
@@ -222,7 +222,7 @@ def _projection(run: _Run) -> dict:
         for param in run.params:
             name = run.names[id(param.orig_param)]
             if name in perturbed:
-                shard = param.megatron_fsdp_slice
+                shard = getattr(param, "megatron_fsdp_slice", slice(0, param.numel()))  # no_shard: whole
                 param.to_local().view(-1).copy_(perturbed[name].view(-1)[shard])
                 shards[name] = (shard.start, shard.stop - shard.start)
     for group in run.optimizer.param_groups:
@@ -366,6 +366,9 @@ def test_megatron_fsdp_shards_are_bounded_as_the_spec(runs, family, strategy):
     w / max(1, ||w||) (anGPT) or w / ||w|| (nGPT), computed here, where a rank's shard holds part of a vector too."""
     fsdp = torch.load(runs / f"{family}_{strategy}.pt")
     _projected_as_the_spec(family, fsdp)
+    if strategy == "no_shard":  # every weight whole on both ranks
+        assert all(shards == [(0, fsdp["perturbed"][name].numel())] * 2 for name, shards in fsdp["shards"].items())
+        return
     # The unit_norm_dim of the weights held on both ranks (whole rows on each): 1, its rows on one rank each; 0, each
     # column split over the ranks.
     split = {fsdp["constrained"][name] for name, shards in fsdp["shards"].items() if all(size for _, size in shards)}

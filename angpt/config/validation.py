@@ -172,10 +172,6 @@ def validate_megatron_fsdp(parser, args) -> None:
         (args.ckpt_format != "fsdp_dtensor", "needs --ckpt-format fsdp_dtensor (Megatron-LM's check)"),
         (not args.use_distributed_optimizer, "needs --use-distributed-optimizer, which steps its shards (Megatron-LM's "
                                              "usage; megatron-core's plain optimizer is not built with it)"),
-        (args.data_parallel_sharding_strategy == "no_shard",
-         "with --data-parallel-sharding-strategy no_shard (Megatron-LM's default): megatron-core 0.16.1's grad norm "
-         "is sqrt(DP) times the true one there (clipping too hard), and without --overlap-param-gather its first step "
-         "fails (fetch_bucket of None); give optim or optim_grads"),
         (args.check_weight_hash_across_dp_replicas_interval,
          "with --check-weight-hash-across-dp-replicas-interval: not built yet (Megatron-LM refuses it with "
          "optim_grads_params, whose ranks hold different shards, no replicas)"),
