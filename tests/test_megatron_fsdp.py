@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "distributed"))
 from common import MICRO_BATCH, S, V, fixed_batches, small_config  # noqa: E402
 
 FAMILIES = ["gpt", "gptplus", "angpt", "ngpt"]
-STRATEGIES = ["optim", "optim_grads", "optim_grads_params"]
+STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 LR, STEPS = 1e-2, 3
 # Three layers: with optim and optim_grads the shard boundary then falls inside layer 1's W_o (linear_proj), whose
 # vectors are its rows in anGPT (unit_norm_dim 1: 20 rows on rank 0, 28 on rank 1) and its columns in nGPT
@@ -66,14 +66,10 @@ FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads
     (["--ckpt-format", "fsdp_dtensor"], "--ckpt-format fsdp_dtensor needs --use-megatron-fsdp (Megatron-LM's check)"),
     (["--data-parallel-sharding-strategy", "optim"], "need --use-megatron-fsdp"),
     (["--no-gradient-reduce-div-fusion"], "need --use-megatron-fsdp"),
-    ([*FSDP, "--data-parallel-sharding-strategy", "no_shard"], "sqrt(DP) times the true one"),
     ([*FSDP, "--no-use-distributed-optimizer"], "needs --use-distributed-optimizer"),
     ([*FSDP, "--use-torch-fsdp2"], "--use-torch-fsdp2"),
     ([*FSDP, "--check-weight-hash-across-dp-replicas-interval", "1"], "no replicas)"),
-    ([*FSDP, "--overlap-grad-reduce"], "with --overlap-grad-reduce or --overlap-param-gather: not built yet"),
-    ([*FSDP, "--overlap-param-gather"], "with --overlap-grad-reduce or --overlap-param-gather: not built yet"),
     ([*FSDP, "--pipeline-model-parallel-size", "2"], "with pipeline parallelism: not built yet"),
-    ([*FSDP, "--context-parallel-size", "2"], "with context parallelism: not built yet"),
     ([*FSDP, "--fp16"], "with --fp16: not built yet"),
     ([*FSDP, "--fsdp-double-buffer"], "not supported: not built with Megatron-FSDP"),
 ])
@@ -93,6 +89,10 @@ def test_megatron_fsdp_flags_reach_megatron_cores_config():
                                                                                          True)
     unfused = ddp_config(parse_args([*BASE, *FSDP, "--no-gradient-reduce-div-fusion"], world_size=2))
     assert not unfused.gradient_reduce_div_fusion
+    overlapped = ddp_config(parse_args([*BASE, *FSDP, "--overlap-grad-reduce", "--overlap-param-gather"], world_size=2))
+    assert overlapped.overlap_grad_reduce and overlapped.overlap_param_gather
+    context = parse_args([*BASE, *FSDP, "--context-parallel-size", "2", "--cp-comm-type", "all_gather"], world_size=2)
+    assert context.parallel.context_parallel_size == 2 and context.parallel.use_megatron_fsdp
     plain = ddp_config(parse_args(BASE, world_size=2))
     assert not plain.use_megatron_fsdp and plain.data_parallel_sharding_strategy == "no_shard"
 
@@ -121,32 +121,35 @@ def test_checkpoint_formats_read_across_only_where_built_else_refused_in_one_lin
 
 
 def _full(tensor) -> torch.Tensor:
-    """The whole tensor of a Megatron-FSDP shard (a collective: its rows, rank after rank), or the tensor."""
-    if isinstance(tensor, DTensor):
+    """The whole tensor of a Megatron-FSDP shard (a collective: its rows, rank after rank), or the tensor (no_shard's
+    replicated DTensors too)."""
+    if isinstance(tensor, DTensor) and not all(placement.is_replicate() for placement in tensor.placements):
         shards = [None] * dist.get_world_size()
         dist.all_gather_object(shards, tensor.to_local().detach().clone())
         return torch.cat(shards)
-    return tensor.detach().clone()
+    return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach().clone()
 
 
 class _Run:
     """`family` at this job's data-parallel size under DDP (`strategy` None) or Megatron-FSDP, built as the trainer
     builds it (seeded alike), with what its steps are compared by."""
 
-    def __init__(self, family: str, strategy: str | None, bf16: bool = False, tp: int = 1,
-                 distributed_optimizer: bool = False):
+    def __init__(self, family: str, strategy: str | None, bf16: bool = False, tp: int = 1, cp: int = 1,
+                 overlap: bool = False, distributed_optimizer: bool = False):
         # At bf16 DDP with the distributed optimizer (its fp32 main weights, as Megatron-FSDP's).
         distributed_optimizer = distributed_optimizer or bf16
         flags = dict(model_family=family, lr=LR, train_iters=2 * STEPS, bf16=bf16,
                      use_distributed_optimizer=distributed_optimizer)
         if strategy:
             flags.update(use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy,
-                         use_distributed_optimizer=True, gradient_reduce_div_fusion=False, ckpt_format="fsdp_dtensor")
-        distributed.initialize(tensor_model_parallel_size=tp)
+                         use_distributed_optimizer=True, ckpt_format="fsdp_dtensor", overlap_grad_reduce=overlap,
+                         overlap_param_gather=overlap)
+        distributed.initialize(tensor_model_parallel_size=tp, context_parallel_size=cp)
         config = RunConfig.from_flags(flags)
         dtype = torch.bfloat16 if bf16 else torch.float32
         model = small_config(family, num_layers=LAYERS, bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
-                             tensor_model_parallel_size=tp)
+                             tensor_model_parallel_size=tp, context_parallel_size=cp,
+                             **({"cp_comm_type": "all_gather"} if cp > 1 else {}))
         self.chunks = build_model_chunks(model, V, S, ddp_config(config) if strategy else DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer))
         self.optimizer, self.scheduler = build_optimizer(self.chunks, config)
@@ -178,10 +181,10 @@ class _Run:
         return loss, grad_norm
 
 
-def _run(family: str, strategy: str | None) -> dict:
+def _run(family: str, strategy: str | None, **layout) -> dict:
     """Three steps: the losses, and after each step the gradients the optimizer stepped with and the weights, whole,
-    by name; under Megatron-FSDP with anGPT or nGPT, `_projection`'s too."""
-    run = _Run(family, strategy)
+    by name; under Megatron-FSDP with anGPT or nGPT, `_projection`'s too. `layout`: _Run's cp and overlap."""
+    run = _Run(family, strategy, **layout)
     grads = []
     run.optimizer.optimizer.register_step_pre_hook(lambda *_: grads.append(run.by_name(
         param.grad if param.grad is not None else torch.zeros_like(param) for param in run.params)))
@@ -245,7 +248,7 @@ def _projection(run: _Run) -> dict:
         for param in run.params:
             name = run.names[id(param.orig_param)]
             if name in perturbed:
-                shard = param.megatron_fsdp_slice
+                shard = getattr(param, "megatron_fsdp_slice", slice(0, param.numel()))  # no_shard: whole
                 param.to_local().view(-1).copy_(perturbed[name].view(-1)[shard])
                 shards[name] = (shard.start, shard.stop - shard.start)
     for group in run.optimizer.param_groups:
@@ -279,6 +282,7 @@ def worker(out: str, families: list[str], strategies: list[str], resumed: str | 
         # Plain DDP takes the weights alone (Adam's state of the distributed optimizer is not its own).
         torch.save(_resume("angpt", None, os.path.join(resumed, "fsdp_angpt"), saving=False, load_optimizer=False),
                    os.path.join(out, "crossed_angpt_fsdp_to_ddp_dp1.pt"))
+        torch.save(_run("angpt", "optim", overlap=True), os.path.join(out, "dp1_angpt_optim_overlap.pt"))
         dist.destroy_process_group()
         return
     for family in families:
@@ -288,6 +292,14 @@ def worker(out: str, families: list[str], strategies: list[str], resumed: str | 
                 torch.save(result, os.path.join(out, f"{family}_{strategy or 'ddp'}.pt"))
                 print(f"{family} {strategy or 'ddp'}: losses {result['losses']} grad norms {result['grad_norms']}",
                       flush=True)
+    for family in ("angpt", "ngpt"):  # CP 2 x DP 1: sharded over the data x context group
+        for strategy in strategies:
+            result = _run(family, strategy, cp=2)
+            if dist.get_rank() == 0:
+                torch.save(result, os.path.join(out, f"{family}_{strategy}_cp2.pt"))
+        result = _run(family, "optim", overlap=True)
+        if dist.get_rank() == 0:
+            torch.save(result, os.path.join(out, f"{family}_optim_overlap.pt"))
     for family in families:
         for strategy in [None, *strategies]:
             result = _bf16_run(family, strategy)
@@ -328,8 +340,29 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_megatron_fsdp_trains_as_ddp(runs, family, strategy):
-    ddp = torch.load(runs / f"{family}_ddp.pt")
-    fsdp = torch.load(runs / f"{family}_{strategy}.pt")
+    _trains_as(torch.load(runs / f"{family}_ddp.pt"), torch.load(runs / f"{family}_{strategy}.pt"))
+
+
+# Megatron-FSDP's other layouts at world size 2 against DDP at DP 2, anGPT and nGPT: CP 2 x DP 1 under each strategy
+# (sharded over the data x context group, each rank holding half of each sequence), and optim with
+# --overlap-grad-reduce and --overlap-param-gather (its unsharded gradient buffer reduced in the backward pass).
+VARIANTS = [*(f"{strategy}_cp2" for strategy in STRATEGIES), "optim_overlap"]
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("family", ["angpt", "ngpt"])
+def test_megatron_fsdp_with_context_parallelism_or_overlap_trains_as_ddp(runs, family, variant):
+    """Each step's loss, gradients and weights as DDP's, and one projection alone as the spec's. optim's overlapped
+    reduction installs the reduced shard into the unsharded buffer (angpt.megatron_compat.megatron_fsdp): added to the
+    unreduced one, or dropped, the grad norm was 0.147 against DDP's 0.215."""
+    fsdp = torch.load(runs / f"{family}_{variant}.pt")
+    _trains_as(torch.load(runs / f"{family}_ddp.pt"), fsdp)
+    _projected_as_the_spec(family, fsdp)
+
+
+def _trains_as(ddp: dict, fsdp: dict) -> None:
     # fp32 arithmetic in another order (the reduce-scatter's sums, the grad norm's): the bounds that
     # tests/test_parallel_equivalence.py holds parallel layouts to.
     assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=1e-6)
@@ -354,11 +387,11 @@ def test_megatron_fsdp_trains_as_ddp(runs, family, strategy):
 
 @pytest.mark.long
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", [*STRATEGIES, "optim_overlap"])
 def test_megatron_fsdp_trains_as_ddp_at_one_data_parallel_rank(runs, strategy):
     """At DP 1 Megatron-FSDP's buffers are not distributed, where megatron-core 0.16.1 added each reduced gradient
     bucket into itself (angpt.megatron_compat.megatron_fsdp): anGPT's gradients, over the global batch's micro-batches
-    accumulated, as DDP's."""
+    accumulated (optim_overlap: reduced in the last one's backward pass), as DDP's."""
     ddp, fsdp = (torch.load(runs / f"dp1_angpt_{name}.pt") for name in ("ddp", strategy))
     assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=1e-6)
     assert fsdp["grad_norms"] == pytest.approx(ddp["grad_norms"], rel=1e-6)
@@ -377,6 +410,17 @@ def test_megatron_fsdp_shards_are_bounded_as_the_spec(runs, family, strategy):
     projection alone (lr 0) of weights pushed out of the ball and into it equal to the spec's
     w / max(1, ||w||) (anGPT) or w / ||w|| (nGPT), computed here, where a rank's shard holds part of a vector too."""
     fsdp = torch.load(runs / f"{family}_{strategy}.pt")
+    _projected_as_the_spec(family, fsdp)
+    if strategy == "no_shard":  # every weight whole on both ranks
+        assert all(shards == [(0, fsdp["perturbed"][name].numel())] * 2 for name, shards in fsdp["shards"].items())
+        return
+    # The unit_norm_dim of the weights held on both ranks (whole rows on each): 1, its rows on one rank each; 0, each
+    # column split over the ranks.
+    split = {fsdp["constrained"][name] for name, shards in fsdp["shards"].items() if all(size for _, size in shards)}
+    assert split == SPLIT[family, strategy]
+
+
+def _projected_as_the_spec(family: str, fsdp: dict) -> None:
     constraint = WEIGHT_CONSTRAINTS[family]
     assert fsdp["constrained"]
     for weights in fsdp["weights"][1:]:
@@ -390,10 +434,6 @@ def test_megatron_fsdp_shards_are_bounded_as_the_spec(runs, family, strategy):
         norms = perturbed.norm(dim=fsdp["constrained"][name], keepdim=True)
         expected = perturbed / (norms.clamp_min(1.0) if constraint == "bound" else norms)
         assert torch.allclose(fsdp["projected"][name], expected, rtol=1e-6, atol=1e-7), name
-    # The unit_norm_dim of the weights held on both ranks (whole rows on each): 1, its rows on one rank each; 0, each
-    # column split over the ranks.
-    split = {fsdp["constrained"][name] for name, shards in fsdp["shards"].items() if all(size for _, size in shards)}
-    assert split == SPLIT[family, strategy]
 
 
 @pytest.mark.long

@@ -230,7 +230,7 @@ class ParallelSection:
         "--use-distributed-optimizer and --ckpt-format fsdp_dtensor)")
     data_parallel_sharding_strategy: str = flag("no_shard", "with --use-megatron-fsdp, what is sharded: optim (Adam's "
         "state and fp32 weights), optim_grads (and the gradients) or optim_grads_params (and the weights, gathered for "
-        "each layer's forward and backward); no_shard (Megatron-LM's default) is refused",
+        "each layer's forward and backward) or nothing (no_shard, Megatron-LM's default: gradients all-reduced)",
         choices=("no_shard", "optim", "optim_grads", "optim_grads_params"))
     gradient_reduce_div_fusion: bool = flag(True, "with --use-megatron-fsdp: divide the gradients by the "
         "data-parallel size in their reduction (NCCL's PREMUL_SUM; without CUDA, gloo's sum of the premultiplied "

@@ -172,18 +172,10 @@ def validate_megatron_fsdp(parser, args) -> None:
         (args.ckpt_format != "fsdp_dtensor", "needs --ckpt-format fsdp_dtensor (Megatron-LM's check)"),
         (not args.use_distributed_optimizer, "needs --use-distributed-optimizer, which steps its shards (Megatron-LM's "
                                              "usage; megatron-core's plain optimizer is not built with it)"),
-        (args.data_parallel_sharding_strategy == "no_shard",
-         "with --data-parallel-sharding-strategy no_shard (Megatron-LM's default): megatron-core 0.16.1's grad norm "
-         "is sqrt(DP) times the true one there (clipping too hard), and without --overlap-param-gather its first step "
-         "fails (fetch_bucket of None); give optim or optim_grads"),
         (args.check_weight_hash_across_dp_replicas_interval,
          "with --check-weight-hash-across-dp-replicas-interval: not built yet (Megatron-LM refuses it with "
          "optim_grads_params, whose ranks hold different shards, no replicas)"),
-        (args.overlap_grad_reduce or args.overlap_param_gather,
-         "with --overlap-grad-reduce or --overlap-param-gather: not built yet (with optim, megatron-core 0.16.1's "
-         "overlapped reduction gave wrong gradients on the CPU)"),
         (args.pipeline_model_parallel_size > 1, "with pipeline parallelism: not built yet"),
-        (args.context_parallel_size > 1, "with context parallelism: not built yet"),
         (args.num_distributed_optimizer_instances > 1, "with --num-distributed-optimizer-instances: not built yet"),
         (args.fp16, "with --fp16: not built yet (fp32 and --bf16 are)"),
         (args.async_save, "with --async-save: not built yet (fsdp_dtensor checkpoints are written synchronously)"),

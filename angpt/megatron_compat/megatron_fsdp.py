@@ -36,6 +36,16 @@ workaround says what breaks without it. `install()` is called by angpt.training.
   gradient accumulated so far counted again at each micro-batch's reduction (the grad norm 2-3 times DDP's).
   `_reduced_once` points that addition at a scratch tensor where the buffer is not distributed, as upstream skips it
   there (the buffer holds the reduction already).
+- no_shard (Megatron-LM's default strategy; on every device): its gradients are all-reduced, every rank holding
+  them whole, yet the distributed optimizer sums their statistics over the data-parallel ranks as it does shards':
+  the grad norm sqrt(DP) times the true one (2.157 against DDP's 1.525 at DP 2), clipping too hard, and the zeros
+  counted DP times: `_replicas_counted_once` reduces them over the model-parallel group, as megatron-core's optimizer
+  does for DDP's replicated gradients.
+  Without --overlap-grad-reduce its gradients are never reduced (`all_reduce_gradients` skips every buffer that
+  exists: `if gbuf is not None: continue`), each rank stepping with its own: `_all_reduced` reduces them.
+  And its `start_param_sync`, without --overlap-param-gather, all-gathers weight buckets no_shard does not have
+  ("'NoneType' object has no attribute 'fetch_bucket'" at the first step): the weights are whole already, and
+  `_nothing_to_gather` returns, as upstream does since.
 - The fused gradient division (`--gradient-reduce-div-fusion`, Megatron-LM's default) reduces with NCCL's
   PREMUL_SUM, which gloo lacks ("_make_nccl_premul_sum" fails at the first reduction). Without CUDA the gradients are
   multiplied by the factor and summed, as megatron-core does without the fusion: the same products, the same sum.
@@ -50,7 +60,7 @@ from collections import defaultdict
 import megatron.core.distributed.fsdp.mcore_fsdp_adapter as adapter
 import torch
 import torch.distributed as dist
-from megatron.core import utils
+from megatron.core import parallel_state, utils
 from megatron.core.distributed import DistributedDataParallel, TorchFullyShardedDataParallel
 from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp, param_and_grad_buffer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -144,26 +154,34 @@ def _every_parameters_state(self, is_loading: bool = False):
     return _sharded_param_state_fsdp_dtensor(self, is_loading=False)
 
 
+class _Installed:
+    """A not-distributed gradient buffer's shard, into which `+=` installs the reduced shard (in the reduction's
+    stream, where megatron-core adds it)."""
+
+    def __init__(self, shard: torch.Tensor):
+        self.shard = shard
+
+    def __iadd__(self, reduced: torch.Tensor):
+        self.shard.copy_(reduced)
+        return self
+
+
 def _reduced_once(reduce):
-    """megatron-core's `GradReducePipeline._bucket_group_gradient_reduce`, whose reduced gradients are added into a
-    scratch tensor, not into the gradient buffer, where the buffer is the bucket reduced (not distributed)."""
+    """megatron-core's `GradReducePipeline._bucket_group_gradient_reduce`, whose reduced shard replaces the
+    gradient buffer's where the buffer is the bucket reduced (not distributed), rather than being added to it."""
 
     @functools.wraps(reduce)
     def _bucket_group_gradient_reduce(self, bucket_group, *args, **kwargs):
         if self.buffer.ddp_config.data_parallel_sharding_strategy == "no_shard":
             return reduce(self, bucket_group, *args, **kwargs)
         whole = [buffer for buffer in map(self.get_fsdp_buffer, bucket_group) if not buffer.is_data_distributed]
-        scratches = [torch.empty_like(buffer.get_shard_from_local_buffer()) for buffer in whole]
-        for buffer, scratch in zip(whole, scratches):
-            buffer.get_shard_from_local_buffer = functools.partial(lambda scratch: scratch, scratch)
+        for buffer in whole:
+            buffer.get_shard_from_local_buffer = functools.partial(_Installed, buffer.get_shard_from_local_buffer())
         try:
             return reduce(self, bucket_group, *args, **kwargs)
         finally:
             for buffer in whole:
                 del buffer.get_shard_from_local_buffer  # the class's method again
-            if torch.cuda.is_available() and self.rs_stream is not None:
-                for scratch in scratches:  # added into on the reduce-scatter stream: kept until that is done
-                    scratch.record_stream(self.rs_stream)
 
     return _bucket_group_gradient_reduce
 
@@ -180,6 +198,53 @@ def _premultiplied(grad_data, scaling_factor, ddp_config):
 _gradient_reduce_preprocessing = param_and_grad_buffer.gradient_reduce_preprocessing
 
 
+def _unsharded(ddp_config) -> bool:
+    return ddp_config.use_megatron_fsdp and ddp_config.data_parallel_sharding_strategy == "no_shard"
+
+
+def _replicas_counted_once(get_group):
+    """megatron-core's `DistributedOptimizer.get_grad_stats_parallel_group`, over the model-parallel group for
+    Megatron-FSDP's no_shard."""
+
+    @functools.wraps(get_group)
+    def get_grad_stats_parallel_group(self):
+        ddp_config = getattr(self, "ddp_config", None)
+        if ddp_config is not None and _unsharded(ddp_config):
+            return parallel_state.get_model_parallel_group()
+        return get_group(self)
+
+    return get_grad_stats_parallel_group
+
+
+@torch.no_grad()
+def _all_reduced(self, async_op: bool = False):
+    """megatron-core's `ParamAndGradBuffer.all_reduce_gradients`, reducing the buffers there are."""
+    handles = []
+    for group in self.parameter_groups:
+        buffer = group.main_grad_buffer
+        if buffer is None:
+            continue
+        reduce_op = param_and_grad_buffer.gradient_reduce_preprocessing(buffer.data, buffer.gradient_scaling_factor,
+                                                                         self.ddp_config)
+        handles.append(dist.all_reduce(buffer.data, op=reduce_op, group=buffer.data_parallel_group,
+                                       async_op=async_op))
+    for handle in handles if async_op else ():
+        handle.wait()
+
+
+def _nothing_to_gather(start_param_sync):
+    """megatron-core's `MegatronFSDP.start_param_sync`, which gathers nothing under no_shard (upstream's)."""
+
+    @functools.wraps(start_param_sync)
+    def _start_param_sync(self, *args, **kwargs):
+        if self.data_parallel_sharding_strategy == "no_shard":
+            self._replace_param_with_raw_if_needed()
+            return None
+        return start_param_sync(self, *args, **kwargs)
+
+    return _start_param_sync
+
+
 class _NoTELinear:
     """Transformer Engine's linear layer where it is not installed: no module is one."""
 
@@ -192,6 +257,10 @@ def install() -> None:
     _installed = True
     DistributedOptimizer.sharded_param_state_fsdp_dtensor = _every_parameters_state
     megatron_fsdp.MegatronFSDP.forward = _forward_through_hooks
+    megatron_fsdp.MegatronFSDP.start_param_sync = _nothing_to_gather(megatron_fsdp.MegatronFSDP.start_param_sync)
+    DistributedOptimizer.get_grad_stats_parallel_group = _replicas_counted_once(
+        DistributedOptimizer.get_grad_stats_parallel_group)
+    param_and_grad_buffer.ParamAndGradBuffer.all_reduce_gradients = _all_reduced
     if not isinstance(adapter.TELinear, type):
         adapter.TELinear = _NoTELinear
     pipeline = param_and_grad_buffer.GradReducePipeline

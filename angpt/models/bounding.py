@@ -167,20 +167,22 @@ def _megatron_fsdp_pieces(optimizer: DistributedOptimizer):
     bucket's chunk_size_factor), so a shard holds whole rows, any number of them, none on some ranks: a weight
     normalized along dim 1 (rows) has each vector on one rank, one normalized along dim 0 (nGPT's W_p and W_d:
     columns) has each vector split over the ranks where its rows are. The partial norms are summed over the
-    data-parallel group either way."""
+    data-parallel group either way. Under no_shard every rank holds and steps its whole weights alike."""
     params, pieces = [], []
+    whole = optimizer.ddp_config.data_parallel_sharding_strategy == "no_shard"
     for group in optimizer.optimizer.param_groups:
         for param in group["params"]:
             weight = param.orig_param
             if not hasattr(weight, "unit_norm_dim"):
                 continue
             params.append(weight)
-            shard, run = param.to_local(), param.megatron_fsdp_slice
+            shard = param.to_local()
+            run = slice(0, shard.numel()) if whole else param.megatron_fsdp_slice
             if run.stop - run.start != shard.numel():
                 raise TypeError(f"a Megatron-FSDP shard of {shard.numel()} elements at {run} of its weight")
             if shard.numel():
                 pieces.append(_Piece(shard.view(-1), weight, run.start))
-    return params, pieces, parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return params, pieces, None if whole else parallel_state.get_data_parallel_group(with_context_parallel=True)
 
 
 def _pieces_of(weights: list[tuple[torch.nn.Parameter, torch.Tensor]]):
