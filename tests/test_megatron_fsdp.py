@@ -248,7 +248,7 @@ def _projection(run: _Run) -> dict:
         for param in run.params:
             name = run.names[id(param.orig_param)]
             if name in perturbed:
-                shard = getattr(param, "megatron_fsdp_slice", slice(0, param.numel()))  # no_shard: whole
+                shard = param.megatron_fsdp_slice
                 param.to_local().view(-1).copy_(perturbed[name].view(-1)[shard])
                 shards[name] = (shard.start, shard.stop - shard.start)
     for group in run.optimizer.param_groups:
@@ -310,6 +310,10 @@ def worker(out: str, families: list[str], strategies: list[str], resumed: str | 
         result = _resume(family, strategy, os.path.join(out, "checkpoints"), saving)
         if dist.get_rank() == 0:
             torch.save(result, os.path.join(out, f"resumed_{'saved' if saving else 'loaded'}.pt"))
+    for saving in (True, False):  # no_shard's whole replicated weights
+        result = _resume(family, "no_shard", os.path.join(out, "checkpoints_no_shard"), saving)
+        if dist.get_rank() == 0:
+            torch.save(result, os.path.join(out, f"no_shard_{'saved' if saving else 'loaded'}.pt"))
     for tp, saving in ((2, True), (1, False)):  # saved at TP 2 x DP 1, loaded at TP 1 x DP 2
         result = _resume(family, strategy, os.path.join(out, "checkpoints_tp2"), saving, tp)
         if dist.get_rank() == 0:
@@ -476,6 +480,18 @@ def test_fsdp_dtensor_checkpoint_resumes_bit_for_bit_and_loads_at_another_data_p
     assert [norm for _, norm in elsewhere["losses"]] == pytest.approx([norm for _, norm in saved["losses"]], rel=1e-5)
     for name, weight in saved["weights"].items():
         assert (elsewhere["weights"][name] - weight).norm() <= 1e-5 * weight.norm(), name
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+def test_fsdp_dtensor_checkpoint_of_no_shard_resumes_bit_for_bit(runs):
+    """anGPT under no_shard (DP 2): the three steps after a load of its fsdp_dtensor save equal those after the save,
+    every loss and weight bit for bit (its gated fc1 split into W and V over its whole weights)."""
+    saved, loaded = torch.load(runs / "no_shard_saved.pt"), torch.load(runs / "no_shard_loaded.pt")
+    assert loaded["losses"] == saved["losses"]
+    assert loaded["weights"].keys() == saved["weights"].keys()
+    for name, weight in saved["weights"].items():
+        assert torch.equal(loaded["weights"][name], weight), name
 
 
 @pytest.mark.long

@@ -45,7 +45,12 @@ workaround says what breaks without it. `install()` is called by angpt.training.
   exists: `if gbuf is not None: continue`), each rank stepping with its own: `_all_reduced` reduces them.
   And its `start_param_sync`, without --overlap-param-gather, all-gathers weight buckets no_shard does not have
   ("'NoneType' object has no attribute 'fetch_bucket'" at the first step): the weights are whole already, and
-  `_nothing_to_gather` returns, as upstream does since.
+  `_nothing_to_gather` returns, as upstream does since. At fp32 its optimizer's parameters (the model's own, no
+  buffer behind them) lack the `megatron_fsdp_slice` that the fsdp_dtensor checkpoint's split of a gated fc1 reads
+  (an AttributeError at every save and load of anGPT, nGPT and GPT+): `_whole_slices` gives them their whole run.
+  That split then makes fc1's halves sharded DTensors, each rank claiming its own rows of what all hold whole ("DTensor
+  chunk metadata is invalid. Offsets: (192, 0)" at the save): `handle_swiglu_in_state_dict` (which angpt's
+  checkpoints call in megatron-core's stead) makes them replicated, as fc1 is.
 - The fused gradient division (`--gradient-reduce-div-fusion`, Megatron-LM's default) reduces with NCCL's
   PREMUL_SUM, which gloo lacks ("_make_nccl_premul_sum" fails at the first reduction). Without CUDA the gradients are
   multiplied by the factor and summed, as megatron-core does without the fusion: the same products, the same sum.
@@ -64,6 +69,7 @@ from megatron.core import parallel_state, utils
 from megatron.core.distributed import DistributedDataParallel, TorchFullyShardedDataParallel
 from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp, param_and_grad_buffer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.transformer import fsdp_dtensor_checkpoint
 from megatron.core.transformer.module import Float16Module
 
 from angpt.megatron_compat import cpu
@@ -232,6 +238,39 @@ def _all_reduced(self, async_op: bool = False):
         handle.wait()
 
 
+def _whole_slices(init_named_parameters):
+    """megatron-core's `ParamAndGradBuffer._init_optimizer_named_parameters`, with `megatron_fsdp_slice` on the
+    parameters it leaves without one (no_shard's without a buffer): the whole of each (this tensor-parallel rank's)."""
+
+    @functools.wraps(init_named_parameters)
+    def _init_optimizer_named_parameters(self):
+        named_parameters = init_named_parameters(self)
+        for _, param in named_parameters:
+            if not hasattr(param, "megatron_fsdp_slice"):
+                param.megatron_fsdp_slice = slice(0, param.orig_param.numel())
+        return named_parameters
+
+    return _init_optimizer_named_parameters
+
+
+def handle_swiglu_in_state_dict(model, model_state_dict, optimizer_state_dict):
+    """megatron-core's `fsdp_dtensor_checkpoint.handle_swiglu_in_state_dict` (fc1's weight and its Adam state as
+    their halves W and V), whose halves of no_shard's replicated weights are replicated DTensors too."""
+    split = fsdp_dtensor_checkpoint.handle_swiglu_in_state_dict
+    if not _unsharded(model.ddp_config):
+        return split(model, model_state_dict, optimizer_state_dict)
+    make = fsdp_dtensor_checkpoint.make_fsdp_dtensor
+
+    def replicated(*args, **kwargs):
+        return make(*args, **{**kwargs, "is_sharded_param": False, "update_uneven_dtensor_chunk_meta": False})
+
+    fsdp_dtensor_checkpoint.make_fsdp_dtensor = replicated
+    try:
+        return split(model, model_state_dict, optimizer_state_dict)
+    finally:
+        fsdp_dtensor_checkpoint.make_fsdp_dtensor = make
+
+
 def _nothing_to_gather(start_param_sync):
     """megatron-core's `MegatronFSDP.start_param_sync`, which gathers nothing under no_shard (upstream's)."""
 
@@ -260,7 +299,9 @@ def install() -> None:
     megatron_fsdp.MegatronFSDP.start_param_sync = _nothing_to_gather(megatron_fsdp.MegatronFSDP.start_param_sync)
     DistributedOptimizer.get_grad_stats_parallel_group = _replicas_counted_once(
         DistributedOptimizer.get_grad_stats_parallel_group)
-    param_and_grad_buffer.ParamAndGradBuffer.all_reduce_gradients = _all_reduced
+    buffer = param_and_grad_buffer.ParamAndGradBuffer
+    buffer.all_reduce_gradients = _all_reduced
+    buffer._init_optimizer_named_parameters = _whole_slices(buffer._init_optimizer_named_parameters)
     if not isinstance(adapter.TELinear, type):
         adapter.TELinear = _NoTELinear
     pipeline = param_and_grad_buffer.GradReducePipeline

@@ -176,8 +176,7 @@ def _megatron_fsdp_pieces(optimizer: DistributedOptimizer):
             if not hasattr(weight, "unit_norm_dim"):
                 continue
             params.append(weight)
-            shard = param.to_local()
-            run = slice(0, shard.numel()) if whole else param.megatron_fsdp_slice
+            shard, run = param.to_local(), param.megatron_fsdp_slice
             if run.stop - run.start != shard.numel():
                 raise TypeError(f"a Megatron-FSDP shard of {shard.numel()} elements at {run} of its weight")
             if shard.numel():

@@ -48,11 +48,7 @@ from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.distributed import TorchFullyShardedDataParallel
 from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
 from megatron.core.transformer import TransformerLayer
-from megatron.core.transformer.fsdp_dtensor_checkpoint import (
-    flatten_state_dict,
-    handle_fp8_extra_state_case,
-    handle_swiglu_in_state_dict,
-)
+from megatron.core.transformer.fsdp_dtensor_checkpoint import flatten_state_dict, handle_fp8_extra_state_case
 from megatron.core.utils import get_model_config
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
@@ -70,6 +66,7 @@ from torch.distributed.tensor import DTensor
 from angpt.config.saved import config_from_saved, model_refusal, optimizer_refusal, vocabulary_refusal
 from angpt.config.sections import RunConfig
 from angpt.megatron_compat import checkpoint_unpickling, fsdp2, patches
+from angpt.megatron_compat.megatron_fsdp import handle_swiglu_in_state_dict
 from angpt.training import digests, torch_checkpoint
 from angpt.training.checkpoint_store import (
     INCOMPLETE,
