@@ -69,7 +69,7 @@ FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads
     ([*FSDP, "--no-use-distributed-optimizer"], "needs --use-distributed-optimizer"),
     ([*FSDP, "--use-torch-fsdp2"], "--use-torch-fsdp2"),
     ([*FSDP, "--check-weight-hash-across-dp-replicas-interval", "1"], "no replicas)"),
-    ([*FSDP, "--pipeline-model-parallel-size", "2"], "with pipeline parallelism: not built yet"),
+    ([*FSDP, "--pipeline-model-parallel-size", "2"], "with pipeline parallelism: megatron-core 0.16.1's"),
     ([*FSDP, "--fp16"], "with --fp16: not built yet"),
     ([*FSDP, "--fsdp-double-buffer"], "not supported: not built with Megatron-FSDP"),
 ])

@@ -175,7 +175,9 @@ def validate_megatron_fsdp(parser, args) -> None:
         (args.check_weight_hash_across_dp_replicas_interval,
          "with --check-weight-hash-across-dp-replicas-interval: not built yet (Megatron-LM refuses it with "
          "optim_grads_params, whose ranks hold different shards, no replicas)"),
-        (args.pipeline_model_parallel_size > 1, "with pipeline parallelism: not built yet"),
+        (args.pipeline_model_parallel_size > 1,
+         "with pipeline parallelism: megatron-core 0.16.1's Megatron-FSDP lays every rank out as data x context x "
+         "expert x tensor parallel in its device mesh (an einops error while wrapping, in Megatron-LM too)"),
         (args.num_distributed_optimizer_instances > 1, "with --num-distributed-optimizer-instances: not built yet"),
         (args.fp16, "with --fp16: not built yet (fp32 and --bf16 are)"),
         (args.async_save, "with --async-save: not built yet (fsdp_dtensor checkpoints are written synchronously)"),
