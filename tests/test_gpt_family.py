@@ -148,6 +148,16 @@ def test_rope_scaling_and_query_key_layer_scaling_reach_megatron_core(seeded):
     assert transformer_config(gpt()).attention_softmax_in_fp32 is MEGATRON_DEFAULTS["--attention-softmax-in-fp32"]
 
 
+def test_embedding_init_method_std_initializes_the_embeddings_alone(seeded):
+    """--embedding-init-method-std (megatron-core's TransformerConfig field, as Megatron-LM passes it): the word and
+    position embeddings drawn from N(0, 0.5^2), the other weights still from --init-method-std's N(0, 0.02^2). The
+    sample standard deviation of n normal draws is within 5 / sqrt(2 n) of the true one (5 sigma)."""
+    model = build_model(transformer_config(gpt("--embedding-init-method-std", "0.5")), V, SEQ)
+    for weight, std in ((model.embedding.word_embeddings.weight, 0.5), (model.embedding.position_embeddings.weight, 0.5),
+                        (model.decoder.layers[0].mlp.linear_fc1.weight, 0.02)):
+        assert abs(weight.std().item() - std) <= 5 * std / math.sqrt(2 * weight.numel()), (weight.shape, std)
+
+
 def test_the_dry_run_counts_the_parameters_of_megatron_lms_gpt(single_process):
     """Counted here from the shapes: the embedding (tied: once), the positions, per layer two LayerNorms and the
     four biased linear layers, the final LayerNorm."""
@@ -213,6 +223,8 @@ def test_what_the_families_of_megatron_core_layers_take(seeded):
     ("gptplus", ["--attention-softmax-in-fp32"], ["--apply-query-key-layer-scaling"],
      "the families' softmax scale is fixed"),
     ("ngpt", ["--no-bias-gelu-fusion"], ["--bias-gelu-fusion"], "nGPT has no GELU"),
+    ("angpt", ["--init-method-std", "0.02"], ["--embedding-init-method-std", "0.5"],
+     "the families initialize the embedding as docs/model.md says"),
 ])
 def test_the_other_families_take_their_own_architecture_and_refuse_another(family, accepted, refused, message,
                                                                            capsys):

@@ -108,8 +108,6 @@ FLAGS: dict[str, Decision] = {
     "--attention-output-gate": refused(ATTENTION),
     "--multi-latent-attention": refused(ATTENTION),
     "--experimental-attention-variant": refused(ATTENTION),
-    "--embedding-init-method-std": refused(f"{NOT_YET}: the embedding is initialized as the other weights "
-                                           "(--init-method-std for GPT+ and GPT, unit-norm rows for anGPT and nGPT)"),
     "--init-model-with-meta-device": refused(f"{NOT_YET}"),
     "--disable-bf16-reduced-precision-matmul": refused(f"{NOT_YET}"),
     "--use-fused-weighted-squared-relu": refused(f"MoE: {DENSE}"),

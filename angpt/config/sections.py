@@ -159,6 +159,8 @@ class ArchitectureSection:
     quick_geglu: bool = flag(False, "a gated MLP with quick GELU (x sigmoid(1.702 x)) instead of GELU",
                              exclusive="activation")
     group_query_attention: bool = flag(False, "grouped-query attention with --num-query-groups (default 1)")
+    embedding_init_method_std: Optional[float] = flag(None, "the standard deviation of the embeddings' normal "
+        "initialization (default --init-method-std)")
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ NUMERIC_RANGES = (
         "straggler_ctrlr_port", "error_injection_rate", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16",
         "wgrad_deferral_limit")),
     ("must be positive", lambda value: value > 0, (
-        "init_method_std", "norm_epsilon", "angpt_constant_factor_multiplier", "angpt_nu_alpha_multiplier",
+        "init_method_std", "embedding_init_method_std", "norm_epsilon", "angpt_constant_factor_multiplier", "angpt_nu_alpha_multiplier",
         "distributed_timeout_minutes", "hang_timeout_minutes", "lr", "adam_eps", "exit_duration_in_mins",
         "loss_scale", "initial_loss_scale", "min_loss_scale", "decoupled_lr",
         "gpu_memory_gib")),
@@ -314,6 +314,8 @@ PAPER_ARCHITECTURE = {
     "use_rope_scaling": (False, "the families' RoPE is not scaled (docs/model.md)"),
     "squared_relu": (False, SWIGLU),
     "quick_geglu": (False, SWIGLU),
+    "embedding_init_method_std": (None, "the families initialize the embedding as docs/model.md says (anGPT and nGPT: "
+                                        "unit rows; GPT+: --init-method-std)"),
 }
 NORM_FIELDS = ("normalization", "layernorm_zero_centered_gamma", "qk_layernorm", "qk_l2_norm")
 ROPE_FIELDS = ("rotary_percent", "rotary_interleaved", "use_rope_scaling")
