@@ -15,7 +15,8 @@ divides the last 12 over the data-parallel ranks. FSDP2 divides all of it: 18 by
 gradients, reduce-scattered in the weights' dtype, are freed once the optimizer has copied them into its fp32
 gradients, which stay between steps); anGPT's and nGPT's fp32 scales are FSDP2 units of their own
 (angpt.megatron_compat.fsdp2). The embeddings are untied, as FSDP2 needs. Megatron-FSDP's buffers (main weights
-fp32 beside the bf16 ones) shard 12 bytes of the 18 (optim), 16 (optim_grads) or all (optim_grads_params); its
+fp32 beside the bf16 ones) shard none of the 18 bytes (no_shard, which trains the model's own bf16 weights and keeps
+no weight buffer), 12 (optim), 16 (optim_grads) or all (optim_grads_params); its
 optim_grads_params also holds whole the weights its step's all-gather prefetches (here all: fewer than its 5e8
 elements), and each strategy that shards gradients holds them whole in temporary buckets from the backward pass to
 their reduce-scatter: its "backward peak" is the most its state and temporary buckets held at the start of a
@@ -65,7 +66,7 @@ MEGATRON_FSDP = dict(use_megatron_fsdp=True, use_distributed_optimizer=True, ckp
 VARIANTS = {"distributed optimizer": dict(use_distributed_optimizer=True), "without": {},
             "fsdp2": dict(use_torch_fsdp2=True),
             **{f"megatron-fsdp {strategy}": dict(MEGATRON_FSDP, data_parallel_sharding_strategy=strategy)
-               for strategy in ("optim", "optim_grads", "optim_grads_params")}}
+               for strategy in ("no_shard", "optim", "optim_grads", "optim_grads_params")}}
 
 
 def storage_bytes(tensors, exclude: set) -> tuple[int, set]:
@@ -96,12 +97,15 @@ def gathered_bytes(buffer) -> tuple[int, int]:
 
 def megatron_fsdp_memory(chunks, optimizer) -> dict[str, int]:
     """memory() of Megatron-FSDP: its buffers (this rank's shards, or whole where the strategy keeps them so) and the
-    weights it holds gathered; Adam's moments from the optimizer."""
+    weights it holds gathered (no_shard's: the model's own, it has no weight buffer); Adam's moments from the
+    optimizer."""
     weights = grads = main = 0
     for chunk in chunks:
         buffer = chunk.module.param_and_grad_buffer
         groups = buffer.parameter_groups
-        weights += view_bytes(g.model_weight_buffer.data for g in groups) + gathered_bytes(buffer)[0]
+        weights += view_bytes(tensor for g in groups
+                              for tensor in ([g.model_weight_buffer.data] if g.model_weight_buffer else g.params))
+        weights += gathered_bytes(buffer)[0]
         grads += view_bytes(g.main_grad_buffer.data for g in groups if g.main_grad_buffer)
         main += view_bytes(g.main_weight_buffer.data for g in groups if g.main_weight_buffer)
     moments = [value._local_tensor if isinstance(value, DTensor) else value

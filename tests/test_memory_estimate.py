@@ -453,8 +453,10 @@ def test_the_estimate_of_each_sharding_is_the_memory_measured_on_its_ranks(data_
 def test_megatron_fsdps_estimate_is_the_memory_measured_on_its_ranks(data_parallel):
     """benchmarks/sixteen_bit_optimizer.py read Megatron-FSDP's buffers after a bf16 step of GPT+ (6.29M parameters, 4
     layers, 2 x 4096 x 256 of them in the untied embedding and head): bf16 weights (2 bytes), fp32 gradients (4),
-    fp32 main weights and moments (12), of which optim shards 12, optim_grads 16, optim_grads_params all 18, which
+    fp32 main weights and moments (12), of which no_shard shards none (as DDP's 16-bit optimizer, measured beside it),
+    optim 12, optim_grads 16, optim_grads_params all 18, which
     also keeps every weight gathered between steps (fewer than its all-gather's 5e8 elements of prefetch): 2 more.
+    no_shard's and optim's buckets are views of their whole buffers: nothing more in the backward pass.
     At the backward pass's end, optim_grads holds its fp32 gradients whole in one bucket (4 more), optim_grads_params
     them too (its 1e9-element queue holds them all), and the weights outside the layers and one layer's (the rest
     freed after their backward): the dry run's estimate of it within 10%, under it by no more than the buffers'
@@ -464,8 +466,9 @@ def test_megatron_fsdps_estimate_is_the_memory_measured_on_its_ranks(data_parall
     parameters, dp = measured["parameters"], data_parallel
     outside = 2 * 4096 * 256
     layer = (parameters - outside) / 4
-    between_steps = {"optim": 6 + 12 / dp, "optim_grads": 2 + 16 / dp, "optim_grads_params": 18 / dp + 2}
-    backward = {"optim": 6 + 12 / dp, "optim_grads": 2 + 16 / dp + 4,
+    between_steps = {"no_shard": 18, "optim": 6 + 12 / dp, "optim_grads": 2 + 16 / dp,
+                     "optim_grads_params": 18 / dp + 2}
+    backward = {"no_shard": 18, "optim": 6 + 12 / dp, "optim_grads": 2 + 16 / dp + 4,
                 "optim_grads_params": 18 / dp + 2 * (outside + layer) / parameters + 4}
     for strategy in MEGATRON_FSDP:
         row = measured["rows"][f"megatron-fsdp {strategy}"]
@@ -473,18 +476,22 @@ def test_megatron_fsdps_estimate_is_the_memory_measured_on_its_ranks(data_parall
         assert row["estimate"] * 2**20 / parameters == pytest.approx(between_steps[strategy], rel=1e-6)
         assert row["backward_peak"] * 2**20 / parameters == pytest.approx(backward[strategy], rel=5e-3)
         assert 0.9 <= row["backward_peak_measured_over_estimate"] <= 1.01  # 1%: the buffers' padding
-    # The distributed optimizer's figures, measured beside them in the same run.
+    # The distributed optimizer's and DDP's figures, measured beside them in the same run.
     assert measured["rows"]["megatron-fsdp optim"]["total"] == pytest.approx(
         measured["rows"]["distributed optimizer"]["total"], rel=1e-3)
+    assert measured["rows"]["megatron-fsdp no_shard"]["total"] == pytest.approx(measured["rows"]["without"]["total"],
+                                                                                 rel=1e-3)
 
 
 @pytest.mark.parametrize("bf16, weight", [(True, 2), (False, 4)])
 def test_megatron_fsdps_buffers_per_parameter(bf16, weight):
     """megatron-core's Megatron-FSDP (param_and_grad_buffer.py): a weight buffer at the weights' dtype, an fp32 main
-    weight buffer even at fp32 (preserve_fp32_weights), an fp32 gradient buffer, and Adam's two fp32 moments; optim
-    distributes the main weights (and so the moments), optim_grads the gradients too, optim_grads_params the weights
-    too. Over one rank nothing is distributed."""
+    weight buffer even at fp32 (preserve_fp32_weights), an fp32 gradient buffer, and Adam's two fp32 moments; no_shard
+    distributes none (the model's own weights in place of the weight buffer), optim the main weights (and so the
+    moments), optim_grads the gradients too, optim_grads_params the weights too. Over one rank nothing is
+    distributed."""
     for dp in (1, 2, 8):
+        assert bytes_per_parameter(bf16, True, dp, megatron_fsdp="no_shard") == weight + 4 + 4 + 8
         assert bytes_per_parameter(bf16, True, dp, megatron_fsdp="optim") == weight + 4 + (4 + 8) / dp
         assert bytes_per_parameter(bf16, True, dp, megatron_fsdp="optim_grads") == weight + (4 + 4 + 8) / dp
         assert bytes_per_parameter(bf16, True, dp, megatron_fsdp="optim_grads_params") == (weight + 16) / dp
@@ -497,13 +504,14 @@ def test_megatron_fsdp_holds_whole_its_gathered_weights_and_queued_gradients_up_
     optim_grads_params gathers the 4e8, a layer (9e7) and 5e8 prefetched (half its 1e9-element unit): 9.9e8 weights;
     as the backward pass starts they are held with the gradients of the 4e8 and one layer, as it ends the 4e8 and a
     layer's weights with the 4e8's gradients, two layers' and the queue's 1e9 (fp32). optim_grads: every gradient,
-    fp32, in its one bucket; optim: nothing beyond its buffers. Over one rank nothing is gathered."""
+    fp32, in its one bucket; optim and no_shard: nothing beyond their buffers. Over one rank nothing is gathered."""
     starts = 9.9e8 * 2 + 4.9e8 * 4
     ends = 4.9e8 * 2 + (4e8 + 1.8e8 + 1e9) * 4
     assert ends > starts
     assert megatron_fsdp_gathered("optim_grads_params", 4e9, 9e7, 4e8, 2) == pytest.approx((9.9e8, ends))
     assert megatron_fsdp_gathered("optim_grads", 4e9, 9e7, 4e8, 2) == (0, 4 * 4e9)
     assert megatron_fsdp_gathered("optim", 4e9, 9e7, 4e8, 2) == (0, 0)
+    assert megatron_fsdp_gathered("no_shard", 4e9, 9e7, 4e8, 2) == (0, 0)
     # A small model: every weight gathered and every gradient queued, the ends' 2 + 4 bytes outweighing the starts'.
     assert megatron_fsdp_gathered("optim_grads_params", 1e6, 2e5, 2e5, 2) == pytest.approx((1e6, 4e5 * 2 + 4e6))
     # In the dry run: a stage of 4e9 over DP 4, its outside parameters the vocabulary's two matrices (50000 x 4000).
@@ -518,6 +526,8 @@ def test_megatron_fsdp_holds_whole_its_gathered_weights_and_queued_gradients_up_
         4e9 * 20 / 4 + max(9.9e8 * 4 + 4.9e8 * 4, 4.9e8 * 4 + (4e8 + 1.8e8 + 1e9) * 4))
     assert model_bytes("optim_grads") == pytest.approx(4e9 * (2 + 16 / 4) + 4e9 * 4)
     assert model_bytes("optim") == pytest.approx(4e9 * (6 + 12 / 4))
+    assert model_bytes("no_shard") == pytest.approx(4e9 * 18)
+    assert model_bytes("no_shard", bf16=False) == pytest.approx(4e9 * 20)
     assert model_bytes("optim_grads_params", dp=1) == model_bytes("optim_grads", dp=1) == pytest.approx(4e9 * 18)
 
 

@@ -65,13 +65,13 @@ def bytes_per_parameter(bf16: bool, distributed_optimizer: bool, data_parallel: 
     them), main weights and moments, 2 + 4 + 12 bytes (measured: benchmarks/sixteen_bit_optimizer.py); fp32 ones,
     4 + 4 + 8. Megatron-FSDP's buffers (its `megatron_fsdp` strategy; param_and_grad_buffer.py) keep an fp32 main
     copy at fp32 too (preserve_fp32_weights): weights 2 (fp32: 4), fp32 gradients 4, main weights and moments 12,
-    sharded by optim: the last 12; optim_grads: and the gradients; optim_grads_params: all. What it holds whole
-    beyond these for a while: megatron_fsdp_gathered."""
+    none sharded by no_shard (the model's own weights, gradients all-reduced); optim shards the last 12;
+    optim_grads: and the gradients; optim_grads_params: all. What it holds whole beyond these for a while:
+    megatron_fsdp_gathered."""
     if megatron_fsdp:
         weights = 2 if bf16 else 4
-        if megatron_fsdp == "optim_grads_params":
-            return (weights + 16) / data_parallel
-        return weights + (16 / data_parallel if megatron_fsdp == "optim_grads" else 4 + 12 / data_parallel)
+        sharded = {"no_shard": 0, "optim": 12, "optim_grads": 16, "optim_grads_params": weights + 16}[megatron_fsdp]
+        return weights + 16 - sharded + sharded / data_parallel
     if fsdp2:
         return (18 if bf16 else 16) / data_parallel
     if bf16:
@@ -83,7 +83,8 @@ def megatron_fsdp_gathered(strategy: str, parameters: float, layer_parameters: f
                            weight_bytes: int) -> tuple[float, float]:
     """What Megatron-FSDP's `strategy` holds whole beyond its shards (megatron-core 0.16.1 over more than one rank,
     without --ddp-bucket-size): (the weights it keeps gathered between steps, in parameters; the most bytes of
-    weights and gradients it holds so in the backward pass). optim_grads reduces its fp32 gradients in one bucket,
+    weights and gradients it holds so in the backward pass). no_shard and optim: nothing (their weight and gradient
+    buffers are whole, their buckets views of them). optim_grads reduces its fp32 gradients in one bucket,
     whole from the first gradient to the reduce-scatter at the end of the backward pass. optim_grads_params gathers
     the parameters outside its layers (the embedding, the output layer) in the forward pass and frees them after the
     step, and each layer's weights with those its all-gather prefetches behind them (MEGATRON_FSDP_UNIT_ELEMENTS / 2;
