@@ -219,12 +219,13 @@ if [ $te -eq 0 ]; then
     stage fsdp2 90 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/sixteen_bit_optimizer.py \
         --family angpt "${fsdp2_shape[@]}" --rounds 5 --variants "distributed optimizer" without fsdp2 \
         --output "$out/fsdp2.json"
-    # Megatron-FSDP's three strategies (never run on a GPU before): step time and the device's peak against the
+    # Megatron-FSDP's four strategies (never run on a GPU before): step time and the device's peak against the
     # distributed optimizer's, in a stage of their own so that a failure leaves FSDP2's rows. Over one rank nothing
     # is sharded; their memory at DP 2 and 4 is measured on the CPU (docs/results/memory_dp*.json).
     stage megatron-fsdp 90 "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 \
         benchmarks/sixteen_bit_optimizer.py --family angpt "${fsdp2_shape[@]}" --rounds 5 \
-        --variants "megatron-fsdp optim" "megatron-fsdp optim_grads" "megatron-fsdp optim_grads_params" \
+        --variants "megatron-fsdp no_shard" "megatron-fsdp optim" "megatron-fsdp optim_grads" \
+        "megatron-fsdp optim_grads_params" \
         --output "$out/megatron-fsdp.json"
 fi
 large_variants=("${variants[@]}")
