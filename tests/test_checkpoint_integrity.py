@@ -113,6 +113,24 @@ def test_the_fallback_resumes_from_the_newest_intact_checkpoint(copy, caplog):
 
 
 @pytest.mark.slow
+def test_ckpt_step_resumes_from_that_iteration_and_names_what_there_is_otherwise(copy):
+    """--ckpt-step (Megatron-LM's): the checkpoint of that iteration, not the latest (4), verified as any load;
+    the latest itself too; an iteration with no complete checkpoint (3, and one past the last) refused in one line
+    naming the ones there are, and a damaged one refused as the latest would be."""
+    resumed = trainer("--load", str(copy), "--ckpt-step", "2")
+    assert (resumed.loaded_from, resumed.state.iteration) == (str(copy / "iter_0000002"), 2)
+    assert trainer("--load", str(copy), "--ckpt-step", "4").state.iteration == 4
+    for missing in (3, 5):
+        with pytest.raises(checkpointing.CheckpointError) as refusal:
+            trainer("--load", str(copy), "--ckpt-step", str(missing))
+        assert str(refusal.value) == (f"--ckpt-step {missing}: {copy} holds no complete checkpoint of iteration "
+                                      f"{missing} (its iterations: 2, 4)")
+    overwrite_256_bytes(copy / "iter_0000002" / "__0_0.distcp")
+    with pytest.raises(checkpointing.CheckpointError, match="the checkpoint of iteration 2 is damaged: "):
+        trainer("--load", str(copy), "--ckpt-step", "2")
+
+
+@pytest.mark.slow
 def test_a_checkpoint_without_digests_still_loads_with_a_note(copy, caplog):
     """As written before digests were recorded; damaged, it is refused in one line naming the directory."""
     os.remove(copy / "iter_0000004" / digests.DIGESTS)

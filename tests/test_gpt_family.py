@@ -153,7 +153,8 @@ def test_embedding_init_method_std_initializes_the_embeddings_alone(seeded):
     position embeddings drawn from N(0, 0.5^2), the other weights still from --init-method-std's N(0, 0.02^2). The
     sample standard deviation of n normal draws is within 5 / sqrt(2 n) of the true one (5 sigma)."""
     model = build_model(transformer_config(gpt("--embedding-init-method-std", "0.5")), V, SEQ)
-    for weight, std in ((model.embedding.word_embeddings.weight, 0.5), (model.embedding.position_embeddings.weight, 0.5),
+    embedding = model.embedding
+    for weight, std in ((embedding.word_embeddings.weight, 0.5), (embedding.position_embeddings.weight, 0.5),
                         (model.decoder.layers[0].mlp.linear_fc1.weight, 0.02)):
         assert abs(weight.std().item() - std) <= 5 * std / math.sqrt(2 * weight.numel()), (weight.shape, std)
 

@@ -105,6 +105,10 @@ def test_gradients_reduce_in_fp32_unless_grad_reduce_in_bf16_and_the_bucket_size
      "give one of --override-opt_param-scheduler (the flags' schedule) and --use-checkpoint-opt_param-scheduler"),
     (["--use-pytorch-profiler"], "--use-pytorch-profiler, --profile-ranks, --profile-step-start and "
                                  "--profile-step-end need --profile"),
+    (["--ckpt-step", "0"], "--ckpt-step needs --load"),
+    (["--load", "x", "--ckpt-step", "-1"], "--ckpt-step -1 cannot be negative"),
+    (["--load", "x", "--ckpt-step", "2", "--load-fallback-to-intact"], "give one of --ckpt-step (that checkpoint) "
+                                                                       "and --load-fallback-to-intact"),
 ])
 def test_these_flags_alone_or_out_of_range_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):

@@ -204,7 +204,6 @@ FLAGS: dict[str, Decision] = {
     "--save-dgrads-interval": refused(f"{NOT_YET}"),
     "--load-main-params-from-ckpt": refused(f"{NOT_YET}"),
     "--pretrained-checkpoint": refused("use --load with --finetune"),
-    "--ckpt-step": refused(f"{NOT_YET}: --load resumes from the latest complete checkpoint"),
     "--use-checkpoint-args": refused(f"{NOT_YET}: give the flags again (each checkpoint records them)"),
     "--use-mp-args-from-checkpoint-args": refused(f"{NOT_YET}: give the flags again (each checkpoint records "
                                                   "them)"),

@@ -476,6 +476,7 @@ class CheckpointSection:
     load_fallback_to_intact: bool = flag(False, "when the latest checkpoint fails its digests (a damaged, "
         "truncated or missing file) or the latest file is missing, resume from the newest intact checkpoint before "
         "it instead of stopping")
+    ckpt_step: Optional[int] = flag(None, "resume from the checkpoint of this iteration in --load, not the latest")
     save_interval: Optional[int] = flag(None, "save every this many iterations")
     keep_last_n_checkpoints: Optional[int] = flag(None, "delete older checkpoints once a newer one is complete")
     save_retain_interval: Optional[int] = flag(None, "never delete the checkpoints of multiples of this many "

@@ -43,9 +43,10 @@ NUMERIC_RANGES = (
         "megatron_local_rank", "rampup_batch_size", "manual_gc_interval", "empty_unused_memory_level",
         "num_workers", "decoupled_min_lr", "profile_step_start", "profile_step_end", "profile_ranks",
         "straggler_ctrlr_port", "error_injection_rate", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16",
-        "wgrad_deferral_limit")),
+        "wgrad_deferral_limit", "ckpt_step")),
     ("must be positive", lambda value: value > 0, (
-        "init_method_std", "embedding_init_method_std", "norm_epsilon", "angpt_constant_factor_multiplier", "angpt_nu_alpha_multiplier",
+        "init_method_std", "embedding_init_method_std", "norm_epsilon",
+        "angpt_constant_factor_multiplier", "angpt_nu_alpha_multiplier",
         "distributed_timeout_minutes", "hang_timeout_minutes", "lr", "adam_eps", "exit_duration_in_mins",
         "loss_scale", "initial_loss_scale", "min_loss_scale", "decoupled_lr",
         "gpu_memory_gib")),
@@ -605,9 +606,12 @@ def _validate_checkpoints(parser, args) -> None:
     if (args.exit_signal_handler or args.exit_interval or args.exit_duration_in_mins) and not args.save:
         # Megatron-LM exits without saving then; a user who asks for a graceful exit wants the state.
         parser.error("--exit-signal-handler, --exit-interval and --exit-duration-in-mins need --save")
-    for flag in ("finetune", "load_fallback_to_intact"):
-        if getattr(args, flag) and not args.load:
-            parser.error(f"--{flag.replace('_', '-')} needs --load")
+    for flag, given in (("finetune", args.finetune), ("load-fallback-to-intact", args.load_fallback_to_intact),
+                        ("ckpt-step", args.ckpt_step is not None)):
+        if given and not args.load:
+            parser.error(f"--{flag} needs --load")
+    if args.ckpt_step is not None and args.load_fallback_to_intact:
+        parser.error("give one of --ckpt-step (that checkpoint) and --load-fallback-to-intact (the newest intact one)")
 
 
 def _validate_wandb(parser, args) -> None:

@@ -300,12 +300,21 @@ def verify_checkpoint(path: str) -> bool:
     return True
 
 
-def intact_checkpoint(root: str, fallback: bool = False) -> Optional[str]:
+def intact_checkpoint(root: str, fallback: bool = False, step: Optional[int] = None) -> Optional[str]:
     """Collectively find the checkpoint directory to resume from under root and verify it: the latest one
     (a damaged one is refused), or with `fallback` the newest intact one at or before it, also when the
     latest file is missing, unreadable or names a missing directory. None when root holds no checkpoint;
-    checkpoint directories without a latest file are refused unless `fallback` (never silently skipped)."""
+    checkpoint directories without a latest file are refused unless `fallback` (never silently skipped).
+    With `step` (--ckpt-step), that iteration's, whatever the latest file says (Megatron-LM's)."""
     iterations = complete_iterations(root)
+    if step is not None:
+        if step not in iterations:
+            held = ", ".join(map(str, iterations)) or "none"
+            raise CheckpointError(f"--ckpt-step {step}: {root} holds no complete checkpoint of iteration {step} "
+                                  f"(its iterations: {held})")
+        path = checkpoint_dir(root, step)
+        verify_checkpoint(path)
+        return path
     try:
         latest = read_latest_iteration(root)
     except CheckpointError as error:

@@ -128,7 +128,8 @@ class Trainer:
             checkpointing.remove_incomplete(checkpoint.save)
         if checkpoint.load:
             self.loaded_from = checkpointing.intact_checkpoint(checkpoint.load,
-                                                               fallback=checkpoint.load_fallback_to_intact)
+                                                               fallback=checkpoint.load_fallback_to_intact,
+                                                               step=checkpoint.ckpt_step)
         if self.loaded_from is not None:
             timer(self.timers, "load-checkpoint").start()
             self.state = checkpointing.load_checkpoint(
