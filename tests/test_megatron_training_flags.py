@@ -105,6 +105,13 @@ def test_gradients_reduce_in_fp32_unless_grad_reduce_in_bf16_and_the_bucket_size
      "give one of --override-opt_param-scheduler (the flags' schedule) and --use-checkpoint-opt_param-scheduler"),
     (["--use-pytorch-profiler"], "--use-pytorch-profiler, --profile-ranks, --profile-step-start and "
                                  "--profile-step-end need --profile"),
+    (["--start-weight-decay", "0"], "--start-weight-decay needs --weight-decay-incr-style linear or cosine"),
+    (["--start-weight-decay", "0", "--end-weight-decay", "0.1"],
+     "--start-weight-decay and --end-weight-decay need --weight-decay-incr-style linear or cosine"),
+    (["--weight-decay-incr-style", "linear", "--end-weight-decay", "0.1"],
+     "--weight-decay-incr-style linear needs --start-weight-decay and --end-weight-decay"),
+    (["--weight-decay-incr-style", "cosine", "--start-weight-decay", "-0.1", "--end-weight-decay", "0"],
+     "--start-weight-decay -0.1 cannot be negative"),
     (["--ckpt-step", "0"], "--ckpt-step needs --load"),
     (["--load", "x", "--ckpt-step", "-1"], "--ckpt-step -1 cannot be negative"),
     (["--load", "x", "--ckpt-step", "2", "--load-fallback-to-intact"], "give one of --ckpt-step (that checkpoint) "

@@ -2,6 +2,7 @@
 schedule; Learnable scales)."""
 
 import importlib
+import math
 
 import pytest
 import torch
@@ -80,6 +81,23 @@ def test_weight_decay_reaches_two_dimensional_weights_only(seeded):
             decay[id(param)] = group["weight_decay"]
     for name, param in chunks[0].module.named_parameters():
         assert decay[id(param)] == (0.1 if param.dim() == 2 else 0.0), name
+
+
+@pytest.mark.parametrize("style", ["linear", "cosine"])
+def test_a_weight_decay_schedule_goes_from_start_to_end_over_the_training(style, seeded):
+    """--weight-decay-incr-style (Megatron-LM's: over --train-iters, whatever --lr-decay-iters): the decayed groups'
+    weight decay after k of 10 steps is start + (end - start) c, c = k / 10 (linear) or (1 - cos(pi k / 10)) / 2
+    (cosine), computed here; the undecayed groups (1-D parameters) stay at 0."""
+    chunks = tiny_chunks("gptplus")
+    optimizer, scheduler = build_optimizer(chunks, run_config(
+        "gptplus", lr=1e-3, train_iters=10, lr_decay_iters=4, weight_decay_incr_style=style, start_weight_decay=0.02,
+        end_weight_decay=0.1))
+    for k in range(11):
+        ratio = k / 10 if style == "linear" else (1 - math.cos(math.pi * k / 10)) / 2
+        expected = 0.02 + (0.1 - 0.02) * ratio
+        assert sorted({group["weight_decay"] for group in optimizer.param_groups}) == pytest.approx([0.0, expected]), k
+        if k < 10:
+            scheduler.step(1)
 
 
 @pytest.mark.parametrize(

@@ -195,9 +195,6 @@ FLAGS: dict[str, Decision] = {
     # -- learning rate and weight decay
     "--use-checkpoint-opt_param-scheduler": implied("a resumed run keeps the checkpoint's schedule (unless "
                                                     "--override-opt_param-scheduler)"),
-    "--start-weight-decay": refused(f"weight-decay schedules are {NOT_YET}: --weight-decay is constant"),
-    "--end-weight-decay": refused(f"weight-decay schedules are {NOT_YET}: --weight-decay is constant"),
-    "--weight-decay-incr-style": refused(f"weight-decay schedules are {NOT_YET}: --weight-decay is constant"),
     "--warmup": refused("deprecated in Megatron-LM: use --lr-warmup-iters or --lr-warmup-fraction"),
     # -- checkpointing
     "--save-wgrads-interval": refused(f"{NOT_YET}"),

@@ -335,6 +335,12 @@ class OptimizerSection:
     lr_wsd_decay_samples: Optional[int] = flag(None, "with --train-samples: length of WSD's final decay")
     lr_wsd_decay_style: str = flag("exponential", choices=WSD_DECAY_STYLES)
     weight_decay: Optional[float] = flag(None, "default: the family's (0; 0.1 for GPT+)")
+    start_weight_decay: Optional[float] = flag(None, "with --weight-decay-incr-style linear or cosine: the weight "
+        "decay at the first step")
+    end_weight_decay: Optional[float] = flag(None, "with --weight-decay-incr-style linear or cosine: the weight decay "
+        "at the last step (--train-iters or --train-samples)")
+    weight_decay_incr_style: str = flag("constant", "from --start-weight-decay to --end-weight-decay over the training "
+        "(constant: --weight-decay throughout)", choices=("constant", "linear", "cosine"))
     decoupled_lr: Optional[float] = flag(None, "max lr of the input and output layers (the embedding and the "
         "output head), decoupled from --lr; the same schedule")
     decoupled_min_lr: Optional[float] = flag(None, "min lr of the input and output layers (with --decoupled-lr; "

@@ -43,7 +43,7 @@ NUMERIC_RANGES = (
         "megatron_local_rank", "rampup_batch_size", "manual_gc_interval", "empty_unused_memory_level",
         "num_workers", "decoupled_min_lr", "profile_step_start", "profile_step_end", "profile_ranks",
         "straggler_ctrlr_port", "error_injection_rate", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16",
-        "wgrad_deferral_limit", "ckpt_step")),
+        "wgrad_deferral_limit", "ckpt_step", "start_weight_decay", "end_weight_decay")),
     ("must be positive", lambda value: value > 0, (
         "init_method_std", "embedding_init_method_std", "norm_epsilon",
         "angpt_constant_factor_multiplier", "angpt_nu_alpha_multiplier",
@@ -600,6 +600,13 @@ def _validate_checkpoints(parser, args) -> None:
     if retain and retain % args.save_interval:
         parser.error(f"--save-retain-interval {retain} must be a multiple of --save-interval {args.save_interval} "
                      "(Megatron-LM's check)")
+    given = [f"--{name}-weight-decay" for name in ("start", "end") if getattr(args, f"{name}_weight_decay") is not None]
+    if args.weight_decay_incr_style == "constant" and given:  # Megatron-LM's checks
+        parser.error(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --weight-decay-incr-style linear or "
+                     "cosine (constant: --weight-decay)")
+    if args.weight_decay_incr_style != "constant" and len(given) < 2:
+        parser.error(f"--weight-decay-incr-style {args.weight_decay_incr_style} needs --start-weight-decay and "
+                     "--end-weight-decay")
     if args.override_opt_param_scheduler and args.megatron_use_checkpoint_opt_param_scheduler:
         parser.error("give one of --override-opt_param-scheduler (the flags' schedule) and "
                      "--use-checkpoint-opt_param-scheduler (the checkpoint's)")

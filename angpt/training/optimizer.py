@@ -198,10 +198,11 @@ def build_optimizer(model_chunks, config: RunConfig, fused_adam: Optional[bool] 
         lr_warmup_steps=warmup,
         lr_decay_steps=decay_steps,
         lr_decay_style=schedule.lr_decay_style,
-        start_wd=weight_decay,
-        end_wd=weight_decay,
-        wd_incr_steps=decay_steps,
-        wd_incr_style="constant",
+        # Megatron-LM's: the weight decay goes from start to end over the whole training.
+        start_wd=weight_decay if schedule.weight_decay_incr_style == "constant" else schedule.start_weight_decay,
+        end_wd=weight_decay if schedule.weight_decay_incr_style == "constant" else schedule.end_weight_decay,
+        wd_incr_steps=training.train_iters if training.train_samples is None else training.train_samples,
+        wd_incr_style=schedule.weight_decay_incr_style,
         wsd_decay_steps=wsd_decay_steps,
         lr_wsd_decay_style=schedule.lr_wsd_decay_style,
         # megatron-core's default keeps the checkpoint's schedule; overriding it excludes that.
