@@ -41,6 +41,18 @@ def test_a_region_is_rewritten_inline_or_as_a_block():
     assert block.startswith("<!-- figures:h200-table -->\n| shape |") and block.endswith("|\n<!-- /figures -->")
 
 
+def test_the_layout_verdict_says_when_no_megatron_fsdp_strategy_is_listed(monkeypatch):
+    def row(layout, sharding, gib, seconds):  # as --suggest-layout's ranking prints one
+        return f"  {layout:68} {sharding:32} {gib:6.1f} {seconds:8.2f}  1.00/0.00/0.00/0.00/0.00/0.00"
+
+    rows = [row("TP 4 x PP 1 x CP 4 x DP 16, SP", "--use-torch-fsdp2", 57.4, 46.53),
+            row("TP 4 x PP 4 x CP 4 x DP 4, SP", "--use-distributed-optimizer", 78.1, 48.61)]
+    monkeypatch.setattr(docs_figures, "layout_output", lambda family: rows)
+    assert "No Megatron-FSDP strategy is among the 2 listed." in docs_figures.layout_example_verdict()
+    rows.append(row("TP 8 x PP 1 x CP 2 x DP 16, SP", "Megatron-FSDP optim_grads_params", 61.5, 49.40))
+    assert "Megatron-FSDP" not in docs_figures.layout_example_verdict()
+
+
 def test_the_readme_starts_with_make_quickstart_and_make_test():
     commands = [line.split("#")[0].strip() for line in read("README.md").split("```")[1].splitlines()[1:]]
     assert [command for command in commands if command][:2] == ["make quickstart", "make test"]

@@ -755,23 +755,25 @@ def test_the_search_shards_with_fsdp2_where_only_it_fits_and_the_distributed_opt
         {part: seconds for part, seconds in same[DISTRIBUTED_OPTIMIZER].seconds.items() if part != "data_parallel"}
 
 
-def test_the_search_weighs_fsdp2_only_without_pipeline_parallelism_megatron_fsdp_without_pp_and_cp():
-    """As angpt.config.validation has it: FSDP2 refuses pipeline parallelism, Megatron-FSDP (each strategy alike)
-    pipeline and context parallelism (its refusal of PP given first where a layout has both)."""
+def test_the_search_weighs_fsdp2_and_megatron_fsdp_only_without_pipeline_parallelism():
+    """As angpt.config.validation has it: FSDP2 and Megatron-FSDP (each strategy alike) refuse pipeline parallelism
+    and take context parallelism, sharding over the data x context ranks: a rank of TP 4 x CP 2 x DP 8 holds what
+    one of TP 4 x DP 16 does."""
     estimates, refusals = searched(search_run())
     assert {e.layout.pipeline_parallel for e in estimates} == {1, 2}
-    assert {e.layout.context_parallel for e in estimates} == {1, 2, 4, 8, 16, 32}
-    assert {e.layout.pipeline_parallel for e in estimates if e.sharding == FSDP2} == {1}
-    assert {(e.layout.pipeline_parallel, e.layout.context_parallel) for e in estimates
-            if e.sharding in MEGATRON_FSDP.values()} == {(1, 1)}
+    for sharding in (FSDP2, *MEGATRON_FSDP.values()):
+        assert {e.layout.pipeline_parallel for e in estimates if e.sharding == sharding} == {1}
+        assert {e.layout.context_parallel for e in estimates if e.sharding == sharding} == {1, 2, 4, 8, 16, 32}
+        cp2, dp16 = ([e for e in estimates if e.sharding == sharding and e.layout == layout]
+                     for layout in (Layout(4, 1, 2, 8, sequence_parallel=True),
+                                    Layout(4, 1, 1, 16, sequence_parallel=True)))
+        assert cp2[0].stages[0].model_bytes == dp16[0].stages[0].model_bytes
     assert {e.sharding for e in estimates if e.layout == Layout(1, 1, 1, 64)} == {DISTRIBUTED_OPTIMIZER, FSDP2,
                                                                                  *MEGATRON_FSDP.values()}
-    assert refusals[FSDP2][1, 1] is None and refusals[FSDP2][1, 2] is None
-    assert describe_refusals(refusals) == [
-        "  FSDP2 not weighed with PP 2: --use-torch-fsdp2 with pipeline parallelism (Megatron-LM's check)",
-        "  Megatron-FSDP not weighed with CP 2, 4, 8, 16, 32: --use-megatron-fsdp with context parallelism: not "
-        "built yet",
-        "  Megatron-FSDP not weighed with PP 2: --use-megatron-fsdp with pipeline parallelism: not built yet"]
+    fsdp2, megatron_fsdp = describe_refusals(refusals)
+    assert fsdp2 == "  FSDP2 not weighed with PP 2: --use-torch-fsdp2 with pipeline parallelism (Megatron-LM's check)"
+    assert megatron_fsdp.startswith("  Megatron-FSDP not weighed with PP 2: --use-megatron-fsdp with pipeline "
+                                    "parallelism")
 
 
 @pytest.mark.parametrize("family, sections, why", [
@@ -800,17 +802,16 @@ def test_fsdp2_is_refused_in_the_parsers_words_and_only_where_the_parser_refuses
 
 
 def test_megatron_fsdp_is_refused_in_the_parsers_words_and_only_where_the_parser_refuses_it():
-    """Megatron-FSDP takes the distributed optimizer and fsdp_dtensor checkpoints, and its own overlap in place of
-    the run's --overlap-grad-reduce and --overlap-param-gather (search_run gives both): weighed at PP 1 x CP 1,
-    whatever the run's own sharding or checkpoint format; the parser's refusals otherwise."""
+    """Megatron-FSDP takes the distributed optimizer and fsdp_dtensor checkpoints, and the run's
+    --overlap-grad-reduce and --overlap-param-gather (search_run gives both): weighed at PP 1 with any CP, whatever
+    the run's own sharding or checkpoint format; the parser's refusals otherwise."""
     for strategy in MEGATRON_FSDP.values():
-        assert sharding_refusal(search_run(), strategy, 1) is None
+        for context_parallel in (1, 2):
+            assert sharding_refusal(search_run(), strategy, 1, context_parallel) is None
         assert sharding_refusal(search_run(checkpoint=dict(ckpt_format="torch")), strategy, 1) is None
         assert sharding_refusal(search_run(parallel=dict(use_torch_fsdp2=True)), strategy, 1) is None
-        assert sharding_refusal(search_run(), strategy, 2) == \
-            "--use-megatron-fsdp with pipeline parallelism: not built yet"
-        assert sharding_refusal(search_run(), strategy, 1, 2) == \
-            "--use-megatron-fsdp with context parallelism: not built yet"
+        assert sharding_refusal(search_run(), strategy, 2).startswith(
+            "--use-megatron-fsdp with pipeline parallelism")
     estimates, refusals = searched(search_run(precision=dict(bf16=False, fp16=True)))
     assert estimates and not any(e.sharding in MEGATRON_FSDP.values() for e in estimates)
     assert [line for line in describe_refusals(refusals) if "Megatron-FSDP" in line] == [
@@ -819,17 +820,23 @@ def test_megatron_fsdp_is_refused_in_the_parsers_words_and_only_where_the_parser
 
 def test_megatron_fsdps_collectives_by_strategy():
     """Megatron-FSDP over DP 16 (two nodes: the network), 4 micro-batches a rank, 1e9 BF16 weights a rank with fp32
-    gradients: each all-gather moves 15/16 of 2e9 bytes, each reduce-scatter of 4e9, at 45 GB/s. optim: one of each
-    a step, waited for (its overlap is refused); optim_grads: a reduce-scatter a micro-batch, overlapped (Megatron-FSDP
-    turns it on), the all-gather after the step waited for; optim_grads_params: per micro-batch two all-gathers and a
-    reduce-scatter, overlapped."""
+    gradients: each all-gather moves 15/16 of 2e9 bytes, each reduce-scatter of 4e9 (an all-reduce twice that), at
+    45 GB/s. no_shard: an all-reduce a step, overlapped with the run's --overlap-grad-reduce; optim: a reduce-scatter
+    and an all-gather a step, overlapped with the run's flags, as the distributed optimizer; optim_grads: a
+    reduce-scatter a micro-batch, overlapped (Megatron-FSDP turns it on), the all-gather after the step with the
+    run's --overlap-param-gather; optim_grads_params: per micro-batch two all-gathers and a reduce-scatter,
+    overlapped."""
     gather, reduce = 2e9 * 15 / 16 / 45e9, 4e9 * 15 / 16 / 45e9
 
     def seconds(strategy, overlap=True):
         return data_parallel_seconds(Layout(1, 1, 1, 16), 4, 1e9, overlap, overlap, 4, 2, False, True, strategy)
 
-    assert seconds("optim") == seconds("optim", overlap=False) == pytest.approx((reduce + gather, 0))
-    assert seconds("optim_grads") == pytest.approx((gather, 4 * reduce))
+    assert seconds("no_shard") == pytest.approx((0, 2 * reduce))
+    assert seconds("no_shard", overlap=False) == pytest.approx((2 * reduce, 0))
+    assert seconds("optim") == pytest.approx((0, reduce + gather))
+    assert seconds("optim", overlap=False) == pytest.approx((reduce + gather, 0))
+    assert seconds("optim_grads") == pytest.approx((0, gather + 4 * reduce))
+    assert seconds("optim_grads", overlap=False) == pytest.approx((gather, 4 * reduce))
     assert seconds("optim_grads_params") == pytest.approx((0, 4 * (2 * gather + reduce)))
     assert seconds("optim_grads_params", overlap=False) == seconds("optim_grads_params")
     config = model_config("gptplus", num_layers=4, hidden_size=128, num_attention_heads=4)
@@ -841,13 +848,31 @@ def test_megatron_fsdps_collectives_by_strategy():
                                  "optim_grads_params") == (0, 0)
 
 
+def test_megatron_fsdp_is_weighed_with_the_runs_overlap_flags():
+    """search_run's layout TP 4 x DP 16 (4 micro-batches a rank, 1e10 / 4 weights: 15/16 of a byte each over the
+    network, `ring` s) with the run's --overlap-grad-reduce and --overlap-param-gather, and without: optim as the
+    distributed optimizer either way; no_shard's all-reduce of fp32 gradients (2 x 4 bytes) overlapped or waited for
+    as the run says; optim_grads_params overlapping its own (per micro-batch: two all-gathers, a reduce-scatter)."""
+    ring = 1e10 / 4 * 15 / 16 / 45e9
+    for overlap in (True, False):
+        estimates, _ = searched(search_run(parallel=dict(overlap_grad_reduce=overlap, overlap_param_gather=overlap)))
+        same = {e.sharding: e for e in estimates if e.layout == Layout(4, 1, 1, 16, sequence_parallel=True)}
+        assert same[MEGATRON_FSDP["optim"]].seconds == same[DISTRIBUTED_OPTIMIZER].seconds
+        assert same[MEGATRON_FSDP["optim"]].overlapped == pytest.approx(overlap * (4 + 2) * ring)
+        assert same[MEGATRON_FSDP["no_shard"]].overlapped == pytest.approx(overlap * 2 * 4 * ring)
+        assert same[MEGATRON_FSDP["no_shard"]].seconds["data_parallel"] == pytest.approx(
+            (not overlap) * 2 * 4 * ring + max(0.0, overlap * 2 * 4 * ring - same[DISTRIBUTED_OPTIMIZER].seconds[
+                "compute"]))
+        assert same[MEGATRON_FSDP["optim_grads_params"]].overlapped == pytest.approx(4 * (2 * 2 + 4) * ring)
+
+
 def test_the_ranking_names_megatron_fsdps_flags():
     estimates = [Estimate(Layout(1, 1, 1, 8), [StageMemory(0, 1, GIB, 0.0, 1)], dict(compute=1.0),
                           MEGATRON_FSDP["optim_grads"])]
     lines = describe_ranking(estimates, 2 * GIB)
     assert lines[2].split()[11:13] == ["Megatron-FSDP", "optim_grads"]
     assert lines[3] == ("  Megatron-FSDP optim_grads: --use-megatron-fsdp --data-parallel-sharding-strategy "
-                        "optim_grads --ckpt-format fsdp_dtensor, with --use-distributed-optimizer, without "
-                        "--overlap-grad-reduce and --overlap-param-gather")
+                        "optim_grads --ckpt-format fsdp_dtensor, with --use-distributed-optimizer and the run's "
+                        "other flags")
     # Only the strategies shown are named.
     assert not any("optim_grads_params" in line for line in lines)

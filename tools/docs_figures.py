@@ -305,6 +305,9 @@ def layout_example_verdict() -> str:
         text += (f". Its data-parallel collectives take {overlapped:.1f} s a step beside the compute: were "
                  f"{(other['seconds'] - first['seconds']) / overlapped:.0%} of them left exposed, the gain would be "
                  "gone")
+    listed = layout_rows("angpt")
+    if not any(row["sharding"].startswith("Megatron-FSDP") for row in listed):
+        text += f". No Megatron-FSDP strategy is among the {len(listed)} listed"
     first, other, _ = layout_comparison("gptplus")
     return text + (f". For GPT+ of the same shape: `{first['sharding']}` at {first['layout']}, {first['seconds']:.2f} s"
                    + (f" against {other['seconds']:.2f} s with `{other['sharding']}`" if other else ""))

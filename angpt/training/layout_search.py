@@ -12,22 +12,23 @@ are in docs/scaling.md; in short, one step is
       reduce-scatter and weight all-gather once a step; FSDP2's (--use-torch-fsdp2) all-gather of each layer's
       weights in every micro-batch's forward pass, again in its backward pass when it reshards after the forward
       (Megatron-LM's default), and the reduce-scatter of its gradients, at the dtype of the weights;
-      Megatron-FSDP's (--use-megatron-fsdp, megatron-core 0.16.1's megatron_fsdp.py): optim reduce-scatters the
-      gradients (at their reduction dtype) at the last micro-batch and all-gathers the updated weights after the
-      step, as the distributed optimizer; optim_grads reduce-scatters them in every micro-batch, overlapped (it
-      turns --overlap-grad-reduce on itself), and all-gathers the weights after the step; optim_grads_params
-      gathers each layer's weights in every micro-batch's forward and again in its backward pass and
-      reduce-scatters its gradients, all overlapped
+      Megatron-FSDP's (--use-megatron-fsdp, megatron-core 0.16.1's megatron_fsdp.py): no_shard all-reduces the
+      gradients (at their reduction dtype) at the last micro-batch and gathers nothing (its weights are whole);
+      optim reduce-scatters them there and all-gathers the updated weights after the step, as the distributed
+      optimizer; optim_grads reduce-scatters them in every micro-batch, overlapped (it turns --overlap-grad-reduce
+      on itself), and all-gathers the weights after the step; optim_grads_params gathers each layer's weights in
+      every micro-batch's forward and again in its backward pass and reduce-scatters its gradients, all overlapped
 
 each collective moving (n - 1) / n of its bytes per rank (twice that for an all-reduce) at NVLink's
 bandwidth when its group fits in one node of GPUS_PER_NODE, at the network's otherwise. An overlapped
-collective (the distributed optimizer's with --overlap-grad-reduce, --overlap-param-gather; FSDP2's always,
-on its own streams; Megatron-FSDP's as above) runs beside the step's compute: only what exceeds the compute
-counts. Nothing else overlaps (pessimistic where megatron-core overlaps a collective with compute).
+collective (the distributed optimizer's with --overlap-grad-reduce, --overlap-param-gather, as Megatron-FSDP's
+where it does not turn them on itself; FSDP2's always, on its own streams) runs beside the step's compute: only
+what exceeds the compute counts. Nothing else overlaps (pessimistic where megatron-core overlaps a collective with
+compute).
 
 The search weighs each layout under the distributed optimizer and, where the run can take them (sharding_refusal:
-the parser's checks), under FSDP2 and Megatron-FSDP's three strategies; plain DDP is not weighed: it keeps more
-than the distributed optimizer and moves as many bytes.
+the parser's checks), under FSDP2 and Megatron-FSDP's four strategies; plain DDP is not weighed: it keeps and
+moves what no_shard does (at fp32, 4 bytes a parameter less: no main copy).
 """
 
 from __future__ import annotations
@@ -55,15 +56,15 @@ MEASURED_MFU = {"gptplus": 0.453, "angpt": 0.428, "ngpt": 0.418, "gpt": 0.453}
 # The data-parallel shardings the search weighs, by the flag that chooses each (Megatron-FSDP's: MEGATRON_FSDP_FLAGS).
 DISTRIBUTED_OPTIMIZER = "--use-distributed-optimizer"
 FSDP2 = "--use-torch-fsdp2"
-MEGATRON_FSDP = {strategy: f"Megatron-FSDP {strategy}" for strategy in ("optim", "optim_grads", "optim_grads_params")}
+MEGATRON_FSDP = {strategy: f"Megatron-FSDP {strategy}"
+                 for strategy in ("no_shard", "optim", "optim_grads", "optim_grads_params")}
 MEGATRON_FSDP_FLAGS = "--use-megatron-fsdp --data-parallel-sharding-strategy {} --ckpt-format fsdp_dtensor"
-# What each sharding changes of the run's flags: Megatron-FSDP's overlap is its own (the run's flags are refused).
+# What each sharding changes of the run's flags (its overlap flags stay as given).
 SHARDING_FLAGS = {
     DISTRIBUTED_OPTIMIZER: {},
     FSDP2: dict(use_torch_fsdp2=True, use_distributed_optimizer=False, use_megatron_fsdp=False),
     **{name: dict(use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy, use_distributed_optimizer=True,
-                  use_torch_fsdp2=False, ckpt_format="fsdp_dtensor", overlap_grad_reduce=False,
-                  overlap_param_gather=False)
+                  use_torch_fsdp2=False, ckpt_format="fsdp_dtensor")
        for strategy, name in MEGATRON_FSDP.items()},
 }
 
@@ -120,10 +121,10 @@ def data_parallel_seconds(layout: Layout, micro_batches: int, parameters_per_ran
     reduce = _collective_seconds(parameters_per_rank * grad_reduce_bytes, shards, within)
     if megatron_fsdp == "optim_grads_params":
         return 0.0, micro_batches * (2 * gather + reduce)
-    if megatron_fsdp == "optim_grads":
-        return gather, micro_batches * reduce
-    if megatron_fsdp == "optim":  # the run's overlap flags are refused with it
-        return reduce + gather, 0.0
+    if megatron_fsdp == "no_shard":  # an all-reduce (twice a reduce-scatter's bytes); its weights are whole
+        gather, reduce = 0.0, 2 * reduce
+    if megatron_fsdp == "optim_grads":  # Megatron-FSDP overlaps its reduce-scatters itself
+        overlap_grad_reduce, reduce = True, micro_batches * reduce
     return ((not overlap_grad_reduce) * reduce + (not overlap_param_gather) * gather,
             overlap_grad_reduce * reduce + overlap_param_gather * gather)
 
@@ -277,7 +278,7 @@ def _where(keys: list[tuple[int, int]]) -> str:
 
 def describe_refusals(refusals: dict[str, dict[tuple[int, int], str | None]]) -> list[str]:
     """The lines saying where the search did not weigh a sharding and why: one per reason, or where it was weighed
-    nowhere the first refusal (at the fewest stages and context-parallel ranks); Megatron-FSDP's three strategies in
+    nowhere the first refusal (at the fewest stages and context-parallel ranks); Megatron-FSDP's strategies in
     one where the parser refuses them alike."""
     named = dict(refusals)
     alike = [named.pop(name) for name in MEGATRON_FSDP.values() if name in named]
@@ -315,8 +316,8 @@ def describe_ranking(estimates: list[Estimate], usable: float, top: int = 10) ->
                      f"{estimate.step_seconds:8.2f}  {parts}")
     for strategy, name in MEGATRON_FSDP.items():
         if any(estimate.sharding == name for estimate in fits[:top]):
-            lines.append(f"  {name}: {MEGATRON_FSDP_FLAGS.format(strategy)}, with --use-distributed-optimizer, "
-                         "without --overlap-grad-reduce and --overlap-param-gather")
+            lines.append(f"  {name}: {MEGATRON_FSDP_FLAGS.format(strategy)}, with --use-distributed-optimizer "
+                         "and the run's other flags")
     if fits[0].overlapped:
         lines.append(f"  the first's overlapped data-parallel collectives: {fits[0].overlapped:.2f} s beside "
                      f"{fits[0].seconds['compute']:.2f} s of compute (its DP part: what exceeds the compute)")
