@@ -510,6 +510,9 @@ def notes(config: RunConfig, cuda: bool = True) -> list[str]:
     if config.precision.first_last_layers_bf16 and not config.precision.fp8_format:
         lines.append("--first-last-layers-bf16: without --fp8-format every layer is in BF16 already (as in "
                      "Megatron-LM, nothing changes)")
+    if config.checkpoint.async_save and config.checkpoint.ckpt_format == "fsdp_dtensor":
+        lines.append("--async-save: fsdp_dtensor checkpoints are written by the training processes before training "
+                     "goes on (as Megatron-LM writes them, whatever --async-save says)")
     if config.checkpoint.use_persistent_ckpt_worker and not config.checkpoint.async_save:
         lines.append("--use-persistent-ckpt-worker: without --async-save, saves are written by the training "
                      "processes, with no background writer (as in Megatron-LM)")

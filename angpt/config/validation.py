@@ -181,7 +181,6 @@ def validate_megatron_fsdp(parser, args) -> None:
          "expert x tensor parallel in its device mesh (an einops error while wrapping, in Megatron-LM too)"),
         (args.num_distributed_optimizer_instances > 1, "with --num-distributed-optimizer-instances: not built yet"),
         (args.fp16, "with --fp16: not built yet (fp32 and --bf16 are)"),
-        (args.async_save, "with --async-save: not built yet (fsdp_dtensor checkpoints are written synchronously)"),
     ):
         if given:
             parser.error(f"--use-megatron-fsdp {why}")
