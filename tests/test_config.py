@@ -70,7 +70,7 @@ TRANSFORMER_VALUES = dict(
     account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True, apply_rope_fusion=True,
     attention_dropout=0.25, bf16=True, calculate_per_token_loss=True, context_parallel_size=2,
     cross_entropy_fusion_impl="te", cross_entropy_loss_fusion=True, cuda_graph_warmup_steps=5, deterministic_mode=True,
-    defer_embedding_wgrad_compute=True, wgrad_deferral_limit=3,
+    defer_embedding_wgrad_compute=True, wgrad_deferral_limit=3, disable_bf16_reduced_precision_matmul=True,
     ffn_hidden_size=96, first_last_layers_bf16=True, fp16=True, fp8_amax_compute_algo="max", fp8_amax_history_len=16,
     fp8_margin=1, fp8_recipe="tensorwise",
     expert_tensor_parallel_size=4, hidden_dropout=0.25, hidden_size=64, hierarchical_context_parallel_sizes=[2, 2],
@@ -87,7 +87,7 @@ ARCHITECTURE_VALUES = dict(
     add_bias_linear=False, add_qkv_bias=True, apply_query_key_layer_scaling=True, attention_softmax_in_fp32=True,
     layernorm_zero_centered_gamma=True, max_position_embeddings=256, normalization="RMSNorm",
     position_embedding_type="none", qk_l2_norm=True, qk_layernorm=True, rotary_interleaved=True, rotary_percent=0.5,
-    use_rope_scaling=True,
+    use_rope_scaling=True, embedding_init_method_std=0.5,
 )
 # Fields shared by name that are set otherwise, each for a reason named in angpt.training.megatron_configs.
 TRANSFORMER_OVERRIDDEN = {

@@ -88,7 +88,43 @@ def test_gradients_reduce_in_fp32_unless_grad_reduce_in_bf16_and_the_bucket_size
     assert not ddp_config(bf16).grad_reduce_in_fp32 and ddp_config(bf16).bucket_size == 1000000
 
 
+@pytest.mark.parametrize("family", ["gpt", "angpt"])
+def test_disable_bf16_reduced_precision_matmul_turns_cublas_reduced_precision_off_under_bf16(family, monkeypatch):
+    """megatron-core's TransformerConfig field, as Megatron-LM passes it: under --bf16 the model's config turns torch's
+    allow_bf16_reduced_precision_reduction off; without --bf16 nothing changes, and the run says so in one line."""
+    matmul = torch.backends.cuda.matmul
+    monkeypatch.setattr(matmul, "allow_bf16_reduced_precision_reduction", True)
+    flags = [*MOCK, "--model-family", family, "--disable-bf16-reduced-precision-matmul"]
+    transformer_config(parse_args([*flags, "--bf16"], world_size=1))
+    assert matmul.allow_bf16_reduced_precision_reduction is False
+    monkeypatch.setattr(matmul, "allow_bf16_reduced_precision_reduction", True)
+    fp32 = parse_args(flags, world_size=1)
+    transformer_config(fp32)
+    assert matmul.allow_bf16_reduced_precision_reduction is True
+    assert [line for line in megatron_lm.notes(fp32, cuda=False) if "bf16" in line] == [
+        "--disable-bf16-reduced-precision-matmul: without --bf16 there are no bf16 GEMMs (as in Megatron-LM, nothing "
+        "changes)"]
+
+
+def test_train_sync_interval_waits_for_the_device_every_so_many_steps(monkeypatch):
+    """Megatron-LM's: torch.cuda.synchronize() at the steps that are multiples of the interval (3: steps 3 and 6 of
+    7), none without it; without CUDA none, and the run says so in one line."""
+    synchronized = []
+    monkeypatch.setattr(step_module.torch.cuda, "synchronize", lambda: synchronized.append(True))
+    for interval, cuda, expected in ((3, True, 2), (None, True, 0), (3, False, 0)):
+        synchronized.clear()
+        monkeypatch.setattr(step_module.torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        for iteration in range(1, 8):
+            step_module.wait_for_the_device(iteration, interval)
+        assert len(synchronized) == expected, (interval, cuda)
+    config = parse_args([*MOCK, "--train-sync-interval", "3"], world_size=1)
+    assert config.training.train_sync_interval == 3
+    assert "--train-sync-interval: without CUDA there is no device to wait for (nothing changes)" in \
+        megatron_lm.notes(config, cuda=False)
+
+
 @pytest.mark.parametrize("argv,message", [
+    (["--train-sync-interval", "-1"], "--train-sync-interval -1 cannot be negative"),
     (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 needs --bf16"),
     (["--decoupled-min-lr", "1e-4"], "--decoupled-min-lr needs --decoupled-lr"),
     (["--manual-gc-interval", "2"], "--manual-gc-interval needs --manual-gc"),

@@ -109,7 +109,6 @@ FLAGS: dict[str, Decision] = {
     "--multi-latent-attention": refused(ATTENTION),
     "--experimental-attention-variant": refused(ATTENTION),
     "--init-model-with-meta-device": refused(f"{NOT_YET}"),
-    "--disable-bf16-reduced-precision-matmul": refused(f"{NOT_YET}"),
     "--use-fused-weighted-squared-relu": refused(f"MoE: {DENSE}"),
     "--distribute-saved-activations": refused(f"{NOT_YET} (full recompute keeps each layer's input whole)"),
     "--fp8-quantizer-factory": refused("custom FP8 quantizers are not built (docs/fp8.md)"),
@@ -153,7 +152,6 @@ FLAGS: dict[str, Decision] = {
     "--no-weight-decay-cond-type": refused(f"{NOT_YET}: norm gains, scales and biases are never decayed"),
     # -- training
     "--decrease-batch-size-if-needed": refused(f"{NOT_YET} (it goes with --rampup-batch-size)"),
-    "--train-sync-interval": refused(f"{NOT_YET}"),
     "--exit-signal-handler-for-dataloader": implied("the DataLoader workers inherit the training process's "
                                                     "handlers of the exit signals: a signal to the group does not "
                                                     "kill them"),
@@ -509,6 +507,11 @@ def notes(config: RunConfig, cuda: bool = True) -> list[str]:
                        "interleaved schedule's exchanges run one at a time here")
     if config.precision.first_last_layers_bf16 and not config.precision.fp8_format:
         lines.append("--first-last-layers-bf16: without --fp8-format every layer is in BF16 already (as in "
+                     "Megatron-LM, nothing changes)")
+    if config.training.train_sync_interval and not cuda:
+        lines.append("--train-sync-interval: without CUDA there is no device to wait for (nothing changes)")
+    if config.precision.disable_bf16_reduced_precision_matmul and not config.precision.bf16:
+        lines.append("--disable-bf16-reduced-precision-matmul: without --bf16 there are no bf16 GEMMs (as in "
                      "Megatron-LM, nothing changes)")
     if config.checkpoint.async_save and config.checkpoint.ckpt_format == "fsdp_dtensor":
         lines.append("--async-save: fsdp_dtensor checkpoints are written by the training processes before training "

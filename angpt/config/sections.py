@@ -309,6 +309,8 @@ class TrainingSection:
         "--global-batch-size over the first SAMPLES samples, in equal steps (Megatron-LM's ramp-up, "
         "megatron-core's calculator); needs --train-samples", nargs=3, metavar=("START", "INCREMENT", "SAMPLES"))
     seed: int = flag(1234)
+    train_sync_interval: Optional[int] = flag(None, "wait for the GPU every this many steps, so that the CPU does "
+        "not run far ahead of it (without CUDA there is nothing to wait for)")
     deterministic_mode: bool = flag(False, "bitwise reproducible steps on GPUs, as Megatron-LM: torch's "
         "deterministic algorithms, megatron-core's deterministic embedding; needs NCCL_ALGO (Tree, Ring, "
         "CollnetDirect, CollnetChain or ^NVLS) with CUDA, and turns off the fused cross-entropy's default")
@@ -376,6 +378,8 @@ class PrecisionSection:
     hysteresis: int = flag(2, "with --fp16: overflows in a row before the dynamic scale halves")
     grad_reduce_in_bf16: bool = flag(False, "with --bf16: accumulate and reduce gradients in bf16 (default fp32, "
         "as Megatron-LM's)")
+    disable_bf16_reduced_precision_matmul: bool = flag(False, "with --bf16: cuBLAS's bf16 GEMMs reduce in fp32 only "
+        "(torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction off, as megatron-core sets it)")
     transformer_impl: str = flag("local", "megatron-core's own layers (default; CPU and GPU) or NVIDIA Transformer "
         "Engine's (GPU; needed for FP8)", choices=TRANSFORMER_IMPLS)
     attention_backend: str = flag("auto", "core attention: auto = FlashAttention on GPUs (torch's kernels with the "

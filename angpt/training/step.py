@@ -30,6 +30,12 @@ from angpt.telemetry.timers import timer
 from angpt.training import rerun
 
 
+def wait_for_the_device(iteration: int, interval: int | None) -> None:
+    """--train-sync-interval (Megatron-LM's): every `interval` steps the CPU waits for the GPU's queued work."""
+    if interval and iteration % interval == 0 and torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def build_model_chunks(
     config: AnGPTConfig,
     vocab_size: int,

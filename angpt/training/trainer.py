@@ -55,6 +55,7 @@ from angpt.training.step import (
     pre_hooks_on,
     set_pre_hooks,
     train_step,
+    wait_for_the_device,
 )
 
 logger = logging.getLogger("angpt.trainer")
@@ -215,6 +216,7 @@ class Trainer:
         memory, fp16 = self.run_config.memory, self.run_config.precision.fp16
         if memory.manual_gc and memory.manual_gc_interval and iteration % memory.manual_gc_interval == 0:
             gc.collect()
+        wait_for_the_device(iteration, training.train_sync_interval)
         state.iteration = iteration
         state.consumed_samples += global_batch_size
         # A step skipped because fp16 gradients overflowed while the scale can still come down is the loss
