@@ -333,9 +333,11 @@ def worker(out: str, families: list[str], strategies: list[str], resumed: str | 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    # The DP 2 job: about 60 runs of 3 to 6 steps, 4.5 minutes on a quiet 2-core machine, twice that beside another
+    # long job (it overran 600 s in make test-long once).
     out = tmp_path_factory.mktemp("megatron_fsdp")
-    run_workers(os.path.abspath(__file__), "--out", str(out))
-    run_workers(os.path.abspath(__file__), "--out", str(out), "--resumed", str(out), nproc=1)
+    run_workers(os.path.abspath(__file__), "--out", str(out), timeout=1500)
+    run_workers(os.path.abspath(__file__), "--out", str(out), "--resumed", str(out), nproc=1, timeout=900)
     return out
 
 
