@@ -51,6 +51,10 @@ workaround says what breaks without it. `install()` is called by angpt.training.
   That split then makes fc1's halves sharded DTensors, each rank claiming its own rows of what all hold whole ("DTensor
   chunk metadata is invalid. Offsets: (192, 0)" at the save): `handle_swiglu_in_state_dict` (which angpt's
   checkpoints call in megatron-core's stead) makes them replicated, as fc1 is.
+- Its weights' all-gathers without CUDA: megatron-core starts them asynchronously and frees or reuses a bucket by
+  CUDA stream order, which on the CPU orders nothing, so gloo's thread could still be writing into a bucket freed
+  (a prefetch left in flight at the end of a run): "malloc(): unaligned tcache chunk detected" and a dead rank, now
+  and then, under optim_grads_params. Without CUDA `_gathered_at_once` waits for each all-gather it starts.
 - The fused gradient division (`--gradient-reduce-div-fusion`, Megatron-LM's default) reduces with NCCL's
   PREMUL_SUM, which gloo lacks ("_make_nccl_premul_sum" fails at the first reduction). Without CUDA the gradients are
   multiplied by the factor and summed, as megatron-core does without the fusion: the same products, the same sum.
@@ -71,6 +75,7 @@ from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp, para
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.transformer import fsdp_dtensor_checkpoint
 from megatron.core.transformer.module import Float16Module
+from torch.distributed import distributed_c10d
 
 from angpt.megatron_compat import cpu
 
@@ -284,6 +289,20 @@ def _nothing_to_gather(start_param_sync):
     return _start_param_sync
 
 
+def _gathered_at_once(gather):
+    """megatron-core's `AllGatherPipeline.async_bucket_gather`, waiting for the all-gather it starts."""
+
+    @functools.wraps(gather)
+    def async_bucket_gather(self, bucket_id, bwd):
+        gather(self, bucket_id, bwd)
+        started = self.param_gather_event_map.get(self.get_bucket_key(bucket_id, bwd))
+        # Inside a coalescing manager the work is a placeholder: the manager's exit waits for it.
+        if started is not None and not isinstance(started[0], distributed_c10d._IllegalWork):
+            started[0].wait()
+
+    return async_bucket_gather
+
+
 class _NoTELinear:
     """Transformer Engine's linear layer where it is not installed: no module is one."""
 
@@ -319,3 +338,5 @@ def install() -> None:
     torch.cuda.current_stream = lambda device=None: _Stream()
     torch.cuda.default_stream = lambda device=None: _Stream()
     param_and_grad_buffer.gradient_reduce_preprocessing = _premultiplied
+    gathers = param_and_grad_buffer.AllGatherPipeline
+    gathers.async_bucket_gather = _gathered_at_once(gathers.async_bucket_gather)
