@@ -30,12 +30,13 @@ workaround says what breaks without it. `install()` is called by angpt.training.
   `isinstance(module, (TELinear,))`, and `TELinear` is megatron-core's MagicMock where Transformer Engine is not
   installed ("isinstance() arg 2 must be a type" while wrapping). Without it the adapter's `TELinear` is a class
   of which no module is an instance, as none is a Transformer Engine layer.
-- Sharded gradients at data-parallel size 1 (optim_grads, optim_grads_params; on every device; fixed upstream after
-  0.16.1): a buffer over one rank is not distributed, so the bucket that `_bucket_group_gradient_reduce`
-  reduce-scatters is its gradient buffer itself, and the reduced copy is then added into that buffer: every
-  gradient accumulated so far counted again at each micro-batch's reduction (the grad norm 2-3 times DDP's).
-  `_reduced_once` points that addition at a scratch tensor where the buffer is not distributed, as upstream skips it
-  there (the buffer holds the reduction already).
+- A gradient buffer that is not distributed (on every device; fixed upstream after 0.16.1): optim's with
+  --overlap-grad-reduce, and optim_grads' and optim_grads_params' at data-parallel size 1. The bucket that
+  `_bucket_group_gradient_reduce` reduce-scatters is then the gradient buffer itself, and the reduced shard is added
+  into that buffer's shard, which still holds this rank's unreduced gradient (at DP 1 every gradient accumulated so
+  far counted again at each micro-batch's reduction: the grad norm 2-3 times DDP's; optim with overlap at DP 2: 0.147
+  against DDP's 0.215 where that addition was dropped). `_reduced_once` installs the reduced shard in place of the
+  unreduced one there, as upstream's reduce-scatter writes it in place.
 - no_shard (Megatron-LM's default strategy; on every device): its gradients are all-reduced, every rank holding
   them whole, yet the distributed optimizer sums their statistics over the data-parallel ranks as it does shards':
   the grad norm sqrt(DP) times the true one (2.157 against DDP's 1.525 at DP 2), clipping too hard, and the zeros
@@ -197,6 +198,9 @@ def _reduced_once(reduce):
     return _bucket_group_gradient_reduce
 
 
+_gradient_reduce_preprocessing = param_and_grad_buffer.gradient_reduce_preprocessing
+
+
 def _premultiplied(grad_data, scaling_factor, ddp_config):
     """megatron-core's `gradient_reduce_preprocessing`, with the fused division's PREMUL_SUM done as its
     multiplication and a SUM (gloo)."""
@@ -205,8 +209,6 @@ def _premultiplied(grad_data, scaling_factor, ddp_config):
     grad_data.mul_(scaling_factor)
     return dist.ReduceOp.SUM
 
-
-_gradient_reduce_preprocessing = param_and_grad_buffer.gradient_reduce_preprocessing
 
 
 def _unsharded(ddp_config) -> bool:
