@@ -106,6 +106,16 @@ def test_disable_bf16_reduced_precision_matmul_turns_cublas_reduced_precision_of
         "changes)"]
 
 
+def test_the_new_flags_take_zero_their_boundary():
+    """0 is the least each takes (-1 is refused, above): --train-sync-interval 0 (off), --ckpt-step 0, a weight
+    decay schedule from 0 to 0."""
+    config = parse_args([*MOCK, "--train-sync-interval", "0", "--load", "x", "--ckpt-step", "0",
+                         "--weight-decay-incr-style", "linear", "--start-weight-decay", "0", "--end-weight-decay", "0"],
+                        world_size=1)
+    assert (config.training.train_sync_interval, config.checkpoint.ckpt_step, config.optimizer.start_weight_decay,
+            config.optimizer.end_weight_decay) == (0, 0, 0.0, 0.0)
+
+
 def test_train_sync_interval_waits_for_the_device_every_so_many_steps(monkeypatch):
     """Megatron-LM's: torch.cuda.synchronize() at the steps that are multiples of the interval (3: steps 3 and 6 of
     7), none without it; without CUDA none, and the run says so in one line."""
