@@ -70,7 +70,6 @@ FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads
     ([*FSDP, "--use-torch-fsdp2"], "--use-torch-fsdp2"),
     ([*FSDP, "--check-weight-hash-across-dp-replicas-interval", "1"], "no replicas)"),
     ([*FSDP, "--pipeline-model-parallel-size", "2"], "with pipeline parallelism: megatron-core 0.16.1's"),
-    ([*FSDP, "--fp16"], "with --fp16: not built yet"),
     ([*FSDP, "--fsdp-double-buffer"], "not supported: not built with Megatron-FSDP"),
 ])
 def test_megatron_fsdp_refuses_in_one_line(argv, message, capsys):
@@ -647,6 +646,33 @@ def test_the_trainer_under_megatron_fsdp_logs_as_ddp_and_resumes_its_checkpoint_
     assert exported["fsdp"].keys() == exported["ddp"].keys()
     for key, weight in exported["ddp"].items():
         assert (exported["fsdp"][key] - weight).norm() <= 1e-5 * weight.norm(), key
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+def test_megatron_fsdp_at_fp16_finds_its_loss_scale_as_ddp_and_resumes_exactly(tmp_path):
+    """--fp16 under Megatron-FSDP (optim_grads_params, DP 2, anGPT; refused before: megatron-core's loss scaler read
+    the gradient of every parameter, and a rank's empty shard has none): megatron-core's dynamic loss scaler, from
+    Megatron-LM's 2^32, skips the same steps and settles at the same scale as DDP with the distributed optimizer, whose
+    losses it logs within fp16 round-off (rel 1e-3: the weights all-gathered and the gradients reduced in other
+    orders, 2^-11 per rounding). Resumed at 12 from its fsdp_dtensor checkpoint, iterations 13-16 and their loss scales
+    are the uninterrupted run's, bit for bit: the scaler's state is in the checkpoint (a scale started over from 2^32
+    would skip steps again)."""
+    fp16 = ["--model-family", "angpt", "--fp16", "--train-iters", "16", "--lr-decay-iters", "16",
+            "--max-skipped-steps", "3"]
+    fsdp = [*FSDP, "--data-parallel-sharding-strategy", "optim_grads_params"]
+    ddp, whole = tmp_path / "ddp", tmp_path / "whole"
+    train(*fp16, "--use-distributed-optimizer", "--save", str(ddp))
+    train(*fp16, *fsdp, "--save", str(whole), "--save-interval", "12")
+    theirs, ours = records(ddp), records(whole)
+    skipped = [r["skipped"] for r in ours]
+    assert skipped == [r["skipped"] for r in theirs] and skipped[0] and not any(skipped[11:])
+    assert [r["loss_scale"] for r in ours] == [r["loss_scale"] for r in theirs]
+    assert [r["lm_loss"] for r in ours] == pytest.approx([r["lm_loss"] for r in theirs], rel=1e-3)
+    resumed = copy_checkpoint(whole, 12, tmp_path / "resumed")
+    train(*fp16, *fsdp, "--save", resumed, "--load", resumed)
+    assert losses(resumed) == {iteration: loss for iteration, loss in losses(whole).items() if iteration > 12}
+    assert [r["loss_scale"] for r in records(resumed)] == [r["loss_scale"] for r in ours[12:]]
 
 
 if __name__ == "__main__":

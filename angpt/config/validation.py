@@ -180,7 +180,6 @@ def validate_megatron_fsdp(parser, args) -> None:
          "with pipeline parallelism: megatron-core 0.16.1's Megatron-FSDP lays every rank out as data x context x "
          "expert x tensor parallel in its device mesh (an einops error while wrapping, in Megatron-LM too)"),
         (args.num_distributed_optimizer_instances > 1, "with --num-distributed-optimizer-instances: not built yet"),
-        (args.fp16, "with --fp16: not built yet (fp32 and --bf16 are)"),
     ):
         if given:
             parser.error(f"--use-megatron-fsdp {why}")

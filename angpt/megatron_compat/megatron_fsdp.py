@@ -56,6 +56,12 @@ workaround says what breaks without it. `install()` is called by angpt.training.
   CUDA stream order, which on the CPU orders nothing, so gloo's thread could still be writing into a bucket freed
   (a prefetch left in flight at the end of a run): "malloc(): unaligned tcache chunk detected" and a dead rank, now
   and then, under optim_grads_params. Without CUDA `_gathered_at_once` waits for each all-gather it starts.
+- --fp16's loss scaler (on every device): before each step it unscales every main gradient of the optimizer's
+  groups, reading `param.grad.data`, and a parameter whose shard on this rank is empty has no gradient under
+  Megatron-FSDP (`update_main_grads`): "'NoneType' object has no attribute 'data'" at the first step wherever a
+  rank's shard misses a parameter (optim, optim_grads, optim_grads_params at DP 2). `_present_grads_unscaled`
+  unscales the gradients there are (their local shards), as Adam steps only those; the overflow flag is reduced
+  over the ranks as before.
 - The fused gradient division (`--gradient-reduce-div-fusion`, Megatron-LM's default) reduces with NCCL's
   PREMUL_SUM, which gloo lacks ("_make_nccl_premul_sum" fails at the first reduction). Without CUDA the gradients are
   multiplied by the factor and summed, as megatron-core does without the fusion: the same products, the same sum.
@@ -77,6 +83,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.transformer import fsdp_dtensor_checkpoint
 from megatron.core.transformer.module import Float16Module
 from torch.distributed import distributed_c10d
+from torch.distributed.tensor import DTensor
 
 from angpt.megatron_compat import cpu
 
@@ -201,6 +208,17 @@ def _reduced_once(reduce):
 _gradient_reduce_preprocessing = param_and_grad_buffer.gradient_reduce_preprocessing
 
 
+def _present_grads_unscaled(collect):
+    @functools.wraps(collect)
+    def _collect_main_grad_data_for_unscaling(self):
+        if not self.ddp_config.use_megatron_fsdp:
+            return collect(self)
+        grads = (param.grad for group in self.optimizer.param_groups for param in group["params"])
+        return [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads if grad is not None]
+
+    return _collect_main_grad_data_for_unscaling
+
+
 def _premultiplied(grad_data, scaling_factor, ddp_config):
     """megatron-core's `gradient_reduce_preprocessing`, with the fused division's PREMUL_SUM done as its
     multiplication and a SUM (gloo)."""
@@ -316,6 +334,8 @@ def install() -> None:
         return
     _installed = True
     DistributedOptimizer.sharded_param_state_fsdp_dtensor = _every_parameters_state
+    DistributedOptimizer._collect_main_grad_data_for_unscaling = _present_grads_unscaled(
+        DistributedOptimizer._collect_main_grad_data_for_unscaling)
     megatron_fsdp.MegatronFSDP.forward = _forward_through_hooks
     megatron_fsdp.MegatronFSDP.start_param_sync = _nothing_to_gather(megatron_fsdp.MegatronFSDP.start_param_sync)
     DistributedOptimizer.get_grad_stats_parallel_group = _replicas_counted_once(

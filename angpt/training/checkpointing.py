@@ -325,7 +325,7 @@ def _save_fsdp_dtensor(root: str, state: TrainState, chunks, optimizer, schedule
     sharded = {**_as_on_disk(chunks, _fsdp_dtensor_state(chunks, optimizer), split_glu=True),
                "rng_state": {str(dist.get_rank()): rng_state()}}
     common = {"opt_param_scheduler": scheduler.state_dict(), "train_state": asdict(state), "layout": layout(),
-              "args": args, "checkpoint_version": 3.0}
+              "args": args, "checkpoint_version": 3.0, **_grad_scaler_state(optimizer)}
     local = sum(value.to_local().numel() * value.element_size() for value in nested_values(sharded)
                 if isinstance(value, DTensor))
     needed = torch.tensor([local], dtype=torch.float64)
@@ -341,6 +341,20 @@ def _save_fsdp_dtensor(root: str, state: TrainState, chunks, optimizer, schedule
         commit_checkpoint(root, iteration, tokenizer, keep_last, retain_interval)
 
     refusing_a_full_disk(write_and_commit, root, iteration, int(needed.item()))()
+
+
+def _grad_scalers(optimizer) -> list:
+    """--fp16's dynamic loss scalers of `optimizer` (a chained optimizer's, one per part, moving alike)."""
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [part.grad_scaler for part in inner if getattr(part, "grad_scaler", None) is not None]
+
+
+def _grad_scaler_state(optimizer) -> dict:
+    """The loss scaler's state for fsdp_dtensor's common.pt: megatron-core's fsdp_dtensor optimizer state holds the
+    parameters' alone, and Megatron-LM's resume starts the scale over from --initial-loss-scale (skipped steps, and
+    another run than the uninterrupted one); a checkpoint without it (Megatron-LM's) loads as Megatron-LM loads it."""
+    scalers = _grad_scalers(optimizer)
+    return {"grad_scaler": scalers[0].state_dict()} if scalers else {}
 
 
 def _load_fsdp_dtensor(path: str, found: str, chunks, optimizer, scheduler, load_optimizer: bool, load_rng: bool,
@@ -376,6 +390,8 @@ def _load_fsdp_dtensor(path: str, found: str, chunks, optimizer, scheduler, load
     if load_optimizer:
         optimizer.load_state_dict(raw["optimizer"])
         scheduler.load_state_dict(common["opt_param_scheduler"])
+        for scaler in _grad_scalers(optimizer) if "grad_scaler" in common else ():
+            scaler.load_state_dict(common["grad_scaler"])
     if rng is not None:
         set_rng_state(rng)
     _log_loaded(path, found, "fsdp_dtensor", finetune)
