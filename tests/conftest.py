@@ -66,6 +66,10 @@ def pytest_configure(config):
 # once; tests of trained_runs (too expensive to build twice) on one worker; any other test wherever a worker
 # is free (conftest's other session fixtures are cheap enough to build on each worker).
 SHARED_SESSION_FIXTURES = ("trained_runs",)
+# The long torchrun jobs of these files (minutes of two and four ranks each) run one after the other on one worker:
+# beside each other on two cores every collective waits for ranks descheduled by the other job's, and the
+# configurations' job, 2.5 minutes alone, overran 15 beside Megatron-FSDP's in make test-long.
+ONE_AT_A_TIME = {"test_megatron_configs_train.py", "test_megatron_fsdp.py"}
 # Files whose tests take longest start first, so that none is left running alone at the end.
 LONGEST_FIRST = ["test_trainer.py", "test_hf_export.py", "test_pretrain.py", "test_quickstart.py",
                  "test_convergence.py", "test_faults.py", "test_checkpoint_integrity.py",
@@ -76,6 +80,8 @@ def worker_group(item: pytest.Item) -> str:
     shared = [name for name in SHARED_SESSION_FIXTURES if name in item.fixturenames]
     if shared:
         return shared[0]
+    if item.path.name in ONE_AT_A_TIME and "long" in item.keywords:
+        return "long torchrun jobs"
     # pytest keeps the resolved fixture definitions of an item only in this private attribute.
     own_lasting = [definition for definitions in item._fixtureinfo.name2fixturedefs.values()
                    for definition in definitions[-1:]

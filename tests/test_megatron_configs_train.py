@@ -182,7 +182,8 @@ def runs(tmp_path_factory, pydoc_corpus) -> dict:
                            argv=argv(name, replaced, family, dirs[name, family]["resumed"], pydoc_corpus)))
     spec = root / "runs.json"
     spec.write_text(json.dumps(first + second))
-    output = run_workers("megatron_config_worker.py", str(spec), nproc=NPROC, timeout=900)
+    # 2.5 minutes alone on a quiet 2-core machine; the margin is for a loaded one.
+    output = run_workers("megatron_config_worker.py", str(spec), nproc=NPROC, timeout=1500)
     (root / "output.txt").write_text(output)
     results = [json.loads(line[len("RESULT "):]) for line in output.splitlines() if line.startswith("RESULT ")]
     assert results == [dict(name=run["name"], code=0) for run in first + second], output[-6000:]
