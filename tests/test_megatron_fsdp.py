@@ -36,6 +36,8 @@ from angpt.training.step import build_model_chunks, train_step
 from conftest import ROOT, run_workers
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "distributed"))
+from equivalence_worker import replica_checks  # noqa: E402
+
 from common import MICRO_BATCH, S, V, fixed_batches, small_config  # noqa: E402
 
 FAMILIES = ["gpt", "gptplus", "angpt", "ngpt"]
@@ -68,7 +70,8 @@ FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads
     (["--no-gradient-reduce-div-fusion"], "need --use-megatron-fsdp"),
     ([*FSDP, "--no-use-distributed-optimizer"], "needs --use-distributed-optimizer"),
     ([*FSDP, "--use-torch-fsdp2"], "--use-torch-fsdp2"),
-    ([*FSDP, "--check-weight-hash-across-dp-replicas-interval", "1"], "no replicas)"),
+    ([*FSDP, "--data-parallel-sharding-strategy", "optim_grads_params", "--check-weight-hash-across-dp-replicas-"
+      "interval", "1"], "no replicas (Megatron-LM's check)"),
     ([*FSDP, "--pipeline-model-parallel-size", "2"], "with pipeline parallelism: megatron-core 0.16.1's"),
     ([*FSDP, "--fsdp-double-buffer"], "not supported: not built with Megatron-FSDP"),
 ])
@@ -194,6 +197,8 @@ def _run(family: str, strategy: str | None, **layout) -> dict:
         grad_norms.append(grad_norm)
         weights.append(run.weights())
     result = dict(losses=losses, grad_norms=grad_norms, grads=grads, weights=weights, constrained=run.constrained)
+    if strategy not in (None, "optim_grads_params") and parallel_state.get_data_parallel_world_size() > 1:
+        result["replicas"] = replica_checks(run.chunks)
     if strategy and run.constrained:
         result.update(_projection(run))
     distributed.destroy_model_parallel()
@@ -346,6 +351,18 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_megatron_fsdp_trains_as_ddp(runs, family, strategy):
     _trains_as(torch.load(runs / f"{family}_ddp.pt"), torch.load(runs / f"{family}_{strategy}.pt"))
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_weight_hash_check_finds_a_megatron_fsdp_replica_one_ulp_apart(runs, family, strategy):
+    """--check-weight-hash-across-dp-replicas-interval under the strategies whose ranks hold the weights whole (as
+    Megatron-LM, which refuses optim_grads_params only): it passes on the replicas as trained and fails on every rank
+    when one weight of one replica is one ulp off."""
+    assert torch.load(runs / f"{family}_{strategy}.pt")["replicas"] == {"as trained": True,
+                                                                         "one weight changed on rank 1": False}
 
 
 # Megatron-FSDP's other layouts at world size 2 against DDP at DP 2, anGPT and nGPT: CP 2 x DP 1 under each strategy
@@ -618,9 +635,12 @@ def test_the_trainer_under_megatron_fsdp_logs_as_ddp_and_resumes_its_checkpoint_
     """angpt.pretrain with --use-megatron-fsdp (DP 2): every logged figure (loss, grad norm, params norm, the health
     probe's, which optim_grads_params reads from the weights its step gathers) as DDP's within fp32 round-off; stopped
     at iteration 2 and resumed from its fsdp_dtensor checkpoint, iterations 3 and 4 as the uninterrupted run's, bit
-    for bit; its Hugging Face export (fc1's halves joined again) as DDP's torch_dist checkpoint's, weight by weight."""
+    for bit; its Hugging Face export (fc1's halves joined again) as DDP's torch_dist checkpoint's, weight by weight.
+    With optim_grads, the weight-hash check after every step finds the replicas alike (no false alarm)."""
     common = ["--model-family", family, "--lr-decay-iters", "4", "--log-params-norm"]
     fsdp = [*FSDP, "--data-parallel-sharding-strategy", strategy]
+    if strategy != "optim_grads_params":  # whole weights on every rank: replicas to compare after each step
+        fsdp += ["--check-weight-hash-across-dp-replicas-interval", "1"]
     ddp, whole, resumed = (tmp_path / name for name in ("ddp", "whole", "resumed"))
     train(*common, "--train-iters", "4", "--save", str(ddp))
     train(*common, *fsdp, "--train-iters", "4", "--save", str(whole))

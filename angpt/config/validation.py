@@ -173,9 +173,10 @@ def validate_megatron_fsdp(parser, args) -> None:
         (args.ckpt_format != "fsdp_dtensor", "needs --ckpt-format fsdp_dtensor (Megatron-LM's check)"),
         (not args.use_distributed_optimizer, "needs --use-distributed-optimizer, which steps its shards (Megatron-LM's "
                                              "usage; megatron-core's plain optimizer is not built with it)"),
-        (args.check_weight_hash_across_dp_replicas_interval,
-         "with --check-weight-hash-across-dp-replicas-interval: not built yet (Megatron-LM refuses it with "
-         "optim_grads_params, whose ranks hold different shards, no replicas)"),
+        (args.check_weight_hash_across_dp_replicas_interval
+         and args.data_parallel_sharding_strategy == "optim_grads_params",
+         "--data-parallel-sharding-strategy optim_grads_params with --check-weight-hash-across-dp-replicas-interval: "
+         "its ranks hold different shards of the weights, no replicas (Megatron-LM's check)"),
         (args.pipeline_model_parallel_size > 1,
          "with pipeline parallelism: megatron-core 0.16.1's Megatron-FSDP lays every rank out as data x context x "
          "expert x tensor parallel in its device mesh (an einops error while wrapping, in Megatron-LM too)"),
