@@ -17,20 +17,29 @@ from angpt.config.sections import TrainingSection
 class BatchSchedule:
     """The global batch after `consumed_samples` samples: --global-batch-size, or during a ramp-up START plus
     INCREMENT for each whole share of SAMPLES / ((global - START) / INCREMENT) consumed. A function of the
-    consumed samples alone, so a resumed run continues the ramp-up exactly."""
+    consumed samples alone, so a resumed run continues the ramp-up exactly. With `decrease_if_needed`
+    (--decrease-batch-size-if-needed), the batch a step runs is that one rounded down to a multiple of
+    micro-batch x data-parallel size (megatron-core's running global batch size)."""
 
     def __init__(self, global_batch_size: int, micro_batch_size: int, data_parallel_size: int,
-                 rampup: Optional[Sequence[int]] = None, rank: int = 0):
+                 rampup: Optional[Sequence[int]] = None, rank: int = 0, decrease_if_needed: bool = False):
         if rampup is None:
             self.calculator = ConstantNumMicroBatchesCalculator(global_batch_size, micro_batch_size,
-                                                                data_parallel_size, False, rank)
+                                                                data_parallel_size, decrease_if_needed, rank)
         else:
             self.calculator = RampupBatchsizeNumMicroBatchesCalculator(global_batch_size, micro_batch_size,
-                                                                       data_parallel_size, False, rank, *rampup)
+                                                                       data_parallel_size, decrease_if_needed, rank,
+                                                                       *rampup)
 
     def global_batch_size(self, consumed_samples: int) -> int:
         self.calculator.update(consumed_samples, consistency_check=True)
         return self.calculator.get_current_global_batch_size()
+
+    def running_batch_size(self, consumed_samples: int) -> int:
+        """The samples the step after `consumed_samples` reads: the global batch, or with `decrease_if_needed` the
+        multiple of micro-batch x data-parallel size below it."""
+        self.calculator.update(consumed_samples, consistency_check=True)
+        return self.calculator.get_current_running_global_batch_size()
 
 
 def ramp(training: TrainingSection) -> list[tuple[int, int]]:

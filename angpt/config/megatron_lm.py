@@ -149,13 +149,10 @@ FLAGS: dict[str, Decision] = {
     "--bert-no-binary-head": refused(f"BERT: {DENSE}"),
     # -- regularization
     "--sgd-momentum": refused("the families train with Adam"),
-    "--no-weight-decay-cond-type": refused(f"{NOT_YET}: norm gains, scales and biases are never decayed"),
     # -- training
-    "--decrease-batch-size-if-needed": refused(f"{NOT_YET} (it goes with --rampup-batch-size)"),
     "--exit-signal-handler-for-dataloader": implied("the DataLoader workers inherit the training process's "
                                                     "handlers of the exit signals: a signal to the group does not "
                                                     "kill them"),
-    "--iterations-to-skip": refused(f"{NOT_YET}"),
     "--batch-size": refused("deprecated in Megatron-LM: use --micro-batch-size"),
     "--checkpoint-activations": refused("deprecated in Megatron-LM: use --recompute-granularity full"),
     "--tp-comm-overlap-cfg": refused(TE_OVERLAP),
@@ -249,33 +246,27 @@ FLAGS: dict[str, Decision] = {
     "--nccl-communicator-config-path": refused(f"{NOT_YET}"),
     "--fake-process-group": refused(f"{NOT_YET}"),
     # -- validation
-    "--skip-train": refused(f"{NOT_YET}"),
-    "--full-validation": refused(f"{NOT_YET}: each evaluation reads --eval-iters global batches"),
-    "--multiple-validation-sets": refused(f"{NOT_YET}"),
     # -- data and dataloader
-    "--phase-transition-iterations": refused(f"{NOT_YET}"),
-    "--data-args-path": refused(f"{NOT_YET}: give --data-path"),
-    "--per-split-data-args-path": refused(f"{NOT_YET}: give --train-data-path, --valid-data-path, "
-                                          "--test-data-path"),
-    "--per-dataset-sequences-path": refused(f"{NOT_YET}"),
-    "--dataloader-fast-cache-load": refused(f"{NOT_YET}"),
-    "--dataloader-defer-npy-index-mmap": refused(f"{NOT_YET}"),
     "--encoder-seq-length": refused("use --seq-length"),
     "--decoder-seq-length": refused("use --seq-length"),
-    "--sample-rate": refused(f"{NOT_YET}"),
+    "--sample-rate": ignored("read by Megatron-LM's legacy ORQA (retrieval) dataset only: pretrain_gpt.py's "
+                             "datasets do not subsample"),
     "--mask-prob": refused(f"masked language modelling (BERT): {DENSE}"),
     "--short-seq-prob": refused(f"masked language modelling (BERT): {DENSE}"),
     "--no-create-attention-mask-in-dataloader": implied(
         "the dataset builds an attention mask only for --reset-attention-mask: the attention is causal by itself",
         lambda args, value: "--reset-attention-mask needs the dataset's mask (Megatron-LM would silently not reset "
         "it)" if args.reset_attention_mask else None),
-    "--num-dataset-builder-threads": refused(f"{NOT_YET}"),
     "--object-storage-cache-path": refused(f"object storage is {NOT_YET}"),
-    "--mid-level-dataset-surplus": refused(f"{NOT_YET}"),
-    "--allow-ambiguous-pad-tokens": refused(f"{NOT_YET}"),
+    "--allow-ambiguous-pad-tokens": refused(f"{NOT_YET}: GPTDataset is given the datasets' vocabulary, which names "
+                                            "no pad token, so it pads with -1 and masks no token of the data; "
+                                            "Megatron-LM's masking of its tokenizer's pad id, which this flag "
+                                            "keeps where that id is another special token's, is not built"),
     # -- tokenizer
     "--padded-vocab-size": refused("the padded vocabulary follows --make-vocab-size-divisible-by"),
-    "--vocab-extra-ids": refused(f"{NOT_YET}"),
+    "--vocab-extra-ids": ignored("read by Megatron-LM's legacy BERT and SentencePiece tokenizers only (T5's span "
+                                 "masking): neither megatron-core's tokenizers, which Megatron-LM 0.16 builds, nor "
+                                 "the legacy GPT2BPETokenizer (--legacy-tokenizer) add tokens for it"),
     "--tokenizer-metadata": refused(f"{NOT_YET}"),
     "--tokenizer-special-tokens": refused(f"{NOT_YET}"),
     "--legacy-tokenizer": implied("Megatron-LM's legacy GPT2BPETokenizer and megatron-core's give the same "
@@ -508,6 +499,12 @@ def notes(config: RunConfig, cuda: bool = True) -> list[str]:
     if config.precision.first_last_layers_bf16 and not config.precision.fp8_format:
         lines.append("--first-last-layers-bf16: without --fp8-format every layer is in BF16 already (as in "
                      "Megatron-LM, nothing changes)")
+    if config.optimizer.no_weight_decay_cond_type:
+        lines.append("--no-weight-decay-cond-type apply_wd_to_qk_layernorm: deprecated in Megatron-LM, which takes it "
+                     "as --apply-wd-to-qk-layernorm (so here)")
+    if config.evaluation.skip_train:
+        lines.append("--skip-train: as in Megatron-LM, the optimizer state is not loaded (--no-load-optim), and "
+                     "nothing is saved or written to TensorBoard or W&B")
     if config.training.train_sync_interval and not cuda:
         lines.append("--train-sync-interval: without CUDA there is no device to wait for (nothing changes)")
     if config.precision.disable_bf16_reduced_precision_matmul and not config.precision.bf16:

@@ -308,12 +308,23 @@ class TrainingSection:
     rampup_batch_size: Optional[tuple[int, ...]] = flag(None, "grow the global batch from START by INCREMENT up to "
         "--global-batch-size over the first SAMPLES samples, in equal steps (Megatron-LM's ramp-up, "
         "megatron-core's calculator); needs --train-samples", nargs=3, metavar=("START", "INCREMENT", "SAMPLES"))
+    decrease_batch_size_if_needed: bool = flag(False, "when --micro-batch-size x data-parallel size does not divide "
+        "the global batch (of a ramp-up, or --global-batch-size), take the largest multiple of it below instead of "
+        "refusing: the samples left out are counted as skipped (megatron-core's calculator)")
+    iterations_to_skip: Optional[tuple[int, ...]] = flag(None, "the iterations, counted from 0 as Megatron-LM counts "
+        "them (the one the log then numbers N + 1), whose global batch is read and left out: no forward, backward "
+        "or optimizer step")
+    phase_transition_iterations: Optional[str] = flag(None, "comma-separated iterations that end a phase of "
+        "training: the run saves and exits there, and each phase reads the training data of its own run "
+        "(--data-path may change between phases) from its start; needs --train-samples, a constant batch")
     seed: int = flag(1234)
     train_sync_interval: Optional[int] = flag(None, "wait for the GPU every this many steps, so that the CPU does "
         "not run far ahead of it (without CUDA there is nothing to wait for)")
     deterministic_mode: bool = flag(False, "bitwise reproducible steps on GPUs, as Megatron-LM: torch's "
         "deterministic algorithms, megatron-core's deterministic embedding; needs NCCL_ALGO (Tree, Ring, "
         "CollnetDirect, CollnetChain or ^NVLS) with CUDA, and turns off the fused cross-entropy's default")
+    # --phase-transition-iterations as sorted iterations (Megatron-LM's validate_args reads them so).
+    phase_transitions: tuple[int, ...] = derived(())
 
 
 @dataclass(frozen=True)
@@ -349,6 +360,8 @@ class OptimizerSection:
         "default --min-lr's)")
     override_opt_param_scheduler: bool = flag(False, "on resuming, take the learning-rate schedule of these flags "
         "(--lr, --min-lr, warm-up and decay lengths and styles) instead of the checkpoint's")
+    no_weight_decay_cond_type: Optional[str] = flag(None, "Megatron-LM's deprecated spelling of "
+        "--apply-wd-to-qk-layernorm (its one value)", choices=("apply_wd_to_qk_layernorm",))
     apply_wd_to_qk_layernorm: bool = flag(False, "decay the q and k norms' gains too (megatron-core's parameter "
         "groups; other norm gains, biases and scales stay undecayed)")
     calculate_per_token_loss: bool = flag(False, "the loss and its gradients as the mean over all the tokens of "
@@ -467,6 +480,21 @@ class DataSection:
     merge_file: Optional[str] = flag(None, "GPT2BPETokenizer's merges.txt")
     make_vocab_size_divisible_by: int = flag(128, "pad the vocabulary to a multiple of this times the "
         "tensor-parallel size")
+    data_args_path: Optional[str] = flag(None, "a file holding --data-path's values, separated by white space (for "
+        "a blend too long for the command line)")
+    per_split_data_args_path: Optional[str] = flag(None, "a JSON file of the keys train, valid and test, each holding "
+        "the values of --train-data-path, --valid-data-path or --test-data-path (a list, a string separated by "
+        "white space, or null)")
+    per_dataset_sequences_path: Optional[str] = flag(None, "a JSON file of each dataset prefix's [sequences, "
+        "documents], as its .idx header counts them (Megatron-LM's tools/build_sequences_per_dataset.py writes it): "
+        "megatron-core then reads no .idx header for them")
+    dataloader_fast_cache_load: bool = flag(False, "build the datasets from the index caches in --data-cache-path "
+        "without checking them or synchronizing the ranks (every cache must be built; per-split paths only)")
+    dataloader_defer_npy_index_mmap: bool = flag(False, "map the index caches in --data-cache-path into memory at "
+        "their first read, not when the datasets are built (every cache must be built)")
+    num_dataset_builder_threads: int = flag(1, "threads that build a blend's datasets on each rank")
+    mid_level_dataset_surplus: float = flag(0.005, "the fraction of samples each dataset of a weighted blend builds "
+        "beyond its share")
 
     def prefixes(self) -> list[str]:
         """The dataset prefixes of every split's blend."""
@@ -529,6 +557,12 @@ class EvaluationSection:
 
     eval_interval: int = flag(1000)
     eval_iters: int = flag(100, "global batches of the validation split per evaluation (0: no evaluation)")
+    skip_train: bool = flag(False, "evaluate the validation and test splits at the loaded checkpoint and exit, "
+        "without training (the optimizer state is not loaded, nothing is saved, TensorBoard is not written)")
+    full_validation: bool = flag(False, "each evaluation reads the whole validation split (one epoch of it, every "
+        "whole global batch), not --eval-iters global batches")
+    multiple_validation_sets: bool = flag(False, "evaluate each dataset of --valid-data-path by itself, reported as "
+        "validation-0, validation-1, ... in its order (with --full-validation, or --skip-train)")
 
 
 @dataclass(frozen=True)

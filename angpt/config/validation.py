@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import os
 from typing import Any, Optional
@@ -15,6 +16,7 @@ from angpt.config import megatron_lm, pipeline_split, transformer_engine_support
 from angpt.config.blend import parse_blend
 from angpt.config.choices import FAMILY_NAMES, GPT_DEFAULTS, NORMALIZED_FAMILIES, recompute_module_refusal
 from angpt.config.sections import FIELD_SECTIONS, SECTIONS, RunConfig
+from angpt.data.files import read_json_object, read_text
 
 # Megatron-LM's defaults of the FP8 details; they apply only with --fp8-format (None here = not given).
 FP8_DEFAULTS = dict(fp8_recipe="delayed", fp8_margin=0, fp8_amax_history_len=1, fp8_amax_compute_algo="most_recent")
@@ -35,7 +37,7 @@ NUMERIC_RANGES = (
         "check_weight_hash_across_dp_replicas_interval",
         "eval_interval", "log_interval", "exit_interval", "ddp_bucket_size",
         "loss_scale_window", "hysteresis", "tiktoken_num_special_tokens", "flight_recorder_trace_buffer_size",
-        "straggler_minmax_count", "megatron_fp8_interval")),
+        "straggler_minmax_count", "megatron_fp8_interval", "num_dataset_builder_threads")),
     ("cannot be negative", lambda value: value >= 0, (
         "angpt_alpha_init", "timing_log_level", "min_lr", "lr_warmup_iters", "lr_warmup_samples", "lr_warmup_init",
         "weight_decay",
@@ -43,7 +45,8 @@ NUMERIC_RANGES = (
         "megatron_local_rank", "rampup_batch_size", "manual_gc_interval", "empty_unused_memory_level",
         "num_workers", "decoupled_min_lr", "profile_step_start", "profile_step_end", "profile_ranks",
         "straggler_ctrlr_port", "error_injection_rate", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16",
-        "wgrad_deferral_limit", "ckpt_step", "start_weight_decay", "end_weight_decay", "train_sync_interval")),
+        "wgrad_deferral_limit", "ckpt_step", "start_weight_decay", "end_weight_decay", "train_sync_interval",
+        "iterations_to_skip", "mid_level_dataset_surplus")),
     ("must be positive", lambda value: value > 0, (
         "init_method_std", "embedding_init_method_std", "norm_epsilon",
         "angpt_constant_factor_multiplier", "angpt_nu_alpha_multiplier",
@@ -91,9 +94,14 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
         parser.error(str(error))
     _validate_virtual_stages(parser, args, pp)
     _validate_deferred_wgrad(parser, args, pp)
-    if args.global_batch_size % (args.micro_batch_size * dp):
+    if args.decrease_batch_size_if_needed:
+        if args.global_batch_size < args.micro_batch_size * dp:  # megatron-core's check: a micro-batch at least
+            parser.error(f"--decrease-batch-size-if-needed: --global-batch-size {args.global_batch_size} is below "
+                         f"--micro-batch-size {args.micro_batch_size} x data-parallel size {dp}, which it is "
+                         "decreased to a multiple of")
+    elif args.global_batch_size % (args.micro_batch_size * dp):
         parser.error(f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size "
-                     f"{args.micro_batch_size} x data-parallel size {dp}")
+                     f"{args.micro_batch_size} x data-parallel size {dp} (or give --decrease-batch-size-if-needed)")
     if args.bf16 and args.fp16:
         parser.error("give one of --bf16 and --fp16")
     _validate_dependent_flags(parser, args)
@@ -452,7 +460,11 @@ def _validate_rampup(parser, args, dp: int) -> None:
     if start >= args.global_batch_size or (args.global_batch_size - start) % increment:
         parser.error(f"{shown}: START must be below --global-batch-size {args.global_batch_size} and reach it in "
                      "whole INCREMENTs")
-    if start % (args.micro_batch_size * dp) or increment % (args.micro_batch_size * dp):
+    if args.decrease_batch_size_if_needed:
+        if start < args.micro_batch_size * dp:  # each batch decreased to a multiple of it: START to none
+            parser.error(f"{shown} with --decrease-batch-size-if-needed: START must be at least --micro-batch-size "
+                         f"{args.micro_batch_size} x data-parallel size {dp}")
+    elif start % (args.micro_batch_size * dp) or increment % (args.micro_batch_size * dp):
         parser.error(f"{shown}: START and INCREMENT must be multiples of --micro-batch-size {args.micro_batch_size} "
                      f"x data-parallel size {dp}")
 
@@ -479,6 +491,26 @@ def _validate_schedule(parser, args, dp: int) -> None:
         parser.error(f"--lr-decay-style WSD needs --lr-wsd-decay-{unit}")
     if args.min_lr is not None and args.min_lr > args.lr:
         parser.error(f"--min-lr {args.min_lr} is above --lr {args.lr}")
+    if args.phase_transition_iterations is not None:
+        try:
+            iterations = phase_transitions(args.phase_transition_iterations)
+        except ValueError:
+            parser.error(f"--phase-transition-iterations {args.phase_transition_iterations!r}: not comma-separated "
+                         "iterations")
+        if args.rampup_batch_size is not None:
+            parser.error("--phase-transition-iterations with --rampup-batch-size: multi-phase training does not "
+                         "support batch size ramp-up (Megatron-LM's check)")
+        if not by_samples:
+            parser.error("--phase-transition-iterations needs --train-samples: the last phase ends there (Megatron-LM "
+                         "reads it, and fails without it)")
+        if min(iterations) < 1:
+            parser.error(f"--phase-transition-iterations {args.phase_transition_iterations}: an iteration must be at "
+                         "least 1 (a phase ends after a step)")
+
+
+def phase_transitions(value: str) -> tuple[int, ...]:
+    """--phase-transition-iterations, sorted, as Megatron-LM's validate_args reads it."""
+    return tuple(sorted(int(part.strip()) for part in value.split(",")))
 
 
 def _validate_precision(parser, args) -> None:
@@ -633,7 +665,45 @@ def _validate_wandb(parser, args) -> None:
         parser.error("--wandb-project needs the wandb package: pip install wandb")
 
 
+def _read_data_args(parser, args) -> None:
+    """--data-args-path and --per-split-data-args-path: the values of --data-path, or of the per-split paths, read
+    from a file (Megatron-LM's get_blend_and_blend_per_split) into those flags, checked from there on as given."""
+    per_split = [f"--{flag.replace('_', '-')}" for flag in ("train_data_path", "valid_data_path", "test_data_path")
+                 if getattr(args, flag)]
+    for path_flag, given in (("data_args_path", ["--data-path"] if args.data_path else []),
+                             ("per_split_data_args_path", per_split)):
+        path = getattr(args, path_flag)
+        if path is None:
+            continue
+        name = f"--{path_flag.replace('_', '-')}"
+        if given:  # Megatron-LM's check
+            parser.error(f"give one of {name} and {' '.join(given)}")
+        try:
+            if path_flag == "data_args_path":
+                args.data_path = read_text(path).split()
+                if not args.data_path:
+                    raise ValueError("empty: it holds --data-path's values")
+                continue
+            splits = read_json_object(path)
+            missing = [key for key in ("train", "valid", "test") if key not in splits]
+            if missing:
+                raise ValueError(f"no {', '.join(missing)} (the keys are train, valid and test)")
+            for key, flag in zip(("train", "valid", "test"), ("train_data_path", "valid_data_path", "test_data_path")):
+                value = splits[key].split() if isinstance(splits[key], str) else splits[key]
+                if value is not None and (not isinstance(value, list) or not value
+                                          or not all(isinstance(v, (str, int, float)) for v in value)):
+                    raise ValueError(f"{key}: {json.dumps(splits[key])} is not a list of weights and prefixes, a "
+                                     "string of them or null")
+                setattr(args, flag, None if value is None else [str(v) for v in value])
+        except OSError as error:
+            parser.error(f"{name} {path}: {error.strerror}")
+        except ValueError as error:
+            shown = str(error).removeprefix(f"{path}: ")
+            parser.error(f"{name} {path}: {shown}")
+
+
 def _validate_data(parser, args) -> None:
+    _read_data_args(parser, args)
     if not (args.data_path or args.train_data_path or args.mock_data):
         parser.error("no training data: give --data-path, --train-data-path or --mock-data")
     given = [f"--{flag.replace('_', '-')}" for flag in ("data_path", "train_data_path", "mock_data")
@@ -645,6 +715,21 @@ def _validate_data(parser, args) -> None:
                      "--valid-data-path and --test-data-path go with --train-data-path")
     if args.mock_data and not args.vocab_size:
         parser.error("--mock-data needs --vocab-size")
+    for flag in ("dataloader_fast_cache_load", "dataloader_defer_npy_index_mmap"):
+        if getattr(args, flag) and not args.data_cache_path:  # megatron-core's checks
+            parser.error(f"--{flag.replace('_', '-')} needs --data-cache-path, where the index caches are")
+    if args.dataloader_fast_cache_load and args.data_path:
+        parser.error("--dataloader-fast-cache-load with --data-path: megatron-core builds it from per-split paths only "
+                     "(give --train-data-path, --valid-data-path and --test-data-path, or --per-split-data-args-path)")
+    if args.multiple_validation_sets and not (args.full_validation or args.skip_train):
+        parser.error("--multiple-validation-sets needs --full-validation (Megatron-LM's check; or --skip-train)")
+    if args.multiple_validation_sets and args.full_validation and args.valid_data_path \
+            and len(args.valid_data_path) > 1:
+        # megatron-core asserts that whole validation datasets come from prefixes without weights, a form of
+        # Megatron-LM's blends that angpt's --valid-data-path does not take (angpt.config.blend).
+        parser.error("--multiple-validation-sets with --full-validation: megatron-core builds each validation dataset "
+                     "whole only from a --valid-data-path of prefixes without weights, which angpt does not parse "
+                     "yet (give --skip-train without --full-validation, or one prefix)")
     if args.reset_attention_mask and args.transformer_impl == "transformer_engine":
         parser.error("--reset-attention-mask: Transformer Engine's attention here is causal by its mask type and "
                      "takes no document mask; use --transformer-impl local")
@@ -736,6 +821,12 @@ def derive(flags: dict, world_size: int) -> dict:
         derived["cp_comm_type"] = ("all_gather",) if all_gather_default else ("p2p",)
     if flags["model_family"] == "gpt":
         derived.update(_gpt_derived(flags))
+    if flags["phase_transition_iterations"] is not None:
+        derived["phase_transitions"] = phase_transitions(flags["phase_transition_iterations"])
+    if flags["no_weight_decay_cond_type"] == "apply_wd_to_qk_layernorm":  # Megatron-LM's validate_args
+        derived["apply_wd_to_qk_layernorm"] = True
+    if flags["skip_train"]:  # Megatron-LM's validate_args: nothing to step
+        derived["no_load_optim"] = True
     for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         if flags[flag]:
             derived[flag] = _blend_of_prefixes(list(flags[flag]))

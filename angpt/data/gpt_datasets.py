@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
@@ -15,7 +16,16 @@ from torch.utils.data import DataLoader
 
 from angpt.config.blend import parse_blend
 from angpt.config.sections import DataSection
-from angpt.data.indexed import IndexedDatasetError, check_indexed_dataset, check_token_ids, metadata_path, read_metadata
+from angpt.data.files import read_json_object
+from angpt.data.indexed import (
+    DTYPES,
+    IndexedDatasetError,
+    check_indexed_dataset,
+    check_token_ids,
+    index_header,
+    metadata_path,
+    read_metadata,
+)
 from angpt.data.tokenizers import (
     MEGATRON_ONLY_TOKENIZER_TYPES,
     NULL_TOKENIZER,
@@ -139,8 +149,11 @@ def _check_tokenizer(prefix: str, metadata: dict) -> None:
             f"its tokenizer has vocab_size {tokenizer.vocab_size} and eod {tokenizer.eod}")
 
 
-def build_datasets(data: DataSection, vocabulary, seq_length: int, seed: int, samples: Sequence[int]):
-    """(train, valid, test) datasets with the requested numbers of samples (None where not requested)."""
+def build_datasets(data: DataSection, vocabulary, seq_length: int, seed: int, samples: Sequence[Optional[int]],
+                   full_validation: bool = False, multiple_validation_sets: bool = False):
+    """(train, valid, test) datasets with the requested numbers of samples (None where not requested; a sample count
+    of None builds one epoch). With `multiple_validation_sets`, megatron-core's builder gives a list of validation
+    datasets, one per prefix of a --valid-data-path blend."""
     blend_per_split = None
     blend = None
     if data.train_data_path or data.valid_data_path or data.test_data_path:
@@ -162,12 +175,41 @@ def build_datasets(data: DataSection, vocabulary, seq_length: int, seed: int, sa
         eod_mask_loss=data.eod_mask_loss,
         # The model is causal by itself: a mask is read only where it adds the documents' boundaries.
         create_attention_mask=data.reset_attention_mask,
+        full_validation=full_validation,
+        multiple_validation_sets=multiple_validation_sets,
+        num_dataset_builder_threads=data.num_dataset_builder_threads,
+        mid_level_dataset_surplus=data.mid_level_dataset_surplus,
+        fast_cache_load=data.dataloader_fast_cache_load,
+        defer_npy_index_mmap=data.dataloader_defer_npy_index_mmap,
+        sequences_per_dataset=sequences_per_dataset(data, vocabulary),
     )
     if blend is not None:
         _check_every_split_has_documents(data.split, config.split_matrix, blend[0])
     dataset_type = MockGPTDataset if data.mock_data else GPTDataset
     # Every rank builds: rank 0 first writes the index caches, the others then read them.
     return BlendedMegatronDatasetBuilder(dataset_type, list(samples), lambda: True, config).build()
+
+
+def sequences_per_dataset(data: DataSection, vocabulary) -> Optional[dict]:
+    """--per-dataset-sequences-path's {prefix: [sequences, documents]}, checked against each .idx header: megatron-core
+    then reads the index at those counts, in the dtype it takes from the vocabulary's size, without its header."""
+    path = data.per_dataset_sequences_path
+    if path is None:
+        return None
+    counts = read_json_object(path)
+    dtype_code = 4 if vocabulary.vocab_size > numpy.iinfo(numpy.uint16).max + 1 else 8  # GPTDatasetConfig's
+    for prefix in data.prefixes():
+        if prefix not in counts:
+            raise ValueError(f"--per-dataset-sequences-path {path}: no entry for {prefix}")
+        code, sequences, documents = index_header(prefix)
+        if counts[prefix] != [sequences, documents]:
+            raise ValueError(f"--per-dataset-sequences-path {path}: {prefix} has {json.dumps(counts[prefix])}, but "
+                             f"{prefix}.idx counts [{sequences}, {documents}] (sequences, documents)")
+        if code != dtype_code:
+            raise ValueError(f"--per-dataset-sequences-path: {prefix}.idx holds {DTYPES[code].name} tokens, and "
+                             f"megatron-core would read them as {DTYPES[dtype_code].name} (the dtype of a vocabulary "
+                             f"of {vocabulary.vocab_size}): leave the flag out")
+    return counts
 
 
 def _check_every_split_has_documents(split: str, split_matrix, prefixes) -> None:

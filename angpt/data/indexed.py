@@ -137,6 +137,12 @@ def check_token_ids(prefix: str, metadata: dict, source: Optional[str] = None, c
                                   f"{metadata['vocab_size']} of {source or metadata_path(prefix)}")
 
 
+def index_header(prefix: str) -> tuple[int, int, int]:
+    """(dtype code, sequences, document indices) of a whole prefix.idx's header (check_indexed_dataset checks it)."""
+    with open(prefix + ".idx", "rb") as idx:
+        return _HEADER.unpack(idx.read(_HEADER.size))[2:]
+
+
 def check_indexed_dataset(prefix: str) -> dict:
     """Check that prefix.idx is a whole megatron-core index and prefix.bin holds exactly the tokens it
     indexes (and, when prefix.json exists, that both agree with it); returns the counts."""

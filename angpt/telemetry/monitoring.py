@@ -39,9 +39,11 @@ class TrainingMonitor:
         output_dir = save or logging.tensorboard_dir
         metrics_file = logging.metrics_file or (os.path.join(output_dir, "metrics.jsonl") if output_dir else None)
         tensorboard_dir = logging.tensorboard_dir or (os.path.join(save, "tensorboard") if save else None)
+        if run.evaluation.skip_train:  # as Megatron-LM: an evaluation without training writes no curves
+            tensorboard_dir = None
         self.tensorboard_dir = tensorboard_dir
         wandb_init = None
-        if logging.wandb_project:
+        if logging.wandb_project and not run.evaluation.skip_train:
             # As Megatron-LM: every launch is a run of its own, its settings as the run's config; a resumed
             # job's curves continue where its checkpoint left off, the steps being iterations.
             wandb_init = dict(project=logging.wandb_project, name=logging.wandb_exp_name, entity=logging.wandb_entity,

@@ -150,15 +150,34 @@ class Trainer:
         self.checks = rerun.checks(config.rerun)
         rerun.initialize(config.rerun, self.state.iteration)
 
-        evaluation_samples = config.evaluation.eval_iters * training.global_batch_size
-        # As Megatron-LM: the samples a run by samples asks for, else its iterations' global batches.
-        train_samples = training.train_samples or training.train_iters * training.global_batch_size
-        self.data = Data(*build_datasets(config.data, self.vocabulary, model.seq_length, training.seed,
-                                         [train_samples, evaluation_samples, evaluation_samples]))
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.batches = BatchSchedule(training.global_batch_size, training.micro_batch_size, self.dp_size,
-                                     training.rampup_batch_size, self.rank)
+                                     training.rampup_batch_size, self.rank, training.decrease_batch_size_if_needed)
+        # An evaluation step reads a global batch, decreased as a training step's would be (Megatron-LM's evaluate).
+        group = training.micro_batch_size * self.dp_size
+        self.eval_batch_size = training.global_batch_size // group * group
+        evaluation = config.evaluation
+        evaluation_samples = evaluation.eval_iters * training.global_batch_size
+        # As Megatron-LM: the samples a run by samples asks for, else its iterations' global batches; a phase of
+        # --phase-transition-iterations builds its own share of them and reads it from its start.
+        train_samples = training.train_samples or training.train_iters * training.global_batch_size
+        self.train_data_offset = 0  # the samples consumed before the training dataset's first
+        if training.phase_transitions:
+            train_samples, self.train_data_offset = self._phase(training.train_samples)
+        self.data = Data(*build_datasets(config.data, self.vocabulary, model.seq_length, training.seed,
+                                         [train_samples, None if evaluation.full_validation else evaluation_samples,
+                                          evaluation_samples], full_validation=evaluation.full_validation,
+                                         multiple_validation_sets=evaluation.multiple_validation_sets))
+        # [(name, dataset)] evaluated as the validation split: megatron-core's builder gives a list of the datasets of
+        # a --valid-data-path blend with --multiple-validation-sets, each reported by its index (Megatron-LM's names).
+        valid = self.data.valid
+        if evaluation.multiple_validation_sets:
+            valid = valid if isinstance(valid, list) else [valid]
+            self.validation_sets = [(f"validation-{index}", dataset) for index, dataset in enumerate(valid)]
+        else:
+            self.validation_sets = [("validation", valid)]
+        self.iterations_to_skip = frozenset(training.iterations_to_skip or ())
         # Forked after the exit-signal handlers are installed (below): the workers inherit them.
         self.train_batches = None
         self.profiler = None  # --profile's (below)
@@ -184,6 +203,17 @@ class Trainer:
                         parallel.pipeline_model_parallel_size, parallel.context_parallel_size, self.dp_size,
                         self.state.iteration, training.train_iters)
 
+    def _phase(self, train_samples: int) -> tuple[int, int]:
+        """(the samples of this run's phase, the samples consumed before it), as Megatron-LM's
+        get_train_valid_test_num_samples and build_train_valid_test_data_loaders count them: in global batches of
+        the iterations, a phase from one transition (or 0) to the next (or --train-samples)."""
+        global_batch_size, iteration = self.run_config.training.global_batch_size, self.state.iteration
+        bounds = [0, *(t * global_batch_size for t in self.run_config.training.phase_transitions), train_samples]
+        current = iteration * global_batch_size
+        first = max(bound for bound in bounds if bound <= current)
+        return min((bound for bound in bounds if bound > current), default=current) - first, \
+            self.state.consumed_samples - (current - first)
+
     # -- data ---------------------------------------------------------------------------------------
     def _iterators(self, batches: list[dict]):
         iterators = [iter(batches) for _ in self.chunks] if len(self.chunks) > 1 else iter(batches)
@@ -193,13 +223,9 @@ class Trainer:
     def train_one_step(self) -> dict:
         training, state = self.run_config.training, self.state
         iteration = state.iteration + 1
-        global_batch_size = self.batches.global_batch_size(state.consumed_samples)
-        if self.train_batches is None:
-            self.train_batches = TrainingBatches(self.data.train, state.consumed_samples, training.micro_batch_size,
-                                                 self.dp_rank, self.dp_size, self.run_config.data.num_workers,
-                                                 self.vocabulary.vocab_size)
+        global_batch_size = self.batches.running_batch_size(state.consumed_samples)
         timer(self.timers, "batch-generator").start()
-        batches = self.train_batches.take(global_batch_size // (training.micro_batch_size * self.dp_size))
+        batches = self._take(global_batch_size)
         timer(self.timers, "batch-generator").stop()
         iterators, num_micro_batches = self._iterators(self.hooks.batches(iteration, batches))
         lr = get_canonical_lr_for_logging(self.optimizer.param_groups)  # --lr's group (megatron-core's choice)
@@ -230,11 +256,32 @@ class Trainer:
             record.update(loss_scale=self.optimizer.get_loss_scale().item(), calibrating=calibrating)
         return record
 
+    def _take(self, global_batch_size: int) -> list[dict]:
+        """This rank's micro-batches of the next global batch of the training split."""
+        training = self.run_config.training
+        if self.train_batches is None:
+            self.train_batches = TrainingBatches(self.data.train, self.state.consumed_samples - self.train_data_offset,
+                                                 training.micro_batch_size, self.dp_rank, self.dp_size,
+                                                 self.run_config.data.num_workers, self.vocabulary.vocab_size)
+        return self.train_batches.take(global_batch_size // (training.micro_batch_size * self.dp_size))
+
+    def skip_one_step(self) -> None:
+        """--iterations-to-skip (Megatron-LM's dummy_train_step): the step's global batch read and left out, no
+        forward, backward or optimizer step; the iteration and the consumed samples move on."""
+        global_batch_size = self.batches.running_batch_size(self.state.consumed_samples)
+        self._take(global_batch_size)
+        self.state.iteration += 1
+        self.state.consumed_samples += global_batch_size
+        if self.rank == 0:
+            logger.info("iteration %d: skipped (--iterations-to-skip %d): its %d samples read and left out",
+                        self.state.iteration, self.state.iteration - 1, global_batch_size)
+
     def _report_failed_checks(self, iteration: int, global_batch_size: int) -> None:
         """One line for each check that failed on this rank in the step, naming the rank and the data: a loss
         check names its micro-batch's samples, a grad check this rank's share of the global batch."""
         for finding in rerun.findings():
-            first = self.state.consumed_samples  # the step's first sample: the step is not counted yet
+            # The step's first sample of the training split: the step is not counted yet.
+            first = self.state.consumed_samples - self.train_data_offset
             micro_batches_here = list(MicroBatchIndices(first, first + global_batch_size,
                                                         self.run_config.training.micro_batch_size, self.dp_rank,
                                                         self.dp_size))
@@ -248,23 +295,37 @@ class Trainer:
                            where, finding.message, finding.result, finding.outcome,
                            describe_samples(self.data.train, samples))
 
-    def evaluate(self, dataset, name: str) -> Optional[float]:
+    def validate(self) -> None:
+        """Evaluate each validation set (the split, or with --multiple-validation-sets each of its datasets)."""
+        for name, dataset in self.validation_sets:
+            self.evaluate(dataset, name, whole=self.run_config.evaluation.full_validation)
+
+    def evaluate(self, dataset, name: str, whole: bool = False) -> Optional[float]:
         """Mean loss over the first --eval-iters global batches of a split: the same samples at every
-        evaluation, so that evaluations are comparable along the run."""
+        evaluation, so that evaluations are comparable along the run; `whole` (--full-validation): over every
+        whole global batch of it (Megatron-LM's evaluation steps are global batches: fewer samples are left out)."""
         eval_iters, training, memory = (self.run_config.evaluation.eval_iters, self.run_config.training,
                                         self.run_config.memory)
-        if dataset is None or eval_iters == 0:
+        batch_size = self.eval_batch_size
+        if dataset is None:
             return None
-        if len(dataset) < eval_iters * training.global_batch_size:
+        if whole:
+            eval_iters = len(dataset) // batch_size
+            if eval_iters == 0:
+                raise ValueError(f"--full-validation: the {name} split has {len(dataset)} samples, fewer than one "
+                                 f"global batch of {batch_size}")
+        if eval_iters == 0:
+            return None
+        if len(dataset) < eval_iters * batch_size:
             raise ValueError(f"the {name} split has {len(dataset)} samples, fewer than --eval-iters "
-                             f"{eval_iters} x --global-batch-size {training.global_batch_size}")
+                             f"{eval_iters} x --global-batch-size {batch_size}")
         manual_gc = memory.manual_gc and memory.manual_gc_eval
         if manual_gc:
             gc.collect()
         losses = []
         timer(self.timers, "evaluate").start()
         for batch_index in range(eval_iters):
-            batches = micro_batches(dataset, batch_index * training.global_batch_size, training.global_batch_size,
+            batches = micro_batches(dataset, batch_index * batch_size, batch_size,
                                     training.micro_batch_size, self.dp_rank, self.dp_size,
                                     vocab_size=self.vocabulary.vocab_size)
             iterators, num_micro_batches = self._iterators(batches)
@@ -331,8 +392,18 @@ class Trainer:
         hooks_later = parallel.use_distributed_optimizer and parallel.overlap_param_gather and pre_hooks_on(self.chunks)
         if hooks_later:
             set_pre_hooks(self.chunks, False)
+        if evaluation.skip_train:
+            if self.rank == 0:
+                logger.info("--skip-train: no training; evaluating the model of iteration %d", self.state.iteration)
+            self.validate()
+            self.evaluate(self.data.test, "test")
+            self._finish()
+            return 0
         try:
             while self.state.iteration < training.train_iters:
+                if self.state.iteration in self.iterations_to_skip:  # Megatron-LM's count of the steps done
+                    self.skip_one_step()
+                    continue
                 if self.hang_watchdog is not None:  # each iteration's clock; stopped when the run ends
                     self.hang_watchdog.arm(self.state.iteration + 1)
                 if self.profiler is not None:
@@ -369,21 +440,23 @@ class Trainer:
                         logger.info("iteration %d: the weights are the same on every data-parallel replica",
                                     iteration)
                 if evaluation.eval_interval and iteration % evaluation.eval_interval == 0:
-                    self.evaluate(self.data.valid, "validation")
+                    self.validate()
                 if save_interval and iteration % save_interval == 0:
                     self.save()
                 reason = self.exits.check()
                 if reason is None and exits.exit_interval and iteration % exits.exit_interval == 0:
                     reason = f"iteration {iteration} is a multiple of --exit-interval {exits.exit_interval}"
+                if reason is None and iteration in training.phase_transitions:
+                    reason = f"iteration {iteration} ends a phase of --phase-transition-iterations"
                 if reason is not None:
                     self.save()
                     self._finish()
                     if self.rank == 0:
                         logger.info("exiting at iteration %d: %s", iteration, reason)
                     return 0
-            if evaluation.eval_iters and (not evaluation.eval_interval
-                                          or self.state.iteration % evaluation.eval_interval):
-                self.evaluate(self.data.valid, "validation")
+            if (evaluation.eval_iters or evaluation.full_validation) and (
+                    not evaluation.eval_interval or self.state.iteration % evaluation.eval_interval):
+                self.validate()
             self.evaluate(self.data.test, "test")
             self.save()
             self._finish()
