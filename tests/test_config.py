@@ -81,13 +81,16 @@ TRANSFORMER_VALUES = dict(
     pipeline_model_parallel_layout="Et|ttt|ttL",
     pipeline_model_parallel_size=3, recompute_granularity="selective", rotary_base=500000, sequence_parallel=True,
     tensor_model_parallel_size=2, test_mode=True, transformer_impl="transformer_engine",
+    distribute_saved_activations=True, fp32_residual_connection=True, fp8_wgrad=False,
+    clone_scatter_output_in_embedding=False,
 )
 # The architecture fields shared by name: --model-family gpt's (the other families fix their own architecture).
 ARCHITECTURE_VALUES = dict(
     add_bias_linear=False, add_qkv_bias=True, apply_query_key_layer_scaling=True, attention_softmax_in_fp32=True,
     layernorm_zero_centered_gamma=True, max_position_embeddings=256, normalization="RMSNorm",
     position_embedding_type="none", qk_l2_norm=True, qk_layernorm=True, rotary_interleaved=True, rotary_percent=0.5,
-    use_rope_scaling=True, embedding_init_method_std=0.5,
+    use_rope_scaling=True, embedding_init_method_std=0.5, glu_linear_offset=0.5, activation_func_clamp_value=7.0,
+    no_rope_freq=[0, 1],
 )
 # Fields shared by name that are set otherwise, each for a reason named in angpt.training.megatron_configs.
 TRANSFORMER_OVERRIDDEN = {

@@ -27,7 +27,7 @@ from angpt.hf.checkpoint_reader import read_checkpoint
 from angpt.hf.errors import ExportError
 from angpt.models import build_model
 from angpt.models.attention import clear_attention_backend_environment
-from angpt.training import checkpointing, distributed
+from angpt.training import checkpointing, distributed, megatron_configs
 from angpt.training.dry_run import describe
 from angpt.training.megatron_configs import transformer_config
 from angpt.training.optimizer import build_optimizer, norm_backend, optimizer_config
@@ -159,6 +159,79 @@ def test_embedding_init_method_std_initializes_the_embeddings_alone(seeded):
         assert abs(weight.std().item() - std) <= 5 * std / math.sqrt(2 * weight.numel()), (weight.shape, std)
 
 
+def test_glu_linear_offset_and_clamp_reach_megatron_cores_gated_mlp(seeded):
+    """--glu-linear-offset and --activation-func-clamp-value (megatron-core's TransformerConfig fields, as Megatron-LM
+    passes them): the SwiGLU MLP's output computed here from its weights, the gate's input clamped to at most 1, the
+    linear half to [-1, 1] and offset by 0.5, on inputs large enough for the clamp to bite."""
+    model = build_model(transformer_config(gpt("--swiglu", "--glu-linear-offset", "0.5",
+                                               "--activation-func-clamp-value", "1.0")), V, SEQ)
+    mlp = model.decoder.layers[0].mlp
+    x = torch.randn(SEQ, 2, H) * 10
+    gate, linear = F.linear(x, mlp.linear_fc1.weight, mlp.linear_fc1.bias).chunk(2, dim=-1)
+    assert gate.max() > 1 and linear.abs().max() > 1
+    expected = F.linear(F.silu(gate.clamp(max=1.0)) * (linear.clamp(-1.0, 1.0) + 0.5), mlp.linear_fc2.weight)
+    with torch.no_grad():
+        output, bias = mlp(x)
+    assert torch.allclose(output, expected, atol=1e-5) and torch.equal(bias, mlp.linear_fc2.bias)
+
+
+def test_an_offset_or_clamp_turns_the_default_activation_fusion_off(monkeypatch):
+    """megatron-core's fused SwiGLU takes neither (it refuses an offset, skips a clamp): with a GPU the default
+    fusion is on without them and off with either; given explicitly with a clamp, the run says the clamp is skipped;
+    a non-gated MLP reads neither, as in Megatron-LM, and the run says so."""
+    monkeypatch.setattr(megatron_configs.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(megatron_configs, "model_config", lambda family, **fields: fields)
+    for argv, fused in (([], True), (["--glu-linear-offset", "0.5"], False),
+                        (["--activation-func-clamp-value", "7"], False)):
+        assert transformer_config(gpt("--swiglu", *argv))["bias_activation_fusion"] is fused, argv
+    clamped = gpt("--swiglu", "--bias-swiglu-fusion", "--activation-func-clamp-value", "7")
+    assert megatron_lm.notes(clamped, cuda=True) == [
+        "--activation-func-clamp-value: megatron-core's fused activation does not clamp (as in Megatron-LM, nothing "
+        "changes)"]
+    assert megatron_lm.notes(gpt("--glu-linear-offset", "0.5", "--activation-func-clamp-value", "0"), cuda=True) == [
+        "--glu-linear-offset and --activation-func-clamp-value: megatron-core applies them in a gated MLP (--swiglu, "
+        "--quick-geglu) only (as in Megatron-LM, nothing changes)"]
+
+
+def test_no_rope_freq_skips_rope_on_its_layers(seeded):
+    """--no-rope-freq (megatron-core's TransformerConfig field, read as Megatron-LM reads it): 2 on 2 layers is the
+    pattern [0, 1], a list expression is evaluated; RoPE skipped on every layer gives the model without position
+    embeddings (the same weights), skipped on the second alone does not."""
+    rope = ["--position-embedding-type", "rope"]
+    assert transformer_config(gpt(*rope, "--no-rope-freq", "2")).no_rope_freq == [0, 1]
+    assert transformer_config(gpt(*rope, "--no-rope-freq", "([1]*1+[0])")).no_rope_freq == [1, 0]
+    tokens, positions = torch.randint(0, V, (2, SEQ)), torch.arange(SEQ).expand(2, SEQ)
+
+    def logits(*argv):
+        model = build_model(transformer_config(gpt(*argv)), V, SEQ)
+        model.load_state_dict(weights, strict=False)
+        with torch.no_grad():
+            return model(tokens, positions, None)
+
+    weights = build_model(transformer_config(gpt("--position-embedding-type", "none")), V, SEQ).state_dict()
+    none = logits("--position-embedding-type", "none")
+    assert torch.equal(logits(*rope, "--no-rope-freq", "1"), none)
+    assert not torch.allclose(logits(*rope, "--no-rope-freq", "2"), none, atol=1e-3)
+
+
+def test_fp32_residual_connection_casts_gpt_pluss_embeddings_to_fp32(seeded):
+    """megatron-core 0.16.1's meaning (as Megatron-LM passes the field): the embeddings' output in fp32, the bf16
+    one's values exactly; the first bias-dropout-add casts the residual to the attention output's dtype, so that the
+    logits are the run's without the flag, bit for bit."""
+    tokens, positions = torch.randint(0, V, (2, SEQ)), torch.arange(SEQ).expand(2, SEQ)
+    out = {}
+    for argv in ([], ["--fp32-residual-connection"]):
+        torch.manual_seed(0)
+        config = transformer_config(parse_args([*MOCK, *SHAPE, "--model-family", "gptplus", "--bf16", *argv],
+                                               world_size=1))
+        assert config.fp32_residual_connection is bool(argv)
+        model = build_model(config, V, SEQ)
+        with torch.no_grad():
+            out[bool(argv)] = model.embedding(tokens, positions), model(tokens, positions, None)
+    assert out[True][0].dtype == torch.float32 and torch.equal(out[True][0], out[False][0].float())
+    assert out[True][1].dtype == torch.bfloat16 and torch.equal(out[True][1], out[False][1])
+
+
 def test_the_dry_run_counts_the_parameters_of_megatron_lms_gpt(single_process):
     """Counted here from the shapes: the embedding (tied: once), the positions, per layer two LayerNorms and the
     four biased linear layers, the final LayerNorm."""
@@ -192,6 +265,20 @@ def test_the_dry_run_counts_the_parameters_of_megatron_lms_gpt(single_process):
      "GPT's residual is a plain add"),
     (["--rope-scaling-factor", "4"], "Megatron-LM's pretrain_gpt.py does not hand it to GPTModel"),
     (["--angpt-post-norm", "none"], "--angpt-post-norm does not apply to --model-family gpt"),
+    (["--swiglu", "--bias-swiglu-fusion", "--glu-linear-offset", "0.5"], "--glu-linear-offset 0.5 with --model-family "
+     "gpt: megatron-core's fused activation takes an offset with --quick-geglu only (its check)"),
+    (["--activation-func-clamp-value", "-1"], "--activation-func-clamp-value -1.0 cannot be negative"),
+    (["--no-rope-freq", "2"], "--no-rope-freq 2 with --model-family gpt: it applies to --position-embedding-type rope"),
+    (["--position-embedding-type", "rope", "--no-rope-freq", "3"], "--no-rope-freq 3 must divide --num-layers 2 "
+     "(megatron-core's check)"),
+    (["--position-embedding-type", "rope", "--no-rope-freq", "-1"], "--no-rope-freq -1 cannot be negative"),
+    (["--position-embedding-type", "rope", "--no-rope-freq", "[0,1,1]"], "--no-rope-freq: the pattern has 3 entries, "
+     "one per layer of --num-layers 2"),
+    (["--position-embedding-type", "rope", "--no-rope-freq", "[0]+x"], "argument --no-rope-freq: invalid "
+     "no_rope_freq_type value: '[0]+x'"),
+    (["--fp32-residual-connection"], "--fp32-residual-connection needs --bf16 or --fp16 (Megatron-LM's check)"),
+    (["--bf16", "--fp32-residual-connection"], "--fp32-residual-connection with --model-family gpt --normalization "
+     "LayerNorm on --transformer-impl local: megatron-core's torch norms take no fp32 input"),
 ])
 def test_what_megatron_lm_would_not_build_or_would_ignore_is_refused(argv, message, capsys):
     assert message in parse_error([*SHAPE, "--model-family", "gpt", *argv], capsys)
@@ -226,6 +313,13 @@ def test_what_the_families_of_megatron_core_layers_take(seeded):
     ("ngpt", ["--no-bias-gelu-fusion"], ["--bias-gelu-fusion"], "nGPT has no GELU"),
     ("angpt", ["--init-method-std", "0.02"], ["--embedding-init-method-std", "0.5"],
      "the families initialize the embedding as docs/model.md says"),
+    ("gptplus", ["--glu-linear-offset", "0"], ["--glu-linear-offset", "0.5"],
+     "the families' SwiGLU multiplies by its linear half, without an offset"),
+    ("ngpt", ["--swiglu"], ["--activation-func-clamp-value", "7"], "the families' SwiGLU does not clamp"),
+    ("gptplus", ["--position-embedding-type", "rope"], ["--no-rope-freq", "2"],
+     "every layer of the families applies RoPE"),
+    ("angpt", ["--bf16"], ["--fp32-residual-connection", "--bf16"], "its residual stream feeds the linear layers "
+     "without a norm in between and is updated by its own normalized LERP"),
 ])
 def test_the_other_families_take_their_own_architecture_and_refuse_another(family, accepted, refused, message,
                                                                            capsys):

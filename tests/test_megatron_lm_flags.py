@@ -4,10 +4,16 @@ or refused with a reason, never unrecognized; docs/megatron.md is what the table
 import collections
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
+import megatron.core
 import pytest
+import torch
+import torch.nn.functional as F
+from megatron.core import jit, tensor_parallel
+from megatron.core.transformer import TransformerConfig
 
 from angpt.config import megatron_lm
 from angpt.config.arguments import parse_args
@@ -59,6 +65,14 @@ def test_docs_megatron_md_is_what_the_parser_and_the_table_say():
      "parallelism"),
     (["--rl-use-sequence-packing"], "not supported: reinforcement learning"),
     (["--fsdp-double-buffer"], "argument --fsdp-double-buffer: not supported: not built with Megatron-FSDP"),
+    (["--init-method-xavier-uniform"], "argument --init-method-xavier-uniform: not supported: Megatron-LM 0.16.1 "
+     "fails with it"),
+    (["--qk-clip"], "argument --qk-clip: not supported: QK-clip scales W_q and W_k after each step by each head's "
+     "largest attention logit, which Transformer Engine's attention (>= 2.9) alone records"),
+    (["--qk-clip-threshold", "50"], "argument --qk-clip-threshold: not supported: QK-clip"),
+    (["--log-max-attention-logit"], "argument --log-max-attention-logit: not supported: it logs each head's largest "
+     "attention logit"),
+    (["--init-model-with-meta-device"], "its weights are left uninitialized"),
 ])
 def test_a_refused_flag_stops_the_parse_in_one_line_saying_why(argv, message, capsys):
     line = parse_error(argv, capsys)
@@ -112,11 +126,54 @@ def test_implied_flags_are_accepted_and_the_replaced_norm_flags_are_said_once():
      "effect there: --ckpt-format decides)"),
     (["--dist-ckpt-format", "zarr"], "--dist-ckpt-format: ignored"),
     (["--ckpt-fully-parallel-save"], "--ckpt-fully-parallel-save: ignored"),
+    (["--apply-residual-connection-post-layernorm"], "--apply-residual-connection-post-layernorm: ignored, as in "
+     "Megatron-LM (megatron-core 0.16's TransformerConfig has the field and its layers never read it"),
+    (["--disable-jit-fuser"], "--disable-jit-fuser: ignored, as in Megatron-LM (Megatron-LM 0.16.1 swaps "
+     "megatron.core.jit.jit_fuser after megatron-core's fusions took it at import"),
+    (["--fp16", "--fp16-lm-cross-entropy"], "--fp16-lm-cross-entropy: ignored, as in Megatron-LM (megatron-core "
+     "0.16's GPTModel keeps it and never reads it"),
 ])
 def test_what_megatron_lm_accepts_and_ignores_is_accepted_and_said_in_one_line(argv, line):
     notes = megatron_lm.notes(parse_args([*BASE, *argv], world_size=1))
     assert len(notes) == 1 and notes[0].startswith(line), notes
     assert megatron_lm.notes(parse_args(BASE, world_size=1)) == []
+
+
+def test_megatron_lms_fp16_lm_cross_entropy_needs_fp16(capsys):
+    assert "--fp16-lm-cross-entropy needs --fp16 (Megatron-LM's check)" in parse_error(
+        ["--bf16", "--fp16-lm-cross-entropy"], capsys)
+
+
+def test_megatron_cores_gpt_never_reads_fp16_lm_cross_entropy_and_computes_the_loss_in_fp32(single_process):
+    """The reasons the ignored flags above give, held to megatron-core 0.16.1: GPTModel keeps fp16_lm_cross_entropy
+    and its loss (vocab_parallel_cross_entropy) casts fp16 logits to fp32: the loss is fp32 and equals torch's
+    cross-entropy of the logits in fp32; no module of megatron-core's GPT reads the attribute or
+    apply_residual_connection_post_layernorm."""
+    logits = (torch.randn(4, 2, 50) * 4).half()
+    labels = torch.randint(0, 50, (4, 2))
+    loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+    expected = F.cross_entropy(logits.float().view(-1, 50), labels.view(-1), reduction="none").view(4, 2)
+    assert loss.dtype == torch.float32 and torch.allclose(loss, expected, rtol=1e-6, atol=1e-6)
+    sources = {path: path.read_text() for path in pathlib.Path(megatron.core.__file__).parent.rglob("*.py")}
+    assert [path.name for path, text in sources.items() if "apply_residual_connection_post_layernorm" in text] == [
+        "transformer_config.py"]
+    uses = {line.strip() for text in sources.values() for line in text.splitlines()
+            if "self.fp16_lm_cross_entropy" in line}
+    assert uses == {"self.fp16_lm_cross_entropy = fp16_lm_cross_entropy"}  # kept by each model, read by none
+
+
+def test_disable_jit_fuser_after_megatron_cores_imports_changes_no_fusion():
+    """Megatron-LM calls megatron.core.jit.disable_jit_fuser() in set_global_variables, after pretrain_gpt.py has
+    imported megatron-core's models, whose fusions took jit_fuser (torch.compile) by name at import."""
+    from megatron.core.fusions import fused_bias_swiglu  # noqa: PLC0415 (as pretrain_gpt.py's imports)
+
+    compiled = fused_bias_swiglu.swiglu
+    assert hasattr(compiled, "_torchdynamo_orig_callable")  # torch.compile's
+    jit.disable_jit_fuser()
+    try:
+        assert jit.jit_fuser is jit.noop_decorator and fused_bias_swiglu.swiglu is compiled
+    finally:
+        jit.enable_jit_fuser()
 
 
 def test_a_refused_flag_in_a_config_file_is_refused_and_megatron_lms_default_accepted(tmp_path, capsys):
@@ -184,3 +241,21 @@ def test_legacy_tokenizer_gives_the_vocabulary_of_megatron_lms_legacy_gpt2_token
     assert "not built yet for --tokenizer-type TikTokenizer" in parse_error(
         [*base, "--vocab-size", "256", "--tokenizer-type", "TikTokenizer", "--tokenizer-model", "x.tiktoken",
          "--legacy-tokenizer"], capsys)
+
+
+def test_no_fp8_wgrad_without_fp8s_delayed_recipe_is_accepted_and_said_to_change_nothing():
+    """megatron-core reads fp8_wgrad in Transformer Engine's delayed recipe alone (its fp8_utils.get_fp8_recipe);
+    Megatron-LM's other spelling is the same flag."""
+    for flag in ("--no-fp8-wgrad", "--disable-fp8-wgrad"):
+        config = parse_args([*BASE, flag], world_size=1)
+        assert config.precision.fp8_wgrad is False
+        assert megatron_lm.notes(config) == ["--no-fp8-wgrad: megatron-core overrides the weight gradients' precision "
+                                             "in --fp8-format's delayed recipe only (as in Megatron-LM, nothing "
+                                             "changes)"]
+
+
+def test_megatron_lms_xavier_uniform_initialization_fails_in_megatron_core():
+    """The refusal's reason: Megatron-LM's core_transformer_config_from_args hands TransformerConfig these two."""
+    with pytest.raises(TypeError, match="unexpected keyword argument 'scaled_init_method'"):
+        TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, init_method=torch.nn.init.xavier_uniform_,
+                          scaled_init_method=torch.nn.init.xavier_uniform_)

@@ -16,7 +16,7 @@ import re
 
 import pytest
 import torch
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.distributed import TorchFullyShardedDataParallelConfig
 from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
@@ -30,6 +30,7 @@ from angpt.config.arguments import parse_args
 from angpt.config.choices import MODEL_FAMILIES
 from angpt.config.sections import DIST_CKPT_STRICTNESS, DataSection, RunConfig
 from angpt.data.gpt_datasets import TrainingBatches, build_datasets, dataset_vocabulary, micro_batches
+from angpt.models import build_model
 from angpt.training import checkpoint_store, checkpointing, distributed
 from angpt.training import step as step_module
 from angpt.training import trainer as trainer_module
@@ -807,3 +808,26 @@ def test_a_head_that_does_not_split_or_rotate_is_refused_before_the_model_is_bui
     with pytest.raises(SystemExit):
         parse_args([*base, *argv], world_size=1)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("clone", [True, False])
+def test_clone_scatter_output_in_embedding_decides_whether_the_scattered_embeddings_are_copied(clone, seeded,
+                                                                                              monkeypatch):
+    """megatron-core's TransformerConfig field (--no-clone-scatter-output-in-embedding, by name): under sequence
+    parallelism the embeddings' scattered part goes on to the layers as a copy (the default, so that the whole
+    tensor can be freed) or as the view the scatter returned (one process here: the scatter returns a view of all
+    of it); without sequence parallelism nothing is scattered, and the run says so."""
+    flags = [*MOCK, "--model-family", "gpt", *([] if clone else ["--no-clone-scatter-output-in-embedding"])]
+    config = parse_args(flags, world_size=1)
+    assert config.parallel.clone_scatter_output_in_embedding is clone
+    model = build_model(transformer_config(config), 256, 128)
+    model.embedding.config.sequence_parallel = True  # after megatron-core's check of TP > 1, for the embedding alone
+    scattered, dropped = [], []
+    monkeypatch.setattr(tensor_parallel, "scatter_to_sequence_parallel_region",
+                        lambda tensor, group=None: scattered.append(tensor[:]) or scattered[-1])
+    model.embedding.embedding_dropout.register_forward_pre_hook(lambda module, args: dropped.append(args[0]))
+    model.embedding(torch.randint(0, 256, (2, 128)), torch.arange(128).expand(2, 128))
+    assert torch.equal(dropped[0], scattered[0])
+    assert (dropped[0].data_ptr() == scattered[0].data_ptr()) is not clone
+    assert ("--no-clone-scatter-output-in-embedding: without --sequence-parallel the embeddings are not scattered (as "
+            "in Megatron-LM, nothing changes)" in megatron_lm.notes(config)) is not clone

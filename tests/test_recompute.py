@@ -111,6 +111,26 @@ def test_flags_the_granularity_or_family_lacks_are_refused(argv, message, capsys
     assert message in capsys.readouterr().err
 
 
+# Megatron-LM's checks of --distribute-saved-activations, and megatron-core's (with sequence parallelism), at TP 1
+# and 2; it trains as without it (tests/distributed/equivalence_worker.py, tp2_distribute_saved_activations).
+@pytest.mark.parametrize("argv,message", [
+    (["--tensor-model-parallel-size", "1", "--recompute-granularity", "full"],
+     "--distribute-saved-activations splits the saved inputs over the tensor-parallel ranks: it needs "
+     "--tensor-model-parallel-size > 1 (Megatron-LM's check)"),
+    (["--recompute-activations"], "--distribute-saved-activations needs --recompute-granularity full (Megatron-LM's "
+                                  "check)"),
+    (["--recompute-granularity", "full", "--sequence-parallel"], "--distribute-saved-activations with "
+     "--sequence-parallel: the saved inputs are split over the tensor-parallel ranks already (megatron-core's check)"),
+])
+def test_distribute_saved_activations_needs_tensor_parallel_full_recompute(argv, message, capsys):
+    flags = [*MOCK, "--tensor-model-parallel-size", "2", "--distribute-saved-activations"]
+    config = parse_args([*flags, "--recompute-granularity", "full"], world_size=2)
+    assert transformer_config(config).distribute_saved_activations is True
+    with pytest.raises(SystemExit):
+        parse_args([*flags, *argv], world_size=2)
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gradients_equal_without_and_with_each_recompute(seeded, family):
     # The recomputation runs the same ops on the same inputs in the same order, so the CPU's fp32 results are

@@ -63,6 +63,7 @@ INFERENCE = "an inference setting: angpt pretrains; generate with the Hugging Fa
 LEGACY = "Megatron-LM's legacy models are not part of angpt; the families are megatron-core models"
 DENSE = "angpt trains dense GPTs of its families"
 ATTENTION = f"{DENSE}; their attention is softmax attention (docs/model.md)"
+QK_CLIP = "Transformer Engine's attention (>= 2.9) alone records (Megatron-LM's check)"
 CHECKPOINT_FORMAT = ("angpt reads either checkpoint format (--auto-detect-ckpt-format) and writes --ckpt-format "
                      "torch_dist or torch; a run continues a checkpoint in the other format")
 
@@ -98,27 +99,23 @@ FLAGS: dict[str, Decision] = {
     "--ep-overlap-early-attn-memory-release": refused(f"MoE: {DENSE}"),
     "--use-ring-exchange-p2p": refused(f"{NOT_YET}: pipeline stages exchange with megatron-core's batched p2p"),
     "--softmax-type": refused(ATTENTION),
-    "--fp32-residual-connection": refused(f"{NOT_YET}: the residual stream is in the parameters' precision"),
-    "--apply-residual-connection-post-layernorm": refused(f"{NOT_YET} for --model-family gpt; the other families' "
-                                                          "residual connections are fixed by docs/model.md"),
-    "--glu-linear-offset": refused(f"{NOT_YET} for --model-family gpt; the other families' SwiGLU has no offset "
-                                   "(docs/model.md)"),
-    "--activation-func-clamp-value": refused(f"{NOT_YET} for --model-family gpt; the other families' SwiGLU has no "
-                                             "clamp (docs/model.md)"),
+    "--apply-residual-connection-post-layernorm": ignored("megatron-core 0.16's TransformerConfig has the field and "
+                                                          "its layers never read it (Megatron-LM's legacy models "
+                                                          "did): the residual adds each sub-block to its input"),
     "--attention-output-gate": refused(ATTENTION),
     "--multi-latent-attention": refused(ATTENTION),
     "--experimental-attention-variant": refused(ATTENTION),
-    "--init-model-with-meta-device": refused(f"{NOT_YET}"),
+    "--init-model-with-meta-device": refused("without --use-megatron-fsdp or --use-torch-fsdp2, Megatron-LM 0.16.1 "
+                                             "builds the model on the meta device and materializes it with "
+                                             "torch.empty_like: its weights are left uninitialized; with them it is "
+                                             "not built"),
     "--use-fused-weighted-squared-relu": refused(f"MoE: {DENSE}"),
-    "--distribute-saved-activations": refused(f"{NOT_YET} (full recompute keeps each layer's input whole)"),
     "--fp8-quantizer-factory": refused("custom FP8 quantizers are not built (docs/fp8.md)"),
     "--fp8-interval": ignored("deprecated since Transformer Engine 1.8 and ignored by megatron-core"),
-    "--no-fp8-wgrad": refused(f"{NOT_YET} (docs/fp8.md)"),
     "--use-kitchen-attention": refused("NVIDIA Kitchen is not built"),
     "--enable-cuda-graph": refused("deprecated in Megatron-LM: use --cuda-graph-impl local"),
     "--external-cuda-graph": refused("deprecated in Megatron-LM: use --cuda-graph-impl local"),
     "--cuda-graph-scope": refused(f"{NOT_YET}: --cuda-graph-impl local captures each whole transformer layer"),
-    "--no-clone-scatter-output-in-embedding": refused(f"{NOT_YET}"),
     "--config-logger-dir": refused(f"{NOT_YET}: the run's flags are recorded in each checkpoint and "
                                    "metrics.jsonl"),
     "--flash-decode": refused(INFERENCE),
@@ -141,7 +138,6 @@ FLAGS: dict[str, Decision] = {
                                                      "it changes nothing there"),
     "--rope-scaling-factor": refused("Megatron-LM's pretrain_gpt.py does not hand it to GPTModel, whose factor with "
                                      "--use-rope-scaling is 8"),
-    "--no-rope-freq": refused(f"RoPE on some layers only is {NOT_YET}"),
     "--no-position-embedding": refused("deprecated in Megatron-LM (an error there but with rope, where it does "
                                        "nothing): use --position-embedding-type none with --model-family gpt"),
     "--openai-gelu": refused("Megatron-LM's legacy models only: megatron-core's GPT does not read it"),
@@ -179,14 +175,18 @@ FLAGS: dict[str, Decision] = {
     "--use-mcore-models": implied("the families are megatron-core models"),
     "--use-legacy-models": refused(LEGACY),
     "--high-priority-stream-groups": refused(f"{NOT_YET}"),
-    "--disable-jit-fuser": refused(f"{NOT_YET}: the fusions have flags of their own (--rope-fusion, "
-                                   "--bias-swiglu-fusion, --cross-entropy-loss-fusion)"),
+    "--disable-jit-fuser": ignored("Megatron-LM 0.16.1 swaps megatron.core.jit.jit_fuser after megatron-core's "
+                                   "fusions took it at import (pretrain_gpt.py imports them first): they stay "
+                                   "compiled; each fusion has a flag of its own (--rope-fusion, --bias-swiglu-fusion, "
+                                   "--bias-gelu-fusion, --cross-entropy-loss-fusion)"),
     # -- RNG and initialization
     "--te-rng-tracker": refused("Transformer Engine's RNG tracker is not used (dropout is off by default)"),
     "--inference-rng-tracker": refused(INFERENCE),
     "--data-parallel-random-init": refused("data-parallel replicas start equal, as the optimizer assumes"),
-    "--init-method-xavier-uniform": refused(f"{NOT_YET} for --model-family gpt; the other families' initialization "
-                                            "is fixed by docs/model.md"),
+    "--init-method-xavier-uniform": refused("Megatron-LM 0.16.1 fails with it: its core_transformer_config_from_args "
+                                            "passes scaled_init_method, which megatron-core's TransformerConfig has "
+                                            "not (TypeError: TransformerConfig.__init__() got an unexpected keyword "
+                                            "argument 'scaled_init_method')"),
     # -- learning rate and weight decay
     "--use-checkpoint-opt_param-scheduler": implied("a resumed run keeps the checkpoint's schedule (unless "
                                                     "--override-opt_param-scheduler)"),
@@ -214,7 +214,8 @@ FLAGS: dict[str, Decision] = {
                                           "saving is the default (--no-ckpt-fully-parallel-save turns it off)"),
     # -- mixed precision
     "--accumulate-allreduce-grads-in-fp32": implied("gradients are accumulated and reduced in fp32"),
-    "--fp16-lm-cross-entropy": refused(f"{NOT_YET}: the cross-entropy runs in fp32 from the fp16 logits"),
+    "--fp16-lm-cross-entropy": ignored("megatron-core 0.16's GPTModel keeps it and never reads it: its cross-entropy "
+                                       "casts the fp16 logits to fp32, as here (needs --fp16, Megatron-LM's check)"),
     "--reuse-grad-buf-for-mxfp8-param-ag": refused("FP8 parameters are not built (docs/fp8.md)"),
     "--fp8-param-gather": refused("FP8 parameters are not built (Transformer Engine's): what reads the weights here "
                                   "(anGPT's and nGPT's projections onto the unit ball, checkpoint digests, the "
@@ -292,7 +293,8 @@ FLAGS: dict[str, Decision] = {
                                            "CPU) go to TensorBoard as train/memory_*"),
     "--log-memory-interval": refused(f"{NOT_YET}"),
     "--log-device-memory-used": refused(f"{NOT_YET}"),
-    "--log-max-attention-logit": refused(f"{NOT_YET}"),
+    "--log-max-attention-logit": refused(f"it logs each head's largest attention logit, which {QK_CLIP}: the local "
+                                         "layers have none, and angpt's Transformer Engine runs do not log it"),
     "--log-world-size-to-tensorboard": refused(f"{NOT_YET}"),
     "--logging-level": refused(f"{NOT_YET}"),
     "--log-energy": refused(f"{NOT_YET}"),
@@ -319,7 +321,8 @@ PREFIXES: tuple[tuple[str, Decision], ...] = (
     ("--kitchen-", refused("NVIDIA Kitchen is not built")),
     ("--dsa-", refused(ATTENTION)),
     ("--linear-", refused(ATTENTION)),
-    ("--qk-clip", refused(f"QK-clip is {NOT_YET}")),
+    ("--qk-clip", refused(f"QK-clip scales W_q and W_k after each step by each head's largest attention logit, which "
+                          f"{QK_CLIP}: the local layers have none, and angpt's Transformer Engine runs do not clip")),
     ("--muon-", refused("the families train with Adam (docs/model.md)")),
     ("--non-persistent-", refused(f"non-persistent (local) checkpoints are {NOT_YET}: use --save-interval")),
     ("--ckpt-convert-", refused(CHECKPOINT_FORMAT)),
@@ -475,6 +478,24 @@ def family_has_qk_norms(config: RunConfig) -> bool:
     return family == "gptplus" or (family == "gpt" and config.architecture.qk_layernorm)
 
 
+def _gated_mlp_notes(config: RunConfig) -> list[str]:
+    """--glu-linear-offset and --activation-func-clamp-value where megatron-core's MLP does not read them (gpt)."""
+    architecture = config.architecture
+    clamp = architecture.activation_func_clamp_value is not None
+    given = [flag for flag, value in (("--glu-linear-offset", architecture.glu_linear_offset),
+                                      ("--activation-func-clamp-value", clamp)) if value]
+    if config.model.model_family != "gpt" or not given:
+        return []
+    if not (architecture.swiglu or architecture.quick_geglu):
+        return [f"{' and '.join(given)}: megatron-core applies {'them' if len(given) > 1 else 'it'} in a gated MLP "
+                "(--swiglu, --quick-geglu) only (as in Megatron-LM, nothing changes)"]
+    fused = config.fusion.bias_swiglu_fusion if architecture.swiglu else config.fusion.bias_gelu_fusion
+    if fused and clamp:
+        return ["--activation-func-clamp-value: megatron-core's fused activation does not clamp (as in Megatron-LM, "
+                "nothing changes)"]
+    return []
+
+
 def notes(config: RunConfig, cuda: bool = True) -> list[str]:
     """The lines a run logs once about Megatron-LM flags the family replaced, that Megatron-LM turns off, or that it
     ignores (`cuda`: whether the run has CUDA devices)."""
@@ -510,6 +531,14 @@ def notes(config: RunConfig, cuda: bool = True) -> list[str]:
     if config.precision.disable_bf16_reduced_precision_matmul and not config.precision.bf16:
         lines.append("--disable-bf16-reduced-precision-matmul: without --bf16 there are no bf16 GEMMs (as in "
                      "Megatron-LM, nothing changes)")
+    lines += _gated_mlp_notes(config)
+    if not config.parallel.clone_scatter_output_in_embedding and not config.parallel.sequence_parallel:
+        lines.append("--no-clone-scatter-output-in-embedding: without --sequence-parallel the embeddings are not "
+                     "scattered (as in Megatron-LM, nothing changes)")
+    precision = config.precision
+    if not precision.fp8_wgrad and not (precision.fp8_format and precision.fp8_recipe == "delayed"):
+        lines.append("--no-fp8-wgrad: megatron-core overrides the weight gradients' precision in --fp8-format's "
+                     "delayed recipe only (as in Megatron-LM, nothing changes)")
     if config.checkpoint.async_save and config.checkpoint.ckpt_format == "fsdp_dtensor":
         lines.append("--async-save: fsdp_dtensor checkpoints are written by the training processes before training "
                      "goes on (as Megatron-LM writes them, whatever --async-save says)")

@@ -12,6 +12,7 @@ This module imports nothing heavy, so that `--help` and flag errors are instant.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, Optional
 
@@ -43,6 +44,17 @@ ERROR_INJECTION_TYPES = ("correct_result", "transient_error", "persistent_error"
 # megatron-core's StrictHandling values (megatron/core/dist_checkpointing/validation.py; a test holds them equal).
 DIST_CKPT_STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
                         "return_unexpected", "return_all", "ignore_all")
+
+
+def no_rope_freq_type(value: str) -> int | tuple[int, ...]:
+    """--no-rope-freq, read as Megatron-LM reads it (its no_rope_freq_type): N, RoPE skipped on every N-th layer, or
+    a Python list expression of one 0 or 1 per layer (1: no RoPE), of digits, commas, brackets, + and * only
+    ("([0]*3+[1])*2")."""
+    if "[" not in value:
+        return int(value)
+    if re.search(r"[^,\d\[\]()+*]", value):
+        raise ValueError(f"invalid pattern: {value}")
+    return tuple(eval(value, {"__builtins__": {}}))  # noqa: S307 (digits, brackets, commas, + and * only)
 
 
 def flag(default=None, help: Optional[str] = None, *, option: Optional[str] = None, switch: bool = False,
@@ -119,6 +131,9 @@ class ModelSection:
         "normalization of q and k), residual_update (anGPT's and nGPT's normalized residual update)",
         choices=RECOMPUTE_MODULES)
     recompute_activations: bool = flag(False, "Megatron-LM's alias of --recompute-granularity selective")
+    distribute_saved_activations: bool = flag(False, "with --recompute-granularity full and "
+        "--tensor-model-parallel-size > 1 (not --sequence-parallel): each recomputed chunk keeps 1 / TP of its input "
+        "per tensor-parallel rank and gathers it for the recompute (megatron-core's CheckpointFunction)")
 
 
 @dataclass(frozen=True)
@@ -161,6 +176,13 @@ class ArchitectureSection:
     group_query_attention: bool = flag(False, "grouped-query attention with --num-query-groups (default 1)")
     embedding_init_method_std: Optional[float] = flag(None, "the standard deviation of the embeddings' normal "
         "initialization (default --init-method-std)")
+    glu_linear_offset: float = flag(0.0, "a gated MLP (--swiglu, --quick-geglu) multiplies by its linear half plus "
+        "this")
+    activation_func_clamp_value: Optional[float] = flag(None, "a gated MLP clamps its gate's input to at most this "
+        "and its linear half to [-this, this]")
+    no_rope_freq: Optional[Any] = flag(None, "with rope: the layers without RoPE: N (every N-th layer) or a list "
+        "expression of one 0 or 1 per layer, 1 without (\"([0]*3+[1])*2\")", type=no_rope_freq_type,
+        metavar="N_OR_PATTERN")
 
 
 @dataclass(frozen=True)
@@ -199,6 +221,9 @@ class ParallelSection:
     pipeline_model_parallel_layout: Optional[str] = flag(None, "each stage's layers, as Megatron-LM writes them: E "
         "the embedding, t a layer, L the loss, | between stages (\"Et|tt|ttL\"; (tt|)*3 repeats)")
     sequence_parallel: bool = flag(False, switch=True)
+    clone_scatter_output_in_embedding: bool = flag(True, "with --sequence-parallel: keep the embeddings' scattered "
+        "output a view of the whole one (megatron-core clones it by default, so that the whole one can be freed)",
+        option="--no-clone-scatter-output-in-embedding")
     context_parallel_size: int = flag(1, "split each sequence over this many ranks (Megatron-LM's 2 x CP chunks, "
         "rank i holding chunks i and 2 CP - 1 - i); world size = TP x PP x CP x DP")
     cp_comm_type: Optional[tuple[str, ...]] = flag(None, "how attention exchanges keys and values under context "
@@ -391,6 +416,9 @@ class PrecisionSection:
     hysteresis: int = flag(2, "with --fp16: overflows in a row before the dynamic scale halves")
     grad_reduce_in_bf16: bool = flag(False, "with --bf16: accumulate and reduce gradients in bf16 (default fp32, "
         "as Megatron-LM's)")
+    fp32_residual_connection: bool = flag(False, "with --bf16 or --fp16: the embeddings' output in fp32 "
+        "(megatron-core 0.16.1's meaning: the first residual add casts it to the sub-block output's dtype); GPT+ and "
+        "GPT (not on gpt's torch norms)")
     disable_bf16_reduced_precision_matmul: bool = flag(False, "with --bf16: cuBLAS's bf16 GEMMs reduce in fp32 only "
         "(torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction off, as megatron-core sets it)")
     transformer_impl: str = flag("local", "megatron-core's own layers (default; CPU and GPU) or NVIDIA Transformer "
@@ -416,6 +444,8 @@ class PrecisionSection:
     num_layers_at_end_in_bf16: int = flag(1, "with --first-last-layers-bf16: the layers kept in BF16 at the end")
     fp8_amax_compute_algo: Optional[str] = flag(None, "delayed scaling: amax of the window (max) or the latest "
         "(most_recent, default)", choices=FP8_AMAX_ALGOS)
+    fp8_wgrad: bool = flag(True, "with --fp8-format: the weight-gradient GEMMs in BF16, not FP8 (megatron-core's "
+        "override in Transformer Engine's recipe)", option="--no-fp8-wgrad")
 
 
 @dataclass(frozen=True)

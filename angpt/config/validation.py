@@ -46,7 +46,7 @@ NUMERIC_RANGES = (
         "num_workers", "decoupled_min_lr", "profile_step_start", "profile_step_end", "profile_ranks",
         "straggler_ctrlr_port", "error_injection_rate", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16",
         "wgrad_deferral_limit", "ckpt_step", "start_weight_decay", "end_weight_decay", "train_sync_interval",
-        "iterations_to_skip", "mid_level_dataset_surplus")),
+        "iterations_to_skip", "mid_level_dataset_surplus", "activation_func_clamp_value")),
     ("must be positive", lambda value: value > 0, (
         "init_method_std", "embedding_init_method_std", "norm_epsilon",
         "angpt_constant_factor_multiplier", "angpt_nu_alpha_multiplier",
@@ -130,6 +130,10 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
     _validate_architecture(parser, args)
     _validate_dropout(parser, args)
     _validate_recompute(parser, args)
+    _validate_distributed_saved_activations(parser, args)
+    _validate_fp32_residual(parser, args)
+    if getattr(args, "megatron_fp16_lm_cross_entropy", False) and not args.fp16:
+        parser.error("--fp16-lm-cross-entropy needs --fp16 (Megatron-LM's check)")
     _validate_switches(parser, args)
     _validate_schedule(parser, args, dp)
     _validate_precision(parser, args)
@@ -324,9 +328,12 @@ PAPER_ARCHITECTURE = {
     "quick_geglu": (False, SWIGLU),
     "embedding_init_method_std": (None, "the families initialize the embedding as docs/model.md says (anGPT and nGPT: "
                                         "unit rows; GPT+: --init-method-std)"),
+    "glu_linear_offset": (0.0, "the families' SwiGLU multiplies by its linear half, without an offset (docs/model.md)"),
+    "activation_func_clamp_value": (None, "the families' SwiGLU does not clamp (docs/model.md)"),
+    "no_rope_freq": (None, "every layer of the families applies RoPE (docs/model.md)"),
 }
 NORM_FIELDS = ("normalization", "layernorm_zero_centered_gamma", "qk_layernorm", "qk_l2_norm")
-ROPE_FIELDS = ("rotary_percent", "rotary_interleaved", "use_rope_scaling")
+ROPE_FIELDS = ("rotary_percent", "rotary_interleaved", "use_rope_scaling", "no_rope_freq")
 
 
 def _validate_architecture(parser, args) -> None:
@@ -358,6 +365,7 @@ def _validate_architecture(parser, args) -> None:
     for dest in ROPE_FIELDS:
         if not rope and getattr(args, dest) != default(dest):
             refuse(dest, "it applies to --position-embedding-type rope (Megatron-LM ignores it otherwise)")
+    _validate_no_rope_freq(parser, args)
     if args.num_query_groups is not None and not args.group_query_attention:
         parser.error(f"--num-query-groups {args.num_query_groups} with --model-family gpt needs "
                      "--group-query-attention (Megatron-LM ignores --num-query-groups without it)")
@@ -381,9 +389,68 @@ def _validate_architecture(parser, args) -> None:
                "--swiglu (--bias-swiglu-fusion) or --squared-relu")
     if args.bias_swiglu_fusion and not args.swiglu:
         refuse("bias_swiglu_fusion", "it fuses --swiglu's activation")
+    fused = args.bias_swiglu_fusion if args.swiglu else args.bias_gelu_fusion
+    if args.glu_linear_offset and fused and not args.quick_geglu:
+        refuse("glu_linear_offset", "megatron-core's fused activation takes an offset with --quick-geglu only (its "
+               "check): give --no-bias-swiglu-fusion or --no-bias-gelu-fusion")
     if args.swiglu and args.ffn_hidden_size is None and not ffn_hidden_size(vars(args)):
         parser.error(f"--swiglu with --hidden-size {args.hidden_size}: Megatron-LM's MLP width, 8/3 x hidden rounded "
                      "down to a multiple of 64, is 0; give --ffn-hidden-size")
+
+
+def _validate_no_rope_freq(parser, args) -> None:
+    """megatron-core's checks of --no-rope-freq (TransformerConfig): N divides the layers, a pattern has one entry per
+    layer; 0 asks for nothing, as there."""
+    skipped = args.no_rope_freq
+    if isinstance(skipped, int) and skipped < 0:
+        parser.error(f"--no-rope-freq {skipped} cannot be negative")
+    if isinstance(skipped, int) and skipped and args.num_layers % skipped:
+        parser.error(f"--no-rope-freq {skipped} must divide --num-layers {args.num_layers} (megatron-core's check)")
+    if isinstance(skipped, (list, tuple)) and len(skipped) != args.num_layers:
+        parser.error(f"--no-rope-freq: the pattern has {len(skipped)} entries, one per layer of --num-layers "
+                     f"{args.num_layers} (megatron-core's check)")
+
+
+def _validate_fp32_residual(parser, args) -> None:
+    """--fp32-residual-connection: Megatron-LM's check, and where the fp32 embeddings would meet what takes no fp32
+    input with 16-bit weights."""
+    if not args.fp32_residual_connection:
+        return
+    if not (args.bf16 or args.fp16):
+        parser.error("--fp32-residual-connection needs --bf16 or --fp16 (Megatron-LM's check)")
+    if args.model_family in NORMALIZED_FAMILIES:
+        parser.error(f"--fp32-residual-connection with --model-family {args.model_family}: its residual stream feeds "
+                     "the linear layers without a norm in between and is updated by its own normalized LERP, in the "
+                     "parameters' dtype (docs/model.md, Residual update)")
+    # megatron-core 0.16.1 casts the embedding's output to fp32, and its bias-dropout-add casts the residual to the
+    # sub-block output's dtype: a stage with layers sends that, one with the embedding alone would send fp32.
+    pp = args.pipeline_model_parallel_size
+    if pp > 1 and (pipeline_split.stage_layers(args.num_layers, args)[0] == 0 or (
+            args.account_for_embedding_in_pipeline_split and pipeline_split.virtual_stages(args.num_layers, args))):
+        parser.error("--fp32-residual-connection with a pipeline stage that holds the embedding without a layer: its "
+                     "fp32 output would go to a stage that receives the parameters' dtype (megatron-core 0.16.1's "
+                     "pipeline_dtype)")
+    normalization = args.normalization or GPT_DEFAULTS["normalization"]
+    if (args.model_family == "gpt" and args.transformer_impl == "local"
+            and (normalization == "RMSNorm" or importlib.util.find_spec("apex") is None)):
+        parser.error(f"--fp32-residual-connection with --model-family gpt --normalization {normalization} on "
+                     "--transformer-impl local: megatron-core's torch norms take no fp32 input with 16-bit weights "
+                     "(Megatron-LM fails there with 'mixed dtype'; apex's LayerNorm takes it); use --transformer-impl "
+                     "transformer_engine")
+
+
+def _validate_distributed_saved_activations(parser, args) -> None:
+    """Megatron-LM's checks of --distribute-saved-activations, and megatron-core's (TransformerConfig)."""
+    if not args.distribute_saved_activations:
+        return
+    if args.tensor_model_parallel_size == 1:
+        parser.error("--distribute-saved-activations splits the saved inputs over the tensor-parallel ranks: it needs "
+                     "--tensor-model-parallel-size > 1 (Megatron-LM's check)")
+    if _recompute_granularity(vars(args)) != "full":
+        parser.error("--distribute-saved-activations needs --recompute-granularity full (Megatron-LM's check)")
+    if args.sequence_parallel:
+        parser.error("--distribute-saved-activations with --sequence-parallel: the saved inputs are split over the "
+                     "tensor-parallel ranks already (megatron-core's check)")
 
 
 def ffn_hidden_size(flags: dict) -> int:

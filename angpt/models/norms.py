@@ -44,4 +44,6 @@ class RMSNorm(torch.nn.RMSNorm):
         return self._normalize(x)
 
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        # In the weight's dtype, as apex's and Transformer Engine's norms give it: under --fp32-residual-connection
+        # the fp32 residual stream reaches the 16-bit linear layers through the norms (a no-op otherwise).
+        return rms_norm(x, self.weight, self.eps).to(self.weight.dtype)

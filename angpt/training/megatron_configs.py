@@ -138,6 +138,8 @@ def _fusions(config: RunConfig) -> dict:
         if not architecture.swiglu:
             activation_fusion = fusion.bias_gelu_fusion
             fusable = architecture.quick_geglu or (architecture.add_bias_linear and not architecture.squared_relu)
+        # megatron-core's fused activations take no offset but quick GeGLU's, and no clamp (angpt.config.validation).
+        fusable = fusable and not architecture.glu_linear_offset and architecture.activation_func_clamp_value is None
     return dict(
         apply_rope_fusion=on_gpu if rope_fusion is None else rope_fusion,
         bias_activation_fusion=on_gpu and fusable if activation_fusion is None else activation_fusion,

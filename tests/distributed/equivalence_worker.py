@@ -68,6 +68,11 @@ LAYOUTS = {
     # own choice (recompute_modules filled in by run_family).
     "tp2_sequence_parallel_recompute": dict(tensor_model_parallel_size=2, sequence_parallel=True,
                                             recompute_granularity="selective"),
+    # --distribute-saved-activations: full recompute keeps 1 / TP of each layer's input per rank and gathers it
+    # for the recompute (megatron-core's CheckpointFunction), where it would keep the whole input.
+    "tp2_distribute_saved_activations": dict(tensor_model_parallel_size=2, recompute_granularity="full",
+                                             recompute_method="uniform", recompute_num_layers=1,
+                                             distribute_saved_activations=True),
     # Context parallelism: each rank holds 2 of the 2 x CP chunks of every sequence (Megatron-LM's all_gather).
     "cp2": dict(context_parallel_size=2, cp_comm_type="all_gather"),
     # Four processes (tests/test_parallel_equivalence.py, one launch of its own).
