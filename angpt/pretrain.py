@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+from typing import Optional
 
 from angpt.config import megatron_lm
 from angpt.config.arguments import parse_args
@@ -34,8 +35,7 @@ def main(argv=None) -> None:
     from angpt.telemetry.metrics import console_outlives_its_reader  # noqa: PLC0415 (after parsing)
 
     console_outlives_its_reader()
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("angpt").setLevel(logging.INFO)
+    set_logging_levels(config.logging.logging_level)
     if int(os.environ.get("RANK", "0")) == 0:
         import torch  # noqa: PLC0415 (after parsing: --help and flag errors stay instant)
 
@@ -53,6 +53,19 @@ def main(argv=None) -> None:
     from angpt.training.trainer import pretrain  # noqa: PLC0415 (after parsing)
 
     sys.exit(pretrain(config))
+
+
+def set_logging_levels(level: Optional[int]) -> None:
+    """Python's root logger (megatron-core's loggers) at WARNING and angpt's at INFO; with --logging-level, else
+    MEGATRON_LOGGING_LEVEL, both at that level (Megatron-LM's setup_logging sets the root logger's: the flag wins
+    over the environment)."""
+    if level is None and os.getenv("MEGATRON_LOGGING_LEVEL") is not None:
+        level = int(os.environ["MEGATRON_LOGGING_LEVEL"])
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(logging.WARNING if level is None else level)
+    logging.getLogger("angpt").setLevel(logging.INFO if level is None else level)
+    if level is not None and int(os.environ.get("RANK", "0")) == 0:
+        logging.getLogger("angpt.pretrain").info("Setting logging level to %d", level)
 
 
 def dry_run(config) -> int:

@@ -69,7 +69,8 @@ def test_flag_errors_name_the_flag_in_one_line(capsys):
 TRANSFORMER_VALUES = dict(
     account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True, apply_rope_fusion=True,
     attention_dropout=0.25, bf16=True, calculate_per_token_loss=True, context_parallel_size=2,
-    cross_entropy_fusion_impl="te", cross_entropy_loss_fusion=True, cuda_graph_warmup_steps=5, deterministic_mode=True,
+    config_logger_dir="configs", cross_entropy_fusion_impl="te", cross_entropy_loss_fusion=True,
+    cuda_graph_warmup_steps=5, deterministic_mode=True,
     defer_embedding_wgrad_compute=True, wgrad_deferral_limit=3, disable_bf16_reduced_precision_matmul=True,
     ffn_hidden_size=96, first_last_layers_bf16=True, fp16=True, fp8_amax_compute_algo="max", fp8_amax_history_len=16,
     fp8_margin=1, fp8_recipe="tensorwise",
@@ -153,7 +154,7 @@ DDP_VALUES = dict(average_in_collective=True, check_for_large_grads=True, overla
                   use_distributed_optimizer=True, use_megatron_fsdp=True, data_parallel_sharding_strategy="optim",
                   gradient_reduce_div_fusion=False)
 OPTIMIZER_VALUES = dict(adam_beta1=0.8, adam_beta2=0.99, adam_eps=1e-6, apply_wd_to_qk_layernorm=True, bf16=True,
-                        clip_grad=0.5, decoupled_lr=1e-4,
+                        clip_grad=0.5, config_logger_dir="configs", decoupled_lr=1e-4,
                         decoupled_min_lr=1e-5, fp16=True, fp8_recipe="mxfp8", hysteresis=4, initial_loss_scale=1024.0,
                         loss_scale=128.0, loss_scale_window=50, lr=0.02, min_loss_scale=2.0, min_lr=1e-3,
                         overlap_param_gather=True, overlap_param_gather_with_optimizer_step=True,

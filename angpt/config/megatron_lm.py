@@ -20,6 +20,7 @@ the table to every flag of `megatron_lm_flags`.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from typing import Callable, NamedTuple, Optional
 
 from angpt.config.choices import FAMILY_NAMES, NORMALIZED_FAMILIES
@@ -116,8 +117,6 @@ FLAGS: dict[str, Decision] = {
     "--enable-cuda-graph": refused("deprecated in Megatron-LM: use --cuda-graph-impl local"),
     "--external-cuda-graph": refused("deprecated in Megatron-LM: use --cuda-graph-impl local"),
     "--cuda-graph-scope": refused(f"{NOT_YET}: --cuda-graph-impl local captures each whole transformer layer"),
-    "--config-logger-dir": refused(f"{NOT_YET}: the run's flags are recorded in each checkpoint and "
-                                   "metrics.jsonl"),
     "--flash-decode": refused(INFERENCE),
     "--batch-invariant-mode": refused(f"{NOT_YET}"),
     "--use-te-activation-func": refused("the MLP's activation is angpt's own kernel (anGPT, nGPT) or "
@@ -164,7 +163,6 @@ FLAGS: dict[str, Decision] = {
     "--optimizer-offload-fraction": refused(OFFLOAD),
     "--use-torch-optimizer-for-cpu-offload": refused(OFFLOAD),
     "--overlap-cpu-optimizer-d2h-h2d": refused(OFFLOAD),
-    "--dump-param-to-param-group-map": refused(f"{NOT_YET}"),
     "--no-pin-cpu-grads": refused(OFFLOAD),
     "--no-pin-cpu-params": refused(OFFLOAD),
     "--dataloader-type": implied("samples are read in order of megatron-core's GPTDataset shuffle (Megatron-LM's "
@@ -192,8 +190,6 @@ FLAGS: dict[str, Decision] = {
                                                     "--override-opt_param-scheduler)"),
     "--warmup": refused("deprecated in Megatron-LM: use --lr-warmup-iters or --lr-warmup-fraction"),
     # -- checkpointing
-    "--save-wgrads-interval": refused(f"{NOT_YET}"),
-    "--save-dgrads-interval": refused(f"{NOT_YET}"),
     "--load-main-params-from-ckpt": refused(f"{NOT_YET}"),
     "--pretrained-checkpoint": refused("use --load with --finetune"),
     "--use-checkpoint-args": refused(f"{NOT_YET}: give the flags again (each checkpoint records them)"),
@@ -283,21 +279,12 @@ FLAGS: dict[str, Decision] = {
     "--trust-remote-code": refused("tokenizers are read from tokenizer.json; no remote code is run"),
     # -- logging
     "--log-throughput": implied("every log line gives the throughput (tokens/s) and MFU"),
-    "--log-progress": refused(f"{NOT_YET}"),
-    "--tensorboard-log-interval": refused(f"{NOT_YET}: TensorBoard gets every --log-interval"),
-    "--tensorboard-queue-size": refused(f"{NOT_YET}"),
-    "--no-log-loss-scale-to-tensorboard": refused(f"{NOT_YET}: with --fp16 the loss scale is always logged"),
     "--log-validation-ppl-to-tensorboard": implied("every evaluation writes its perplexity to TensorBoard "
                                                    "(validation/lm_loss_ppl, test/lm_loss_ppl), with or without it"),
     "--log-memory-to-tensorboard": implied("every record's memory figures (GPU peak allocation, or the process RSS on "
                                            "CPU) go to TensorBoard as train/memory_*"),
-    "--log-memory-interval": refused(f"{NOT_YET}"),
-    "--log-device-memory-used": refused(f"{NOT_YET}"),
     "--log-max-attention-logit": refused(f"it logs each head's largest attention logit, which {QK_CLIP}: the local "
                                          "layers have none, and angpt's Transformer Engine runs do not log it"),
-    "--log-world-size-to-tensorboard": refused(f"{NOT_YET}"),
-    "--logging-level": refused(f"{NOT_YET}"),
-    "--log-energy": refused(f"{NOT_YET}"),
     # -- Transformer Engine, experimental
     "--te-precision-config-file": refused("per-layer precision configs are not built (docs/fp8.md)"),
     "--enable-experimental": refused("Megatron-LM's experimental features are not built"),
@@ -496,6 +483,34 @@ def _gated_mlp_notes(config: RunConfig) -> list[str]:
     return []
 
 
+def _logging_notes(config: RunConfig, cuda: bool) -> list[str]:
+    logging, lines = config.logging, []
+    if logging.tensorboard_log_interval == 0:
+        lines.append("--tensorboard-log-interval 0: no step's own figures go to TensorBoard or W&B, only the other "
+                     "figures of each --log-interval record (Megatron-LM writes no TensorBoard without "
+                     "--tensorboard-dir)")
+    if not logging.log_loss_scale_to_tensorboard and not config.precision.fp16:
+        lines.append("--no-log-loss-scale-to-tensorboard: without --fp16 there is no loss scale to log (nothing "
+                     "changes)")
+    for given, flag in ((logging.log_memory_interval is not None, "--log-memory-interval"),
+                        (logging.log_device_memory_used, "--log-device-memory-used")):
+        if given and not cuda:
+            lines.append(f"{flag}: without CUDA there is no CUDA memory to report (nothing changes)")
+    if logging.log_device_memory_used and cuda and logging.log_memory_interval is None:
+        lines.append("--log-device-memory-used: its figure goes into the reports of --log-memory-interval, not given "
+                     "(angpt makes no report after the first iterations, as Megatron-LM does: the log line's mem is "
+                     "the peak allocation)")
+    if logging.log_progress and not config.checkpoint.save:
+        lines.append("--log-progress: without --save there is no progress.txt (as in Megatron-LM, nothing is "
+                     "written)")
+    if logging.log_energy and not cuda:
+        lines.append("--log-energy: without CUDA there is no GPU energy counter to read (nothing changes)")
+    elif logging.log_energy and importlib.util.find_spec("pynvml") is None:
+        lines.append("--log-energy: reading the GPUs' energy needs nvidia-ml-py (pynvml), which is not installed: "
+                     "nothing is measured (Megatron-LM logs 0 J then)")
+    return lines
+
+
 def notes(config: RunConfig, cuda: bool = True) -> list[str]:
     """The lines a run logs once about Megatron-LM flags the family replaced, that Megatron-LM turns off, or that it
     ignores (`cuda`: whether the run has CUDA devices)."""
@@ -539,6 +554,7 @@ def notes(config: RunConfig, cuda: bool = True) -> list[str]:
     if not precision.fp8_wgrad and not (precision.fp8_format and precision.fp8_recipe == "delayed"):
         lines.append("--no-fp8-wgrad: megatron-core overrides the weight gradients' precision in --fp8-format's "
                      "delayed recipe only (as in Megatron-LM, nothing changes)")
+    lines.extend(_logging_notes(config, cuda))
     if config.checkpoint.async_save and config.checkpoint.ckpt_format == "fsdp_dtensor":
         lines.append("--async-save: fsdp_dtensor checkpoints are written by the training processes before training "
                      "goes on (as Megatron-LM writes them, whatever --async-save says)")

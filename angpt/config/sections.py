@@ -396,6 +396,8 @@ class OptimizerSection:
     adam_beta1: float = flag(0.9)
     adam_beta2: float = flag(0.95)
     adam_eps: float = flag(1e-08)
+    dump_param_to_param_group_map: Optional[str] = flag(None, "write which optimizer parameter group each weight is "
+        "in (megatron-core's map, a torch distributed checkpoint of {name: group}) to this directory")
 
 
 @dataclass(frozen=True)
@@ -546,6 +548,11 @@ class CheckpointSection:
         "it instead of stopping")
     ckpt_step: Optional[int] = flag(None, "resume from the checkpoint of this iteration in --load, not the latest")
     save_interval: Optional[int] = flag(None, "save every this many iterations")
+    save_wgrads_interval: Optional[int] = flag(None, "every this many iterations, save each weight's reduced "
+        "gradient (main_grad, before clipping) to <save>/wgrads/iter_XXXXXXX/mp_rank_TT[_PPP].pth, as Megatron-LM")
+    save_dgrads_interval: Optional[int] = flag(None, "every this many iterations, save the gradients of the inputs "
+        "and outputs of every linear and embedding layer (the last micro-batch's) to "
+        "<save>/dgrads/iter_XXXXXXX/mp_rank_TT[_PPP].pth, as Megatron-LM")
     keep_last_n_checkpoints: Optional[int] = flag(None, "delete older checkpoints once a newer one is complete")
     save_retain_interval: Optional[int] = flag(None, "never delete the checkpoints of multiples of this many "
         "iterations (a multiple of --save-interval); without --keep-last-n-checkpoints the others are deleted once "
@@ -617,6 +624,32 @@ class LoggingSection:
         "(which makes them time the step, not the wait for the slowest rank)",
         option="--no-barrier-with-level-1-timing")
     tensorboard_dir: Optional[str] = flag(None, "TensorBoard scalars (default: <save>/tensorboard)")
+    tensorboard_log_interval: int = flag(1, "every this many iterations, TensorBoard and W&B get the step's own "
+        "figures (train/lm_loss, lr, grad_norm, global_batch_size, consumed_samples, consumed_tokens, loss_scale with "
+        "--fp16), as Megatron-LM writes them; a record's other figures (speed, memory, health, timers) go every "
+        "--log-interval")
+    tensorboard_queue_size: int = flag(1000, "TensorBoard events held before the writer waits for its file "
+        "(SummaryWriter's max_queue; 0 or less: no bound)")
+    log_loss_scale_to_tensorboard: bool = flag(True, "with --fp16: leave the loss scale out of TensorBoard and W&B "
+        "(metrics.jsonl and the log line keep it)", option="--no-log-loss-scale-to-tensorboard")
+    log_world_size_to_tensorboard: bool = flag(False, "the world size as train/world_size in TensorBoard and W&B, "
+        "with the step's figures")
+    log_memory_interval: Optional[int] = flag(None, "CUDA: every this many iterations (a multiple of "
+        "--log-interval), each data-parallel rank 0 prints its CUDA memory in MB (allocated, max allocated, reserved, "
+        "max reserved), as Megatron-LM's report_memory")
+    log_device_memory_used: bool = flag(False, "CUDA: the --log-memory-interval reports add the device's total "
+        "memory in use, of every process (torch.cuda.device_memory_used, from NVML)")
+    logging_level: Optional[int] = flag(None, "the level of Python's root logger (megatron-core's loggers) and of "
+        "angpt's, as a number (10 debug, 20 info, 30 warning); default: MEGATRON_LOGGING_LEVEL, else angpt's at 20 "
+        "and the others at 30")
+    log_progress: bool = flag(False, "append to <save>/progress.txt, in Megatron-LM's format, a line when the job "
+        "starts and one after each save: the job's and the cumulative throughput (TFLOP/s/GPU), the floating-point "
+        "operations and the tokens so far")
+    log_energy: bool = flag(False, "CUDA, with nvidia-ml-py: the GPUs' energy (J/iter/GPU) and power (W/GPU) in the "
+        "log line, metrics.jsonl and TensorBoard, and the total at the end (megatron-core's EnergyMonitor)")
+    config_logger_dir: str = flag("", "megatron-core's config logger writes here, per rank: the model's, the DDP "
+        "wrapper's and the optimizer's constructor arguments (JSON), the initial weights and every forward pass's "
+        "inputs and logits (.pth) (default: off)")
     profile: bool = flag(False, "profile the steps from --profile-step-start to --profile-step-end on "
         "--profile-ranks: an Nsight Systems capture range (run under `nsys profile "
         "--capture-range=cudaProfilerApi`; needs CUDA), or with --use-pytorch-profiler PyTorch profiler traces in "

@@ -37,7 +37,8 @@ NUMERIC_RANGES = (
         "check_weight_hash_across_dp_replicas_interval",
         "eval_interval", "log_interval", "exit_interval", "ddp_bucket_size",
         "loss_scale_window", "hysteresis", "tiktoken_num_special_tokens", "flight_recorder_trace_buffer_size",
-        "straggler_minmax_count", "megatron_fp8_interval", "num_dataset_builder_threads")),
+        "straggler_minmax_count", "megatron_fp8_interval", "num_dataset_builder_threads", "log_memory_interval",
+        "save_wgrads_interval", "save_dgrads_interval")),
     ("cannot be negative", lambda value: value >= 0, (
         "angpt_alpha_init", "timing_log_level", "min_lr", "lr_warmup_iters", "lr_warmup_samples", "lr_warmup_init",
         "weight_decay",
@@ -46,7 +47,7 @@ NUMERIC_RANGES = (
         "num_workers", "decoupled_min_lr", "profile_step_start", "profile_step_end", "profile_ranks",
         "straggler_ctrlr_port", "error_injection_rate", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16",
         "wgrad_deferral_limit", "ckpt_step", "start_weight_decay", "end_weight_decay", "train_sync_interval",
-        "iterations_to_skip", "mid_level_dataset_surplus", "activation_func_clamp_value")),
+        "iterations_to_skip", "mid_level_dataset_surplus", "activation_func_clamp_value", "tensorboard_log_interval")),
     ("must be positive", lambda value: value > 0, (
         "init_method_std", "embedding_init_method_std", "norm_epsilon",
         "angpt_constant_factor_multiplier", "angpt_nu_alpha_multiplier",
@@ -143,6 +144,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
     _validate_result_checks(parser, args)
     _validate_data(parser, args)
     _validate_wandb(parser, args)
+    _validate_logging(parser, args)
     megatron_lm.check_implied(parser, args)
     flags = vars(args)
     return RunConfig.from_flags({**flags, **derive(flags, world_size)})
@@ -504,6 +506,8 @@ DEPENDENT_FLAGS = (
     (("straggler_minmax_count", "straggler_ctrlr_port", "disable_straggler_on_startup"), "log_straggler", None),
     (("memory_snapshot_path",), "record_memory_history", None),
     (("flight_recorder_trace_buffer_size",), "flight_recorder_dump_path", None),
+    # Megatron-LM's save_grads asserts a save directory.
+    (("save_wgrads_interval", "save_dgrads_interval"), "save", None),
 )
 
 
@@ -767,6 +771,23 @@ def _read_data_args(parser, args) -> None:
         except ValueError as error:
             shown = str(error).removeprefix(f"{path}: ")
             parser.error(f"{name} {path}: {shown}")
+
+
+def _validate_logging(parser, args) -> None:
+    if args.log_memory_interval is not None and args.log_memory_interval % args.log_interval:
+        parser.error(f"--log-memory-interval {args.log_memory_interval} must be a multiple of --log-interval "
+                     f"{args.log_interval} (Megatron-LM's check)")
+    if args.tensorboard_log_interval == 0 and args.tensorboard_dir:
+        parser.error("--tensorboard-log-interval 0 with --tensorboard-dir: Megatron-LM divides the iteration by it "
+                     "(ZeroDivisionError); give 1 or more")
+    if args.save_dgrads_interval is not None and not (args.bf16 or args.fp16):
+        parser.error("--save-dgrads-interval needs --bf16 or --fp16: in fp32 megatron-core's cross entropy changes "
+                     "the output layer's logits in place, which the backward hook Megatron-LM puts on that layer "
+                     "forbids (a RuntimeError there too)")
+    if args.save_wgrads_interval is not None and (args.use_megatron_fsdp or args.use_torch_fsdp2):
+        sharding = "--use-megatron-fsdp" if args.use_megatron_fsdp else "--use-torch-fsdp2"
+        parser.error(f"--save-wgrads-interval: not built with {sharding} (its sharded gradients are not gathered to "
+                     "be saved)")
 
 
 def _validate_data(parser, args) -> None:

@@ -51,11 +51,13 @@ class MetricsLogger:
     the JSON line adds "time" (Unix seconds). Non-finite figures (a NaN loss) are written as null, which
     keeps every line valid JSON (pandas reads null back as NaN); TensorBoard gets the NaN itself.
     With `wandb_init` (wandb.init's keyword arguments: project, name, entity, dir, config), the same scalars
-    go to a W&B run under the same names at step = iteration, and close() finishes the run.
+    go to a W&B run under the same names at step = iteration, and close() finishes the run. `log(record, scalars)`
+    sends those scalars instead of the record's; `add_scalars` sends scalars of an iteration without a record.
+    `queue_size`: the TensorBoard events held before the writer waits for its file (SummaryWriter's max_queue).
     Disabled (`enabled=False`, e.g. on ranks other than 0), it does nothing."""
 
     def __init__(self, path_jsonl: Optional[str], tensorboard_dir: Optional[str], enabled: bool = True,
-                 wandb_init: Optional[dict] = None, timers_to_tensorboard: bool = False):
+                 wandb_init: Optional[dict] = None, timers_to_tensorboard: bool = False, queue_size: int = 1000):
         self.timers_to_tensorboard = timers_to_tensorboard
         self._file = None
         self._writer = None
@@ -66,7 +68,7 @@ class MetricsLogger:
             os.makedirs(os.path.dirname(os.path.abspath(path_jsonl)), exist_ok=True)
             self._file = open(path_jsonl, "a", encoding="utf-8")
         if tensorboard_dir:
-            self._writer = SummaryWriter(tensorboard_dir)
+            self._writer = SummaryWriter(tensorboard_dir, max_queue=queue_size)
         if wandb_init is not None:
             import wandb  # noqa: PLC0415 (optional dependency)
 
@@ -76,14 +78,17 @@ class MetricsLogger:
             settings = wandb.Settings(silent=True, console="off", reinit="create_new")
             self._wandb_run = wandb.init(**wandb_init, settings=settings)
 
-    def log(self, record: dict) -> None:
+    def log(self, record: dict, scalars: Optional[dict] = None) -> None:
         if self._file is not None:
             line = {name: _json_value(value) for name, value in record.items()}
             line.setdefault("time", round(time.time(), 3))
             self._file.write(json.dumps(line, allow_nan=False) + "\n")
             self._file.flush()
-        if record["kind"] == "start" or (self._writer is None and self._wandb_run is None):
-            return
+        if record["kind"] != "start":
+            self.add_scalars(self.scalars(record) if scalars is None else scalars, record["iteration"], flush=True)
+
+    def scalars(self, record: dict) -> dict:
+        """{tag: value} of the record's numeric figures, as TensorBoard and W&B get them."""
         # An evaluation's scalars are named by its split: validation and test both evaluate at the last step.
         group = record.get("split") or record["kind"]
         scalars = {}
@@ -94,12 +99,18 @@ class MetricsLogger:
         if self.timers_to_tensorboard:  # Megatron-LM's tags: the slowest rank's time
             for name, value in record.get("timers_ms", {}).items():
                 scalars[f"timers/{name}-time"] = max(value) if isinstance(value, list) else value
+        return scalars
+
+    def add_scalars(self, scalars: dict, iteration: int, flush: bool = False) -> None:
+        """TensorBoard's and W&B's scalars at step = iteration; written to the event file at once with `flush`
+        (else by the writer's thread, as its queue fills or every two minutes)."""
         if self._writer is not None:
             for tag, value in scalars.items():
-                self._writer.add_scalar(tag, value, record["iteration"])
-            self._writer.flush()
-        if self._wandb_run is not None:
-            self._wandb_run.log(scalars, step=record["iteration"])
+                self._writer.add_scalar(tag, value, iteration)
+            if flush:
+                self._writer.flush()
+        if self._wandb_run is not None and scalars:
+            self._wandb_run.log(scalars, step=iteration)
 
     def close(self) -> None:
         if self._file is not None:
@@ -128,6 +139,8 @@ _LOG_LINE_FIGURES = (
     ("ms_per_step", "ms per step", "{:.1f}".format),
     ("tokens_per_s_per_device", "tokens/s/device", "{:.0f}".format),
     ("mfu", "MFU", lambda v: f"{100 * v:.1f}%"),
+    ("energy_per_gpu_j", "energy per GPU (J/iter/GPU)", "{:.1f}".format),
+    ("power_per_gpu_w", "power per GPU (W/GPU)", "{:.1f}".format),
     ("memory_max_allocated_gib", "mem", "{:.2f} GiB".format),
     ("memory_rss_gib", "mem", "{:.2f} GiB".format),
     ("skipped", "skipped", lambda v: f"{int(v)}"),

@@ -4,12 +4,14 @@ angpt.telemetry.metrics writes and prints."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import time
 from contextlib import contextmanager, nullcontext
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
@@ -17,9 +19,21 @@ from angpt.config.sections import RunConfig
 from angpt.telemetry import memory_history
 from angpt.telemetry.health import HealthProbe, params_l2_norm
 from angpt.telemetry.metrics import MetricsLogger, ProgressBar, format_log_line
-from angpt.telemetry.performance import DeviceTelemetry, memory_stats, model_flops_per_token, peak_flops_per_device
+from angpt.telemetry.performance import (
+    DeviceTelemetry,
+    GpuEnergy,
+    memory_report,
+    memory_stats,
+    model_flops_per_token,
+    peak_flops_per_device,
+)
 from angpt.telemetry.stragglers import StragglerReport
 from angpt.telemetry.timers import per_step_ms
+
+# The figures of a step that TensorBoard and W&B get every --tensorboard-log-interval (Megatron-LM's: the step's
+# loss, learning rate, batch size, grad norm, loss scale and world size), not with the --log-interval records.
+STEP_FIGURES = ("lm_loss", "lr", "grad_norm", "global_batch_size", "consumed_samples", "consumed_tokens",
+                "loss_scale", "world_size")
 
 
 class TrainingMonitor:
@@ -49,12 +63,20 @@ class TrainingMonitor:
             wandb_init = dict(project=logging.wandb_project, name=logging.wandb_exp_name, entity=logging.wandb_entity,
                               dir=logging.wandb_save_dir or os.path.join(save, "wandb"), config=run.flags())
         self.metrics = MetricsLogger(metrics_file, tensorboard_dir, enabled=self.is_reporting_rank,
-                                     wandb_init=wandb_init, timers_to_tensorboard=logging.log_timers_to_tensorboard)
+                                     wandb_init=wandb_init, timers_to_tensorboard=logging.log_timers_to_tensorboard,
+                                     queue_size=logging.tensorboard_queue_size)
         self.health = HealthProbe(chunks)
         self.telemetry = DeviceTelemetry()
         self.flops_per_token = model_flops_per_token(config, self.seq_length, vocab_size)
         self.peak_flops = peak_flops_per_device(config.params_dtype)
         self.world_size = dist.get_world_size()
+        self.rank = rank
+        # As Megatron-LM's report_memory: each data-parallel rank 0 prints its own.
+        self.reports_memory = (logging.log_memory_interval is not None and torch.cuda.is_available()
+                               and parallel_state.get_data_parallel_rank() == 0)
+        self.energy = None
+        if logging.log_energy and torch.cuda.is_available() and importlib.util.find_spec("pynvml") is not None:
+            self.energy = GpuEnergy()
         self.progress = ProgressBar(self.train_iters, start_iteration, enabled=self.is_reporting_rank)
         self.start_iteration = start_iteration
         self.stragglers = None
@@ -92,6 +114,23 @@ class TrainingMonitor:
         self.window_seconds += time.perf_counter() - start
         self.window_steps += 1
 
+    def step_scalars(self, step: dict) -> dict:
+        """The step's own figures for TensorBoard and W&B (STEP_FIGURES), as Megatron-LM writes them every
+        --tensorboard-log-interval."""
+        figures = {"lm_loss": step["loss"], "lr": step["lr"],
+                   "grad_norm": step["grad_norm"] if step["grad_norm"] is not None else float("nan"),
+                   "global_batch_size": step["global_batch_size"], "consumed_samples": step["consumed_samples"],
+                   "consumed_tokens": step["consumed_samples"] * self.seq_length}
+        if "loss_scale" in step and self.logging.log_loss_scale_to_tensorboard:
+            figures["loss_scale"] = step["loss_scale"]
+        if self.logging.log_world_size_to_tensorboard:
+            figures["world_size"] = self.world_size
+        return {f"train/{name}": value for name, value in figures.items()}
+
+    def paused(self):
+        """A context for what is not a training step (evaluations, saves): the GPUs' energy is not counted."""
+        return self.energy.paused() if self.energy is not None else nullcontext()
+
     def log_step(self, step: dict) -> None:
         """Collective on logged iterations (the health summary gathers over every rank)."""
         # A step skipped for its grad norm still computed a loss: it counts (and "skipped" says so).
@@ -103,8 +142,14 @@ class TrainingMonitor:
         self.progress.update(1, {"loss": f"{step['loss']:.4f}"})
         if self.memory_snapshot and (self._reports(iteration) or iteration == self.start_iteration + 1):
             memory_history.write_snapshot(self.memory_snapshot)
+        interval = self.logging.tensorboard_log_interval
+        scalars = self.step_scalars(step) if interval and iteration % interval == 0 else {}
         if not self._reports(iteration):
+            if scalars and self.is_reporting_rank:
+                self.metrics.add_scalars(scalars, iteration)
             return
+        if self.reports_memory and iteration % self.logging.log_memory_interval == 0:
+            print(memory_report(iteration, self.rank, self.logging.log_device_memory_used), flush=True)
         seconds_per_step = self.window_seconds / max(self.window_steps, 1)
         tokens_per_second_per_device = (self.window_samples * self.seq_length / max(self.window_seconds, 1e-9)
                                         / self.world_size)
@@ -125,6 +170,9 @@ class TrainingMonitor:
         }
         if self.peak_flops:
             record["mfu"] = self.flops_per_token * tokens_per_second_per_device / self.peak_flops
+        if self.energy is not None:
+            record.update(self.energy.figures(max(self.window_steps, 1), max(self.window_seconds, 1e-9),
+                                              self.world_size))
         record.update(memory_stats())
         record.update(self.telemetry.read())
         with self.weights_ready():
@@ -142,7 +190,10 @@ class TrainingMonitor:
             record.update(self.stragglers.gather(max(self.window_steps, 1)) or {})
         self._reset_window()
         if self.is_reporting_rank:
-            self.metrics.log(record)
+            # The record's other figures every --log-interval; its step figures with the step's own, at their interval.
+            scalars.update({tag: value for tag, value in self.metrics.scalars(record).items()
+                            if tag.removeprefix("train/") not in STEP_FIGURES})
+            self.metrics.log(record, scalars)
             self.progress.write(format_log_line(record))
 
     def log_evaluation(self, iteration: int, split: str, loss: float) -> None:
@@ -154,6 +205,12 @@ class TrainingMonitor:
         self.progress.write(format_log_line(record))
 
     def close(self) -> None:
+        """Collective with --log-energy (the total energy is summed over the ranks)."""
+        if self.energy is not None:
+            total = self.energy.close()
+            self.energy = None
+            if self.is_reporting_rank:
+                self.progress.write(f"Total training energy (GPU): {total / 1e6:.3f} MJ")
         self.progress.close()
         self.metrics.close()
         if self.stragglers is not None:

@@ -7,10 +7,12 @@ MFU = model_flops_per_token(...) * tokens_per_s_per_device / peak_flops_per_devi
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 from typing import Optional
 
 import psutil
 import torch
+from megatron.core.energy_monitor import EnergyMonitor
 
 from angpt.models.config import AnGPTConfig
 
@@ -130,3 +132,49 @@ class DeviceTelemetry:
         return figures
 
 
+
+
+def memory_report(iteration: int, rank: int, device_memory_used: bool = False) -> str:
+    """Megatron-LM's report_memory line (--log-memory-interval): this rank's CUDA caching allocator in MB (the
+    maxima since the previous log line, which resets them), and with `device_memory_used` the device's memory in
+    use by every process (NVML's)."""
+    megabytes = 1024.0 * 1024.0
+    line = (f"[Rank {rank}] (after {iteration} iterations) memory (MB)"
+            f" | allocated: {torch.cuda.memory_allocated() / megabytes:.2f}"
+            f" | max allocated: {torch.cuda.max_memory_allocated() / megabytes:.2f}"
+            f" | reserved: {torch.cuda.memory_reserved() / megabytes:.2f}"
+            f" | max reserved: {torch.cuda.max_memory_reserved() / megabytes:.2f}")
+    if device_memory_used:
+        line += f" | total device memory used: {torch.cuda.device_memory_used() / megabytes:.2f}"
+    return line
+
+
+class GpuEnergy:
+    """--log-energy (Megatron-LM's): the GPUs' energy from NVML, through megatron-core's EnergyMonitor (summed over
+    the ranks: its lap() and get_total() are collective). Paused while the run evaluates or saves, as Megatron-LM
+    pauses it. Built only with CUDA and nvidia-ml-py (angpt.config.megatron_lm.notes says so otherwise)."""
+
+    def __init__(self, monitor=None):
+        self._monitor = monitor if monitor is not None else EnergyMonitor()
+        self._monitor.setup()
+        self._monitor.resume()
+
+    def figures(self, steps: int, seconds: float, world_size: int) -> dict[str, float]:
+        """Megatron-LM's log-line figures of the steps since the previous call: J per iteration per GPU, and W."""
+        energy = self._monitor.lap() / steps / world_size
+        return {"energy_per_gpu_j": energy, "power_per_gpu_w": energy / (seconds / steps)}
+
+    @contextmanager
+    def paused(self):
+        self._monitor.pause()
+        try:
+            yield
+        finally:
+            self._monitor.resume()
+
+    def close(self) -> float:
+        """The run's energy over every GPU (J), as Megatron-LM reports it at the end; NVML shut down."""
+        self._monitor.lap()
+        total = self._monitor.get_total()
+        self._monitor.shutdown()
+        return total

@@ -177,7 +177,8 @@ def build_optimizer(model_chunks, config: RunConfig, fused_adam: Optional[bool] 
                                                  schedule.lr_warmup_fraction,
                                                  "samples" if training.train_samples is not None else "iters"))
     optimizer = get_megatron_optimizer(megatron_config, model_chunks,
-                                       use_gloo_process_groups=config.parallel.enable_gloo_process_groups)
+                                       use_gloo_process_groups=config.parallel.enable_gloo_process_groups,
+                                       dump_param_to_param_group_map=schedule.dump_param_to_param_group_map)
     whole_weights_between_steps(model_chunks)  # Megatron-FSDP's optimizer took its shards
     if schedule.decoupled_lr is not None:
         decoupled = (schedule.decoupled_lr, min_lr if schedule.decoupled_min_lr is None else schedule.decoupled_min_lr)

@@ -28,6 +28,7 @@ from angpt.models import AnGPTConfig, build_model
 from angpt.telemetry.stragglers import FORWARD_TIMER
 from angpt.telemetry.timers import timer
 from angpt.training import rerun
+from angpt.training.grad_dumps import GradDumps
 
 
 def wait_for_the_device(iteration: int, interval: int | None) -> None:
@@ -194,6 +195,7 @@ def train_step(
     timers=None,
     barrier_with_l1_time: bool = True,
     checks: rerun.Checks | None = None,
+    grad_dumps: GradDumps | None = None,
 ):
     """Forward and backward over the global batch, then one optimizer step unless the loss or the
     gradient norm is not finite, and the lr schedule advanced by `schedule_increment` (1 for a schedule in
@@ -204,6 +206,7 @@ def train_step(
     forward-backward pass itself, with the Timers of the model's config. The forward-backward passes run as
     megatron-core's rerun state machine asks (Megatron-LM's train_step), with the loss `checks`
     (angpt.training.rerun); raises rerun.ResultValidationExit, before the optimizer step, when it asks to exit.
+    `grad_dumps`: the gradients this iteration saves (--save-wgrads-interval, --save-dgrads-interval), or None.
 
     Returns (loss averaged over the global batch, available on every rank; grad norm; whether the
     optimizer applied the update)."""
@@ -213,8 +216,12 @@ def train_step(
         for chunk in model_chunks:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        loss = _mean_loss_over_global_batch(data_iterators, model_chunks, num_microbatches, micro_batch_size,
-                                            seq_length, forward_only=False, checks=checks)
+        with grad_dumps.forward_backward(model_chunks) if grad_dumps is not None else nullcontext():
+            loss = _mean_loss_over_global_batch(data_iterators, model_chunks, num_microbatches, micro_batch_size,
+                                                seq_length, forward_only=False, checks=checks,
+                                                force_all_reduce=grad_dumps is not None and grad_dumps.wgrads)
+    if grad_dumps is not None:
+        grad_dumps.save_wgrads(model_chunks)
     rerun.exit_if_asked()
     if empty_unused_memory_level >= 1:
         torch.cuda.empty_cache()
@@ -260,8 +267,10 @@ def eval_step(data_iterators, model_chunks, num_microbatches: int, micro_batch_s
 
 
 def _mean_loss_over_global_batch(data_iterators, model_chunks, num_microbatches: int, micro_batch_size: int,
-                                 seq_length: int, forward_only: bool, checks: rerun.Checks | None = None) -> float:
-    """megatron-core's schedule over the micro-batches (and backward unless `forward_only`)."""
+                                 seq_length: int, forward_only: bool, checks: rerun.Checks | None = None,
+                                 force_all_reduce: bool = False) -> float:
+    """megatron-core's schedule over the micro-batches (and backward unless `forward_only`); the gradients
+    all-reduced, not reduce-scattered, with `force_all_reduce`."""
     losses = get_forward_backward_func()(
         forward_step_func=partial(forward_step, checks=checks),
         data_iterator=data_iterators,
@@ -270,6 +279,7 @@ def _mean_loss_over_global_batch(data_iterators, model_chunks, num_microbatches:
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
         forward_only=forward_only,
+        force_all_reduce=force_all_reduce,
     )
     return _global_mean_loss(losses, get_model_config(model_chunks[0]).calculate_per_token_loss)
 

@@ -40,10 +40,12 @@ from angpt.telemetry import memory_history
 from angpt.telemetry.hang_watchdog import HangWatchdog
 from angpt.telemetry.monitoring import TrainingMonitor
 from angpt.telemetry.profiling import StepProfiler
+from angpt.telemetry.progress_log import ProgressLog
 from angpt.telemetry.timers import timer
 from angpt.training import checkpointing, distributed, faults, rerun, save_lock
 from angpt.training.checkpointing import TrainState
 from angpt.training.exits import ExitRequests
+from angpt.training.grad_dumps import GradDumps
 from angpt.training.megatron_configs import ddp_config, transformer_config
 from angpt.training.optimizer import build_optimizer
 from angpt.training.replica_check import ReplicasDifferError, check_weight_hashes
@@ -99,6 +101,9 @@ class Trainer:
         self.rank = dist.get_rank()
         if checkpoint.save:  # one run writes into a --save directory: locked before anything is written there
             save_lock.take(checkpoint.save)
+        self.progress_log = None  # --log-progress's (Megatron-LM's: its first line once the processes are up)
+        if config.logging.log_progress and checkpoint.save:
+            self.progress_log = ProgressLog(checkpoint.save, dist.get_world_size(), enabled=self.rank == 0)
         self.config = transformer_config(config)
         if self.config.cuda_graph_impl == "local" and self.rank == 0:
             logger.warning("--cuda-graph-impl local is not verified yet: on an H200 the steps replayed from CUDA "
@@ -190,6 +195,8 @@ class Trainer:
         self.monitor = TrainingMonitor(config, self.config, self.chunks, self.vocab_size, self.rank,
                                        self.state.iteration, self.loaded_from, self.timers, self.optimizer,
                                        weights_ready=partial(self._weights_whole, overlapped_gather))
+        if self.progress_log is not None:
+            self.progress_log.flops_at_start = self._flops_so_far()
         if logging_section.profile and self.rank in logging_section.profile_ranks:
             self.profiler = StepProfiler(logging_section.profile_step_start, logging_section.profile_step_end,
                                          logging_section.use_pytorch_profiler, self.monitor.tensorboard_dir)
@@ -214,6 +221,10 @@ class Trainer:
         return min((bound for bound in bounds if bound > current), default=current) - first, \
             self.state.consumed_samples - (current - first)
 
+    def _flops_so_far(self) -> float:
+        """Megatron-LM's num_floating_point_operations_so_far: the model FLOPs of every sample trained."""
+        return self.monitor.flops_per_token * self.run_config.model.seq_length * self.state.consumed_samples
+
     # -- data ---------------------------------------------------------------------------------------
     def _iterators(self, batches: list[dict]):
         iterators = [iter(batches) for _ in self.chunks] if len(self.chunks) > 1 else iter(batches)
@@ -236,7 +247,8 @@ class Trainer:
                                                       self.run_config.model.seq_length,
                                                       global_batch_size if self.by_samples else 1,
                                                       self.run_config.memory.empty_unused_memory_level, self.timers,
-                                                      self.run_config.logging.barrier_with_l1_time, self.checks)
+                                                      self.run_config.logging.barrier_with_l1_time, self.checks,
+                                                      self._grad_dumps(iteration))
         finally:
             self._report_failed_checks(iteration, global_batch_size)
         memory, fp16 = self.run_config.memory, self.run_config.precision.fp16
@@ -275,6 +287,13 @@ class Trainer:
         if self.rank == 0:
             logger.info("iteration %d: skipped (--iterations-to-skip %d): its %d samples read and left out",
                         self.state.iteration, self.state.iteration - 1, global_batch_size)
+
+    def _grad_dumps(self, iteration: int) -> Optional[GradDumps]:
+        """What --save-wgrads-interval and --save-dgrads-interval save at this iteration, or None."""
+        checkpoint = self.run_config.checkpoint
+        wgrads, dgrads = (interval is not None and iteration % interval == 0
+                          for interval in (checkpoint.save_wgrads_interval, checkpoint.save_dgrads_interval))
+        return GradDumps(checkpoint.save, iteration, wgrads, dgrads) if wgrads or dgrads else None
 
     def _report_failed_checks(self, iteration: int, global_batch_size: int) -> None:
         """One line for each check that failed on this rank in the step, naming the rank and the data: a loss
@@ -324,15 +343,15 @@ class Trainer:
             gc.collect()
         losses = []
         timer(self.timers, "evaluate").start()
-        for batch_index in range(eval_iters):
-            batches = micro_batches(dataset, batch_index * batch_size, batch_size,
-                                    training.micro_batch_size, self.dp_rank, self.dp_size,
-                                    vocab_size=self.vocabulary.vocab_size)
-            iterators, num_micro_batches = self._iterators(batches)
-            losses.append(eval_step(iterators, self.chunks, num_micro_batches, training.micro_batch_size,
-                                    self.run_config.model.seq_length))
-            if memory.empty_unused_memory_level >= 1:
-                torch.cuda.empty_cache()
+        with self.monitor.paused():
+            for batch_index in range(eval_iters):
+                batches = micro_batches(dataset, batch_index * batch_size, batch_size, training.micro_batch_size,
+                                        self.dp_rank, self.dp_size, vocab_size=self.vocabulary.vocab_size)
+                iterators, num_micro_batches = self._iterators(batches)
+                losses.append(eval_step(iterators, self.chunks, num_micro_batches, training.micro_batch_size,
+                                        self.run_config.model.seq_length))
+                if memory.empty_unused_memory_level >= 1:
+                    torch.cuda.empty_cache()
         timer(self.timers, "evaluate").stop()
         if manual_gc:
             gc.collect(generation=0)  # what the evaluation made
@@ -355,7 +374,8 @@ class Trainer:
         timer(self.timers, "save-checkpoint").start(barrier=True)  # as Megatron-LM: the ranks' time together
         parallel = self.run_config.parallel
         # The weights of the last step, not those before its (overlapped) all-gather.
-        with param_gather_finished(self.chunks, parallel.use_distributed_optimizer and parallel.overlap_param_gather):
+        with param_gather_finished(self.chunks, parallel.use_distributed_optimizer and parallel.overlap_param_gather), \
+                self.monitor.paused():
             checkpointing.save_checkpoint(
                 checkpoint.save, self.state, self.chunks, self.optimizer, self.scheduler, self.run_config.flags(),
                 self.tokenizer, keep_last=checkpoint.keep_last_n_checkpoints,
@@ -365,6 +385,9 @@ class Trainer:
                 context=self.checkpointing_context, ckpt_format=checkpoint.ckpt_format,
             )
         timer(self.timers, "save-checkpoint").stop(barrier=True)
+        if self.progress_log is not None:
+            tokens = self.state.consumed_samples * self.run_config.model.seq_length
+            self.progress_log.saved(self.state.iteration, self._flops_so_far(), tokens, checkpoint.async_save)
 
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> int:
