@@ -74,6 +74,7 @@ FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads
       "interval", "1"], "no replicas (Megatron-LM's check)"),
     ([*FSDP, "--pipeline-model-parallel-size", "2"], "with pipeline parallelism: megatron-core 0.16.1's"),
     ([*FSDP, "--fsdp-double-buffer"], "not supported: not built with Megatron-FSDP"),
+    ([*FSDP, "--num-distributed-optimizer-instances", "2"], "above 1 (hybrid sharding): not built yet"),
 ])
 def test_megatron_fsdp_refuses_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit):
