@@ -96,9 +96,12 @@ FLAGS: dict[str, Decision] = {
     "--no-async-tensor-model-parallel-allreduce": ignored("deprecated in megatron-core 0.16 and ignored there"),
     "--tp-comm-overlap-rs-dgrad": refused(TE_OVERLAP),
     "--overlap-moe-expert-parallel-comm": refused(f"MoE: {DENSE}"),
-    "--delay-wgrad-compute": refused(f"{NOT_YET} (it needs Transformer Engine's split weight gradients)"),
+    "--delay-wgrad-compute": refused(f"MoE: it goes with --overlap-moe-expert-parallel-comm (megatron-core's check); "
+                                     f"{DENSE}"),
     "--ep-overlap-early-attn-memory-release": refused(f"MoE: {DENSE}"),
-    "--use-ring-exchange-p2p": refused(f"{NOT_YET}: pipeline stages exchange with megatron-core's batched p2p"),
+    "--use-ring-exchange-p2p": refused("megatron-core calls torch.distributed.ring_exchange, which PyTorch's releases "
+                                       "lack (NVIDIA's PyTorch builds have it): pipeline stages exchange with "
+                                       "megatron-core's batched p2p"),
     "--softmax-type": refused(ATTENTION),
     "--apply-residual-connection-post-layernorm": ignored("megatron-core 0.16's TransformerConfig has the field and "
                                                           "its layers never read it (Megatron-LM's legacy models "
@@ -118,7 +121,9 @@ FLAGS: dict[str, Decision] = {
     "--external-cuda-graph": refused("deprecated in Megatron-LM: use --cuda-graph-impl local"),
     "--cuda-graph-scope": refused(f"{NOT_YET}: --cuda-graph-impl local captures each whole transformer layer"),
     "--flash-decode": refused(INFERENCE),
-    "--batch-invariant-mode": refused(f"{NOT_YET}"),
+    "--batch-invariant-mode": refused(f"{NOT_YET}: megatron-core's batch-invariant kernels are Triton's, on CUDA only "
+                                      "(with --attention-backend flash, its check), and no GPU was at hand to build "
+                                      "them against"),
     "--use-te-activation-func": refused("the MLP's activation is angpt's own kernel (anGPT, nGPT) or "
                                         "megatron-core's"),
     "--symmetric-ar-type": refused(INFERENCE),
@@ -131,8 +136,10 @@ FLAGS: dict[str, Decision] = {
     "--decoder-num-layers": refused("use --num-layers"),
     "--window-size": refused(ATTENTION),
     "--window-attn-skip-freq": refused(ATTENTION),
-    "--relative-attention-num-buckets": refused(f"relative position embeddings (T5's) are {NOT_YET}"),
-    "--relative-attention-max-distance": refused(f"relative position embeddings (T5's) are {NOT_YET}"),
+    "--relative-attention-num-buckets": refused("T5's relative position embeddings: megatron-core's GPTModel has none "
+                                                "(T5Model's)"),
+    "--relative-attention-max-distance": refused("T5's relative position embeddings: megatron-core's GPTModel has none "
+                                                 "(T5Model's)"),
     "--rotary-seq-len-interpolation-factor": refused("Megatron-LM's pretrain_gpt.py does not hand it to GPTModel: "
                                                      "it changes nothing there"),
     "--rope-scaling-factor": refused("Megatron-LM's pretrain_gpt.py does not hand it to GPTModel, whose factor with "
