@@ -27,7 +27,8 @@ from angpt.training import exits
 def main(argv=None) -> None:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent is the parent: watched before the slow imports
         parent_watch.watch_launcher(os.getppid())
-    config = parse_args(argv)  # before torch and megatron-core are imported: --help and flag errors are instant
+    # Before torch and megatron-core are imported: --help and flag errors are instant.
+    config = parse_args(argv, recorded_flags=recorded_flags)
     exits.catch([getattr(signal, name) for name in config.exits.save_and_exit_signals])
     quiet_known_warnings()
     if not config.logging.wandb_project:
@@ -66,6 +67,13 @@ def set_logging_levels(level: Optional[int]) -> None:
     logging.getLogger("angpt").setLevel(logging.INFO if level is None else level)
     if level is not None and int(os.environ.get("RANK", "0")) == 0:
         logging.getLogger("angpt.pretrain").info("Setting logging level to %d", level)
+
+
+def recorded_flags(load: str, step):
+    """angpt.training.checkpointing.recorded_flags, imported for --use-checkpoint-args only."""
+    from angpt.training.checkpointing import recorded_flags  # noqa: PLC0415 (torch: after parsing)
+
+    return recorded_flags(load, step)
 
 
 def dry_run(config) -> int:

@@ -17,7 +17,7 @@ from megatron.core import parallel_state
 from megatron.core.tokenizers import MegatronTokenizer
 
 from angpt.config.arguments import parse_args
-from angpt.training import distributed
+from angpt.training import checkpointing, distributed
 from angpt.training.trainer import Trainer
 
 from launch import launch
@@ -157,7 +157,7 @@ def in_process_trainer(argv: list[str]) -> Trainer:
     """`angpt.pretrain`'s trainer built in this process at TP = PP = DP = 1, for tests that need a real run
     without a torchrun launch (20 s or more). It builds megatron-core's groups itself (the same as
     single_process's); pytest keeps its SIGTERM handler (the trainer's saves and carries on)."""
-    config = parse_args(argv, world_size=1)
+    config = parse_args(argv, world_size=1, recorded_flags=checkpointing.recorded_flags)
     sigterm = signal.getsignal(signal.SIGTERM)
     distributed.destroy_model_parallel()
     try:

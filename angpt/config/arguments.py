@@ -9,27 +9,77 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import yaml
 
 from angpt.config import megatron_lm
 from angpt.config.parser import build_parser, flag_actions
-from angpt.config.sections import RunConfig
-from angpt.config.validation import validate
+from angpt.config.saved import checkpoint_args
+from angpt.config.sections import RunConfig, option_of
+from angpt.config.validation import default, validate
+
+# Reads the flags recorded by --load's checkpoint (of --ckpt-step's iteration, else the latest): (its directory, its
+# flags), or None where there is none; a ValueError or RuntimeError of one line where it cannot be read.
+RecordedFlags = Callable[[str, Optional[int]], Optional[tuple[str, dict]]]
 
 
-def parse_args(argv: Optional[list[str]] = None, world_size: Optional[int] = None) -> RunConfig:
+def parse_args(argv: Optional[list[str]] = None, world_size: Optional[int] = None,
+               recorded_flags: Optional[RecordedFlags] = None) -> RunConfig:
     """The run's configuration from the command line (and the --config file it names), validated for
-    `world_size` processes (default: --dry-run's WORLD_SIZE, else $WORLD_SIZE, else 1)."""
+    `world_size` processes (default: --dry-run's WORLD_SIZE, else $WORLD_SIZE, else 1). With --use-checkpoint-args
+    the flags `recorded_flags` reads from --load's checkpoint are taken first (angpt.training.checkpointing's, which
+    angpt.pretrain gives: this layer reads no checkpoint)."""
     parser = build_parser()
     known, _ = _config_only_parser().parse_known_args(argv)
-    if known.config:
-        parser.set_defaults(**read_config(parser, known.config))
+    from_file = read_config(parser, known.config) if known.config else {}
+    parser.set_defaults(**from_file)
     args = parser.parse_args(argv)
+    if args.use_checkpoint_args and args.load:  # without --load validation refuses it
+        _take_checkpoint_args(parser, args, set(from_file) | _on_command_line(argv), recorded_flags)
     if world_size is None:  # --dry-run 0 (--dry-run alone) is this job's world size
         world_size = max(args.dry_run or 0, 0) or int(os.environ.get("WORLD_SIZE", 1))
     return validate(parser, args, world_size)
+
+
+def _on_command_line(argv: Optional[list[str]]) -> set[str]:
+    """The destinations of the flags `argv` gives (a parser whose flags default to nothing)."""
+    probe = build_parser()
+    for action in probe._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(probe.parse_known_args(argv)[0]))
+
+
+def _take_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namespace, given: set[str],
+                          recorded_flags: Optional[RecordedFlags]) -> None:
+    """--use-checkpoint-args: set in `args`, before validation, what angpt.config.saved.checkpoint_args takes from the
+    flags --load's checkpoint recorded, and what was taken for the run's log (`flags_from_checkpoint`)."""
+    if recorded_flags is None:
+        parser.error("--use-checkpoint-args reads --load's checkpoint, which only angpt.pretrain does")
+    try:
+        found = recorded_flags(args.load, args.ckpt_step)
+        if found is None:
+            args.flags_from_checkpoint = f"no checkpoint in {args.load}: the flags given stand (as in Megatron-LM)"
+            return
+        path, recorded = found
+        taken = checkpoint_args(recorded, given, args.use_tokenizer_model_from_checkpoint_args,
+                                args.use_mp_args_from_checkpoint_args)
+    except (ValueError, RuntimeError, OSError) as error:
+        parser.error(f"--use-checkpoint-args: {error}")
+    shown = []
+    for dest, value in taken.items():
+        before = getattr(args, dest)
+        before = list(before) if isinstance(before, tuple) else before
+        if value != before:
+            shown.append(f"{option_of(dest)} {_shown(dest, value)}"
+                         + (f" (given: {_shown(dest, before)})" if dest in given else ""))
+        setattr(args, dest, value)
+    args.flags_from_checkpoint = f"took from {path}: {', '.join(shown) or 'nothing the flags do not already say'}"
+
+
+def _shown(dest: str, value) -> str:
+    """A flag's value in a log line; an on/off one as on or off (--disable-bias-linear sets its field False)."""
+    return ("on" if value != default(dest) else "off") if isinstance(value, bool) else str(value)
 
 
 def _config_only_parser() -> argparse.ArgumentParser:

@@ -67,6 +67,12 @@ ATTENTION = f"{DENSE}; their attention is softmax attention (docs/model.md)"
 QK_CLIP = "Transformer Engine's attention (>= 2.9) alone records (Megatron-LM's check)"
 CHECKPOINT_FORMAT = ("angpt reads either checkpoint format (--auto-detect-ckpt-format) and writes --ckpt-format "
                      "torch_dist or torch; a run continues a checkpoint in the other format")
+# Megatron-LM builds them on nvidia_resiliency_ext's LocalCheckpointManager, which is not installed here.
+LOCAL_CHECKPOINTS = ("local non-persistent checkpoints (--non-persistent-ckpt-type local), which need "
+                     "nvidia_resiliency_ext, not installed here")
+ONLY_LOCAL = f"only {LOCAL_CHECKPOINTS}, read it"
+ONLY_REPLICATION = f"only --replication reads it, of {LOCAL_CHECKPOINTS}"
+
 
 def _legacy_tokenizer(args: argparse.Namespace) -> Optional[str]:
     """Megatron-LM's legacy build_tokenizer raises NotImplementedError for a type it lacks (None among them); its
@@ -197,20 +203,17 @@ FLAGS: dict[str, Decision] = {
                                                     "--override-opt_param-scheduler)"),
     "--warmup": refused("deprecated in Megatron-LM: use --lr-warmup-iters or --lr-warmup-fraction"),
     # -- checkpointing
-    "--load-main-params-from-ckpt": refused(f"{NOT_YET}"),
     "--pretrained-checkpoint": refused("use --load with --finetune"),
-    "--use-checkpoint-args": refused(f"{NOT_YET}: give the flags again (each checkpoint records them)"),
-    "--use-mp-args-from-checkpoint-args": refused(f"{NOT_YET}: give the flags again (each checkpoint records "
-                                                  "them)"),
-    "--no-use-tokenizer-model-from-checkpoint-args": refused(f"{NOT_YET}"),
-    "--exit-on-missing-checkpoint": refused(f"{NOT_YET}: --load of an empty directory starts from scratch"),
     "--no-strict-fsdp-dtensor-load": refused(FSDP),
     "--dist-ckpt-save-pre-mcore-014": refused(CHECKPOINT_FORMAT + ", as megatron-core 0.16 writes them"),
     "--dist-ckpt-optim-fully-reshardable": implied("the optimizer state is saved per parameter and loads at "
                                                    "another layout"),
-    "--distrib-optim-fully-reshardable-mem-efficient": refused(f"{NOT_YET}"),
-    "--no-save-optim": refused(f"{NOT_YET}: checkpoints hold the optimizer state, for exact resume"),
-    "--no-save-rng": refused(f"{NOT_YET}: checkpoints hold the RNG states, for exact resume"),
+    # Local non-persistent checkpoints' (--non-persistent-ckpt-type local, refused by angpt.config.validation).
+    "--non-persistent-local-ckpt-dir": ignored(ONLY_LOCAL),
+    "--non-persistent-local-ckpt-algo": ignored(ONLY_LOCAL),
+    "--replication": refused(f"replication is of {LOCAL_CHECKPOINTS}"),
+    "--replication-jump": ignored(ONLY_REPLICATION),
+    "--replication-factor": ignored(ONLY_REPLICATION),
     "--use-dist-ckpt": ignored("deprecated in Megatron-LM and without effect there: --ckpt-format decides"),
     "--dist-ckpt-format": ignored("deprecated in Megatron-LM and without effect there: --ckpt-format decides"),
     "--ckpt-fully-parallel-save": ignored("deprecated in Megatron-LM and without effect there: fully parallel "
@@ -318,9 +321,7 @@ PREFIXES: tuple[tuple[str, Decision], ...] = (
     ("--qk-clip", refused(f"QK-clip scales W_q and W_k after each step by each head's largest attention logit, which "
                           f"{QK_CLIP}: the local layers have none, and angpt's Transformer Engine runs do not clip")),
     ("--muon-", refused("the families train with Adam (docs/model.md)")),
-    ("--non-persistent-", refused(f"non-persistent (local) checkpoints are {NOT_YET}: use --save-interval")),
     ("--ckpt-convert-", refused(CHECKPOINT_FORMAT)),
-    ("--replication", refused(f"checkpoint replication is {NOT_YET}")),
     ("--fsdp-", refused(FSDP)),
     ("--fim-", refused(f"fill-in-the-middle data is {NOT_YET}")),
     ("--hybrid-", refused(f"hybrid (Mamba) models: {DENSE}")),
@@ -518,6 +519,41 @@ def _logging_notes(config: RunConfig, cuda: bool) -> list[str]:
     return lines
 
 
+def _checkpoint_notes(config: RunConfig) -> list[str]:
+    """notes' lines of the checkpoint flags: what --use-checkpoint-args took, what a checkpoint saved without the
+    optimizer or RNG states needs to resume, and the flags that change nothing in the run given them."""
+    checkpoint, precision = config.checkpoint, config.precision
+    lines = [f"--use-checkpoint-args: {checkpoint.flags_from_checkpoint}"] if checkpoint.flags_from_checkpoint else []
+    if checkpoint.save and checkpoint.no_save_optim:
+        lines.append("--no-save-optim: the checkpoints hold no optimizer state nor learning-rate schedule: a resume "
+                     "from them needs --no-load-optim or --finetune (it is not exact)")
+    if checkpoint.save and checkpoint.no_save_rng:
+        lines.append("--no-save-rng: the checkpoints hold no RNG states: a resume from them needs --no-load-rng or "
+                     "--finetune (it is not exact)")
+    distributed_torch_dist = config.parallel.use_distributed_optimizer and checkpoint.ckpt_format == "torch_dist"
+    for given, without, what in (
+            ((checkpoint.no_save_optim or checkpoint.no_save_rng), not checkpoint.save,
+             "--no-save-optim and --no-save-rng: without --save nothing is saved"),
+            (checkpoint.non_persistent_save_interval, not checkpoint.save,
+             "--non-persistent-save-interval: without --save nothing is saved"),
+            (checkpoint.exit_on_missing_checkpoint, not checkpoint.load,
+             "--exit-on-missing-checkpoint: without --load no checkpoint is looked for"),
+            (checkpoint.use_mp_args_from_checkpoint_args or not checkpoint.use_tokenizer_model_from_checkpoint_args,
+             not checkpoint.use_checkpoint_args, "--use-mp-args-from-checkpoint-args and "
+             "--no-use-tokenizer-model-from-checkpoint-args: without --use-checkpoint-args no flag is taken from a "
+             "checkpoint"),
+            (checkpoint.load_main_params_from_ckpt, not (precision.bf16 or precision.fp16),
+             "--load-main-params-from-ckpt: without --bf16 or --fp16 the model's weights are the main ones"),
+            (checkpoint.load_main_params_from_ckpt, config.parallel.use_megatron_fsdp,
+             "--load-main-params-from-ckpt: Megatron-FSDP's main weights are the ones its checkpoint loads"),
+            (checkpoint.distrib_optim_fully_reshardable_mem_efficient, not distributed_torch_dist,
+             "--distrib-optim-fully-reshardable-mem-efficient: it applies to the distributed optimizer's state in "
+             "torch_dist checkpoints only")):
+        if given and without:
+            lines.append(f"{what} (as in Megatron-LM, nothing changes)")
+    return lines
+
+
 def notes(config: RunConfig, cuda: bool = True) -> list[str]:
     """The lines a run logs once about Megatron-LM flags the family replaced, that Megatron-LM turns off, or that it
     ignores (`cuda`: whether the run has CUDA devices)."""
@@ -568,6 +604,7 @@ def notes(config: RunConfig, cuda: bool = True) -> list[str]:
     if config.checkpoint.use_persistent_ckpt_worker and not config.checkpoint.async_save:
         lines.append("--use-persistent-ckpt-worker: without --async-save, saves are written by the training "
                      "processes, with no background writer (as in Megatron-LM)")
+    lines += _checkpoint_notes(config)
     if config.parallel.wgrad_deferral_limit and not config.parallel.defer_embedding_wgrad_compute:
         lines.append("--wgrad-deferral-limit: without --defer-embedding-wgrad-compute nothing is deferred (as in "
                      "Megatron-LM, nothing changes)")

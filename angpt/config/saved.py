@@ -26,6 +26,33 @@ GPT_SHAPE = ("untie_embeddings_and_output_weights", "max_position_embeddings", "
              "add_qkv_bias", "qk_layernorm", "position_embedding_type", "swiglu", "quick_geglu",
              "group_query_attention")
 
+# --use-checkpoint-args: Megatron-LM's load_args_from_checkpoint (core_v0.16.1) by our names. Those it takes where
+# the command line leaves them unset (its _set_arg without force); here where neither it nor --config gives them:
+TAKEN_UNLESS_GIVEN = ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads",
+                      "kv_channels", "max_position_embeddings")
+# Those it takes whatever was given (force), with the families' own model flags, which it lacks (MODEL_SHAPE,
+# MODEL_FUNCTION, GPT_SHAPE: what a resume must match anyway).
+TAKEN = tuple(name for name in dict.fromkeys(MODEL_SHAPE + MODEL_FUNCTION + GPT_SHAPE + (
+    "use_rotary_position_embeddings", "squared_relu", "layernorm_zero_centered_gamma", "apply_query_key_layer_scaling",
+    "attention_dropout", "hidden_dropout", "tiktoken_pattern")) if name not in TAKEN_UNLESS_GIVEN)
+# Unless --no-use-tokenizer-model-from-checkpoint-args; with --use-mp-args-from-checkpoint-args (the last one
+# unless given).
+TOKENIZER_TAKEN = ("tokenizer_type", "tokenizer_model")
+PARALLEL_TAKEN = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
+PARALLEL_TAKEN_UNLESS_GIVEN = ("num_layers_per_virtual_pipeline_stage",)
+
+
+def checkpoint_args(saved: Mapping[str, Any], given: set[str], tokenizer: bool, parallel: bool) -> dict[str, Any]:
+    """{destination: value} of what --use-checkpoint-args takes from the flags a checkpoint recorded (`saved`), as
+    argparse gives them: a value the checkpoint leaves unset (None) is not taken, as in Megatron-LM. `given`: the
+    destinations the command line or --config gives; `tokenizer`: not --no-use-tokenizer-model-from-checkpoint-args;
+    `parallel`: --use-mp-args-from-checkpoint-args."""
+    recorded = config_from_saved(saved).flags()
+    forced = TAKEN + (TOKENIZER_TAKEN if tokenizer else ()) + (PARALLEL_TAKEN if parallel else ())
+    unless_given = TAKEN_UNLESS_GIVEN + (PARALLEL_TAKEN_UNLESS_GIVEN if parallel else ())
+    names = forced + tuple(name for name in unless_given if name not in given)
+    return {name: recorded[name] for name in names if recorded[name] is not None}
+
 
 def config_from_saved(saved: Mapping[str, Any]) -> RunConfig:
     """The configuration a checkpoint's recorded flags describe, at the world size it was saved with."""
@@ -87,6 +114,22 @@ def optimizer_refusal(path: str, saved_distributed: bool, run_distributed: bool)
     flag = "--use-distributed-optimizer" if saved_distributed else "no --use-distributed-optimizer"
     return (f"{path} was saved {kind(saved_distributed)} and this run is {kind(run_distributed)}: its optimizer "
             f"state does not convert (Megatron-LM's neither); give --no-load-optim to load the model alone, or {flag}")
+
+
+def missing_state_refusal(path: str, saved: RunConfig, load_optimizer: bool, load_rng: bool) -> str | None:
+    """The one line refusing to load the optimizer state (`load_optimizer`) or RNG states (`load_rng`) of the
+    checkpoint `path`, saved with `saved`, that its --no-save-optim or --no-save-rng left out, or None: a resume from
+    it is not exact, and says so by the flags that load it without them (Megatron-LM's, which stops there too)."""
+    lacking = [(flag, held, instead) for flag, held, instead, missing, loaded in (
+        ("--no-save-optim", "no optimizer state nor learning-rate schedule", "--no-load-optim",
+         saved.checkpoint.no_save_optim, load_optimizer),
+        ("--no-save-rng", "no RNG states", "--no-load-rng", saved.checkpoint.no_save_rng, load_rng))
+        if missing and loaded]
+    if not lacking:
+        return None
+    flags, held, instead = (" and ".join(part) for part in zip(*lacking))
+    return (f"{path} was saved with {flags}: it holds {held}, so it cannot resume exactly; give {instead} to "
+            "continue it without them, or --finetune")
 
 
 def vocabulary_refusal(path: str, saved_rows: int, run: RunConfig, vocab_size: int) -> str | None:

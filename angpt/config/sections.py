@@ -44,6 +44,8 @@ ERROR_INJECTION_TYPES = ("correct_result", "transient_error", "persistent_error"
 # megatron-core's StrictHandling values (megatron/core/dist_checkpointing/validation.py; a test holds them equal).
 DIST_CKPT_STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
                         "return_unexpected", "return_all", "ignore_all")
+# Megatron-LM's choices of --non-persistent-ckpt-type; validation refuses local and in_memory, saying why.
+NON_PERSISTENT_CKPT_TYPES = ("global", "local", "in_memory")
 
 
 def no_rope_freq_type(value: str) -> int | tuple[int, ...]:
@@ -570,9 +572,36 @@ class CheckpointSection:
         "(megatron-core's async save); committed at a later step", switch=True)
     use_persistent_ckpt_worker: bool = flag(False, "with --async-save: one background writer process per rank for "
         "the whole run (megatron-core's persistent worker, spawned at the first save) instead of one forked per save")
-    no_load_optim: bool = flag(False, "do not load the optimizer state")
+    exit_on_missing_checkpoint: bool = flag(False, "with --load: exit (status 0, as Megatron-LM) when it holds no "
+        "checkpoint, instead of starting from scratch")
+    use_checkpoint_args: bool = flag(False, "take the model's flags from those --load's checkpoint recorded, "
+        "as Megatron-LM's load_args_from_checkpoint (angpt.config.saved, CHECKPOINT_ARGS), validated as given ones")
+    use_mp_args_from_checkpoint_args: bool = flag(False, "with --use-checkpoint-args: take the tensor- and "
+        "pipeline-parallel sizes (and, unless given, --num-layers-per-virtual-pipeline-stage) from it too")
+    use_tokenizer_model_from_checkpoint_args: bool = flag(True, "with --use-checkpoint-args: keep the --tokenizer-type "
+        "and --tokenizer-model given, not the checkpoint's", option="--no-use-tokenizer-model-from-checkpoint-args")
+    no_save_optim: bool = flag(False, "save no optimizer state nor learning-rate schedule: a resume from such a "
+        "checkpoint needs --no-load-optim or --finetune")
+    no_save_rng: bool = flag(False, "save no RNG states: a resume from such a checkpoint needs --no-load-rng or "
+        "--finetune")
+    no_load_optim: bool = flag(False, "do not load the optimizer state (nor the learning-rate schedule)")
     no_load_rng: bool = flag(False, "do not load the RNG states")
+    load_main_params_from_ckpt: bool = flag(False, "with --no-load-optim, --bf16 or --fp16 and "
+        "--use-distributed-optimizer: the fp32 main weights from the checkpoint's model state as read, not from the "
+        "model's 16-bit weights (Megatron-LM's: a torch-format checkpoint saved in fp32 gives them exactly; "
+        "torch_dist reads its weights into the model's 16-bit ones first)")
     finetune: bool = flag(False, "load the model only and start at iteration 0")
+    distrib_optim_fully_reshardable_mem_efficient: bool = flag(False, "with --use-distributed-optimizer and "
+        "--ckpt-format torch_dist: gather the optimizer state on data-parallel rank 0 over gloo to save it (less "
+        "memory, no parallel write; megatron-core's); needs the gloo process groups")
+    non_persistent_save_interval: Optional[int] = flag(None, "with --save and --non-persistent-ckpt-type global: "
+        "save every this many iterations (but at --save-interval's) to the non-persistent directory, where each "
+        "replaces the one before")
+    non_persistent_ckpt_type: Optional[str] = flag(None, "global: non-persistent checkpoints are ordinary ones in "
+        "--non-persistent-global-ckpt-dir, and a --load resumes from the newest there if it is at least as new as "
+        "--load's (local and in_memory are refused)", choices=NON_PERSISTENT_CKPT_TYPES)
+    non_persistent_global_ckpt_dir: Optional[str] = flag(None, "the directory of the non-persistent checkpoints "
+        "(default: non_persistent/ in --save, and in --load to resume)")
     ckpt_fully_parallel_save: bool = flag(True, "write each tensor of a checkpoint once, from one data-parallel rank "
         "(as Megatron-LM, the default), not from each rank of a data-parallel group's first",
         option="--no-ckpt-fully-parallel-save")
@@ -584,6 +613,8 @@ class CheckpointSection:
     dist_ckpt_strictness: str = flag("assume_ok_unexpected", "what a load does with tensors this run asks for that "
         "the checkpoint lacks (unexpected) and ones it holds that the run does not ask for (missing): megatron-core's "
         "StrictHandling; return_* logs them", choices=DIST_CKPT_STRICTNESS)
+    # --use-checkpoint-args: what it took from which checkpoint (angpt.config.arguments), said in one line.
+    flags_from_checkpoint: Optional[str] = derived(None)
 
 
 @dataclass(frozen=True)

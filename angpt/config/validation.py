@@ -33,7 +33,8 @@ NUMERIC_RANGES = (
         "global_batch_size", "train_iters", "train_samples", "lr_decay_iters", "lr_wsd_decay_iters",
         "lr_decay_samples", "lr_wsd_decay_samples",
         "fp8_amax_history_len", "vocab_size", "make_vocab_size_divisible_by", "save_interval",
-        "keep_last_n_checkpoints", "save_retain_interval", "microbatch_group_size_per_vp_stage",
+        "keep_last_n_checkpoints", "save_retain_interval", "non_persistent_save_interval",
+        "microbatch_group_size_per_vp_stage",
         "check_weight_hash_across_dp_replicas_interval",
         "eval_interval", "log_interval", "exit_interval", "ddp_bucket_size",
         "loss_scale_window", "hysteresis", "tiktoken_num_special_tokens", "flight_recorder_trace_buffer_size",
@@ -718,9 +719,39 @@ def _validate_checkpoints(parser, args) -> None:
         # Megatron-LM exits without saving then; a user who asks for a graceful exit wants the state.
         parser.error("--exit-signal-handler, --exit-interval and --exit-duration-in-mins need --save")
     for flag, given in (("finetune", args.finetune), ("load-fallback-to-intact", args.load_fallback_to_intact),
-                        ("ckpt-step", args.ckpt_step is not None)):
+                        ("ckpt-step", args.ckpt_step is not None), ("use-checkpoint-args", args.use_checkpoint_args)):
         if given and not args.load:
             parser.error(f"--{flag} needs --load")
+    if args.load_main_params_from_ckpt and not args.no_load_optim:
+        parser.error("--load-main-params-from-ckpt needs --no-load-optim (Megatron-LM's check)")
+    if args.load_main_params_from_ckpt and (args.bf16 or args.fp16) and not args.use_distributed_optimizer:
+        parser.error("--load-main-params-from-ckpt with --bf16 or --fp16 needs --use-distributed-optimizer: "
+                     "megatron-core's other 16-bit optimizer takes its main weights from the model only (it asserts "
+                     "'Initialize main params from state dict is not supported', in Megatron-LM too)")
+    if (args.distrib_optim_fully_reshardable_mem_efficient and args.use_distributed_optimizer
+            and args.ckpt_format == "torch_dist" and not args.enable_gloo_process_groups):
+        parser.error("--distrib-optim-fully-reshardable-mem-efficient gathers the optimizer state over megatron-core's "
+                     "gloo process groups: leave out --disable-gloo-process-groups (Megatron-LM's check)")
+    _validate_non_persistent(parser, args)
+
+
+def _validate_non_persistent(parser, args) -> None:
+    """Megatron-LM's checks of the non-persistent checkpoints; local ones (and in_memory, which Megatron-LM 0.16's
+    validate_args refuses) are not built."""
+    kind = args.non_persistent_ckpt_type
+    if kind == "local":
+        parser.error("--non-persistent-ckpt-type local: its checkpoints are nvidia_resiliency_ext's "
+                     "(LocalCheckpointManager), which is not installed here: use --non-persistent-ckpt-type global")
+    if kind == "in_memory":
+        parser.error("--non-persistent-ckpt-type in_memory: Megatron-LM 0.16 refuses it too (its validate_args: "
+                     "'Currently only global and local checkpoints are supported'): use global")
+    given = args.non_persistent_global_ckpt_dir
+    if kind == "global" and args.save and given and os.path.realpath(given) == os.path.realpath(args.save):
+        parser.error("--non-persistent-global-ckpt-dir is --save: each non-persistent save would delete the persistent "
+                     "checkpoints there (as Megatron-LM's cleanup would): give another directory")
+    if args.non_persistent_save_interval and kind is None:
+        parser.error("--non-persistent-save-interval needs --non-persistent-ckpt-type global (Megatron-LM raises "
+                     "NotImplementedError at the first such save without it)")
     if args.ckpt_step is not None and args.load_fallback_to_intact:
         parser.error("give one of --ckpt-step (that checkpoint) and --load-fallback-to-intact (the newest intact one)")
 

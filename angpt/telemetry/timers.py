@@ -13,8 +13,8 @@ from typing import Optional
 from megatron.core.timers import DummyTimer, Timers
 
 # The trainer's timers and their levels (Megatron-LM's where it has the timer).
-LEVELS = {"save-checkpoint": 0, "load-checkpoint": 0, "optimizer": 1, "bounding": 1, "evaluate": 1,
-          "batch-generator": 2}
+LEVELS = {"save-checkpoint": 0, "save-checkpoint-non-persistent": 0, "load-checkpoint": 0, "optimizer": 1,
+          "bounding": 1, "evaluate": 1, "batch-generator": 2}
 # What megatron-core times itself, as Megatron-LM's training_log lists it.
 MEGATRON_CORE_TIMERS = (
     "forward-backward", "forward-compute", "backward-compute", "forward-recv", "forward-send", "backward-recv",

@@ -9,6 +9,8 @@ layout a checkpoint records, and the errors.
     <save>/iter_0001000/tokenizer/               the tokenizer files the training data were written with
     <save>/iter_0001000/angpt_digests.json       every file's size and digest (angpt.training.digests)
     <save>/angpt_save.lock                       the run writing here (angpt.training.save_lock)
+    <save>/non_persistent/                       --non-persistent-ckpt-type global's checkpoints (the same layout;
+                                                 --non-persistent-global-ckpt-dir elsewhere), each replacing the last
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ LATEST = "latest_checkpointed_iteration.txt"
 INCOMPLETE = ".incomplete"
 _ITERATION_DIR = re.compile(r"^iter_(\d{7,})$")
 FALLBACK_FLAG = "load-fallback-to-intact"
+NON_PERSISTENT = "non_persistent"  # Megatron-LM's _NON_PERSISTENT_CKPT_SUBDIR
 NEXT_TO_NO_SPACE = 1 << 20  # bytes free after a failed save that leave no doubt about why it failed
 
 
@@ -48,6 +51,11 @@ class CheckpointError(RuntimeError):
     def __init__(self, message: str, every_rank: bool = False):
         super().__init__(message)
         self.every_rank = every_rank
+
+
+class NoCheckpointToLoad(Exception):
+    """--exit-on-missing-checkpoint and a --load without a checkpoint: the run exits instead of starting from scratch,
+    with status 0 (Megatron-LM's sys.exit())."""
 
 
 @dataclass
@@ -270,6 +278,7 @@ def prepare_staging(root: str, iteration: int, needed: int) -> None:
     staging = checkpoint_dir(root, iteration) + INCOMPLETE
     refusal = [None]
     if dist.get_rank() == 0:
+        os.makedirs(root, exist_ok=True)  # non_persistent/ in --save, made at its first save (Megatron-LM's)
         free = shutil.disk_usage(root).free
         if free < needed:
             refusal = [_no_space(root, iteration, f"it needs about {_mib(needed)}, {_mib(free)} free")]
@@ -300,6 +309,51 @@ def verify_checkpoint(path: str) -> bool:
     return True
 
 
+def non_persistent_dir(root: str, given: Optional[str]) -> str:
+    """Where the --non-persistent-ckpt-type global checkpoints of the run saving to (or resuming from) `root` are:
+    --non-persistent-global-ckpt-dir (`given`), else non_persistent/ in `root` (Megatron-LM's)."""
+    return given or os.path.join(root, NON_PERSISTENT)
+
+
+def checkpoint_to_resume(root: str, fallback: bool = False, step: Optional[int] = None,
+                         non_persistent: Optional[str] = None, exit_on_missing: bool = False) -> Optional[str]:
+    """Collectively: `intact_checkpoint`'s of root, or, with `non_persistent` (--non-persistent-ckpt-type global's
+    directory) and no `step`, the latest there where it is at least as new as root's (Megatron-LM's
+    _load_base_checkpoint), verified as well; with `fallback`, root's where it is damaged. None when neither holds a
+    checkpoint (said in one line), or with `exit_on_missing` (--exit-on-missing-checkpoint) NoCheckpointToLoad."""
+    if non_persistent is not None and step is None:
+        try:
+            newer = read_latest_iteration(non_persistent)
+            if newer is not None and newer >= _newest(root):
+                path = intact_checkpoint(non_persistent)
+                if dist.get_rank() == 0:
+                    logger.info("resuming from the non-persistent checkpoint %s (--non-persistent-ckpt-type global), "
+                                "at least as new as %s's", path, root)
+                return path
+        except CheckpointError as error:
+            if not fallback:
+                raise
+            if dist.get_rank() == 0:
+                logger.warning("%s; resuming from %s's instead", error, root)
+    path = intact_checkpoint(root, fallback, step)
+    if path is None:
+        if exit_on_missing:
+            raise NoCheckpointToLoad(f"--exit-on-missing-checkpoint: no checkpoint in {root} (no {LATEST}): exiting "
+                                     "instead of starting from scratch")
+        if dist.get_rank() == 0:
+            logger.warning("no checkpoint in %s (no %s): starting from scratch", root, LATEST)
+    return path
+
+
+def _newest(root: str) -> int:
+    """The iteration of root's latest checkpoint (-1: none), for comparing with a non-persistent one."""
+    try:
+        latest = read_latest_iteration(root)
+    except CheckpointError:  # intact_checkpoint decides what becomes of it
+        latest = None
+    return max(complete_iterations(root), default=-1) if latest is None else latest
+
+
 def intact_checkpoint(root: str, fallback: bool = False, step: Optional[int] = None) -> Optional[str]:
     """Collectively find the checkpoint directory to resume from under root and verify it: the latest one
     (a damaged one is refused), or with `fallback` the newest intact one at or before it, also when the
@@ -325,8 +379,6 @@ def intact_checkpoint(root: str, fallback: bool = False, step: Optional[int] = N
         latest = None
     if latest is None:
         if not iterations:
-            if dist.get_rank() == 0:
-                logger.warning("no checkpoint in %s (no %s): starting from scratch", root, LATEST)
             return None
         if not fallback:
             raise CheckpointError(

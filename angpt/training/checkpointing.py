@@ -63,7 +63,13 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.tensor import DTensor
 
-from angpt.config.saved import config_from_saved, model_refusal, optimizer_refusal, vocabulary_refusal
+from angpt.config.saved import (
+    config_from_saved,
+    missing_state_refusal,
+    model_refusal,
+    optimizer_refusal,
+    vocabulary_refusal,
+)
 from angpt.config.sections import RunConfig
 from angpt.megatron_compat import checkpoint_unpickling, fsdp2, patches
 from angpt.megatron_compat.megatron_fsdp import handle_swiglu_in_state_dict
@@ -72,14 +78,17 @@ from angpt.training.checkpoint_store import (
     INCOMPLETE,
     LATEST,
     CheckpointError,
+    NoCheckpointToLoad,
     TrainState,
     checkpoint_dir,
+    checkpoint_to_resume,
     commit_checkpoint,
     complete_iterations,
     gathered_rng_states,
     intact_checkpoint,
     iteration_of,
     layout,
+    non_persistent_dir,
     prepare_staging,
     read_latest_iteration,
     refusing_a_full_disk,
@@ -98,10 +107,11 @@ from angpt.training.faults import NO_HOOKS, Hooks
 # This module's names, and checkpoint_store's that callers use as checkpointing's.
 __all__ = [
     "OPTIMIZER_SHARDING", "check_savable", "checkpoint_format", "load_checkpoint", "read_common_state",
-    "read_plain_tensors", "save_checkpoint",
-    "INCOMPLETE", "LATEST", "CheckpointError", "TrainState", "checkpoint_dir", "commit_checkpoint",
-    "complete_iterations", "intact_checkpoint", "read_latest_iteration", "remove_incomplete", "save_tokenizer_files",
-    "verify_checkpoint", "write_latest_iteration",
+    "read_plain_tensors", "recorded_flags", "save_checkpoint",
+    "INCOMPLETE", "LATEST", "CheckpointError", "NoCheckpointToLoad", "TrainState", "checkpoint_dir",
+    "checkpoint_to_resume", "commit_checkpoint", "complete_iterations", "intact_checkpoint", "non_persistent_dir",
+    "read_latest_iteration", "remove_incomplete", "save_tokenizer_files", "verify_checkpoint",
+    "write_latest_iteration",
 ]
 
 logger = logging.getLogger("angpt.checkpointing")
@@ -198,6 +208,9 @@ def save_checkpoint(
     assume_constant_structure: bool = False,
     context: Optional[dict] = None,
     ckpt_format: str = "torch_dist",
+    save_optimizer: bool = True,
+    save_rng: bool = True,
+    mem_efficient: bool = False,
 ) -> None:
     """Save collectively (every rank calls this), in `ckpt_format` (--ckpt-format: torch_dist, or Megatron-LM's torch
     format, angpt.training.torch_checkpoint, which has no asynchronous save nor the options of distributed
@@ -208,31 +221,32 @@ def save_checkpoint(
     cannot fit in the free space is refused before it writes anything, and one that fills the disk is
     removed; both raise a CheckpointError that says so. `context` (Megatron-LM's checkpointing_context, one dict
     for the run) keeps the save strategy from one save to the next; with `assume_constant_structure` it caches the
-    first save's plan and metadata, and the later saves skip megatron-core's checks of the sharding."""
+    first save's plan and metadata, and the later saves skip megatron-core's checks of the sharding. Without
+    `save_optimizer` (--no-save-optim) the optimizer state and learning-rate schedule are left out, without `save_rng`
+    (--no-save-rng) the RNG states, in every format, as Megatron-LM leaves them out (the flags the checkpoint records
+    say so to a load: angpt.config.saved.missing_state_refusal); `mem_efficient`
+    (--distrib-optim-fully-reshardable-mem-efficient): the distributed optimizer's state gathered on data-parallel
+    rank 0 over gloo (megatron-core's)."""
     if ckpt_format == "torch":
         if async_queue is not None:
             raise ValueError("--async-save with --ckpt-format torch: Megatron-LM's torch format has no asynchronous "
                              "save")
         torch_checkpoint.save_checkpoint(root, state, chunks, optimizer, scheduler, args, tokenizer, keep_last,
-                                         retain_interval, hooks)
+                                         retain_interval, hooks, save_optimizer, save_rng)
         return
     if ckpt_format == "fsdp_dtensor":
         _save_fsdp_dtensor(root, state, chunks, optimizer, scheduler, args, tokenizer, keep_last, retain_interval,
-                           hooks)
+                           hooks, save_optimizer, save_rng)
         return
     iteration = state.iteration  # the state moves on while an async save is being written
     staging = checkpoint_dir(root, iteration) + INCOMPLETE
     model = _model_state(chunks)
-    sharded = {
-        **model,
-        "optimizer": optimizer.sharded_state_dict(model, metadata=dict(OPTIMIZER_SHARDING)),
-        "opt_param_scheduler": scheduler.state_dict(),
-        "train_state": asdict(state),
-        "layout": layout(),
-        "args": args,
-        "checkpoint_version": 3.0,
-        "rng_state": _rng_sharded_object(gathered_rng_states()),
-    }
+    sharded = {**model, "train_state": asdict(state), "layout": layout(), "args": args, "checkpoint_version": 3.0}
+    if save_optimizer:
+        sharded["optimizer"] = optimizer.sharded_state_dict(model, metadata=_optimizer_metadata(mem_efficient))
+        sharded["opt_param_scheduler"] = scheduler.state_dict()
+    if save_rng:
+        sharded["rng_state"] = _rng_sharded_object(gathered_rng_states())
     needed = _estimated_bytes(sharded)
     prepare_staging(root, iteration, needed)
     context = {} if context is None else context
@@ -316,16 +330,20 @@ def _glu_split_on_disk(path: str) -> bool:
 
 
 def _save_fsdp_dtensor(root: str, state: TrainState, chunks, optimizer, scheduler, args: dict, tokenizer,
-                       keep_last, retain_interval, hooks: Hooks) -> None:
+                       keep_last, retain_interval, hooks: Hooks, save_optimizer: bool, save_rng: bool) -> None:
     """save_checkpoint in Megatron-FSDP's fsdp_dtensor format: the model's and optimizer's DTensors (Megatron-LM's
     state dict, `_as_on_disk`; no experts here, so without its experts' conversion) and each rank's RNG states by
     torch's distributed checkpoint; the rest in common.pt, as torch_dist keeps it."""
     iteration = state.iteration
     staging = checkpoint_dir(root, iteration) + INCOMPLETE
-    sharded = {**_as_on_disk(chunks, _fsdp_dtensor_state(chunks, optimizer), split_glu=True),
-               "rng_state": {str(dist.get_rank()): rng_state()}}
-    common = {"opt_param_scheduler": scheduler.state_dict(), "train_state": asdict(state), "layout": layout(),
-              "args": args, "checkpoint_version": 3.0, **_grad_scaler_state(optimizer)}
+    sharded = _as_on_disk(chunks, _fsdp_dtensor_state(chunks, optimizer), split_glu=True)
+    common = {"train_state": asdict(state), "layout": layout(), "args": args, "checkpoint_version": 3.0}
+    if save_optimizer:
+        common.update(opt_param_scheduler=scheduler.state_dict(), **_grad_scaler_state(optimizer))
+    else:
+        del sharded["optimizer"]
+    if save_rng:
+        sharded["rng_state"] = {str(dist.get_rank()): rng_state()}
     local = sum(value.to_local().numel() * value.element_size() for value in nested_values(sharded)
                 if isinstance(value, DTensor))
     needed = torch.tensor([local], dtype=torch.float64)
@@ -573,6 +591,12 @@ def _read_fsdp_dtensor_as_torch_dist(path: str, chunks, request: dict) -> dict:
     return apply_factory_merges(loaded, factories)
 
 
+def _optimizer_metadata(mem_efficient: bool) -> dict:
+    """The sharded-state metadata of the distributed optimizer's state, saved and loaded (Megatron-LM's
+    _build_sharded_state_dict_metadata with --dist-ckpt-optim-fully-reshardable)."""
+    return {**OPTIMIZER_SHARDING, "distrib_optim_fully_reshardable_mem_efficient": mem_efficient}
+
+
 def _after(first: Callable[[], None], function: Callable, *args, **kwargs):
     """`first()`, then `function(*args, **kwargs)`."""
     first()
@@ -615,6 +639,29 @@ def read_common_state(path: str) -> dict:
                               "run at its layout: continue it under --ckpt-format torch_dist for a step and read that "
                               "checkpoint")
     return refusing_unsafe(lambda: dist_checkpointing.load_common_state_dict(path))
+
+
+def recorded_flags(load: str, step: Optional[int] = None) -> Optional[tuple[str, dict]]:
+    """The checkpoint directory of iteration `step` (--ckpt-step), else the latest, in `load`, and the flags it
+    recorded; None where `load` holds no checkpoint. Read as data in this process alone, before any process group
+    (--use-checkpoint-args: angpt.config.arguments); the load verifies the checkpoint against its digests later. A
+    CheckpointError of one line where it records no flags of angpt.pretrain."""
+    iteration = step if step is not None else read_latest_iteration(load)
+    if iteration is None:
+        iteration = max(complete_iterations(load), default=None)  # as --load-fallback-to-intact finds it
+    if iteration is None:
+        return None
+    path = checkpoint_dir(load, iteration)
+    if checkpoint_format(path) == "torch":  # every rank's file records the flags
+        rank = min(name for name in os.listdir(path) if name.startswith("mp_rank_"))
+        saved = refusing_unsafe(lambda: checkpoint_unpickling.read_as_data(
+            os.path.join(path, rank, torch_checkpoint.MODEL_FILE), map_location="cpu", mmap=True))
+    else:
+        saved = read_common_state(path)
+    if not isinstance(saved.get("args"), dict) or "model_family" not in saved["args"]:
+        raise CheckpointError(f"{path} records no flags of angpt.pretrain (Megatron-LM's own?): give the model's "
+                              "flags instead")
+    return path, saved["args"]
 
 
 def read_plain_tensors(path: str) -> dict:
@@ -672,6 +719,8 @@ def load_checkpoint(
     ckpt_format: str = "torch_dist",
     auto_detect: bool = False,
     vocab_size: Optional[int] = None,
+    mem_efficient: bool = False,
+    main_params_from_checkpoint: bool = False,
 ) -> TrainState:
     """Load the checkpoint directory `path` (`intact_checkpoint`'s) into the model (and optimizer, scheduler,
     RNG), collectively. Returns its training state. With the run's `config`, a checkpoint of a model of another
@@ -685,14 +734,20 @@ def load_checkpoint(
     torch_dist or --auto-detect-ckpt-format; with `ckpt_format` torch and not `auto_detect`, a distributed checkpoint
     is refused (Megatron-LM's error). A checkpoint of Megatron-FSDP (fsdp_dtensor) loads in a run without it, and a
     torch_dist one under Megatron-FSDP, read across formats (Megatron-LM converts torch_dist to fsdp_dtensor offline,
-    with its checkpoint_inspector): weights, the distributed optimizer's state, scheduler and iteration."""
+    with its checkpoint_inspector): weights, the distributed optimizer's state, scheduler and iteration.
+
+    A checkpoint saved without its optimizer or RNG states (--no-save-optim, --no-save-rng: the flags it recorded) is
+    refused unless this load leaves them out (`load_optimizer`, `load_rng` false, or `finetune`). Without
+    `load_optimizer`, mixed-precision optimizers' fp32 main weights are refreshed from the model's, or with
+    `main_params_from_checkpoint` (--load-main-params-from-ckpt) from the checkpoint's model state as read
+    (megatron-core's reload_model_params(state_dict)); `mem_efficient`: as save_checkpoint's."""
     found = checkpoint_format(path)
     if found == "torch" and ckpt_format == "fsdp_dtensor":
         raise CheckpointError(f"{path} is in Megatron-LM's torch format, which --use-megatron-fsdp does not read: "
                               "continue it under --ckpt-format torch_dist for a step and load that checkpoint")
     if found == "torch":
         return torch_checkpoint.load_checkpoint(path, chunks, optimizer, scheduler, config, load_optimizer, load_rng,
-                                                finetune, vocab_size)
+                                                finetune, vocab_size, main_params_from_checkpoint)
     if ckpt_format == "torch" and not auto_detect:
         raise CheckpointError(f"{path} is a distributed checkpoint ({found}) and this run has --ckpt-format torch: "
                               "give --auto-detect-ckpt-format to load it (as Megatron-LM)")
@@ -709,12 +764,14 @@ def load_checkpoint(
             raise unreadable(error, path) from error
 
     common = read(lambda: read_common_state(path))
-    if config is not None and isinstance(common.get("args"), dict):
+    if isinstance(common.get("args"), dict):
         saved = config_from_saved(common["args"])
-        refusal = (model_refusal(path, saved, config, finetune)
-                   or (load_optimizer and not finetune
-                       and optimizer_refusal(path, saved.parallel.use_distributed_optimizer,
-                                             config.parallel.use_distributed_optimizer)))
+        refusal = missing_state_refusal(path, saved, load_optimizer and not finetune, load_rng and not finetune)
+        if config is not None:
+            refusal = refusal or (model_refusal(path, saved, config, finetune)
+                                  or (load_optimizer and not finetune
+                                      and optimizer_refusal(path, saved.parallel.use_distributed_optimizer,
+                                                            config.parallel.use_distributed_optimizer)))
         if refusal:
             raise CheckpointError(refusal)
     if config is not None and vocab_size is not None:
@@ -737,14 +794,16 @@ def load_checkpoint(
     request = dict(model)
     if load_optimizer:
         patches.prepare_optimizer_for_loading(optimizer)
-        request["optimizer"] = optimizer.sharded_state_dict(model, is_loading=True, metadata=dict(OPTIMIZER_SHARDING))
+        request["optimizer"] = optimizer.sharded_state_dict(model, is_loading=True,
+                                                            metadata=_optimizer_metadata(mem_efficient))
     if load_rng and found == "torch_dist":
         request["rng_state"] = _rng_sharded_object(None)
     read(lambda: checkpoint_unpickling.check_metadata(path))
     if found == "fsdp_dtensor":
         loaded = {**common, **read(lambda: _read_fsdp_dtensor_as_torch_dist(path, chunks, request))}
         return _load_model_and_optimizer(loaded, path, found, chunks, optimizer, scheduler, load_optimizer, finetune,
-                                         read(lambda: _fsdp_dtensor_rng_state(path)) if load_rng else None)
+                                         read(lambda: _fsdp_dtensor_rng_state(path)) if load_rng else None,
+                                         main_params_from_checkpoint)
     strategy = get_default_load_sharded_strategy(path)
     if fully_parallel:
         strategy = FullyParallelLoadStrategyWrapper(
@@ -765,7 +824,8 @@ def load_checkpoint(
                            "it asks for (%s)", strictness, path, len(missing), ", ".join(sorted(missing)) or "none",
                            len(unexpected), ", ".join(sorted(unexpected)) or "none")
     rng = loaded["rng_state"][parallel_state.get_data_parallel_rank(with_context_parallel=True)] if load_rng else None
-    return _load_model_and_optimizer(loaded, path, found, chunks, optimizer, scheduler, load_optimizer, finetune, rng)
+    return _load_model_and_optimizer(loaded, path, found, chunks, optimizer, scheduler, load_optimizer, finetune, rng,
+                                     main_params_from_checkpoint)
 
 
 def _embedding_rows(path: str, found: str) -> Optional[int]:
@@ -782,9 +842,10 @@ def _embedding_rows(path: str, found: str) -> Optional[int]:
 
 
 def _load_model_and_optimizer(loaded: dict, path: str, found: str, chunks, optimizer, scheduler, load_optimizer: bool,
-                              finetune: bool, rng: Optional[dict]) -> TrainState:
+                              finetune: bool, rng: Optional[dict], main_params_from_checkpoint: bool) -> TrainState:
     """load_checkpoint's end outside Megatron-FSDP: what megatron-core `loaded` into the model chunks (and optimizer,
-    scheduler, this rank's RNG states `rng`); the checkpoint's training state."""
+    scheduler, this rank's RNG states `rng`; else the main weights, from `loaded` with
+    `main_params_from_checkpoint`); the checkpoint's training state."""
     if len(chunks) == 1:
         _load_model_state(chunks[0].module, loaded["model"])
     else:
@@ -796,8 +857,8 @@ def _load_model_and_optimizer(loaded: dict, path: str, found: str, chunks, optim
         fsdp2.place_loaded_states(optimizer)
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
     else:
-        # Mixed-precision optimizers keep fp32 copies of the weights: refresh them from the model.
-        optimizer.reload_model_params()
+        # Mixed-precision optimizers keep fp32 copies of the weights: refresh them from the model (or what was read).
+        optimizer.reload_model_params(loaded if main_params_from_checkpoint else None)
     if rng is not None:
         set_rng_state(rng)
     _log_loaded(path, found, "torch_dist", finetune)

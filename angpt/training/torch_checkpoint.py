@@ -42,7 +42,13 @@ from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, Distribut
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import get_model_config, unwrap_model
 
-from angpt.config.saved import config_from_saved, model_refusal, optimizer_refusal, vocabulary_refusal
+from angpt.config.saved import (
+    config_from_saved,
+    missing_state_refusal,
+    model_refusal,
+    optimizer_refusal,
+    vocabulary_refusal,
+)
 from angpt.config.sections import RunConfig
 from angpt.megatron_compat import checkpoint_unpickling, patches
 from angpt.telemetry.performance import model_flops_per_token
@@ -162,14 +168,17 @@ def _flops_so_far(chunks, args: dict, consumed_samples: int) -> float:
 
 def save_checkpoint(root: str, state: checkpoint_store.TrainState, chunks, optimizer, scheduler, args: dict,
                     tokenizer: Optional[dict] = None, keep_last: Optional[int] = None,
-                    retain_interval: Optional[int] = None, hooks: Hooks = NO_HOOKS) -> None:
+                    retain_interval: Optional[int] = None, hooks: Hooks = NO_HOOKS, save_optimizer: bool = True,
+                    save_rng: bool = True) -> None:
     """Save collectively in Megatron-LM's torch format, committed before this returns (as
-    angpt.training.checkpointing.save_checkpoint; `hooks` are the same points)."""
+    angpt.training.checkpointing.save_checkpoint; `hooks` are the same points, `save_optimizer` and `save_rng`
+    the same choices)."""
     iteration = state.iteration
     staging = checkpoint_store.checkpoint_dir(root, iteration) + checkpoint_store.INCOMPLETE
-    rng_states = checkpoint_store.gathered_rng_states()  # collective: every data- and context-parallel rank's
+    # Collective: every data- and context-parallel rank's.
+    rng_states = checkpoint_store.gathered_rng_states() if save_rng else None
     writer = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
-    distributed_optimizer = _distributed(optimizer)
+    distributed_optimizer = _distributed(optimizer) and save_optimizer
     with _adam_state_present(optimizer):
         state_dict = None
         if writer:
@@ -180,13 +189,14 @@ def save_checkpoint(root: str, state: checkpoint_store.TrainState, chunks, optim
                 "iteration": iteration,
                 **({"model": models[0]} if len(models) == 1 else
                    {f"model{i}": model for i, model in enumerate(models)}),
-                "optimizer": optimizer.state_dict(),
-                "opt_param_scheduler": scheduler.state_dict(),
-                "rng_state": [_megatron_rng(rng) for rng in rng_states],
                 "num_floating_point_operations_so_far": _flops_so_far(chunks, args, state.consumed_samples),
                 "train_state": asdict(state),
                 "layout": _this_layout(chunks),
             }
+            if save_optimizer:
+                state_dict.update(optimizer=optimizer.state_dict(), opt_param_scheduler=scheduler.state_dict())
+            if save_rng:
+                state_dict["rng_state"] = [_megatron_rng(rng) for rng in rng_states]
         needed = _estimated_bytes(state_dict, optimizer, distributed_optimizer)
         checkpoint_store.prepare_staging(root, iteration, needed)
         path = model_file(staging)
@@ -267,7 +277,8 @@ def _one_refusal(problem: Optional[str]) -> None:
 
 
 def _problem(path: str, saved: dict, chunks, optimizer, config: Optional[RunConfig], load_optimizer: bool,
-             tensor: int, pipeline: int, finetune: bool = False, vocab_size: Optional[int] = None) -> Optional[str]:
+             load_rng: bool, tensor: int, pipeline: int, finetune: bool = False,
+             vocab_size: Optional[int] = None) -> Optional[str]:
     """Why this rank cannot load its file `saved` (read without its tensors), or None."""
     keys = ["model"] if "model" in saved else sorted((key for key in saved if re.fullmatch(r"model\d+", key)),
                                                      key=lambda key: int(key[len("model"):]))
@@ -279,8 +290,10 @@ def _problem(path: str, saved: dict, chunks, optimizer, config: Optional[RunConf
         split = (f"; pipeline rank {stage} holds layers {saved_layers} there, {here} here"
                  if saved_layers is not None and len(keys) == len(chunks) else "")
         return _no_reshard(path, _shown(tensor, pipeline, len(keys)), _shown(tensor, pipeline, len(chunks)) + split)
-    if config is not None and isinstance(saved.get("args"), dict):
-        refusal = model_refusal(path, config_from_saved(saved["args"]), config, finetune)
+    if isinstance(saved.get("args"), dict):
+        recorded = config_from_saved(saved["args"])
+        refusal = missing_state_refusal(path, recorded, load_optimizer, load_rng) or (
+            config is not None and model_refusal(path, recorded, config, finetune))
         if refusal:
             return refusal
     embedding = saved[keys[0]].get(EMBEDDING)  # the first pipeline stage's (its rows split over TP)
@@ -298,7 +311,8 @@ def _problem(path: str, saved: dict, chunks, optimizer, config: Optional[RunConf
 
 def load_checkpoint(path: str, chunks, optimizer, scheduler, config: Optional[RunConfig] = None,
                     load_optimizer: bool = True, load_rng: bool = True,
-                    finetune: bool = False, vocab_size: Optional[int] = None) -> checkpoint_store.TrainState:
+                    finetune: bool = False, vocab_size: Optional[int] = None,
+                    main_params_from_checkpoint: bool = False) -> checkpoint_store.TrainState:
     """Load the torch-format checkpoint directory `path` collectively (as angpt.training.checkpointing.load_checkpoint,
     whose dispatch calls this); returns its training state."""
     iteration = checkpoint_store.iteration_of(path)
@@ -315,8 +329,8 @@ def load_checkpoint(path: str, chunks, optimizer, scheduler, config: Optional[Ru
     problem, saved = None, None
     try:
         saved = read(lambda: checkpoint_unpickling.read_as_data(file, map_location="cpu", mmap=True))
-        problem = _problem(path, saved, chunks, optimizer, config, load_optimizer, tensor, pipeline, finetune,
-                           vocab_size)
+        problem = _problem(path, saved, chunks, optimizer, config, load_optimizer, load_rng, tensor, pipeline,
+                           finetune, vocab_size)
     except checkpoint_store.CheckpointError as error:
         problem = str(error)
     except Exception as error:  # said on every rank, which would otherwise wait for this one
@@ -337,8 +351,9 @@ def load_checkpoint(path: str, chunks, optimizer, scheduler, config: Optional[Ru
         patches.unshare_adam_steps(optimizer)
         scheduler.load_state_dict(saved["opt_param_scheduler"])
     else:
-        # Mixed-precision optimizers keep fp32 copies of the weights: refresh them from the model.
-        optimizer.reload_model_params()
+        # Mixed-precision optimizers keep fp32 copies of the weights: refresh them from the model (or the file's).
+        optimizer.reload_model_params({key: saved[key] for key in saved if re.fullmatch(r"model\d*", key)}
+                                      if main_params_from_checkpoint else None)
     saved_layout = checkpoint_store.saved_layout(saved)
     if saved_layout is not None:
         saved_layout = {key: saved_layout.get(key) for key in checkpoint_store.layout()}

@@ -99,8 +99,15 @@ class Trainer:
                                expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
                                num_distributed_optimizer_instances=parallel.num_distributed_optimizer_instances)
         self.rank = dist.get_rank()
-        if checkpoint.save:  # one run writes into a --save directory: locked before anything is written there
-            save_lock.take(checkpoint.save)
+        # Where --non-persistent-ckpt-type global's checkpoints are saved (None: none are).
+        self.non_persistent_save = (checkpointing.non_persistent_dir(checkpoint.save,
+                                                                     checkpoint.non_persistent_global_ckpt_dir)
+                                    if checkpoint.save and checkpoint.non_persistent_ckpt_type == "global" else None)
+        # One run writes into a --save directory: locked before anything is written there (a non-persistent directory
+        # elsewhere too).
+        for directory in dict.fromkeys(filter(None, (checkpoint.save, checkpoint.non_persistent_global_ckpt_dir
+                                                     if self.non_persistent_save else None))):
+            save_lock.take(directory)
         self.progress_log = None  # --log-progress's (Megatron-LM's: its first line once the processes are up)
         if config.logging.log_progress and checkpoint.save:
             self.progress_log = ProgressLog(checkpoint.save, dist.get_world_size(), enabled=self.rank == 0)
@@ -132,10 +139,15 @@ class Trainer:
         self.loaded_from: Optional[str] = None  # the checkpoint directory this run starts from
         if checkpoint.save and self.rank == 0:
             checkpointing.remove_incomplete(checkpoint.save)
+            if self.non_persistent_save:
+                checkpointing.remove_incomplete(self.non_persistent_save)
         if checkpoint.load:
-            self.loaded_from = checkpointing.intact_checkpoint(checkpoint.load,
-                                                               fallback=checkpoint.load_fallback_to_intact,
-                                                               step=checkpoint.ckpt_step)
+            self.loaded_from = checkpointing.checkpoint_to_resume(
+                checkpoint.load, fallback=checkpoint.load_fallback_to_intact, step=checkpoint.ckpt_step,
+                non_persistent=(checkpointing.non_persistent_dir(checkpoint.load,
+                                                                 checkpoint.non_persistent_global_ckpt_dir)
+                                if checkpoint.non_persistent_ckpt_type == "global" else None),
+                exit_on_missing=checkpoint.exit_on_missing_checkpoint)
         if self.loaded_from is not None:
             timer(self.timers, "load-checkpoint").start()
             self.state = checkpointing.load_checkpoint(
@@ -144,6 +156,8 @@ class Trainer:
                 finetune=checkpoint.finetune, strictness=checkpoint.dist_ckpt_strictness,
                 fully_parallel=checkpoint.ckpt_fully_parallel_load, ckpt_format=checkpoint.ckpt_format,
                 auto_detect=checkpoint.auto_detect_ckpt_format, vocab_size=self.vocabulary.vocab_size,
+                mem_efficient=checkpoint.distrib_optim_fully_reshardable_mem_efficient,
+                main_params_from_checkpoint=checkpoint.load_main_params_from_ckpt,
             )
             timer(self.timers, "load-checkpoint").stop()
         # Nothing to save before the first step of this run (a resumed state is in its checkpoint).
@@ -366,26 +380,33 @@ class Trainer:
             gather_whole_weights(self.chunks)
             yield
 
-    def save(self) -> None:
+    def save(self, non_persistent: bool = False) -> None:
+        """Save a checkpoint into --save, or with `non_persistent` into the non-persistent directory, where it
+        replaces the one before (Megatron-LM's global non-persistent checkpoints)."""
         checkpoint = self.run_config.checkpoint
-        if not checkpoint.save or self.saved_iteration == self.state.iteration:
+        if not checkpoint.save or (not non_persistent and self.saved_iteration == self.state.iteration):
             return
-        self.saved_iteration = self.state.iteration
-        timer(self.timers, "save-checkpoint").start(barrier=True)  # as Megatron-LM: the ranks' time together
+        if not non_persistent:
+            self.saved_iteration = self.state.iteration
+        name = "save-checkpoint-non-persistent" if non_persistent else "save-checkpoint"
+        timer(self.timers, name).start(barrier=True)  # as Megatron-LM: the ranks' time together
         parallel = self.run_config.parallel
         # The weights of the last step, not those before its (overlapped) all-gather.
         with param_gather_finished(self.chunks, parallel.use_distributed_optimizer and parallel.overlap_param_gather), \
                 self.monitor.paused():
             checkpointing.save_checkpoint(
-                checkpoint.save, self.state, self.chunks, self.optimizer, self.scheduler, self.run_config.flags(),
-                self.tokenizer, keep_last=checkpoint.keep_last_n_checkpoints,
-                retain_interval=checkpoint.save_retain_interval, async_queue=self.async_queue,
-                hooks=self.hooks, fully_parallel=checkpoint.ckpt_fully_parallel_save,
+                self.non_persistent_save if non_persistent else checkpoint.save, self.state, self.chunks,
+                self.optimizer, self.scheduler, self.run_config.flags(), self.tokenizer,
+                keep_last=1 if non_persistent else checkpoint.keep_last_n_checkpoints,
+                retain_interval=None if non_persistent else checkpoint.save_retain_interval,
+                async_queue=self.async_queue, hooks=self.hooks, fully_parallel=checkpoint.ckpt_fully_parallel_save,
                 assume_constant_structure=checkpoint.ckpt_assume_constant_structure,
                 context=self.checkpointing_context, ckpt_format=checkpoint.ckpt_format,
+                save_optimizer=not checkpoint.no_save_optim, save_rng=not checkpoint.no_save_rng,
+                mem_efficient=checkpoint.distrib_optim_fully_reshardable_mem_efficient,
             )
-        timer(self.timers, "save-checkpoint").stop(barrier=True)
-        if self.progress_log is not None:
+        timer(self.timers, name).stop(barrier=True)
+        if self.progress_log is not None and not non_persistent:  # Megatron-LM's: the persistent saves
             tokens = self.state.consumed_samples * self.run_config.model.seq_length
             self.progress_log.saved(self.state.iteration, self._flops_so_far(), tokens, checkpoint.async_save)
 
@@ -406,6 +427,7 @@ class Trainer:
     def _run(self) -> int:
         training, evaluation, exits = self.run_config.training, self.run_config.evaluation, self.run_config.exits
         save_dir, save_interval = self.run_config.checkpoint.save, self.run_config.checkpoint.save_interval
+        non_persistent_interval = self.run_config.checkpoint.non_persistent_save_interval
         if self.run_config.memory.manual_gc:
             # Collections at the same steps on every rank, not when each rank's allocations trigger one.
             gc.disable()
@@ -466,6 +488,8 @@ class Trainer:
                     self.validate()
                 if save_interval and iteration % save_interval == 0:
                     self.save()
+                elif self.non_persistent_save and non_persistent_interval and iteration % non_persistent_interval == 0:
+                    self.save(non_persistent=True)
                 reason = self.exits.check()
                 if reason is None and exits.exit_interval and iteration % exits.exit_interval == 0:
                     reason = f"iteration {iteration} is a multiple of --exit-interval {exits.exit_interval}"
@@ -517,12 +541,18 @@ class Trainer:
             memory_history.stop()
         if self.run_config.checkpoint.save and self.rank == 0:
             save_lock.release(self.run_config.checkpoint.save)
+            if self.non_persistent_save and self.run_config.checkpoint.non_persistent_global_ckpt_dir:
+                save_lock.release(self.run_config.checkpoint.non_persistent_global_ckpt_dir)
 
 
 def pretrain(config: RunConfig) -> int:
     """Run the job the configuration describes; returns the exit code (0 also after a graceful exit)."""
     try:
         trainer = Trainer(config)
+    except checkpointing.NoCheckpointToLoad as stop:
+        if int(os.environ.get("RANK", "0")) == 0:
+            logger.info("%s", stop)
+        return 0
     except (ValueError, OSError, checkpointing.CheckpointError) as error:
         # Every rank checks the same flags, data and checkpoint the same way: one line from each node (whose
         # files may differ from another's), not one per rank; every rank exits non-zero.
