@@ -290,7 +290,7 @@ def _problem(path: str, saved: dict, chunks, optimizer, config: Optional[RunConf
         split = (f"; pipeline rank {stage} holds layers {saved_layers} there, {here} here"
                  if saved_layers is not None and len(keys) == len(chunks) else "")
         return _no_reshard(path, _shown(tensor, pipeline, len(keys)), _shown(tensor, pipeline, len(chunks)) + split)
-    if isinstance(saved.get("args"), dict):
+    if isinstance(saved.get("args"), dict) and (config is not None or "model_family" in saved["args"]):
         recorded = config_from_saved(saved["args"])
         refusal = missing_state_refusal(path, recorded, load_optimizer, load_rng) or (
             config is not None and model_refusal(path, recorded, config, finetune))
