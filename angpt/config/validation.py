@@ -15,8 +15,8 @@ from typing import Any, Optional
 from angpt.config import megatron_lm, pipeline_split, transformer_engine_support
 from angpt.config.blend import parse_blend
 from angpt.config.choices import FAMILY_NAMES, GPT_DEFAULTS, NORMALIZED_FAMILIES, recompute_module_refusal
+from angpt.config.files import read_json_object, read_text
 from angpt.config.sections import FIELD_SECTIONS, SECTIONS, RunConfig
-from angpt.data.files import read_json_object, read_text
 
 # Megatron-LM's defaults of the FP8 details; they apply only with --fp8-format (None here = not given).
 FP8_DEFAULTS = dict(fp8_recipe="delayed", fp8_margin=0, fp8_amax_history_len=1, fp8_amax_compute_algo="most_recent")

@@ -15,8 +15,8 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from torch.utils.data import DataLoader
 
 from angpt.config.blend import parse_blend
+from angpt.config.files import read_json_object
 from angpt.config.sections import DataSection
-from angpt.data.files import read_json_object
 from angpt.data.indexed import (
     DTYPES,
     IndexedDatasetError,

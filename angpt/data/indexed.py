@@ -21,7 +21,7 @@ from typing import Optional
 
 import numpy
 
-from angpt.data.files import read_json
+from angpt.config.files import read_json
 
 METADATA_KEYS = ("tokenizer", "vocab_size", "eod", "append_eod", "documents", "tokens")
 # magic, version (<Q), dtype code (<B), sequence count (<Q), document count (<Q)

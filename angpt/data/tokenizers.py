@@ -34,8 +34,8 @@ from tiktoken_ext.openai_public import r50k_pat_str
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as RustTokenizer
 
+from angpt.config.files import read_json, read_json_object, read_text, sha256_of
 from angpt.config.tiktoken_layout import TIKTOKEN_NUM_SPECIAL_TOKENS, TIKTOKEN_PATTERNS
-from angpt.data.files import read_json, read_json_object, read_text, sha256_of
 
 EOD_TOKEN = "<|endoftext|>"
 # GPT-2's pre-tokenizer regex, which TikTokenizer splits text with (angpt.hf.tokenizer_export gives it to the export).

@@ -16,9 +16,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from angpt.config.arguments import settings_to_argv
+from angpt.config.files import read_json_object
 from angpt.config.saved import config_from_saved, single_process
 from angpt.config.sections import RunConfig
-from angpt.data.files import read_json_object
 from angpt.data.tokenizers import describe_file, read_huggingface_tokenizer
 from angpt.hf.checkpoint_reader import ensure_process_group
 from angpt.hf.errors import ExportError

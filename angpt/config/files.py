@@ -1,6 +1,6 @@
-"""Files read whole (JSON, tokenizer files) and a file's SHA-256: a file that is not UTF-8 or not JSON is
-reported by its line, not by a byte offset or a traceback. The caller names the file, in its own error
-(read_json_object names it itself)."""
+"""Files read whole (JSON, tokenizer files, the files --data-args-path names) and a file's SHA-256: a file that is
+not UTF-8 or not JSON is reported by its line, not by a byte offset or a traceback. The caller names the file, in its
+own error (read_json_object names it itself)."""
 
 import hashlib
 import json
