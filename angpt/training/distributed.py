@@ -60,11 +60,13 @@ def initialize(
     hierarchical_context_parallel_sizes: Optional[list[int]] = None,
     expert_tensor_parallel_size: Optional[int] = None,
     num_distributed_optimizer_instances: int = 1,
+    create_all_gather_group: bool = False,
 ) -> None:
     """Join the torchrun job (if not already joined), build megatron-core's groups and seed every RNG
     (`set_random_seed`). The ranks' order is Megatron-LM's: tp-cp-ep-dp-pp, or tp-cp-ep-pp-dp with
     --use-tp-pp-dp-mapping. Without `create_gloo_process_groups` (--disable-gloo-process-groups), megatron-core
-    builds no gloo groups beside its others."""
+    builds no gloo groups beside its others; with `create_all_gather_group` (--create-all-gather-group) it builds a
+    second data-parallel (x context-parallel) group, for Megatron-FSDP's weight all-gathers."""
     patches.install()  # megatron-core workarounds (the CPU adapter among them), before anything is built
     if flight_recorder_dump_path and not torch.cuda.is_available():
         raise ValueError("--flight-recorder-dump-path: NCCL's flight recorder records NCCL's collectives, which "
@@ -90,6 +92,7 @@ def initialize(
         hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
         expert_tensor_parallel_size=expert_tensor_parallel_size,
         num_distributed_optimizer_instances=num_distributed_optimizer_instances,
+        create_all_gather_group=create_all_gather_group,
     )
     # megatron-core 0.16.1 builds its expert data-parallel gloo groups without that timeout (torch's 30 minutes):
     # idle in a dense model, but held to the flag like every other group.
