@@ -1,14 +1,15 @@
 """Megatron-LM's data-parallel and distributed flags with its meaning: --ddp-num-buckets,
 --ddp-pad-buckets-for-high-nccl-busbw, --ddp-reduce-scatter-with-fp32-accumulation, --no-align-grad-reduce,
---no-align-param-gather, --create-all-gather-group, --distributed-timeout-seconds-after-init; the ones Megatron-LM
-ignores (--no-scatter-gather-tensors-in-pipeline, --disable-symmetric-registration) said in one line; the NCCL-only
-ones and the precision-aware optimizer (Transformer Engine's FusedAdam) refused with the reason.
+--no-align-param-gather, --create-all-gather-group, --distributed-timeout-seconds-after-init, --fake-process-group;
+the ones Megatron-LM ignores (--no-scatter-gather-tensors-in-pipeline, --disable-symmetric-registration) said in one
+line; the NCCL-only ones and the precision-aware optimizer (Transformer Engine's FusedAdam) refused with the reason.
 
 Each flag that changes only how the gradients and weights are laid out or communicated trains as without it: one
 torchrun job of 2 processes (tests/distributed/ddp_flags_worker.py) runs every variant three steps from the same
 weights, and their losses, first gradients and final weights are compared with the variant's default."""
 
 import json
+import os
 from datetime import timedelta
 
 import pytest
@@ -21,7 +22,8 @@ from angpt.config.arguments import parse_args
 from angpt.training.megatron_configs import ddp_config, transformer_config
 from angpt.training.step import build_model_chunks
 
-from conftest import in_process_trainer, run_workers
+from conftest import ROOT, in_process_trainer, run_workers
+from launch import launch
 
 MOCK = ["--mock-data", "--vocab-size", "64", "--train-iters", "4"]
 DIST_OPT = ["--overlap-grad-reduce", "--use-distributed-optimizer"]
@@ -245,3 +247,36 @@ def test_the_timeout_after_init_applies_to_every_group_from_the_end_of_the_first
             timedelta(seconds=4321)}
     finally:  # the session's default group, which later tests use
         dist.distributed_c10d._set_pg_timeout(before, default)
+
+
+def test_a_fake_process_group_turns_the_nan_checks_and_gloo_groups_off_and_refuses_save(capsys):
+    """Megatron-LM's validate_args turns off the NaN checks and the gloo groups for --fake-process-group; a save
+    fails (megatron-core's checkpoint checks the shards of every rank), refused here in one line."""
+    config = parse_args([*MOCK, "--fake-process-group"], world_size=2)
+    assert not (config.rerun.nan_checks or config.rerun.check_for_nan_in_loss_and_grad
+                or config.parallel.enable_gloo_process_groups)
+    assert "--fake-process-group: every collective is skipped, so the losses and norms are this rank's own; no NaN " \
+           "checks and no gloo process groups (as Megatron-LM sets them)" in megatron_lm.notes(config, cuda=False)
+    plain = parse_args(MOCK, world_size=2)
+    assert plain.rerun.nan_checks and plain.parallel.enable_gloo_process_groups
+    with pytest.raises(SystemExit):
+        parse_args([*MOCK, "--fake-process-group", "--save", "x"], world_size=2)
+    assert "--fake-process-group with --save: megatron-core's checkpoint save checks the shards of every rank" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.slow  # one process of angpt.pretrain
+def test_one_process_trains_as_one_rank_of_four_in_a_fake_process_group(tmp_path):
+    """`WORLD_SIZE=4 python -m angpt.pretrain --fake-process-group` at TP 2: the one process builds rank 0's half of
+    the layers (TP 2 x DP 2 of 4) and trains, no other process joining (torch's fake group skips the collectives)."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore", "WORLD_SIZE": "4"}
+    env.pop("RANK", None)
+    flags = [*MOCK[:-2], "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length",
+             "16", "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2", "--eval-iters", "0",
+             "--log-interval", "1", "--tensor-model-parallel-size", "2", "--fake-process-group"]
+    done = launch(["-m", "angpt.pretrain", *flags, "--metrics-file", str(tmp_path / "metrics.jsonl")], env=env,
+                  timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "world 4 (TP 2, PP 1, CP 1, DP 2)" in done.stderr
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [record["iteration"] for record in records if record["kind"] == "train"] == [1, 2]

@@ -241,8 +241,8 @@ FLAGS: dict[str, Decision] = {
     "--local-rank": implied("torchrun's LOCAL_RANK is read from the environment"),
     "--lazy-mpu-init": refused("an external launcher's setting of Megatron-LM: launch with torchrun"),
     "--use-nccl-ub": refused(f"NCCL user buffers for the gradient and weight buffers: {NCCL_ONLY}"),
-    "--disable-symmetric-registration": ignored("it changes how --use-nccl-ub registers NCCL user buffers, and "
-                                                "--use-nccl-ub is refused here (NCCL-only)"),
+    "--disable-symmetric-registration": ignored("it changes only how --use-nccl-ub, refused here as NCCL-only, "
+                                                "registers NCCL user buffers"),
     "--use-sharp": refused(f"InfiniBand SHARP through NCCL's CollNet: {NCCL_ONLY}"),
     "--sharp-enabled-group": refused("it needs --use-sharp (megatron-core asserts so), which is refused here: "
                                      f"{NCCL_ONLY}"),
@@ -251,7 +251,6 @@ FLAGS: dict[str, Decision] = {
     "--keep-fp8-transpose-cache": refused(FSDP),
     "--enable-full-sharding-in-hsdp": refused(FSDP),
     "--nccl-communicator-config-path": refused(f"NCCL's per-group communicator settings: {NCCL_ONLY}"),
-    "--fake-process-group": refused(f"{NOT_YET}"),
     # -- validation
     # -- data and dataloader
     "--encoder-seq-length": refused("use --seq-length"),
@@ -582,6 +581,9 @@ def _ddp_notes(config: RunConfig) -> list[str]:
     if not parallel.align_param_gather and not (parallel.overlap_param_gather and parallel.virtual_pipeline_stages):
         lines.append("--no-align-param-gather: the stages' overlapped weight all-gathers are aligned only with "
                      "--overlap-param-gather and the interleaved schedule (as in Megatron-LM, nothing changes)")
+    if parallel.fake_process_group:
+        lines.append("--fake-process-group: every collective is skipped, so the losses and norms are this rank's own; "
+                     "no NaN checks and no gloo process groups (as Megatron-LM sets them)")
     if parallel.create_all_gather_group and not parallel.use_megatron_fsdp:
         lines.append("--create-all-gather-group: only Megatron-FSDP's all-gathers use the group (as in Megatron-LM, "
                      "nothing changes)")

@@ -273,6 +273,10 @@ class ParallelSection:
     enable_gloo_process_groups: bool = flag(True, "build no gloo process groups beside the NCCL ones (megatron-core "
         "builds them for the distributed optimizer's legacy checkpoints, which angpt does not write; on a machine "
         "without CUDA every group is gloo)", option="--disable-gloo-process-groups")
+    fake_process_group: bool = flag(False, "this process alone stands for rank $RANK of $WORLD_SIZE, every "
+        "collective skipped (torch's fake process group), to see one rank's memory and step time at a layout without "
+        "the others: its losses and norms are its own; no NaN checks and no gloo groups (as Megatron-LM sets them), "
+        "no --save")
     create_all_gather_group: bool = flag(False, "a data-parallel (x context-parallel) process group of its own for "
         "Megatron-FSDP's weight all-gathers, so that they overlap its gradient reduce-scatters (megatron-core's; "
         "without --use-megatron-fsdp nothing uses it)")

@@ -143,6 +143,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
     _validate_precision(parser, args)
     _validate_checkpoints(parser, args)
     _validate_hang_timeout(parser, args)
+    _validate_fake_process_group(parser, args)
     _validate_dry_run(parser, args)
     _validate_result_checks(parser, args)
     _validate_data(parser, args)
@@ -684,6 +685,12 @@ def _validate_result_checks(parser, args) -> None:
                      "loss scale)")
 
 
+def _validate_fake_process_group(parser, args) -> None:
+    if args.fake_process_group and args.save:
+        parser.error("--fake-process-group with --save: megatron-core's checkpoint save checks the shards of every "
+                     "rank, which a fake process group never exchanges (it fails at the first save)")
+
+
 def _validate_hang_timeout(parser, args) -> None:
     hang = args.hang_timeout_minutes
     if hang is not None and hang >= args.distributed_timeout_minutes:
@@ -945,10 +952,12 @@ def derive(flags: dict, world_size: int) -> dict:
         sequence_parallel_disabled=flags["sequence_parallel"] and tp == 1,
         cp_comm_type_all_gather_default=all_gather_default,
         recompute_granularity=_recompute_granularity(flags),
-        nan_checks=_nan_checks(flags),
+        nan_checks=_nan_checks(flags) and not flags["fake_process_group"],
         save_and_exit_signals=tuple(sorted({"SIGTERM", *([flags["exit_signal"]] if flags["exit_signal_handler"]
                                                          else [])})) if flags["save"] else (),
     )
+    if flags["fake_process_group"]:  # as Megatron-LM's validate_args (said in one line, megatron_lm.notes)
+        derived.update(check_for_nan_in_loss_and_grad=False, enable_gloo_process_groups=False)
     if flags["train_samples"] is not None:
         if flags["rampup_batch_size"] is None:
             # Whole global batches; the samples of a last, partial one are left out, as in Megatron-LM.

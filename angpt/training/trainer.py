@@ -99,7 +99,8 @@ class Trainer:
                                                                     else None),
                                expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
                                num_distributed_optimizer_instances=parallel.num_distributed_optimizer_instances,
-                               create_all_gather_group=parallel.create_all_gather_group)
+                               create_all_gather_group=parallel.create_all_gather_group,
+                               fake_process_group=parallel.fake_process_group)
         self.rank = dist.get_rank()
         # Where --non-persistent-ckpt-type global's checkpoints are saved (None: none are).
         self.non_persistent_save = (checkpointing.non_persistent_dir(checkpoint.save,
