@@ -152,7 +152,8 @@ def test_every_flag_that_is_a_field_of_the_model_config_lands_there(monkeypatch)
 DDP_VALUES = dict(average_in_collective=True, check_for_large_grads=True, overlap_grad_reduce=True,
                   num_distributed_optimizer_instances=2, overlap_param_gather=True,
                   use_distributed_optimizer=True, use_megatron_fsdp=True, data_parallel_sharding_strategy="optim",
-                  gradient_reduce_div_fusion=False)
+                  gradient_reduce_div_fusion=False, pad_buckets_for_high_nccl_busbw=True,
+                  reduce_scatter_with_fp32_accumulation=True, align_param_gather=False)
 OPTIMIZER_VALUES = dict(adam_beta1=0.8, adam_beta2=0.99, adam_eps=1e-6, apply_wd_to_qk_layernorm=True, bf16=True,
                         clip_grad=0.5, config_logger_dir="configs", decoupled_lr=1e-4,
                         decoupled_min_lr=1e-5, fp16=True, fp8_recipe="mxfp8", hysteresis=4, initial_loss_scale=1024.0,

@@ -65,6 +65,11 @@ LEGACY = "Megatron-LM's legacy models are not part of angpt; the families are me
 DENSE = "angpt trains dense GPTs of its families"
 ATTENTION = f"{DENSE}; their attention is softmax attention (docs/model.md)"
 QK_CLIP = "Transformer Engine's attention (>= 2.9) alone records (Megatron-LM's check)"
+NCCL_ONLY = ("NCCL's, on CUDA GPUs only: not built (no GPU here to check it on; without CUDA every process group is "
+             "gloo's)")
+PRECISION_AWARE = ("megatron-core's precision-aware optimizer needs Transformer Engine's FusedAdam (CUDA only; "
+                   "megatron-core raises without it): not built (docs/fp8.md: Transformer Engine has not run on a GPU "
+                   "here to check it)")
 CHECKPOINT_FORMAT = ("angpt reads either checkpoint format (--auto-detect-ckpt-format) and writes --ckpt-format "
                      "torch_dist or torch; a run continues a checkpoint in the other format")
 # Megatron-LM builds them on nvidia_resiliency_ext's LocalCheckpointManager, which is not installed here.
@@ -185,7 +190,7 @@ FLAGS: dict[str, Decision] = {
                                                  "--defer-embedding-wgrad-compute, which needs it"),
     "--use-mcore-models": implied("the families are megatron-core models"),
     "--use-legacy-models": refused(LEGACY),
-    "--high-priority-stream-groups": refused(f"{NOT_YET}"),
+    "--high-priority-stream-groups": refused(f"high-priority CUDA streams for NCCL's communicators: {NCCL_ONLY}"),
     "--disable-jit-fuser": ignored("Megatron-LM 0.16.1 swaps megatron.core.jit.jit_fuser after megatron-core's "
                                    "fusions took it at import (pretrain_gpt.py imports them first): they stay "
                                    "compiled; each fusion has a flag of its own (--rope-fusion, --bias-swiglu-fusion, "
@@ -231,27 +236,21 @@ FLAGS: dict[str, Decision] = {
     # -- distributed
     "--model-parallel-size": refused("deprecated in Megatron-LM: use --tensor-model-parallel-size"),
     "--distributed-backend": refused("the backend follows the device: NCCL with CUDA, gloo without"),
-    "--distributed-timeout-seconds-after-init": refused(f"{NOT_YET}: --distributed-timeout-minutes applies "
-                                                        "throughout"),
-    "--no-align-grad-reduce": refused(f"{NOT_YET}"),
-    "--ddp-num-buckets": refused(f"{NOT_YET}"),
-    "--ddp-pad-buckets-for-high-nccl-busbw": refused(f"{NOT_YET}"),
-    "--ddp-reduce-scatter-with-fp32-accumulation": refused(f"{NOT_YET}"),
-    "--no-align-param-gather": refused(f"{NOT_YET}"),
-    "--no-scatter-gather-tensors-in-pipeline": refused(f"{NOT_YET}"),
+    "--no-scatter-gather-tensors-in-pipeline": ignored("nothing reads it in Megatron-LM core_v0.16.1 or "
+                                                       "megatron-core 0.16.1"),
     "--local-rank": implied("torchrun's LOCAL_RANK is read from the environment"),
     "--lazy-mpu-init": refused("an external launcher's setting of Megatron-LM: launch with torchrun"),
-    "--use-nccl-ub": refused(f"NCCL user buffers are {NOT_YET}"),
-    "--disable-symmetric-registration": refused(f"NCCL user buffers are {NOT_YET}"),
-    "--use-sharp": refused(f"{NOT_YET}"),
-    "--sharp-enabled-group": refused(f"{NOT_YET}"),
-    "--create-all-gather-group": refused(f"{NOT_YET}"),
+    "--use-nccl-ub": refused(f"NCCL user buffers for the gradient and weight buffers: {NCCL_ONLY}"),
+    "--disable-symmetric-registration": ignored("it changes only how --use-nccl-ub, refused here as NCCL-only, "
+                                                "registers NCCL user buffers"),
+    "--use-sharp": refused(f"InfiniBand SHARP through NCCL's CollNet: {NCCL_ONLY}"),
+    "--sharp-enabled-group": refused("it needs --use-sharp (megatron-core asserts so), which is refused here: "
+                                     f"{NCCL_ONLY}"),
     "--outer-dp-sharding-strategy": refused(FSDP),
     "--suggested-communication-unit-size": refused(FSDP),
     "--keep-fp8-transpose-cache": refused(FSDP),
     "--enable-full-sharding-in-hsdp": refused(FSDP),
-    "--nccl-communicator-config-path": refused(f"{NOT_YET}"),
-    "--fake-process-group": refused(f"{NOT_YET}"),
+    "--nccl-communicator-config-path": refused(f"NCCL's per-group communicator settings: {NCCL_ONLY}"),
     # -- validation
     # -- data and dataloader
     "--encoder-seq-length": refused("use --seq-length"),
@@ -300,11 +299,15 @@ FLAGS: dict[str, Decision] = {
     "--enable-experimental": refused("Megatron-LM's experimental features are not built"),
     "--spec": refused("the layer spec follows --model-family"),
     "--yaml-cfg": refused("use --config (a YAML file of angpt.pretrain's flags)"),
-    "--use-precision-aware-optimizer": refused(f"{NOT_YET}"),
-    "--main-grads-dtype": refused(f"{NOT_YET} (with --use-precision-aware-optimizer)"),
-    "--main-params-dtype": refused(f"{NOT_YET} (with --use-precision-aware-optimizer)"),
-    "--exp-avg-dtype": refused(f"{NOT_YET} (with --use-precision-aware-optimizer)"),
-    "--exp-avg-sq-dtype": refused(f"{NOT_YET} (with --use-precision-aware-optimizer)"),
+    "--use-precision-aware-optimizer": refused(PRECISION_AWARE),
+    "--main-grads-dtype": refused(f"other than fp32 it needs --use-precision-aware-optimizer (megatron-core asserts "
+                                  f"so): {PRECISION_AWARE}"),
+    "--main-params-dtype": refused(f"other than fp32 it needs --use-precision-aware-optimizer (megatron-core asserts "
+                                   f"so): {PRECISION_AWARE}"),
+    "--exp-avg-dtype": refused(f"other than fp32 it needs --use-precision-aware-optimizer (megatron-core asserts "
+                               f"so): {PRECISION_AWARE}"),
+    "--exp-avg-sq-dtype": refused(f"other than fp32 it needs --use-precision-aware-optimizer (megatron-core asserts "
+                                  f"so): {PRECISION_AWARE}"),
 }
 
 # By the start of the flag, for families of flags that share one reason.
@@ -554,6 +557,39 @@ def _checkpoint_notes(config: RunConfig) -> list[str]:
     return lines
 
 
+def _ddp_notes(config: RunConfig) -> list[str]:
+    """A line for each data-parallel flag given where, as in Megatron-LM, it changes nothing."""
+    parallel, lines = config.parallel, []
+    # megatron-core's DDP reduces the gradients in one bucket without the overlap (bucket_size None).
+    for given, flag in ((parallel.ddp_num_buckets is not None, "--ddp-num-buckets"),
+                        (parallel.ddp_bucket_size is not None, "--ddp-bucket-size")):
+        if given and not parallel.overlap_grad_reduce:
+            lines.append(f"{flag}: without --overlap-grad-reduce the gradients are reduced at once, in one bucket (as "
+                         "in Megatron-LM, nothing changes)")
+    # Only the distributed optimizer's buffers reduce-scatter, and pad their buckets; not Megatron-FSDP's.
+    sharded = parallel.use_distributed_optimizer and not parallel.use_megatron_fsdp
+    if parallel.pad_buckets_for_high_nccl_busbw and not sharded:
+        lines.append("--ddp-pad-buckets-for-high-nccl-busbw: only the distributed optimizer's buckets are padded, "
+                     "and this run has none (as in Megatron-LM, nothing changes)")
+    if parallel.reduce_scatter_with_fp32_accumulation and not sharded:
+        lines.append("--ddp-reduce-scatter-with-fp32-accumulation: only the distributed optimizer's gradients are "
+                     "reduce-scattered, and this run has none (as in Megatron-LM, nothing changes)")
+    pipelined = parallel.pipeline_model_parallel_size > 1
+    if not parallel.align_grad_reduce and not (parallel.overlap_grad_reduce and pipelined):
+        lines.append("--no-align-grad-reduce: the stages' overlapped gradient reductions are aligned only with "
+                     "--overlap-grad-reduce and pipeline parallelism (as in Megatron-LM, nothing changes)")
+    if not parallel.align_param_gather and not (parallel.overlap_param_gather and parallel.virtual_pipeline_stages):
+        lines.append("--no-align-param-gather: the stages' overlapped weight all-gathers are aligned only with "
+                     "--overlap-param-gather and the interleaved schedule (as in Megatron-LM, nothing changes)")
+    if parallel.fake_process_group:
+        lines.append("--fake-process-group: every collective is skipped, so the losses and norms are this rank's own; "
+                     "no NaN checks and no gloo process groups (as Megatron-LM sets them)")
+    if parallel.create_all_gather_group and not parallel.use_megatron_fsdp:
+        lines.append("--create-all-gather-group: only Megatron-FSDP's all-gathers use the group (as in Megatron-LM, "
+                     "nothing changes)")
+    return lines
+
+
 def notes(config: RunConfig, cuda: bool = True) -> list[str]:
     """The lines a run logs once about Megatron-LM flags the family replaced, that Megatron-LM turns off, or that it
     ignores (`cuda`: whether the run has CUDA devices)."""
@@ -598,6 +634,7 @@ def notes(config: RunConfig, cuda: bool = True) -> list[str]:
         lines.append("--no-fp8-wgrad: megatron-core overrides the weight gradients' precision in --fp8-format's "
                      "delayed recipe only (as in Megatron-LM, nothing changes)")
     lines.extend(_logging_notes(config, cuda))
+    lines += _ddp_notes(config)
     if config.checkpoint.async_save and config.checkpoint.ckpt_format == "fsdp_dtensor":
         lines.append("--async-save: fsdp_dtensor checkpoints are written by the training processes before training "
                      "goes on (as Megatron-LM writes them, whatever --async-save says)")

@@ -273,8 +273,18 @@ class ParallelSection:
     enable_gloo_process_groups: bool = flag(True, "build no gloo process groups beside the NCCL ones (megatron-core "
         "builds them for the distributed optimizer's legacy checkpoints, which angpt does not write; on a machine "
         "without CUDA every group is gloo)", option="--disable-gloo-process-groups")
+    fake_process_group: bool = flag(False, "this process alone stands for rank $RANK of $WORLD_SIZE, every "
+        "collective skipped (torch's fake process group), to see one rank's memory and step time at a layout without "
+        "the others: its losses and norms are its own; no NaN checks and no gloo groups (as Megatron-LM sets them), "
+        "no --save")
+    create_all_gather_group: bool = flag(False, "a data-parallel (x context-parallel) process group of its own for "
+        "Megatron-FSDP's weight all-gathers, so that they overlap its gradient reduce-scatters (megatron-core's; "
+        "without --use-megatron-fsdp nothing uses it)")
     distributed_timeout_minutes: float = flag(10, "how long a collective waits for the other ranks before the job "
         "fails (every process group)")
+    distributed_timeout_seconds_after_init: Optional[int] = flag(None, "from the end of this run's first iteration "
+        "(which builds and warms up everything), how long a collective waits instead (every process group; "
+        "megatron-core's update_pg_timeout)")
     hang_timeout_minutes: Optional[float] = flag(None, "angpt's: when one iteration (its step, evaluation and "
         "save) runs longer than this, every thread's Python stack of each rank is written to its log, again each "
         "time it passes, so that a hang shows where each rank waits before --distributed-timeout-minutes ends the "
@@ -308,6 +318,20 @@ class ParallelSection:
         "micro-batches' output-layer weight gradients, compute the later ones at once (0: all)")
     ddp_bucket_size: Optional[int] = flag(None, "elements per gradient bucket of data-parallel reduction (default: "
         "megatron-core's, at least 40M and 1M per data-parallel rank)")
+    ddp_num_buckets: Optional[int] = flag(None, "with --overlap-grad-reduce: gradient buckets of about this rank's "
+        "parameters / N elements each (Megatron-LM's; instead of --ddp-bucket-size)")
+    pad_buckets_for_high_nccl_busbw: bool = flag(False, "with --use-distributed-optimizer: pad each gradient bucket "
+        "to a multiple of 2^16 elements (and of the data-parallel size), for NCCL's bus bandwidth at large "
+        "data-parallel sizes", option="--ddp-pad-buckets-for-high-nccl-busbw")
+    reduce_scatter_with_fp32_accumulation: bool = flag(False, "with --use-distributed-optimizer: reduce-scatter the "
+        "gradients as an all-to-all of their own dtype, summed locally in fp32 (megatron-core's)",
+        option="--ddp-reduce-scatter-with-fp32-accumulation")
+    align_grad_reduce: bool = flag(True, "with --overlap-grad-reduce and pipeline parallelism: each stage starts its "
+        "gradient reduction when its own backward is done, instead of all stages at once in the pipeline's flush",
+        option="--no-align-grad-reduce")
+    align_param_gather: bool = flag(True, "with --overlap-param-gather and the interleaved schedule: each stage "
+        "all-gathers a model chunk's weights as its forward needs them, instead of all stages at once",
+        option="--no-align-param-gather")
     world_size: int = derived(1)  # the processes of the job (of --dry-run's WORLD_SIZE)
     data_parallel_size: int = derived(1)  # world size / (TP x PP x CP)
     # Of --num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank; None for one, as

@@ -36,7 +36,7 @@ NUMERIC_RANGES = (
         "keep_last_n_checkpoints", "save_retain_interval", "non_persistent_save_interval",
         "microbatch_group_size_per_vp_stage",
         "check_weight_hash_across_dp_replicas_interval",
-        "eval_interval", "log_interval", "exit_interval", "ddp_bucket_size",
+        "eval_interval", "log_interval", "exit_interval", "ddp_bucket_size", "ddp_num_buckets",
         "loss_scale_window", "hysteresis", "tiktoken_num_special_tokens", "flight_recorder_trace_buffer_size",
         "straggler_minmax_count", "megatron_fp8_interval", "num_dataset_builder_threads", "log_memory_interval",
         "save_wgrads_interval", "save_dgrads_interval")),
@@ -52,7 +52,8 @@ NUMERIC_RANGES = (
     ("must be positive", lambda value: value > 0, (
         "init_method_std", "embedding_init_method_std", "norm_epsilon",
         "angpt_constant_factor_multiplier", "angpt_nu_alpha_multiplier",
-        "distributed_timeout_minutes", "hang_timeout_minutes", "lr", "adam_eps", "exit_duration_in_mins",
+        "distributed_timeout_minutes", "distributed_timeout_seconds_after_init", "hang_timeout_minutes", "lr",
+        "adam_eps", "exit_duration_in_mins",
         "loss_scale", "initial_loss_scale", "min_loss_scale", "decoupled_lr",
         "gpu_memory_gib")),
     ("must be in [0, 1)", lambda value: 0 <= value < 1, (
@@ -120,6 +121,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
                                            args.ckpt_format == "torch")) if not given]
         if needs:
             parser.error(f"--overlap-param-gather-with-optimizer-step needs {', '.join(needs)} (Megatron-LM's check)")
+    _validate_ddp(parser, args)
     instances = args.num_distributed_optimizer_instances
     if instances > 1 and not args.use_distributed_optimizer:
         parser.error("--num-distributed-optimizer-instances needs --use-distributed-optimizer (megatron-core's check)")
@@ -141,6 +143,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
     _validate_precision(parser, args)
     _validate_checkpoints(parser, args)
     _validate_hang_timeout(parser, args)
+    _validate_fake_process_group(parser, args)
     _validate_dry_run(parser, args)
     _validate_result_checks(parser, args)
     _validate_data(parser, args)
@@ -682,10 +685,36 @@ def _validate_result_checks(parser, args) -> None:
                      "loss scale)")
 
 
+def _validate_fake_process_group(parser, args) -> None:
+    if args.fake_process_group and args.save:
+        parser.error("--fake-process-group with --save: megatron-core's checkpoint save checks the shards of every "
+                     "rank, which a fake process group never exchanges (it fails at the first save)")
+
+
 def _validate_hang_timeout(parser, args) -> None:
-    if args.hang_timeout_minutes is not None and args.hang_timeout_minutes >= args.distributed_timeout_minutes:
-        parser.error(f"--hang-timeout-minutes {args.hang_timeout_minutes} must be below --distributed-timeout-minutes "
+    hang = args.hang_timeout_minutes
+    if hang is not None and hang >= args.distributed_timeout_minutes:
+        parser.error(f"--hang-timeout-minutes {hang} must be below --distributed-timeout-minutes "
                      f"{args.distributed_timeout_minutes}: the stacks are for before the collective times out")
+    after_init = args.distributed_timeout_seconds_after_init
+    if hang is not None and after_init is not None and hang * 60 >= after_init:
+        parser.error(f"--hang-timeout-minutes {hang} must be below --distributed-timeout-seconds-after-init "
+                     f"{after_init} (in minutes, {after_init / 60:g}): the stacks are for before the collective times "
+                     "out")
+
+
+def _validate_ddp(parser, args) -> None:
+    """Megatron-LM's checks of its data-parallel bucket flags (get_model), and megatron-core's of the reduce-scatter
+    with fp32 accumulation (its _ParamAndGradBucketGroup asserts them)."""
+    if args.ddp_num_buckets is not None and args.ddp_bucket_size is not None:
+        parser.error("give one of --ddp-num-buckets and --ddp-bucket-size (Megatron-LM's check)")
+    if args.reduce_scatter_with_fp32_accumulation and args.use_distributed_optimizer and not args.use_megatron_fsdp:
+        if args.num_distributed_optimizer_instances > 1:
+            parser.error("--ddp-reduce-scatter-with-fp32-accumulation with --num-distributed-optimizer-instances "
+                         f"{args.num_distributed_optimizer_instances}: megatron-core builds it for one instance only")
+        if args.average_in_collective:
+            parser.error("--ddp-reduce-scatter-with-fp32-accumulation sums the gradients (megatron-core asserts "
+                         "ReduceOp.SUM): not with --ddp-average-in-collective")
 
 
 def _validate_checkpoints(parser, args) -> None:
@@ -923,10 +952,12 @@ def derive(flags: dict, world_size: int) -> dict:
         sequence_parallel_disabled=flags["sequence_parallel"] and tp == 1,
         cp_comm_type_all_gather_default=all_gather_default,
         recompute_granularity=_recompute_granularity(flags),
-        nan_checks=_nan_checks(flags),
+        nan_checks=_nan_checks(flags) and not flags["fake_process_group"],
         save_and_exit_signals=tuple(sorted({"SIGTERM", *([flags["exit_signal"]] if flags["exit_signal_handler"]
                                                          else [])})) if flags["save"] else (),
     )
+    if flags["fake_process_group"]:  # as Megatron-LM's validate_args (said in one line, megatron_lm.notes)
+        derived.update(check_for_nan_in_loss_and_grad=False, enable_gloo_process_groups=False)
     if flags["train_samples"] is not None:
         if flags["rampup_batch_size"] is None:
             # Whole global batches; the samples of a last, partial one are left out, as in Megatron-LM.

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from angpt.megatron_compat import patches
 
@@ -60,25 +61,34 @@ def initialize(
     hierarchical_context_parallel_sizes: Optional[list[int]] = None,
     expert_tensor_parallel_size: Optional[int] = None,
     num_distributed_optimizer_instances: int = 1,
+    create_all_gather_group: bool = False,
+    fake_process_group: bool = False,
 ) -> None:
     """Join the torchrun job (if not already joined), build megatron-core's groups and seed every RNG
     (`set_random_seed`). The ranks' order is Megatron-LM's: tp-cp-ep-dp-pp, or tp-cp-ep-pp-dp with
     --use-tp-pp-dp-mapping. Without `create_gloo_process_groups` (--disable-gloo-process-groups), megatron-core
-    builds no gloo groups beside its others."""
+    builds no gloo groups beside its others; with `create_all_gather_group` (--create-all-gather-group) it builds a
+    second data-parallel (x context-parallel) group, for Megatron-FSDP's weight all-gathers. With
+    `fake_process_group` (--fake-process-group) the process joins no job: it is rank $RANK of $WORLD_SIZE in torch's
+    fake process group, whose collectives do nothing (as Megatron-LM's initialize)."""
     patches.install()  # megatron-core workarounds (the CPU adapter among them), before anything is built
     if flight_recorder_dump_path and not torch.cuda.is_available():
         raise ValueError("--flight-recorder-dump-path: NCCL's flight recorder records NCCL's collectives, which "
                          "run on CUDA only; on CPU use --hang-timeout-minutes")
     if not dist.is_initialized():
+        if fake_process_group:  # as Megatron-LM: rank $RANK of $WORLD_SIZE (0 of 1 where unset), alone
+            for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+                os.environ.setdefault(name, value)
         _default_to_one_process()
         flight_recorder_environment(flight_recorder_dump_path, flight_recorder_trace_buffer_size)
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         timeout = timedelta(minutes=timeout_minutes)
-        store = _attempt_store(timeout)
+        store = FakeStore() if fake_process_group else _attempt_store(timeout)
         joined = {} if store is None else dict(store=store, rank=int(os.environ["RANK"]),
                                                 world_size=int(os.environ["WORLD_SIZE"]))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout, **joined)
+        backend = "fake" if fake_process_group else "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=timeout, **joined)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
@@ -90,6 +100,7 @@ def initialize(
         hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
         expert_tensor_parallel_size=expert_tensor_parallel_size,
         num_distributed_optimizer_instances=num_distributed_optimizer_instances,
+        create_all_gather_group=create_all_gather_group,
     )
     # megatron-core 0.16.1 builds its expert data-parallel gloo groups without that timeout (torch's 30 minutes):
     # idle in a dense model, but held to the flag like every other group.

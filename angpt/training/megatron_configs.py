@@ -152,7 +152,8 @@ def _fusions(config: RunConfig) -> dict:
 def ddp_config(config: RunConfig) -> DistributedDataParallelConfig:
     """Data-parallel gradient reduction (Megatron-LM's `get_model`): in fp32 unless --grad-reduce-in-bf16; the local
     grads checked before it (the rerun state machine's checks). With --use-torch-fsdp2, FSDP2's config (which
-    angpt.training.step wraps the model for); with --use-megatron-fsdp, Megatron-FSDP's settings are fields of it."""
+    angpt.training.step wraps the model for); with --use-megatron-fsdp, Megatron-FSDP's settings are fields of it.
+    --ddp-num-buckets sets the bucket size from the model's size (angpt.training.step.build_model_chunks)."""
     parallel = config.parallel
     if parallel.use_torch_fsdp2:
         return TorchFullyShardedDataParallelConfig(reshard_after_forward=parallel.torch_fsdp2_reshard_after_forward)
@@ -162,4 +163,6 @@ def ddp_config(config: RunConfig) -> DistributedDataParallelConfig:
         "check_for_nan_in_grad": config.rerun.nan_checks,
         "grad_reduce_in_fp32": not config.precision.grad_reduce_in_bf16,
         "bucket_size": config.parallel.ddp_bucket_size,
+        # As Megatron-LM's validate_args: stages gather their weights at once only in the interleaved schedule.
+        "align_param_gather": parallel.align_param_gather and parallel.virtual_pipeline_stages is not None,
     })

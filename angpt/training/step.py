@@ -43,12 +43,17 @@ def build_model_chunks(
     seq_length: int,
     ddp_config: DistributedDataParallelConfig | None = None,
     one_bucket_group: bool = False,
+    num_buckets: int | None = None,
+    align_grad_reduce: bool = True,
 ) -> list[DistributedDataParallel]:
     """This rank's model chunks (one per virtual pipeline stage), each wrapped in megatron-core's DDP, or in its
     FSDP2 wrapper for a TorchFullyShardedDataParallelConfig, or in Megatron-FSDP for a config with
     use_megatron_fsdp (Megatron-LM's get_model). The chunks after the first reduce their gradients in one
     bucket group each (their communication overlaps computation anyway), and the first too with `one_bucket_group`
-    (--overlap-param-gather-with-optimizer-step, as Megatron-LM's get_model)."""
+    (--overlap-param-gather-with-optimizer-step, as Megatron-LM's get_model). With `num_buckets`
+    (--ddp-num-buckets), buckets of this rank's parameters / `num_buckets` elements. With `align_grad_reduce`
+    (unless --no-align-grad-reduce), the pipeline schedule starts every stage's overlapped gradient reduction
+    (Megatron-LM's train: config.grad_sync_func); the weights' all-gathers it starts with set_pre_hooks."""
     ddp_config = ddp_config or DistributedDataParallelConfig(grad_reduce_in_fp32=True)
     if isinstance(ddp_config, TorchFullyShardedDataParallelConfig):
         wrapper = TorchFullyShardedDataParallel
@@ -58,7 +63,7 @@ def build_model_chunks(
     else:
         wrapper = DistributedDataParallel
     virtual_stages = config.virtual_pipeline_model_parallel_size
-    chunks = []
+    models = []
     for vp_stage in range(virtual_stages) if virtual_stages else [None]:
         model = build_model(
             config,
@@ -69,14 +74,18 @@ def build_model_chunks(
             vp_stage=vp_stage,
         )
         model.model_type = ModelType.encoder_or_decoder
-        chunks.append(wrapper(config=config, ddp_config=ddp_config, module=model,
-                              disable_bucketing=len(chunks) > 0 or one_bucket_group))
+        models.append(model)
+    if num_buckets is not None:  # Megatron-LM's get_model: of the parameters of this rank's chunks
+        ddp_config.bucket_size = sum(param.numel() for model in models for param in model.parameters()) // num_buckets
+    chunks = [wrapper(config=config, ddp_config=ddp_config, module=model,
+                      disable_bucketing=index > 0 or one_bucket_group) for index, model in enumerate(models)]
     config.finalize_model_grads_func = finalize_model_grads
     if ddp_config.overlap_grad_reduce:
         config.no_sync_func = [chunk.no_sync for chunk in chunks]
-        config.grad_sync_func = [chunk.start_grad_sync for chunk in chunks]
+        config.grad_sync_func = [chunk.start_grad_sync for chunk in chunks] if align_grad_reduce else None
         if len(chunks) == 1:
-            config.no_sync_func, config.grad_sync_func = config.no_sync_func[0], config.grad_sync_func[0]
+            config.no_sync_func = config.no_sync_func[0]
+            config.grad_sync_func = config.grad_sync_func and config.grad_sync_func[0]
     return chunks
 
 
@@ -117,12 +126,19 @@ def pre_hooks_on(model_chunks) -> bool:
 def set_pre_hooks(model_chunks, on: bool) -> None:
     """Megatron-LM's train loop: the first step runs without the overlapped param gather's forward pre-hooks, so that
     a checkpoint's or the initialization's weights are not all-gathered over themselves, and they are turned on once
-    a step has run (the first that was not skipped)."""
+    a step has run (the first that was not skipped). With them, where the stages align their all-gathers (the
+    interleaved schedule, unless --no-align-param-gather), the schedule starts each chunk's (config.param_sync_func,
+    as Megatron-LM's train sets it)."""
     for chunk in model_chunks:
         if on:
             chunk.enable_forward_pre_hook()
         else:
             chunk.disable_forward_pre_hook(param_sync=False)
+    config = get_model_config(model_chunks[0])
+    aligned = on and model_chunks[0].ddp_config.align_param_gather
+    config.param_sync_func = [chunk.start_param_sync for chunk in model_chunks] if aligned else None
+    if config.param_sync_func and len(model_chunks) == 1:
+        config.param_sync_func = config.param_sync_func[0]
 
 
 @contextmanager

@@ -13,6 +13,7 @@ import signal
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import partial
 from typing import Optional
 
@@ -97,7 +98,9 @@ class Trainer:
                                                                     if parallel.hierarchical_context_parallel_sizes
                                                                     else None),
                                expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
-                               num_distributed_optimizer_instances=parallel.num_distributed_optimizer_instances)
+                               num_distributed_optimizer_instances=parallel.num_distributed_optimizer_instances,
+                               create_all_gather_group=parallel.create_all_gather_group,
+                               fake_process_group=parallel.fake_process_group)
         self.rank = dist.get_rank()
         # Where --non-persistent-ckpt-type global's checkpoints are saved (None: none are).
         self.non_persistent_save = (checkpointing.non_persistent_dir(checkpoint.save,
@@ -120,7 +123,9 @@ class Trainer:
         if config.memory.record_memory_history:  # before the model is built, as Megatron-LM's model_provider does
             memory_history.start(config.memory.memory_snapshot_path)
         self.chunks = build_model_chunks(self.config, self.vocab_size, model.seq_length, ddp_config(config),
-                                         one_bucket_group=parallel.overlap_param_gather_with_optimizer_step)
+                                         one_bucket_group=parallel.overlap_param_gather_with_optimizer_step,
+                                         num_buckets=parallel.ddp_num_buckets,
+                                         align_grad_reduce=parallel.align_grad_reduce)
         self.hooks.model_built(self.chunks)
         if checkpoint.save or checkpoint.load:
             checkpointing.check_savable(self.chunks)
@@ -444,8 +449,12 @@ class Trainer:
             self.evaluate(self.data.test, "test")
             self._finish()
             return 0
+        start_iteration = self.state.iteration
         try:
             while self.state.iteration < training.train_iters:
+                if self.state.iteration == start_iteration + 1 and parallel.distributed_timeout_seconds_after_init:
+                    # Megatron-LM's: once the first iteration, which takes longer than the others, is done.
+                    parallel_state.update_pg_timeout(timedelta(seconds=parallel.distributed_timeout_seconds_after_init))
                 if self.state.iteration in self.iterations_to_skip:  # Megatron-LM's count of the steps done
                     self.skip_one_step()
                     continue
