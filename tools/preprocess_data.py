@@ -544,6 +544,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                        help="TikTokenizer's ids with a Megatron-LM .json vocabulary (131072 when not given)")
     group.add_argument("--vocab-file", help="GPT-2 vocab.json (GPT2BPETokenizer)")
     group.add_argument("--merge-file", help="GPT-2 merges.txt (GPT2BPETokenizer)")
+    group.add_argument("--tokenizer-special-tokens", nargs="+",
+                       help="special tokens, as Megatron-LM's: HuggingFaceTokenizer and GPT2BPETokenizer "
+                            "(vocab/merges) add each as a special token, matched whole in the text (the vocabulary "
+                            "grows by those it lacks); TikTokenizer's Megatron-LM .json vocabulary puts them first, in "
+                            "place of <unk> <s> </s> <mask> <pad> <cls> <sep> (which they must hold)")
+    group.add_argument("--tiktoken-special-tokens", nargs="+",
+                       help="Megatron-LM's deprecated spelling of --tokenizer-special-tokens, read when that is not "
+                            "given")
+    group.add_argument("--tokenizer-hf-include-special-tokens", action="store_true",
+                       help="HuggingFaceTokenizer and GPT2BPETokenizer: encode with the tokenizer's post-processor "
+                            "too (transformers' tokenizer(text), e.g. <s> before each document), as Megatron-LM's")
+    group.add_argument("--tokenizer-metadata",
+                       help="megatron-core's tokenizer metadata (JSON), which Megatron-LM reads in place of the "
+                            "tokenizer type's library: checked to name that library")
     group.add_argument("--append-eod", action="store_true",
                        help="append the end-of-document token to each document (not to an empty one, as Megatron-LM; "
                             "with --split-sentences, to its last sentence)")
@@ -600,7 +614,11 @@ def preprocess(args: argparse.Namespace) -> dict:
     tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file,
                                 special_tokens_as_text=args.special_tokens_as_text,
                                 tiktoken_pattern=args.tiktoken_pattern, vocab_size=args.vocab_size,
-                                tiktoken_num_special_tokens=args.tiktoken_num_special_tokens)
+                                tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+                                # Megatron-LM's validate_args copies the deprecated spelling when the other is absent.
+                                special_tokens=args.tokenizer_special_tokens or args.tiktoken_special_tokens,
+                                include_special_tokens=args.tokenizer_hf_include_special_tokens,
+                                metadata=args.tokenizer_metadata)
     tokenizer, backend = select_backend(tokenizer, args.tokenizer_backend)
     print(f"tokenizer backend: {backend['name']} ({backend.get('library', 'gigatoken')} {backend['version']}, "
           f"{backend['chosen']})" + (f"; gigatoken not used: {backend['gigatoken_not_used']}"

@@ -26,6 +26,7 @@ from typing import Callable, NamedTuple, Optional
 from angpt.config.choices import FAMILY_NAMES, NORMALIZED_FAMILIES
 from angpt.config.megatron_lm_flags import GROUPS, SOURCE
 from angpt.config.sections import RunConfig, option_of
+from angpt.config.tiktoken_layout import SENTENCEPIECE_TYPES
 
 IMPLEMENTED, IMPLIED, IGNORED, REFUSED = "implemented", "implied", "ignored", "refused"
 
@@ -89,6 +90,19 @@ def _legacy_tokenizer(args: argparse.Namespace) -> Optional[str]:
                 "(NotImplementedError there): give --tokenizer-type GPT2BPETokenizer")
     return (f"{NOT_YET} for --tokenizer-type {args.tokenizer_type}: Megatron-LM's legacy one counts its vocabulary "
             "and special tokens otherwise than megatron-core's (GPT2BPETokenizer's are the same)")
+
+
+def _sentencepiece_legacy(args: argparse.Namespace) -> Optional[str]:
+    """--tokenizer-sentencepiece-legacy with a SentencePiece type: megatron-core's legacy wrapper, given the list of
+    special tokens Megatron-LM passes (or none), sets no eos_token, so its .eod raises AttributeError, and
+    Megatron-LM's GPTDataset reads it for every sample (preprocess_data.py with --append-eod too)."""
+    if args.tokenizer_type is None:
+        return "it chooses megatron-core's legacy wrapper of a SentencePiece --tokenizer-type: give --tokenizer-type"
+    if args.tokenizer_type in SENTENCEPIECE_TYPES:
+        return ("Megatron-LM 0.16.1 fails with it: megatron-core's legacy SentencePiece wrapper has no end-of-document "
+                "id (AttributeError: SentencePieceTokenizer has no attribute 'eod'), which GPTDataset reads for every "
+                "sample")
+    return None
 
 
 # By flag (every spelling of it is looked up).
@@ -273,18 +287,17 @@ FLAGS: dict[str, Decision] = {
     "--vocab-extra-ids": ignored("read by Megatron-LM's legacy BERT and SentencePiece tokenizers only (T5's span "
                                  "masking): neither megatron-core's tokenizers, which Megatron-LM 0.16 builds, nor "
                                  "the legacy GPT2BPETokenizer (--legacy-tokenizer) add tokens for it"),
-    "--tokenizer-metadata": refused(f"{NOT_YET}"),
-    "--tokenizer-special-tokens": refused(f"{NOT_YET}"),
     "--legacy-tokenizer": implied("Megatron-LM's legacy GPT2BPETokenizer and megatron-core's give the same "
                                   "vocabulary (the ids of vocab.json) and EOD (<|endoftext|>'s id), which is all "
                                   "a run of preprocessed data reads of it",
                                   lambda args, value: _legacy_tokenizer(args)),
-    "--tiktoken-special-tokens": refused("Megatron-LM 0.16's deprecated spelling of --tokenizer-special-tokens "
-                                         f"(its validate_args copies the value there), which is {NOT_YET}"),
-    "--tokenizer-sentencepiece-legacy": refused(f"the legacy SentencePiece tokenizer is {NOT_YET}: the tokenizer "
-                                                "library's, Megatron-LM 0.16's default, is"),
+    "--tokenizer-sentencepiece-legacy": implied("read by megatron-core's SentencePiece library only (the "
+                                                "SentencePiece types): with another --tokenizer-type Megatron-LM "
+                                                "ignores it, and so does angpt, saying so in one line; with a "
+                                                "SentencePiece type it is refused, as Megatron-LM 0.16.1 fails with "
+                                                "it (megatron-core's legacy wrapper has no end-of-document id)",
+                                                lambda args, value: _sentencepiece_legacy(args)),
     "--tokenizer-hf-use-fast": implied("Hugging Face tokenizers are read with the `tokenizers` library (fast)"),
-    "--tokenizer-hf-include-special-tokens": refused(f"{NOT_YET}"),
     "--trust-remote-code": refused("tokenizers are read from tokenizer.json; no remote code is run"),
     # -- logging
     "--log-throughput": implied("every log line gives the throughput (tokens/s) and MFU"),
@@ -494,6 +507,31 @@ def _gated_mlp_notes(config: RunConfig) -> list[str]:
     return []
 
 
+def _tokenizer_notes(config: RunConfig) -> list[str]:
+    """The tokenizer flags that Megatron-LM 0.16's build_tokenizer (megatron-core's library) does not pass to the
+    tokenizer of --tokenizer-type."""
+    data, lines = config.data, []
+    kind = data.tokenizer_type
+    if config.megatron.get("megatron_tokenizer_sentencepiece_legacy") and kind not in SENTENCEPIECE_TYPES:
+        lines.append(f"--tokenizer-sentencepiece-legacy: {kind} is not a SentencePiece tokenizer (as in Megatron-LM, "
+                     "nothing changes)")
+    if data.tiktoken_special_tokens and data.tokenizer_special_tokens == data.tiktoken_special_tokens:
+        lines.append("--tiktoken-special-tokens: deprecated in Megatron-LM, which takes it as "
+                     "--tokenizer-special-tokens (so here)")
+    elif data.tiktoken_special_tokens:
+        lines.append("--tiktoken-special-tokens: ignored, as in Megatron-LM, where --tokenizer-special-tokens is given")
+    if data.tokenizer_hf_include_special_tokens and kind not in ("HuggingFaceTokenizer", "GPT2BPETokenizer"):
+        lines.append(f"--tokenizer-hf-include-special-tokens: read by the Hugging Face and GPT-2 tokenizers only, not "
+                     f"{kind} (as in Megatron-LM, nothing changes)")
+    if kind == "NullTokenizer":
+        given = [flag for flag, value in (("--tokenizer-special-tokens", data.tokenizer_special_tokens),
+                                          ("--tokenizer-metadata", data.tokenizer_metadata)) if value]
+        if given:
+            lines.append(f"{' and '.join(given)}: NullTokenizer does not read {'them' if len(given) > 1 else 'it'} "
+                         "(as in Megatron-LM, nothing changes)")
+    return lines
+
+
 def _logging_notes(config: RunConfig, cuda: bool) -> list[str]:
     logging, lines = config.logging, []
     if logging.tensorboard_log_interval == 0:
@@ -626,6 +664,7 @@ def notes(config: RunConfig, cuda: bool = True) -> list[str]:
         lines.append("--disable-bf16-reduced-precision-matmul: without --bf16 there are no bf16 GEMMs (as in "
                      "Megatron-LM, nothing changes)")
     lines += _gated_mlp_notes(config)
+    lines += _tokenizer_notes(config)
     if not config.parallel.clone_scatter_output_in_embedding and not config.parallel.sequence_parallel:
         lines.append("--no-clone-scatter-output-in-embedding: without --sequence-parallel the embeddings are not "
                      "scattered (as in Megatron-LM, nothing changes)")

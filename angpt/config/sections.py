@@ -534,6 +534,16 @@ class DataSection:
         "(v2 when not given, as Megatron-LM)", choices=TIKTOKEN_PATTERNS)
     tiktoken_num_special_tokens: int = flag(TIKTOKEN_NUM_SPECIAL_TOKENS, "the special tokens before the ranks of "
         "TikTokenizer's Megatron-LM .json vocabulary")
+    tokenizer_special_tokens: Optional[tuple[str, ...]] = flag(None, "special tokens, as megatron-core's tokenizer "
+        "library takes them: HuggingFaceTokenizer and GPT2BPETokenizer (vocab/merges) add each as a special token "
+        "(matched whole in the text; the vocabulary grows by those it lacks); TikTokenizer's Megatron-LM .json "
+        "vocabulary puts them first, in place of <unk> <s> </s> <mask> <pad> <cls> <sep> (which they must hold)")
+    tiktoken_special_tokens: Optional[tuple[str, ...]] = flag(None, "Megatron-LM's deprecated spelling of "
+        "--tokenizer-special-tokens, read when that is not given")
+    tokenizer_hf_include_special_tokens: bool = flag(False, "HuggingFaceTokenizer and GPT2BPETokenizer: encode with "
+        "the tokenizer's post-processor too (transformers' tokenizer(text), e.g. <s> before each document)")
+    tokenizer_metadata: Optional[str] = flag(None, "the JSON file of megatron-core's tokenizer metadata that "
+        "Megatron-LM reads in place of the tokenizer type's library; checked to name that library")
     vocab_file: Optional[str] = flag(None, "GPT2BPETokenizer's vocab.json")
     merge_file: Optional[str] = flag(None, "GPT2BPETokenizer's merges.txt")
     make_vocab_size_divisible_by: int = flag(128, "pad the vocabulary to a multiple of this times the "

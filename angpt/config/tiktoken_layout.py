@@ -6,3 +6,7 @@ imports no tokenizer library.
 
 TIKTOKEN_NUM_SPECIAL_TOKENS = 1000
 TIKTOKEN_PATTERNS = ("v1", "v2")
+# Megatron-LM 0.16 reads all three through megatron-core's tokenizer library ("sentencepiece"): the model's
+# pieces, end-of-document id its EOS (angpt.data.tokenizers.MegatronCoreTokenizer); angpt.config.megatron_lm
+# checks --tokenizer-sentencepiece-legacy against them.
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")

@@ -865,6 +865,11 @@ def _validate_data(parser, args) -> None:
                      "--valid-data-path and --test-data-path go with --train-data-path")
     if args.mock_data and not args.vocab_size:
         parser.error("--mock-data needs --vocab-size")
+    for flag in ("tokenizer_special_tokens", "tiktoken_special_tokens", "tokenizer_hf_include_special_tokens",
+                 "tokenizer_metadata"):
+        if getattr(args, flag) and args.tokenizer_type is None:
+            parser.error(f"--{flag.replace('_', '-')} goes with --tokenizer-type: without it the tokenizer is the "
+                         "one the datasets' .json records (Megatron-LM builds none without it)")
     for flag in ("dataloader_fast_cache_load", "dataloader_defer_npy_index_mmap"):
         if getattr(args, flag) and not args.data_cache_path:  # megatron-core's checks
             parser.error(f"--{flag.replace('_', '-')} needs --data-cache-path, where the index caches are")
@@ -977,6 +982,8 @@ def derive(flags: dict, world_size: int) -> dict:
         derived["phase_transitions"] = phase_transitions(flags["phase_transition_iterations"])
     if flags["no_weight_decay_cond_type"] == "apply_wd_to_qk_layernorm":  # Megatron-LM's validate_args
         derived["apply_wd_to_qk_layernorm"] = True
+    if flags["tiktoken_special_tokens"] and not flags["tokenizer_special_tokens"]:  # Megatron-LM's validate_args
+        derived["tokenizer_special_tokens"] = flags["tiktoken_special_tokens"]
     if flags["skip_train"]:  # Megatron-LM's validate_args: nothing to step
         derived["no_load_optim"] = True
     for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):

@@ -116,7 +116,10 @@ def flag_vocabulary(data: DataSection) -> Optional[DatasetVocabulary]:
         raise ValueError(f"--tokenizer-type {data.tokenizer_type}: choose one of {built}")
     tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_file, data.merge_file,
                                 tiktoken_pattern=data.tiktoken_pattern, vocab_size=data.vocab_size,
-                                tiktoken_num_special_tokens=data.tiktoken_num_special_tokens)
+                                tiktoken_num_special_tokens=data.tiktoken_num_special_tokens,
+                                special_tokens=data.tokenizer_special_tokens,
+                                include_special_tokens=data.tokenizer_hf_include_special_tokens,
+                                metadata=data.tokenizer_metadata)
     # Described as a .json describes its tokenizer: checkpoints and the export carry it.
     return DatasetVocabulary(tokenizer.vocab_size, tokenizer.eod, {"tokenizer": tokenizer.description})
 

@@ -35,14 +35,11 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as RustTokenizer
 
 from angpt.config.files import read_json, read_json_object, read_text, sha256_of
-from angpt.config.tiktoken_layout import TIKTOKEN_NUM_SPECIAL_TOKENS, TIKTOKEN_PATTERNS
+from angpt.config.tiktoken_layout import SENTENCEPIECE_TYPES, TIKTOKEN_NUM_SPECIAL_TOKENS, TIKTOKEN_PATTERNS
 
 EOD_TOKEN = "<|endoftext|>"
 # GPT-2's pre-tokenizer regex, which TikTokenizer splits text with (angpt.hf.tokenizer_export gives it to the export).
 GPT2_SPLIT_PATTERN = r50k_pat_str
-# Megatron-LM 0.16 reads all three through megatron-core's tokenizer library ("sentencepiece"): the model's
-# pieces, end-of-document id its EOS (MegatronCoreTokenizer).
-SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 # The types build_tokenizer builds: the trainer reads them, tools/preprocess_data.py writes them.
 TOKENIZER_TYPES = ("HuggingFaceTokenizer", "TikTokenizer", "GPT2BPETokenizer", *SENTENCEPIECE_TYPES)
 # Megatron-LM's tokenizer of already tokenized data: --vocab-size ids, the end-of-document id after them. The
@@ -79,22 +76,39 @@ def describe_file(path: str) -> dict:
     return {"path": os.path.abspath(path), "sha256": sha256_of(path)}
 
 
+def add_special_tokens(tokenizer, special_tokens) -> None:
+    """--tokenizer-special-tokens, as megatron-core's HuggingFaceTokenizer gives them to transformers
+    (additional_special_tokens): each becomes a special token, matched whole in the text; one the vocabulary lacks
+    takes the next id."""
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in special_tokens])
+
+
 class HuggingFaceTokenizer:
     """A `tokenizers` tokenizer. Its special tokens in the text are matched as those tokens, as by Megatron-LM's
-    HuggingFaceTokenizer (`tokens_to_ids(tokenize(text))`); with special_tokens_as_text, they are text."""
+    HuggingFaceTokenizer (`tokens_to_ids(tokenize(text))`); with special_tokens_as_text, they are text.
+    special_tokens: --tokenizer-special-tokens (add_special_tokens); include_special_tokens:
+    --tokenizer-hf-include-special-tokens, the post-processor's tokens too (megatron-core's `tokenizer(text)`:
+    a Llama-style <s> before each text)."""
 
-    def __init__(self, tokenizer, eod_token: str, description: dict, special_tokens_as_text: bool = False):
+    def __init__(self, tokenizer, eod_token: str, description: dict, special_tokens_as_text: bool = False,
+                 special_tokens: tuple = (), include_special_tokens: bool = False):
+        add_special_tokens(tokenizer, special_tokens)
         tokenizer.encode_special_tokens = special_tokens_as_text
         self.special_tokens_as_text = special_tokens_as_text
+        self.include_special_tokens = include_special_tokens
         self.tokenizer = tokenizer
         self.eod = tokenizer.token_to_id(eod_token)
         if self.eod is None:
             raise ValueError(f"{description}: the tokenizer has no end-of-document token {eod_token!r}")
         self.vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
-        self.description = {**description, "eod_token": eod_token}
+        # Recorded only when given: the descriptions of datasets written before stay equal.
+        self.description = {**description, "eod_token": eod_token,
+                            **({"special_tokens": list(special_tokens)} if special_tokens else {}),
+                            **({"include_special_tokens": True} if include_special_tokens else {})}
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [encoding.ids for encoding in self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+        return [encoding.ids for encoding in
+                self.tokenizer.encode_batch_fast(texts, add_special_tokens=self.include_special_tokens)]
 
     def encode_flat(self, texts: list[str]) -> tuple:
         return flat_ids(self.encode_batch(texts))
@@ -184,7 +198,8 @@ def read_huggingface_tokenizer(path: str) -> RustTokenizer:
         raise ValueError(f"{path}: not a Hugging Face tokenizer: {error}") from None
 
 
-def load_huggingface(path: str, tokenizer_type: str, special_tokens_as_text: bool = False) -> HuggingFaceTokenizer:
+def load_huggingface(path: str, tokenizer_type: str, special_tokens_as_text: bool = False, special_tokens: tuple = (),
+                     include_special_tokens: bool = False) -> HuggingFaceTokenizer:
     """A tokenizer.json file, or a directory with tokenizer.json (its tokenizer_config.json may name the EOS)."""
     eod_token = EOD_TOKEN
     if os.path.isdir(path):
@@ -197,7 +212,8 @@ def load_huggingface(path: str, tokenizer_type: str, special_tokens_as_text: boo
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--tokenizer-model: no tokenizer file {path}")
     description = {"type": tokenizer_type, "model": describe_file(path)}
-    return HuggingFaceTokenizer(read_huggingface_tokenizer(path), eod_token, description, special_tokens_as_text)
+    return HuggingFaceTokenizer(read_huggingface_tokenizer(path), eod_token, description, special_tokens_as_text,
+                                special_tokens, include_special_tokens)
 
 
 def read_gpt2_bpe(vocab_file: str, merge_file: str) -> models.BPE:
@@ -229,8 +245,8 @@ def read_gpt2_bpe(vocab_file: str, merge_file: str) -> models.BPE:
     return models.BPE(vocab, merges)
 
 
-def load_gpt2_vocab_merges(vocab_file: str, merge_file: str, special_tokens_as_text: bool = False
-                           ) -> HuggingFaceTokenizer:
+def load_gpt2_vocab_merges(vocab_file: str, merge_file: str, special_tokens_as_text: bool = False,
+                           special_tokens: tuple = (), include_special_tokens: bool = False) -> HuggingFaceTokenizer:
     """GPT-2's byte-level BPE from Megatron's vocab/merges pair; its "<|endoftext|>" (in vocab.json) is a
     special token, as in Megatron-LM's GPT2BPETokenizer (Hugging Face's GPT2Tokenizer)."""
     tokenizer = RustTokenizer(read_gpt2_bpe(vocab_file, merge_file))
@@ -240,7 +256,8 @@ def load_gpt2_vocab_merges(vocab_file: str, merge_file: str, special_tokens_as_t
         tokenizer.add_special_tokens([AddedToken(EOD_TOKEN, special=True, normalized=False)])
     description = {"type": "GPT2BPETokenizer", "vocab_file": describe_file(vocab_file),
                    "merge_file": describe_file(merge_file)}
-    return HuggingFaceTokenizer(tokenizer, EOD_TOKEN, description, special_tokens_as_text)
+    return HuggingFaceTokenizer(tokenizer, EOD_TOKEN, description, special_tokens_as_text, special_tokens,
+                                include_special_tokens)
 
 
 class MegatronCoreTokenizer:
@@ -264,7 +281,7 @@ class MegatronCoreTokenizer:
 
     def __init__(self, tokenizer_type: str, path: Optional[str], special_tokens_as_text: bool = False,
                  tiktoken_pattern: Optional[str] = None, tiktoken_num_special_tokens: int = TIKTOKEN_NUM_SPECIAL_TOKENS,
-                 vocab_size: Optional[int] = None):
+                 vocab_size: Optional[int] = None, special_tokens: tuple = ()):
         is_tiktoken = tokenizer_type == "TikTokenizer"
         if path is None or not os.path.isfile(path):
             kind = "a Megatron-LM .json vocabulary" if is_tiktoken else "a SentencePiece .model file"
@@ -286,9 +303,16 @@ class MegatronCoreTokenizer:
             # As Megatron-LM's build_tokenizer: the pattern and the vocabulary size only when given.
             kwargs = {name: value for name, value in (("pattern", tiktoken_pattern), ("vocab_size", vocab_size))
                       if value}
-            kwargs.update(num_special_tokens=tiktoken_num_special_tokens, special_tokens=None)
+            _check_tiktoken_special_tokens(special_tokens, tiktoken_num_special_tokens,
+                                           tiktoken_tokenizer.SPECIAL_TOKENS)
+            kwargs.update(num_special_tokens=tiktoken_num_special_tokens, special_tokens=list(special_tokens) or None)
             library = "tiktoken"
         else:
+            if special_tokens:  # megatron-core's SentencePieceTokenizer raises it with legacy=False, Megatron-LM's
+                raise ValueError(f"--tokenizer-special-tokens with {tokenizer_type}: megatron-core's SentencePiece "
+                                 "library takes special tokens only with legacy=True (ValueError there: 'Special "
+                                 "tokens must be None when legacy is set to False. Provide special tokens at train "
+                                 "time.'): give them to the SentencePiece model when training it")
             kwargs, library = {"legacy": False, "special_tokens": None}, "sentencepiece"
         try:
             tokenizer = MegatronTokenizer.from_pretrained(tokenizer_path=path, metadata_path={"library": library},
@@ -308,7 +332,8 @@ class MegatronCoreTokenizer:
         self.description = {"type": tokenizer_type, "model": describe_file(path)}
         if is_tiktoken:
             self.description.update(pattern=tiktoken_pattern or "v2", num_special_tokens=tiktoken_num_special_tokens,
-                                    vocab_size=self.vocab_size, eod_token=self.decode([self.eod]))
+                                    vocab_size=self.vocab_size, eod_token=self.decode([self.eod]),
+                                    **({"special_tokens": list(special_tokens)} if special_tokens else {}))
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         if not self.is_tiktoken:
@@ -323,6 +348,25 @@ class MegatronCoreTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.encoder.decode(ids)
+
+
+def _check_tiktoken_special_tokens(special_tokens: tuple, num_special_tokens: int, required: list) -> None:
+    """megatron-core's tiktoken library's asserts on --tokenizer-special-tokens, as one line naming the flag: they
+    replace its list of special tokens (ids 0, 1, ... in their order, </s> the end of document), so they must hold
+    its own, once each, and fit in --tiktoken-num-special-tokens."""
+    if not special_tokens:
+        return
+    shown = f"--tokenizer-special-tokens {' '.join(special_tokens)}"
+    missing = [token for token in required if token not in special_tokens]
+    if missing:
+        raise ValueError(f"{shown}: TikTokenizer's must hold {' '.join(required)} (megatron-core's check); "
+                         f"{' '.join(missing)} missing")
+    if len(set(special_tokens)) != len(special_tokens):
+        raise ValueError(f"{shown}: a token given twice (megatron-core's check)")
+    fillers = {f"<SPECIAL_{index}>" for index in range(len(special_tokens), num_special_tokens)}
+    if len(special_tokens) > num_special_tokens or fillers & set(special_tokens):
+        raise ValueError(f"{shown}: more than --tiktoken-num-special-tokens {num_special_tokens}, or one named as "
+                         "megatron-core names the special tokens after them (<SPECIAL_N>) (megatron-core's check)")
 
 
 def _tiktoken_vocabulary_error(path: str, num_special_tokens: int, vocab_size: int, given: bool) -> str:
@@ -354,47 +398,91 @@ def recorded_tokenizer(description) -> Optional[Tokenizer]:
     for name, path in files.items():
         if sha256_of(path) != description[name].get("sha256"):
             raise ValueError(f"its tokenizer file {path} has changed since the dataset was written (sha256)")
+    special = {"special_tokens": tuple(description.get("special_tokens", ()))}
+    included = {"include_special_tokens": description.get("include_special_tokens", False)}
     if description["type"] == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(read_huggingface_tokenizer(files["model"]), description.get("eod_token", EOD_TOKEN),
-                                    description)
+                                    description, **special, **included)
     if description["type"] in SENTENCEPIECE_TYPES:
         return MegatronCoreTokenizer(description["type"], files["model"])
     if "num_special_tokens" in description:  # Megatron-LM's TikTokenizer, not angpt's ranks-file layout
         return MegatronCoreTokenizer(description["type"], files["model"], tiktoken_pattern=description["pattern"],
                                      tiktoken_num_special_tokens=description["num_special_tokens"],
-                                     vocab_size=description["vocab_size"])
+                                     vocab_size=description["vocab_size"], **special)
     if "model" in files:
         return TikTokenizer(files["model"], description["type"])
-    return load_gpt2_vocab_merges(files["vocab_file"], files["merge_file"])
+    return load_gpt2_vocab_merges(files["vocab_file"], files["merge_file"], **special, **included)
+
+
+# The library of megatron-core's tokenizer library that Megatron-LM 0.16's build_tokenizer names for each type
+# (megatron/core/tokenizers/text/utils/build_tokenizer.py), which --tokenizer-metadata's "library" replaces.
+LIBRARIES = {"HuggingFaceTokenizer": "huggingface", "TikTokenizer": "tiktoken", "GPT2BPETokenizer": "megatron",
+             **{kind: "sentencepiece" for kind in SENTENCEPIECE_TYPES}}
+
+
+def check_metadata(path: str, tokenizer_type: str) -> None:
+    """--tokenizer-metadata: the JSON file that megatron-core's MegatronTokenizer.from_pretrained reads in place of
+    {"library": <the type's library>}. Its "library" decides the tokenizer built; its "model_type" picks a class
+    (default, gpt, mamba, bert, t5) that tokenizes alike, its "chat_template" serves chats only. A file that names
+    another library, or that megatron-core 0.16.1 cannot read, is refused naming why."""
+    try:
+        metadata = read_json_object(path)
+    except ValueError as error:
+        raise ValueError(f"--tokenizer-metadata {path}: {error}") from None
+    from megatron.core.tokenizers.megatron_tokenizer import TOKENIZER_MAPPING_NAMES  # noqa: PLC0415 (as above)
+
+    expected = LIBRARIES[tokenizer_type]
+    if metadata.get("library") != expected:
+        raise ValueError(f"--tokenizer-metadata {path}: library {metadata.get('library')!r}, where --tokenizer-type "
+                         f"{tokenizer_type} is megatron-core's {expected!r} library (Megatron-LM would build that "
+                         f"library with {tokenizer_type}'s arguments): give \"library\": \"{expected}\"")
+    if metadata.get("model_type", "default") not in TOKENIZER_MAPPING_NAMES:
+        raise ValueError(f"--tokenizer-metadata {path}: model_type {metadata['model_type']!r}: megatron-core has "
+                         f"{', '.join(TOKENIZER_MAPPING_NAMES)} (KeyError there)")
+    if metadata.get("tokenizer_class"):
+        raise ValueError(f"--tokenizer-metadata {path}: tokenizer_class: megatron-core 0.16.1 looks it up with "
+                         "getattr on the string tokenizer_class_path, which fails (AttributeError or KeyError)")
 
 
 def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None, vocab_file: Optional[str] = None,
                     merge_file: Optional[str] = None, special_tokens_as_text: bool = False,
                     tiktoken_pattern: Optional[str] = None,
                     tiktoken_num_special_tokens: int = TIKTOKEN_NUM_SPECIAL_TOKENS,
-                    vocab_size: Optional[int] = None) -> Tokenizer:
+                    vocab_size: Optional[int] = None, special_tokens: Optional[tuple] = None,
+                    include_special_tokens: bool = False, metadata: Optional[str] = None) -> Tokenizer:
     """The tokenizer the flags name; special_tokens_as_text: special-token text in documents is ordinary text.
     tiktoken_pattern, tiktoken_num_special_tokens and vocab_size (--tiktoken-pattern,
     --tiktoken-num-special-tokens, --vocab-size) are Megatron-LM's TikTokenizer's: read with TikTokenizer only,
-    as Megatron-LM reads them, and refused with a ranks file when they would ask for something else."""
+    as Megatron-LM reads them, and refused with a ranks file when they would ask for something else.
+    special_tokens, include_special_tokens and metadata are --tokenizer-special-tokens,
+    --tokenizer-hf-include-special-tokens (read by the Hugging Face and GPT-2 tokenizers, as Megatron-LM reads it)
+    and --tokenizer-metadata (check_metadata)."""
     for flag, path in (("--tokenizer-model", tokenizer_model), ("--vocab-file", vocab_file),
-                       ("--merge-file", merge_file)):
+                       ("--merge-file", merge_file), ("--tokenizer-metadata", metadata)):
         if path is not None and not os.path.exists(path):
             raise FileNotFoundError(f"{flag} {path}: no such file")
+    if metadata is not None and tokenizer_type in LIBRARIES:
+        check_metadata(metadata, tokenizer_type)
+    special_tokens = tuple(special_tokens or ())
+    hugging_face = {"special_tokens": special_tokens, "include_special_tokens": include_special_tokens}
     if tokenizer_type == "HuggingFaceTokenizer":
         if tokenizer_model is None:
             raise ValueError("HuggingFaceTokenizer needs --tokenizer-model (tokenizer.json or its directory)")
-        return load_huggingface(tokenizer_model, tokenizer_type, special_tokens_as_text)
+        return load_huggingface(tokenizer_model, tokenizer_type, special_tokens_as_text, **hugging_face)
     if tokenizer_type in SENTENCEPIECE_TYPES:
-        return MegatronCoreTokenizer(tokenizer_type, tokenizer_model, special_tokens_as_text)
+        return MegatronCoreTokenizer(tokenizer_type, tokenizer_model, special_tokens_as_text,
+                                     special_tokens=special_tokens)
     if tokenizer_type == "TikTokenizer":
         if tokenizer_model is None:
             raise ValueError("TikTokenizer needs --tokenizer-model (a Megatron-LM .json vocabulary, or a .tiktoken "
                              "ranks file)")
         if tokenizer_model.endswith(".json"):  # Megatron-LM's tiktoken library reads only .json vocabularies
             return MegatronCoreTokenizer(tokenizer_type, tokenizer_model, special_tokens_as_text, tiktoken_pattern,
-                                         tiktoken_num_special_tokens, vocab_size)
+                                         tiktoken_num_special_tokens, vocab_size, special_tokens)
         only_json = "TikTokenizer reads it only with a Megatron-LM .json vocabulary"
+        if special_tokens:
+            raise ValueError(f"--tokenizer-special-tokens: {only_json}; {tokenizer_model} is a ranks file (angpt's "
+                             "layout), <|endoftext|> its one special token")
         if tiktoken_pattern is not None:
             raise ValueError(f"--tiktoken-pattern {tiktoken_pattern}: {only_json}; {tokenizer_model} is a ranks "
                              "file, split with GPT-2's pattern")
@@ -408,7 +496,11 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None, 
         return tokenizer
     if tokenizer_type == "GPT2BPETokenizer":
         if vocab_file is not None and merge_file is not None:
-            return load_gpt2_vocab_merges(vocab_file, merge_file, special_tokens_as_text)
+            return load_gpt2_vocab_merges(vocab_file, merge_file, special_tokens_as_text, **hugging_face)
+        if special_tokens:
+            raise ValueError("--tokenizer-special-tokens: GPT2BPETokenizer reads them with --vocab-file and "
+                             "--merge-file, as Megatron-LM's; a ranks file (--tokenizer-model) has <|endoftext|> "
+                             "its one special token")
         if tokenizer_model is not None:
             return TikTokenizer(tokenizer_model, tokenizer_type, special_tokens_as_text)
         raise ValueError("GPT2BPETokenizer needs --vocab-file and --merge-file, or --tokenizer-model gpt2.tiktoken")

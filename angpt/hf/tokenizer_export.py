@@ -18,6 +18,7 @@ from angpt.data.tokenizers import (
     GPT2_SPLIT_PATTERN,
     MegatronCoreTokenizer,
     TikTokenizer,
+    add_special_tokens,
     load_gpt2_vocab_merges,
 )
 from angpt.hf.checkpoint_reader import Checkpoint
@@ -72,7 +73,8 @@ def megatron_tiktoken_tokenizer(path: str, description: dict) -> Tokenizer:
     its pattern, its special tokens at their ids 0..N-1."""
     ours = MegatronCoreTokenizer(description["type"], path, tiktoken_pattern=description["pattern"],
                                  tiktoken_num_special_tokens=description["num_special_tokens"],
-                                 vocab_size=description["vocab_size"])
+                                 vocab_size=description["vocab_size"],
+                                 special_tokens=tuple(description.get("special_tokens", ())))
     encoding = ours.encoder  # tiktoken keeps its ranks, special tokens and pattern private
     specials = encoding._special_tokens
     converter = TikTokenConverter(pattern=encoding._pat_str, extra_special_tokens=list(specials))
@@ -90,10 +92,14 @@ def vocabulary(checkpoint: Checkpoint) -> Vocabulary:
         size = checkpoint.config.data.vocab_size
         return Vocabulary(size, size - 1, None, None)
     kind = description.get("type")
+    special = tuple(description.get("special_tokens", ()))  # --tokenizer-special-tokens, as in training
     if kind == "HuggingFaceTokenizer":
         path = tokenizer_copy(checkpoint, description, "model")
         tokenizer, converted = Tokenizer.from_file(path), None
         eos = description["eod_token"]
+        if special:  # the file with them added, not the file as it is
+            add_special_tokens(tokenizer, special)
+            path, converted = None, tokenizer
     elif kind == "TikTokenizer" and "num_special_tokens" in description:  # Megatron-LM's, not a ranks file
         path, eos = None, description["eod_token"]
         tokenizer = converted = megatron_tiktoken_tokenizer(tokenizer_copy(checkpoint, description, "model"),
@@ -104,8 +110,8 @@ def vocabulary(checkpoint: Checkpoint) -> Vocabulary:
             tokenizer = converted = tiktoken_tokenizer(tokenizer_copy(checkpoint, description, "model"), kind)
         else:
             tokenizer = converted = load_gpt2_vocab_merges(tokenizer_copy(checkpoint, description, "vocab_file"),
-                                                           tokenizer_copy(checkpoint, description, "merge_file")
-                                                           ).tokenizer
+                                                           tokenizer_copy(checkpoint, description, "merge_file"),
+                                                           special_tokens=special).tokenizer
     else:
         raise ExportError(f"{checkpoint.path}/tokenizer/angpt_tokenizer.json: tokenizer type {kind!r} cannot be "
                           "exported (HuggingFaceTokenizer, TikTokenizer and GPT2BPETokenizer can)")
