@@ -39,7 +39,7 @@ NUMERIC_RANGES = (
         "eval_interval", "log_interval", "exit_interval", "ddp_bucket_size", "ddp_num_buckets",
         "loss_scale_window", "hysteresis", "tiktoken_num_special_tokens", "flight_recorder_trace_buffer_size",
         "straggler_minmax_count", "megatron_fp8_interval", "num_dataset_builder_threads", "log_memory_interval",
-        "save_wgrads_interval", "save_dgrads_interval")),
+        "save_wgrads_interval", "save_dgrads_interval", "megatron_replication_factor", "megatron_replication_jump")),
     ("cannot be negative", lambda value: value >= 0, (
         "angpt_alpha_init", "timing_log_level", "min_lr", "lr_warmup_iters", "lr_warmup_samples", "lr_warmup_init",
         "weight_decay",
@@ -48,7 +48,8 @@ NUMERIC_RANGES = (
         "num_workers", "decoupled_min_lr", "profile_step_start", "profile_step_end", "profile_ranks",
         "straggler_ctrlr_port", "error_injection_rate", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16",
         "wgrad_deferral_limit", "ckpt_step", "start_weight_decay", "end_weight_decay", "train_sync_interval",
-        "iterations_to_skip", "mid_level_dataset_surplus", "activation_func_clamp_value", "tensorboard_log_interval")),
+        "iterations_to_skip", "mid_level_dataset_surplus", "activation_func_clamp_value", "tensorboard_log_interval",
+        "tensorboard_queue_size", "logging_level", "megatron_vocab_extra_ids")),
     ("must be positive", lambda value: value > 0, (
         "init_method_std", "embedding_init_method_std", "norm_epsilon",
         "angpt_constant_factor_multiplier", "angpt_nu_alpha_multiplier",
@@ -58,7 +59,8 @@ NUMERIC_RANGES = (
         "gpu_memory_gib")),
     ("must be in [0, 1)", lambda value: 0 <= value < 1, (
         "attention_dropout", "hidden_dropout", "lr_warmup_fraction", "adam_beta1", "adam_beta2")),
-    ("must be in (0, 1]", lambda value: 0 < value <= 1, ("rotary_percent",)),
+    ("must be in (0, 1]", lambda value: 0 < value <= 1, ("rotary_percent", "megatron_sample_rate")),
+    ("must be a finite number", math.isfinite, ("glu_linear_offset",)),  # any offset (megatron-core's)
 )
 
 
