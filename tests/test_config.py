@@ -91,7 +91,7 @@ ARCHITECTURE_VALUES = dict(
     layernorm_zero_centered_gamma=True, max_position_embeddings=256, normalization="RMSNorm",
     position_embedding_type="none", qk_l2_norm=True, qk_layernorm=True, rotary_interleaved=True, rotary_percent=0.5,
     use_rope_scaling=True, embedding_init_method_std=0.5, glu_linear_offset=0.5, activation_func_clamp_value=7.0,
-    no_rope_freq=[0, 1],
+    no_rope_freq=[0, 1], mtp_num_layers=2, mtp_loss_scaling_factor=0.5, mtp_standalone=True,
 )
 # Fields shared by name that are set otherwise, each for a reason named in angpt.training.megatron_configs.
 TRANSFORMER_OVERRIDDEN = {

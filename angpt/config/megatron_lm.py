@@ -326,7 +326,6 @@ FLAGS: dict[str, Decision] = {
 # By the start of the flag, for families of flags that share one reason.
 PREFIXES: tuple[tuple[str, Decision], ...] = (
     ("--moe-", refused(f"mixture of experts: {DENSE}")),
-    ("--mtp-", refused(f"multi-token prediction is {NOT_YET}")),
     ("--fp4-", refused("FP4 is not built (docs/fp8.md)")),
     ("--mamba-", refused(f"hybrid (Mamba) models: {DENSE}")),
     ("--tp-comm-", refused(TE_OVERLAP)),
@@ -532,6 +531,30 @@ def _tokenizer_notes(config: RunConfig) -> list[str]:
     return lines
 
 
+def _mtp_notes(config: RunConfig) -> list[str]:
+    """The multi-token prediction flags where Megatron-LM reads them otherwise or not at all (gpt)."""
+    architecture, parallel, lines = config.architecture, config.parallel, []
+    if not architecture.mtp_num_layers and architecture.mtp_loss_scaling_factor != 0.1:
+        lines.append("--mtp-loss-scaling-factor: without --mtp-num-layers there is no MTP loss to weigh (as in "
+                     "Megatron-LM, nothing changes)")
+    if architecture.mtp_num_layers and config.model.recompute_granularity == "full" \
+            and config.model.recompute_method == "block":
+        lines.append("--recompute-method block: megatron-core does not recompute the MTP layers (its warning: not "
+                     "supported for MTP yet), as in Megatron-LM")
+    if architecture.mtp_standalone:
+        if parallel.pipeline_model_parallel_layout:
+            lines.append("--mtp-standalone: megatron-core sets it from --pipeline-model-parallel-layout (on where m "
+                         "sits on a stage before the last), whatever the flag says (as in Megatron-LM)")
+        elif parallel.pipeline_model_parallel_size == 1:
+            lines.append("--mtp-standalone: without pipeline parallelism no stage sends to another (as in "
+                         "Megatron-LM, nothing changes)")
+        else:
+            lines.append("--mtp-standalone: the pipeline stages exchange the shapes of what they send first "
+                         "(megatron-core's p2p); the MTP layers stay on the last stage, where no "
+                         "--pipeline-model-parallel-layout places them (as in Megatron-LM)")
+    return lines
+
+
 def _logging_notes(config: RunConfig, cuda: bool) -> list[str]:
     logging, lines = config.logging, []
     if logging.tensorboard_log_interval == 0:
@@ -665,6 +688,7 @@ def notes(config: RunConfig, cuda: bool = True) -> list[str]:
                      "Megatron-LM, nothing changes)")
     lines += _gated_mlp_notes(config)
     lines += _tokenizer_notes(config)
+    lines += _mtp_notes(config)
     if not config.parallel.clone_scatter_output_in_embedding and not config.parallel.sequence_parallel:
         lines.append("--no-clone-scatter-output-in-embedding: without --sequence-parallel the embeddings are not "
                      "scattered (as in Megatron-LM, nothing changes)")

@@ -26,9 +26,9 @@ def uneven(parallel) -> list[str]:
     return [_flag(dest) for dest in UNEVEN_FLAGS if getattr(parallel, dest)]
 
 
-def stage_layers(num_layers: int, parallel) -> list[int]:
-    """The decoder layers of each pipeline stage (`parallel`: the parallel section, or the parsed flags); ValueError,
-    naming the flags, for a split that does not work."""
+def stage_layers(num_layers: int, parallel, mtp_num_layers: Optional[int] = None) -> list[int]:
+    """The decoder layers of each pipeline stage (`parallel`: the parallel section, or the parsed flags; a layout holds
+    the `mtp_num_layers` MTP layers too, m); ValueError, naming the flags, for a split that does not work."""
     layers, stages = num_layers, parallel.pipeline_model_parallel_size
     args = parallel
     given = uneven(args)
@@ -37,7 +37,7 @@ def stage_layers(num_layers: int, parallel) -> list[int]:
     if args.pipeline_model_parallel_layout:
         if len(given) > 1:
             raise ValueError(f"--pipeline-model-parallel-layout places every layer: leave out {given[1]}")
-        return _layout_layers(args.pipeline_model_parallel_layout, layers, stages)
+        return _layout_layers(args.pipeline_model_parallel_layout, layers, stages, mtp_num_layers)
     split = _split(layers, stages, given, first, last, embedding, loss)
     virtual = virtual_stages(num_layers, args)
     if given and virtual:
@@ -94,7 +94,7 @@ def _split(layers: int, stages: int, given: list[str], first, last, embedding, l
     return split
 
 
-def _layout_layers(layout: str, layers: int, stages: int) -> list[int]:
+def _layout_layers(layout: str, layers: int, stages: int, mtp_num_layers: Optional[int]) -> list[int]:
     from megatron.core.transformer.enums import LayerType  # noqa: PLC0415 (only with a layout: --help stays quick)
     from megatron.core.transformer.pipeline_parallel_layer_layout import (  # noqa: PLC0415
         PipelineParallelLayerLayout,
@@ -102,10 +102,16 @@ def _layout_layers(layout: str, layers: int, stages: int) -> list[int]:
 
     try:
         parsed = PipelineParallelLayerLayout(layout, stages)
-        parsed.validate_layer_layout(layers, mtp_num_layers=None)
+        standalone = parsed.validate_layer_layout(layers, mtp_num_layers=mtp_num_layers or None)
     except (AssertionError, ValueError, NotImplementedError) as error:
-        raise ValueError(f"--pipeline-model-parallel-layout {layout!r}: {error} (E: the embedding, t: a layer, L: the "
-                         f"loss, | between stages; {layers} layers over {stages} stages)") from None
+        raise ValueError(f"--pipeline-model-parallel-layout {layout!r}: {error} (E: the embedding, t: a layer, m: an "
+                         f"MTP layer, L: the loss, | between stages; {layers} layers, {mtp_num_layers or 0} MTP "
+                         f"layers over {stages} stages)") from None
+    if standalone:
+        raise ValueError(f"--pipeline-model-parallel-layout {layout!r} puts the MTP layers (m) on a stage before the "
+                         "last (megatron-core's mtp_standalone): not built here, that stage's copy of the word "
+                         "embedding needs Megatron-LM's embedding group with it (get_embedding_ranks); put m on the "
+                         "last stage")
     virtual = parsed.virtual_pipeline_model_parallel_size
     if virtual > 1:
         raise ValueError(f"--pipeline-model-parallel-layout {layout!r} has {virtual} virtual stages per pipeline "

@@ -185,6 +185,13 @@ class ArchitectureSection:
     no_rope_freq: Optional[Any] = flag(None, "with rope: the layers without RoPE: N (every N-th layer) or a list "
         "expression of one 0 or 1 per layer, 1 without (\"([0]*3+[1])*2\")", type=no_rope_freq_type,
         metavar="N_OR_PATTERN")
+    mtp_num_layers: Optional[int] = flag(None, "multi-token prediction (DeepSeek-V3's, megatron-core's "
+        "MultiTokenPredictionBlock): this many MTP layers after the last stage's decoder, the k-th predicting the "
+        "token k + 1 ahead; their mean loss times --mtp-loss-scaling-factor is added to the LM loss's gradients and "
+        "logged as mtp_k loss (default: none)")
+    mtp_loss_scaling_factor: float = flag(0.1, "the weight of the MTP layers' mean loss")
+    mtp_standalone: bool = flag(False, "megatron-core's field, which a --pipeline-model-parallel-layout sets "
+        "(m on a stage before the last): the pipeline's sends exchange their shapes first")
 
 
 @dataclass(frozen=True)

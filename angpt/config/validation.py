@@ -49,7 +49,8 @@ NUMERIC_RANGES = (
         "straggler_ctrlr_port", "error_injection_rate", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16",
         "wgrad_deferral_limit", "ckpt_step", "start_weight_decay", "end_weight_decay", "train_sync_interval",
         "iterations_to_skip", "mid_level_dataset_surplus", "activation_func_clamp_value", "tensorboard_log_interval",
-        "tensorboard_queue_size", "logging_level", "megatron_vocab_extra_ids")),
+        "tensorboard_queue_size", "logging_level", "megatron_vocab_extra_ids", "mtp_num_layers",
+        "mtp_loss_scaling_factor")),
     ("must be positive", lambda value: value > 0, (
         "init_method_std", "embedding_init_method_std", "norm_epsilon",
         "angpt_constant_factor_multiplier", "angpt_nu_alpha_multiplier",
@@ -94,7 +95,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
         parser.error(f"--num-query-groups {args.num_query_groups} must divide --num-attention-heads "
                      f"{args.num_attention_heads} and be divisible by --tensor-model-parallel-size {tp}")
     try:
-        pipeline_split.stage_layers(args.num_layers, args)
+        pipeline_split.stage_layers(args.num_layers, args, args.mtp_num_layers)
     except ValueError as error:
         parser.error(str(error))
     _validate_virtual_stages(parser, args, pp)
@@ -325,6 +326,8 @@ def _validate_switches(parser, args) -> None:
 ROPE = "every family uses RoPE (docs/model.md); --model-family gpt takes the others"
 NO_BIAS = "no family has biases in its linear layers (docs/model.md); --model-family gpt has them"
 SWIGLU = "the families use SwiGLU (docs/model.md); --model-family gpt takes the others"
+NEXT_TOKEN = ("the families train next-token prediction, without multi-token prediction layers (docs/model.md); "
+              "--model-family gpt builds megatron-core's")
 PAPER_ARCHITECTURE = {
     "normalization": ("RMSNorm", "GPT+ normalizes with RMSNorm (docs/model.md)"),
     "add_qkv_bias": (False, NO_BIAS),
@@ -341,6 +344,9 @@ PAPER_ARCHITECTURE = {
     "glu_linear_offset": (0.0, "the families' SwiGLU multiplies by its linear half, without an offset (docs/model.md)"),
     "activation_func_clamp_value": (None, "the families' SwiGLU does not clamp (docs/model.md)"),
     "no_rope_freq": (None, "every layer of the families applies RoPE (docs/model.md)"),
+    "mtp_num_layers": (0, NEXT_TOKEN),
+    "mtp_loss_scaling_factor": (0.1, NEXT_TOKEN),
+    "mtp_standalone": (False, NEXT_TOKEN),
 }
 NORM_FIELDS = ("normalization", "layernorm_zero_centered_gamma", "qk_layernorm", "qk_l2_norm")
 ROPE_FIELDS = ("rotary_percent", "rotary_interleaved", "use_rope_scaling", "no_rope_freq")
@@ -376,6 +382,7 @@ def _validate_architecture(parser, args) -> None:
         if not rope and getattr(args, dest) != default(dest):
             refuse(dest, "it applies to --position-embedding-type rope (Megatron-LM ignores it otherwise)")
     _validate_no_rope_freq(parser, args)
+    _validate_mtp(parser, args, rope)
     if args.num_query_groups is not None and not args.group_query_attention:
         parser.error(f"--num-query-groups {args.num_query_groups} with --model-family gpt needs "
                      "--group-query-attention (Megatron-LM ignores --num-query-groups without it)")
@@ -408,6 +415,22 @@ def _validate_architecture(parser, args) -> None:
                      "down to a multiple of 64, is 0; give --ffn-hidden-size")
 
 
+def _validate_mtp(parser, args, rope: bool) -> None:
+    """Multi-token prediction: Megatron-LM's check (validate_args) and megatron-core's (its MTP layer's recompute)."""
+    layers = args.mtp_num_layers
+    if not layers:
+        return
+    positions = "rope" if rope else args.position_embedding_type or GPT_DEFAULTS["position_embedding_type"]
+    if positions not in ("rope", "none"):
+        parser.error(f"--mtp-num-layers {layers} with --position-embedding-type {positions}: multi-token prediction "
+                     "takes rope or none (Megatron-LM's check)")
+    if (args.recompute_granularity == "full" and args.recompute_method == "uniform"
+            and args.recompute_num_layers != 1):
+        parser.error(f"--mtp-num-layers {layers} with --recompute-granularity full --recompute-method uniform needs "
+                     f"--recompute-num-layers 1, not {args.recompute_num_layers} (megatron-core's MTP layer asserts "
+                     "it at its first forward)")
+
+
 def _validate_no_rope_freq(parser, args) -> None:
     """megatron-core's checks of --no-rope-freq (TransformerConfig): N divides the layers, a pattern has one entry per
     layer; 0 asks for nothing, as there."""
@@ -435,7 +458,7 @@ def _validate_fp32_residual(parser, args) -> None:
     # megatron-core 0.16.1 casts the embedding's output to fp32, and its bias-dropout-add casts the residual to the
     # sub-block output's dtype: a stage with layers sends that, one with the embedding alone would send fp32.
     pp = args.pipeline_model_parallel_size
-    if pp > 1 and (pipeline_split.stage_layers(args.num_layers, args)[0] == 0 or (
+    if pp > 1 and (pipeline_split.stage_layers(args.num_layers, args, args.mtp_num_layers)[0] == 0 or (
             args.account_for_embedding_in_pipeline_split and pipeline_split.virtual_stages(args.num_layers, args))):
         parser.error("--fp32-residual-connection with a pipeline stage that holds the embedding without a layer: its "
                      "fp32 output would go to a stage that receives the parameters' dtype (megatron-core 0.16.1's "

@@ -85,6 +85,10 @@ Each workaround, where it is, and what breaks without it under megatron-core 0.1
   the rerun's, undivided: every rerun of a real failure would read as a transient fault.
 - The optimizer step composed from its parts (`angpt/training/step.py`, `step_unless_not_finite`): `optimizer.step()`
   skips only on an fp16 overflow, so a NaN or Inf loss in bf16 or fp32 would update the weights.
+- The tied output layer's unused weight dropped on an MTP stage without the embedding (`angpt/models/gpt.py`,
+  `build_model`): with --mtp-num-layers and pipeline parallelism, megatron-core's GPTModel allocates it, computes the
+  logits with that stage's copy of the embedding, and asserts at the save that the output layer has no weight
+  (AssertionError at every save of the last stage).
 - The output layer converted in place (`angpt/models/layers.py`, `ScaledOutputLayer.attach`): `GPTModel`
   builds its output layer inline, with no spec to give it the logit scale s_Z.
 - The optimizer state saved per parameter (`angpt/training/checkpointing.py`, `OPTIMIZER_SHARDING`): the default

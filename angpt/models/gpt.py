@@ -8,6 +8,7 @@ from typing import Optional
 
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
@@ -108,7 +109,9 @@ def build_model(
     if config.normalized:
         model = NormalizedGPTModel(config, vocab_size, **kwargs)
     else:
-        model = PositionedGPTModel(config, block_spec(config, vp_stage), vocab_size, **kwargs)
+        spec = block_spec(config, vp_stage)
+        model = PositionedGPTModel(config, spec, vocab_size, mtp_block_spec=_mtp_block_spec(config, spec, vp_stage),
+                                   **kwargs)
     if config.model_family == "gpt" and config.transformer_impl == "local":
         # Megatron-LM runs a 16-bit GPT in its Float16Module, which casts the whole model: the learned positions'
         # table (a torch Embedding) and the local spec's torch norms ignore params_dtype, and the 16-bit linear
@@ -116,7 +119,22 @@ def build_model(
         model.to(config.params_dtype)
     if config.defer_embedding_wgrad_compute:
         _defer_only_the_output_layers_wgrad(model)
+    if getattr(model, "mtp_process", False) and model.share_embeddings_and_output_weights and not model.pre_process:
+        # megatron-core 0.16.1 allocates the output layer's weight on an MTP stage without the embedding, computes
+        # its logits with that stage's copy of the embedding instead, and asserts at the save that the output layer
+        # has no weight: every save of a tied GPT with MTP and pipeline parallelism failed (a megatron-core
+        # workaround: angpt/megatron_compat). The weight nothing reads is dropped.
+        model.output_layer.weight = None
     return model
+
+
+def _mtp_block_spec(config: AnGPTConfig, layer_spec, vp_stage: int | None):
+    """GPT's multi-token prediction layers on this stage (--mtp-num-layers; None where it holds none), as Megatron-LM's
+    gpt_builders asks megatron-core for them: each an MTP layer around the decoder's layer spec."""
+    if config.mtp_num_layers is None:
+        return None
+    return get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=config.transformer_impl ==
+                                  "transformer_engine", vp_stage=vp_stage)
 
 
 def _defer_only_the_output_layers_wgrad(model: GPTModel) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import time
 from typing import Optional
@@ -126,6 +127,8 @@ class MetricsLogger:
 
 # (record field, label, format) of the log line, in order; fields a record lacks (or holds as None) are
 # left out. Memory is the GPU's peak allocation, or the process RSS on CPU.
+# Each MTP layer's loss (--mtp-num-layers): "mtp_1_loss", ..., in the log line as Megatron-LM's "mtp_1 loss".
+MTP_LOSS = re.compile(r"mtp_(\d+)_loss")
 _LOG_LINE_FIGURES = (
     ("consumed_tokens", "consumed tokens", lambda v: f"{int(v)}"),
     ("global_batch_size", "global batch size", lambda v: f"{int(v)}"),
@@ -162,6 +165,9 @@ def format_log_line(record: dict) -> str:
         value = record.get(field)
         if value is not None:
             parts.append(f"{label}: {fmt(_number(value))}")
+        if field == "lm_loss":
+            parts.extend(f"mtp_{MTP_LOSS.fullmatch(name)[1]} loss: {_number(record[name]):.4E}"
+                         for name in filter(MTP_LOSS.fullmatch, record))
     if record.get("timers_ms"):  # per step: the max over the ranks, min/max, or every rank's a/b/...
         shown = ", ".join(f"{name} {'/'.join(f'{v:.1f}' for v in value) if isinstance(value, list) else f'{value:.1f}'}"
                           for name, value in record["timers_ms"].items())

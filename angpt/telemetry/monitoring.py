@@ -18,7 +18,7 @@ from megatron.core import parallel_state
 from angpt.config.sections import RunConfig
 from angpt.telemetry import memory_history
 from angpt.telemetry.health import HealthProbe, params_l2_norm
-from angpt.telemetry.metrics import MetricsLogger, ProgressBar, format_log_line
+from angpt.telemetry.metrics import MTP_LOSS, MetricsLogger, ProgressBar, format_log_line
 from angpt.telemetry.performance import (
     DeviceTelemetry,
     GpuEnergy,
@@ -33,7 +33,7 @@ from angpt.telemetry.timers import per_step_ms
 # The figures of a step that TensorBoard and W&B get every --tensorboard-log-interval (Megatron-LM's: the step's
 # loss, learning rate, batch size, grad norm, loss scale and world size), not with the --log-interval records.
 STEP_FIGURES = ("lm_loss", "lr", "grad_norm", "global_batch_size", "consumed_samples", "consumed_tokens",
-                "loss_scale", "world_size")
+                "loss_scale", "world_size")  # and each MTP layer's loss (MTP_LOSS)
 
 
 class TrainingMonitor:
@@ -100,6 +100,7 @@ class TrainingMonitor:
 
     def _reset_window(self) -> None:
         self.window_seconds, self.window_steps, self.window_losses, self.window_skipped = 0.0, 0, [], 0
+        self.window_mtp_losses = {}  # {"mtp_1_loss": [each step's], ...} with --mtp-num-layers
         self.window_samples = 0
 
     def _reports(self, iteration: int) -> bool:
@@ -125,6 +126,7 @@ class TrainingMonitor:
             figures["loss_scale"] = step["loss_scale"]
         if self.logging.log_world_size_to_tensorboard:
             figures["world_size"] = self.world_size
+        figures.update({name: step[name] for name in filter(MTP_LOSS.fullmatch, step)})
         return {f"train/{name}": value for name, value in figures.items()}
 
     def paused(self):
@@ -138,6 +140,8 @@ class TrainingMonitor:
         self.window_samples += step["global_batch_size"]  # ramped up or constant
         if math.isfinite(step["loss"]):
             self.window_losses.append(step["loss"])
+        for name in filter(MTP_LOSS.fullmatch, step):
+            self.window_mtp_losses.setdefault(name, []).append(step[name])
         iteration = step["iteration"]
         self.progress.update(1, {"loss": f"{step['loss']:.4f}"})
         if self.memory_snapshot and (self._reports(iteration) or iteration == self.start_iteration + 1):
@@ -162,6 +166,8 @@ class TrainingMonitor:
             "global_batch_size": step["global_batch_size"],
             **({"loss_scale": step["loss_scale"]} if "loss_scale" in step else {}),
             "lm_loss": (sum(self.window_losses) / len(self.window_losses)) if self.window_losses else float("nan"),
+            # As Megatron-LM's log line: each MTP layer's loss averaged over the steps since the last line.
+            **{name: sum(values) / len(values) for name, values in self.window_mtp_losses.items()},
             "lr": step["lr"],
             "grad_norm": step["grad_norm"] if step["grad_norm"] is not None else float("nan"),
             "ms_per_step": 1000 * seconds_per_step,
@@ -192,7 +198,8 @@ class TrainingMonitor:
         if self.is_reporting_rank:
             # The record's other figures every --log-interval; its step figures with the step's own, at their interval.
             scalars.update({tag: value for tag, value in self.metrics.scalars(record).items()
-                            if tag.removeprefix("train/") not in STEP_FIGURES})
+                            if tag.removeprefix("train/") not in STEP_FIGURES
+                            and not MTP_LOSS.fullmatch(tag.removeprefix("train/"))})
             self.metrics.log(record, scalars)
             self.progress.write(format_log_line(record))
 

@@ -40,7 +40,11 @@ def model_flops_per_token(config: AnGPTConfig, seq_length: int, vocab_size: int)
         + query_size * hidden  # attention output projection
         + mlp_matrices * config.ffn_hidden_size * hidden
     )
-    forward = 2 * (config.num_layers * multiply_adds_per_layer + hidden * vocab_size)
+    # With --mtp-num-layers, as Megatron-LM counts them: each MTP layer a layer more, its projection of the
+    # [embedding, hidden state] pair (2h x h) and its own logits.
+    mtp = config.mtp_num_layers or 0
+    forward = 2 * ((config.num_layers + mtp) * multiply_adds_per_layer + mtp * 2 * hidden * hidden
+                   + (1 + mtp) * hidden * vocab_size)
     return 3 * forward
 
 

@@ -127,7 +127,9 @@ def _model_state(chunks) -> dict:
     """Each chunk's sharded state under Megatron-LM's keys: `model`, or `model0`, `model1`, ... per
     virtual pipeline stage (the same mapping serves saving and loading). The tensors inside carry
     global names, so any layout can read them."""
-    states = [fsdp2.place_shards(chunk.module.sharded_state_dict(), chunk.module) for chunk in chunks]
+    # Megatron-LM's metadata: GPTModel's MTP stage without the embedding reads its dp_cp_group itself.
+    metadata = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    states = [fsdp2.place_shards(chunk.module.sharded_state_dict(metadata=metadata), chunk.module) for chunk in chunks]
     if len(chunks) == 1:
         return {"model": states[0]}
     return {f"model{i}": state for i, state in enumerate(states)}

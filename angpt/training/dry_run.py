@@ -36,7 +36,8 @@ _TENSOR_PARALLEL_MODULES = (tensor_parallel.ColumnParallelLinear, tensor_paralle
 def parameters_by_stage(model: torch.nn.Module, layer_split: list[int]) -> dict:
     """{stage: (tensor-parallel parameters, replicated parameters)} of a whole model built without
     parallelism: the embedding on the first stage, `layer_split[s]` layers on stage s (angpt.config.pipeline_split),
-    the final norm and head on the last. Tensor-parallel: the weights of megatron-core's parallel linear layers
+    the final norm, head and MTP layers on the last, which then holds a copy of the word embedding too (megatron-core's
+    MTP layers embed the tokens ahead). Tensor-parallel: the weights of megatron-core's parallel linear layers
     and embedding, and the vectors split with them (our scales mark themselves `tensor_model_parallel`)."""
     pipeline_stages = len(layer_split)
     split_params = set()
@@ -54,6 +55,8 @@ def parameters_by_stage(model: torch.nn.Module, layer_split: list[int]) -> dict:
             stage = pipeline_stages - 1
         split = id(param) in split_params or getattr(param, "tensor_model_parallel", False)
         counts[stage][0 if split else 1] += param.numel()
+        if name == "embedding.word_embeddings.weight" and hasattr(model, "mtp") and pipeline_stages > 1:
+            counts[pipeline_stages - 1][0] += param.numel()
     return {stage: tuple(counts[stage]) for stage in range(pipeline_stages)}
 
 
@@ -91,7 +94,7 @@ def describe(run: RunConfig) -> str:
     total = sum(p.numel() for p in model.parameters())
     embedding = model.embedding.word_embeddings.weight.numel()
     head = 0 if config.share_embeddings_and_output_weights else model.output_layer.weight.numel()
-    layer_split = stage_layers(run.model.num_layers, parallel)
+    layer_split = stage_layers(run.model.num_layers, parallel, run.architecture.mtp_num_layers)
     stages = parameters_by_stage(model, layer_split)
     per_rank = {stage: split / tp + replicated for stage, (split, replicated) in stages.items()}
     lines = [

@@ -178,8 +178,12 @@ def stage_memory(config: AnGPTConfig, layout: Layout, stage_parameters: dict[int
         flight = in_flight(stage, layout.pipeline_parallel, micro_batches, layout.virtual_stages)
         activations *= flight
         if stage == len(layer_split) - 1:  # the final norm's and output layer's inputs, the logits (1 in flight)
-            activations += local_tokens * (2 * config.hidden_size / hidden_split * bytes_per_element
-                                           + LOGIT_BYTES * vocab_size / tp)
+            # and --mtp-num-layers' MTP layers, each a layer and logits of its own (megatron-core: on the last stage)
+            mtp = config.mtp_num_layers or 0
+            if mtp:
+                activations += layers_activation_bytes(config, mtp, tokens, layout, bytes_per_element) * flight
+            activations += (1 + mtp) * local_tokens * (2 * config.hidden_size / hidden_split * bytes_per_element
+                                                       + LOGIT_BYTES * vocab_size / tp)
         model_bytes = parameters * bytes_per_parameter(half, distributed_optimizer, shard_over, fsdp2, megatron_fsdp)
         if megatron_fsdp and shard_over > 1:
             outside = min(parameters, vocab_size * config.hidden_size / tp

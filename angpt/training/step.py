@@ -21,6 +21,7 @@ from megatron.core.enums import ModelType
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.rerun_state_machine import get_rerun_state_machine
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 from megatron.core.utils import get_batch_on_this_cp_rank, get_model_config
 
 from angpt.megatron_compat import megatron_fsdp
@@ -194,7 +195,7 @@ def forward_step(data_iterator: Iterator[dict], model, *, checks: rerun.Checks |
     batch = get_batch_on_this_cp_rank(on_device(dict(next(data_iterator))))
     with FORWARD_TIMER if model.training else nullcontext():  # --log-straggler's: training's forward passes
         per_token_loss = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                               labels=batch["labels"])
+                               labels=batch["labels"], loss_mask=batch["loss_mask"])  # the MTP loss's mask too
     return per_token_loss, partial(language_model_loss, batch["loss_mask"], checks=checks)
 
 
@@ -268,6 +269,25 @@ def step_unless_not_finite(optimizer, loss: float) -> tuple[bool, float | None]:
             clip_grad_by_total_norm_fp32(parameters, inner.config.clip_grad, grad_norm,
                                          inner.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
     return optimizer.step_with_ready_grads(), grad_norm
+
+
+@torch.no_grad()
+def mtp_losses(mtp_num_layers: int | None, num_microbatches: int) -> dict[str, float]:
+    """The step's loss of each MTP layer ({"mtp_1_loss": ...}; none without --mtp-num-layers), as Megatron-LM's
+    training_log takes it from megatron-core's MTPLossLoggingHelper: each micro-batch's mean over its tokens, averaged
+    over the micro-batches and data-parallel ranks; kept by the last pipeline stage, shared with every rank here. The
+    helper's tracker starts afresh for the next step."""
+    if not mtp_num_layers:
+        return {}
+    tracked = {}
+    MTPLossLoggingHelper.track_mtp_metrics(1 / num_microbatches, None, None, total_loss_dict=tracked)
+    values = torch.zeros(mtp_num_layers, device=torch.cuda.current_device())
+    for layer in range(mtp_num_layers):
+        values[layer] = tracked.get(f"mtp_{layer + 1} loss", 0.0)
+    pipeline = parallel_state.get_pipeline_model_parallel_group()
+    if pipeline.size() > 1:  # zeros but on the last stage
+        torch.distributed.all_reduce(values, group=pipeline)
+    return {f"mtp_{layer + 1}_loss": value for layer, value in enumerate(values.tolist())}
 
 
 @torch.no_grad()

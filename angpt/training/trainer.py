@@ -23,6 +23,7 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 from megatron.core.timers import Timers
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 from megatron.core.utils import get_model_config
 
 from angpt.config.batch_schedule import BatchSchedule
@@ -54,6 +55,7 @@ from angpt.training.step import (
     build_model_chunks,
     eval_step,
     gather_whole_weights,
+    mtp_losses,
     param_gather_finished,
     pre_hooks_on,
     set_pre_hooks,
@@ -122,6 +124,7 @@ class Trainer:
         self.vocab_size = config.padded_vocab_size(self.vocabulary.vocab_size)
         if config.memory.record_memory_history:  # before the model is built, as Megatron-LM's model_provider does
             memory_history.start(config.memory.memory_snapshot_path)
+        MTPLossLoggingHelper.tracker.clear()  # megatron-core's, a class attribute: an earlier run's in this process
         self.chunks = build_model_chunks(self.config, self.vocab_size, model.seq_length, ddp_config(config),
                                          one_bucket_group=parallel.overlap_param_gather_with_optimizer_step,
                                          num_buckets=parallel.ddp_num_buckets,
@@ -270,6 +273,7 @@ class Trainer:
                                                       self._grad_dumps(iteration))
         finally:
             self._report_failed_checks(iteration, global_batch_size)
+        mtp = mtp_losses(self.config.mtp_num_layers, num_micro_batches)
         memory, fp16 = self.run_config.memory, self.run_config.precision.fp16
         if memory.manual_gc and memory.manual_gc_interval and iteration % memory.manual_gc_interval == 0:
             gc.collect()
@@ -282,7 +286,7 @@ class Trainer:
                        and self.optimizer.get_loss_scale().item() > self.run_config.precision.min_loss_scale)
         state.skipped_steps = 0 if updated else state.skipped_steps + (not calibrating)
         record = dict(iteration=iteration, loss=loss, grad_norm=grad_norm, lr=lr, skipped=not updated,
-                      consumed_samples=state.consumed_samples, global_batch_size=global_batch_size)
+                      consumed_samples=state.consumed_samples, global_batch_size=global_batch_size, **mtp)
         if fp16:
             record.update(loss_scale=self.optimizer.get_loss_scale().item(), calibrating=calibrating)
         return record
