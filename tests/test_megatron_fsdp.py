@@ -3,8 +3,9 @@ of each step, every gradient the optimizer steps with (after clipping, so the gr
 each step, for each sharding strategy angpt takes, and at bf16 each step's loss and grad norm; anGPT's rows within
 the unit ball and nGPT's unit vectors after each step and after a projection alone (docs/model.md); its fsdp_dtensor
 checkpoints resumed bit for bit and loaded at DP 1; at DP 1 anGPT under each strategy as DDP; the trainer's logged
-figures as DDP's; checkpoints read across formats, fsdp_dtensor under the distributed optimizer (or plain DDP's
-weights alone) and torch_dist under Megatron-FSDP, continuing as the saving run went on.
+figures as DDP's, in hybrid sharding too (2 instances at 4 ranks, each strategy); checkpoints read across formats,
+fsdp_dtensor under the distributed optimizer (or plain DDP's weights alone) and torch_dist under Megatron-FSDP,
+continuing as the saving run went on.
 
 The long tests launch this file as torchrun's two ranks (one job for everything) and compare what they saved.
 """
@@ -74,7 +75,6 @@ FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads
       "interval", "1"], "no replicas (Megatron-LM's check)"),
     ([*FSDP, "--pipeline-model-parallel-size", "2"], "with pipeline parallelism: megatron-core 0.16.1's"),
     ([*FSDP, "--fsdp-double-buffer"], "not supported: not built with Megatron-FSDP"),
-    ([*FSDP, "--num-distributed-optimizer-instances", "2"], "above 1 (hybrid sharding): not built yet"),
 ])
 def test_megatron_fsdp_refuses_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -96,6 +96,9 @@ def test_megatron_fsdp_flags_reach_megatron_cores_config():
     assert overlapped.overlap_grad_reduce and overlapped.overlap_param_gather
     context = parse_args([*BASE, *FSDP, "--context-parallel-size", "2", "--cp-comm-type", "all_gather"], world_size=2)
     assert context.parallel.context_parallel_size == 2 and context.parallel.use_megatron_fsdp
+    hybrid = ddp_config(parse_args([*BASE, *FSDP, "--micro-batch-size", "1", "--num-distributed-optimizer-instances",
+                                    "2"], world_size=4))
+    assert hybrid.use_megatron_fsdp and hybrid.num_distributed_optimizer_instances == 2
     plain = ddp_config(parse_args(BASE, world_size=2))
     assert not plain.use_megatron_fsdp and plain.data_parallel_sharding_strategy == "no_shard"
 
@@ -650,11 +653,7 @@ def test_the_trainer_under_megatron_fsdp_logs_as_ddp_and_resumes_its_checkpoint_
     assert train(*common, *fsdp, "--train-iters", "2", "--save", str(resumed), "--async-save").count(said) == 1
     train(*common, *fsdp, "--train-iters", "4", "--save", str(resumed), "--load", str(resumed))
 
-    def figures(run_dir) -> dict[int, dict]:
-        return {r["iteration"]: {key: value for key, value in r.items() if key == "lm_loss" or key.endswith("_norm")
-                                 or key.startswith("health/")} for r in records(run_dir)}
-
-    theirs, ours, again = figures(ddp), figures(whole), figures(resumed)
+    theirs, ours, again = _figures(ddp), _figures(whole), _figures(resumed)
     assert set(ours) == set(theirs) == set(again) == {1, 2, 3, 4}
     for iteration, figure in theirs.items():
         assert figure.keys() == ours[iteration].keys() and health in figure
@@ -667,6 +666,53 @@ def test_the_trainer_under_megatron_fsdp_logs_as_ddp_and_resumes_its_checkpoint_
     assert exported["fsdp"].keys() == exported["ddp"].keys()
     for key, weight in exported["ddp"].items():
         assert (exported["fsdp"][key] - weight).norm() <= 1e-5 * weight.norm(), key
+
+
+def _figures(run_dir) -> dict[int, dict]:
+    """The logged figures of each iteration: the loss, the norms, the health probe's."""
+    return {r["iteration"]: {key: value for key, value in r.items() if key == "lm_loss" or key.endswith("_norm")
+                             or key.startswith("health/")} for r in records(run_dir)}
+
+
+HYBRID = ["--model-family", "angpt", "--lr-decay-iters", "4", "--log-params-norm", "--train-iters", "4",
+          "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]
+
+
+@pytest.fixture(scope="module")
+def hybrid_ddp(tmp_path_factory) -> dict[int, dict]:
+    """The figures DDP logs with the distributed optimizer in 2 instances at 4 ranks (anGPT)."""
+    run_dir = tmp_path_factory.mktemp("hybrid") / "ddp"
+    train(*HYBRID, "--save", str(run_dir), nproc=4)
+    return _figures(run_dir)
+
+
+@pytest.mark.long
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_megatron_fsdp_in_two_instances_logs_as_ddp_and_resumes_its_checkpoint_bit_for_bit(tmp_path, hybrid_ddp,
+                                                                                          strategy):
+    """Hybrid sharding (--num-distributed-optimizer-instances 2 at 4 ranks: each strategy within an instance of 2
+    ranks, replicated over the instances; anGPT): every logged figure (loss, grad norm, params norm, the health
+    probe's) as DDP's with the distributed optimizer in 2 instances, within fp32 round-off, where before iteration 2
+    logged a loss of 5.5041 against 5.4701 (the bounding summed each row's squared norm over both instances: every
+    weight row at norm 1/sqrt(2)), optim and no_shard stepped each instance with its own half of the gradient (grad
+    norm 0.093 against 0.152), and no_shard failed at its first step (its DTensors over the 2-D mesh with one
+    placement); stopped at iteration 2 and resumed from its fsdp_dtensor checkpoint, iterations 3 and 4 as the
+    uninterrupted run's, bit for bit. Where weights are whole on every rank the weight-hash check after every step
+    finds the replicas, of both instances, alike."""
+    fsdp = [*FSDP, "--data-parallel-sharding-strategy", strategy]
+    if strategy != "optim_grads_params":
+        fsdp += ["--check-weight-hash-across-dp-replicas-interval", "1"]
+    whole = tmp_path / "whole"
+    train(*HYBRID, *fsdp, "--save", str(whole), "--save-interval", "2", nproc=4)
+    resumed = copy_checkpoint(whole, 2, tmp_path / "resumed")
+    train(*HYBRID, *fsdp, "--save", resumed, "--load", resumed, nproc=4)
+    ours, again = _figures(whole), _figures(resumed)
+    assert set(ours) == set(hybrid_ddp) == {1, 2, 3, 4} and set(again) == {3, 4}
+    for iteration, figure in hybrid_ddp.items():
+        assert figure.keys() == ours[iteration].keys() and "health/rows_at_bound" in figure
+        assert ours[iteration] == pytest.approx(figure, rel=1e-5, abs=1e-9), iteration
+    assert again == {i: ours[i] for i in (3, 4)}
 
 
 @pytest.mark.long

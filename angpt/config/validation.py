@@ -201,9 +201,6 @@ def validate_megatron_fsdp(parser, args) -> None:
         (args.pipeline_model_parallel_size > 1,
          "with pipeline parallelism: megatron-core 0.16.1's Megatron-FSDP lays every rank out as data x context x "
          "expert x tensor parallel in its device mesh (an einops error while wrapping, in Megatron-LM too)"),
-        (args.num_distributed_optimizer_instances > 1,
-         "with --num-distributed-optimizer-instances above 1 (hybrid sharding): not built yet; megatron-core 0.16.1's, "
-         "run as it is on gloo (4 ranks, 2 instances), trains otherwise than DDP from its second step"),
     ):
         if given:
             parser.error(f"--use-megatron-fsdp {why}")

@@ -166,8 +166,11 @@ def _megatron_fsdp_pieces(optimizer: DistributedOptimizer):
     the run `megatron_fsdp_slice` of its flattened weight. megatron-core cuts its buffers at multiples of a row (the
     bucket's chunk_size_factor), so a shard holds whole rows, any number of them, none on some ranks: a weight
     normalized along dim 1 (rows) has each vector on one rank, one normalized along dim 0 (nGPT's W_p and W_d:
-    columns) has each vector split over the ranks where its rows are. The partial norms are summed over the
-    data-parallel group either way. Under no_shard every rank holds and steps its whole weights alike."""
+    columns) has each vector split over the ranks where its rows are. The partial norms are summed over the group
+    its shards are cut over either way: the data-parallel group, or under hybrid sharding
+    (--num-distributed-optimizer-instances above 1) the ranks of one instance, the other instances holding the same
+    shards (summed over them too, every norm counted once per instance: each weight shrunk by sqrt(instances)).
+    Under no_shard every rank holds and steps its whole weights alike."""
     params, pieces = [], []
     whole = optimizer.ddp_config.data_parallel_sharding_strategy == "no_shard"
     for group in optimizer.optimizer.param_groups:
@@ -181,7 +184,8 @@ def _megatron_fsdp_pieces(optimizer: DistributedOptimizer):
                 raise TypeError(f"a Megatron-FSDP shard of {shard.numel()} elements at {run} of its weight")
             if shard.numel():
                 pieces.append(_Piece(shard.view(-1), weight, run.start))
-    return params, pieces, None if whole else parallel_state.get_data_parallel_group(with_context_parallel=True)
+    shards_over = optimizer.model_chunks[0].module.get_distributed_index().get_fsdp_group()
+    return params, pieces, None if whole else shards_over
 
 
 def _pieces_of(weights: list[tuple[torch.nn.Parameter, torch.Tensor]]):
