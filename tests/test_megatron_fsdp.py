@@ -580,8 +580,6 @@ def test_a_torch_dist_checkpoint_continues_under_megatron_fsdp(runs, family, str
                  for name in ("distopt_saved", f"distopt_to_{strategy}_dp{size}")))
 
 
-@pytest.mark.long
-@pytest.mark.multiprocess
 def _main_weights(run_dir, iteration: int) -> dict[str, torch.Tensor]:
     """The fp32 main weights a checkpoint holds, by torch_dist's names: Megatron-FSDP's model weights (fsdp_dtensor),
     the distributed optimizer's `param` state (torch_dist)."""
@@ -592,6 +590,8 @@ def _main_weights(run_dir, iteration: int) -> dict[str, torch.Tensor]:
     return {name[len(state):]: tensor for name, tensor in tensors.items() if name.startswith(state)}
 
 
+@pytest.mark.long
+@pytest.mark.multiprocess
 def test_the_trainer_reads_checkpoints_across_megatron_fsdp_and_the_distributed_optimizer_at_bf16(tmp_path,
                                                                                                  single_process):
     """angpt.pretrain, anGPT at --bf16 (bf16 weights, fp32 scales and main weights): Megatron-FSDP's checkpoint of
