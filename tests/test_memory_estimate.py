@@ -812,14 +812,21 @@ def test_megatron_fsdp_is_refused_in_the_parsers_words_and_only_where_the_parser
         assert sharding_refusal(search_run(parallel=dict(use_torch_fsdp2=True)), strategy, 1) is None
         assert sharding_refusal(search_run(), strategy, 2).startswith(
             "--use-megatron-fsdp with pipeline parallelism")
-    estimates, refusals = searched(search_run(parallel=dict(num_distributed_optimizer_instances=2)))
-    assert estimates and not any(e.sharding in MEGATRON_FSDP.values() for e in estimates)
+    estimates, refusals = searched(search_run(rerun=dict(check_weight_hash_across_dp_replicas_interval=1)))
+    assert {e.sharding for e in estimates} & set(MEGATRON_FSDP.values()) == set(MEGATRON_FSDP.values()) - {
+        MEGATRON_FSDP["optim_grads_params"]}
+    # Refused otherwise by one strategy alone: each strategy's own line (the others' at PP 2).
+    pipeline = sharding_refusal(search_run(), MEGATRON_FSDP["optim"], 2)
     assert [line for line in describe_refusals(refusals) if "Megatron-FSDP" in line] == [
-        "  Megatron-FSDP not weighed: --use-megatron-fsdp with --num-distributed-optimizer-instances above 1 (hybrid "
-        "sharding): not built yet; megatron-core 0.16.1's, run as it is on gloo (4 ranks, 2 instances), trains "
-        "otherwise than DDP from its second step"]
-    estimates, _ = searched(search_run(precision=dict(bf16=False, fp16=True)))  # taken at fp16 since
-    assert {e.sharding for e in estimates} >= set(MEGATRON_FSDP.values())
+        *(f"  {MEGATRON_FSDP[strategy]} not weighed with PP 2: {pipeline}"
+          for strategy in ("no_shard", "optim", "optim_grads")),
+        "  Megatron-FSDP optim_grads_params not weighed: --use-megatron-fsdp --data-parallel-sharding-strategy "
+        "optim_grads_params with --check-weight-hash-across-dp-replicas-interval: its ranks hold different shards of "
+        "the weights, no replicas (Megatron-LM's check)"]
+    for taken in (dict(precision=dict(bf16=False, fp16=True)),  # taken at fp16 since
+                  dict(parallel=dict(num_distributed_optimizer_instances=2))):  # and in hybrid sharding
+        estimates, _ = searched(search_run(**taken))
+        assert {e.sharding for e in estimates} >= set(MEGATRON_FSDP.values())
 
 
 def test_megatron_fsdps_collectives_by_strategy():
