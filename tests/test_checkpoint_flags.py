@@ -47,6 +47,7 @@ def saved_keys(path: str) -> set[str]:
     return set(checkpointing.read_common_state(path)) | {re.split(r"[./]", key)[0] for key in stored}
 
 
+@pytest.mark.slow  # in-process runs
 @pytest.mark.parametrize("ckpt_format", ["torch_dist", "torch", "fsdp_dtensor"])
 def test_a_checkpoint_saved_without_optimizer_and_rng_states_resumes_only_without_them(ckpt_format, tmp_path,
                                                                                       single_process):
@@ -76,6 +77,7 @@ def test_a_checkpoint_saved_without_optimizer_and_rng_states_resumes_only_withou
     assert [r["iteration"] for r in records(save)] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow  # in-process runs
 def test_a_full_checkpoint_loads_without_its_optimizer_and_rng_states_as_before(tmp_path, single_process):
     """The refusal is of what a checkpoint lacks: one saved whole resumes with or without them."""
     save = str(tmp_path)
@@ -97,6 +99,7 @@ def in_process_pretrain(argv: list[str]) -> int:
             distributed.initialize()
 
 
+@pytest.mark.slow  # in-process runs
 @pytest.mark.parametrize("load", ["empty", "missing"])
 def test_exit_on_missing_checkpoint_exits_with_status_0_where_load_holds_none(load, tmp_path, single_process,
                                                                              caplog):
@@ -116,6 +119,7 @@ def test_exit_on_missing_checkpoint_exits_with_status_0_where_load_holds_none(lo
     assert trainer.state.iteration == 2
 
 
+@pytest.mark.slow  # in-process runs
 def test_use_checkpoint_args_takes_the_recorded_model_flags_as_megatron_lm_does(tmp_path, single_process):
     """The model's flags the checkpoint recorded: those Megatron-LM takes only where not given (--hidden-size,
     --num-layers, ...) where neither the command line nor --config gives them, the others (--rotary-base, the
@@ -227,6 +231,7 @@ def test_the_checkpoint_flags_at_their_boundary_and_where_megatron_lm_ignores_th
            "changes)" in megatron_lm.notes(parse_args([*MOCK, "--exit-on-missing-checkpoint"], world_size=1))
 
 
+@pytest.mark.slow  # in-process runs
 @pytest.mark.parametrize("directory", [None, "elsewhere"])
 def test_global_non_persistent_checkpoints_replace_each_other_and_resume_where_newer(directory, tmp_path,
                                                                                     single_process, caplog):
@@ -260,6 +265,7 @@ def main_weights(trainer) -> dict[str, torch.Tensor]:
             for param, main in zip(model_group, main_group)}
 
 
+@pytest.mark.slow  # in-process runs
 def test_load_main_params_from_ckpt_takes_the_main_weights_from_an_fp32_checkpoint(tmp_path, single_process):
     """Megatron-LM's reload_model_params(state_dict): a torch-format checkpoint of an fp32 run gives a bf16 run's fp32
     main weights exactly, where without the flag they are the bf16 weights' (rounded)."""
@@ -277,6 +283,7 @@ def test_load_main_params_from_ckpt_takes_the_main_weights_from_an_fp32_checkpoi
     assert sum(not torch.equal(exact[name], rounded[name]) for name in exact) >= len(exact) // 2
 
 
+@pytest.mark.slow  # in-process runs
 def test_a_mem_efficient_distributed_optimizer_checkpoint_holds_and_loads_the_same_state(tmp_path, single_process):
     """megatron-core's memory-efficient gather (over gloo, onto data-parallel rank 0) writes the optimizer state the
     default one writes, and a run given the flag loads it back."""
