@@ -13,6 +13,8 @@ import numpy
 import pytest
 from megatron.core.datasets import indexed_dataset as megatron_indexed
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+from tokenizers import Tokenizer as RustTokenizer
+from tokenizers import models, pre_tokenizers
 
 import angpt.data.tokenizers as tokenizers
 from angpt.data import indexed
@@ -108,6 +110,18 @@ def test_backend_by_hand_and_why_gigatoken_is_not_used(trained, byte_ranks, tmp_
     assert "does not encode TikTokenizer" in backend["gigatoken_not_used"]
     with pytest.raises(TokenizerBackendError, match="^--tokenizer-backend gigatoken: gigatoken does not encode"):
         select_backend(megatron, "gigatoken")
+    # A tokenizer.json of a model gigatoken lacks (BPE only): the library's own, gigatoken's reason in one line.
+    word_level = RustTokenizer(models.WordLevel({"a": 0, "b": 1, "<unk>": 2, "<|endoftext|>": 3}, unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    word_level.save(str(tmp_path / "word_level.json"))
+    word_level = build_tokenizer("HuggingFaceTokenizer", str(tmp_path / "word_level.json"))
+    chosen, backend = select_backend(word_level, None)
+    assert chosen is word_level and backend["library"] == "tokenizers"
+    assert backend["gigatoken_not_used"] == ('gigatoken does not read this tokenizer.json: Unsupported model type '
+                                             '"WordLevel": gigatoken supports BPE tokenizers (byte-level, or '
+                                             'SentencePiece-style with byte_fallback)')
+    with pytest.raises(TokenizerBackendError, match="^--tokenizer-backend gigatoken: gigatoken does not read"):
+        select_backend(word_level, "gigatoken")
     monkeypatch.setitem(sys.modules, "gigatoken", None)  # not installed
     assert select_backend(reference, None)[1]["gigatoken_not_used"].startswith("gigatoken is not installed")
 

@@ -20,6 +20,7 @@ encodes it as ordinary text instead, so that the end-of-document token only ever
 
 import base64
 import binascii
+import functools
 import importlib.metadata
 import json
 import logging
@@ -595,13 +596,23 @@ def gigatoken_builder(tokenizer: Tokenizer):
             config = json.loads(data)
             config["added_tokens"] = [token for token in config["added_tokens"] if not token["special"]]
             data = json.dumps(config)
-        return lambda: gigatoken.Tokenizer.from_json(data)
+        return functools.partial(_gigatoken_from_json, gigatoken, data)
     if isinstance(tokenizer, TikTokenizer):  # a ranks file split with GPT-2's pattern
         path = tokenizer.description["model"]["path"]
         special = None if tokenizer.special_tokens_as_text else {EOD_TOKEN: tokenizer.eod}
         return lambda: gigatoken.Tokenizer.from_tiktoken(path, pretokenizer="gpt2", special_tokens=special)
     raise TokenizerBackendError(f"gigatoken does not encode {tokenizer.description['type']} here (Megatron-LM's "
                                 "tiktoken patterns v1/v2 and SentencePiece models are not verified)")
+
+
+def _gigatoken_from_json(gigatoken, data: str):
+    """gigatoken's encoder of a tokenizer.json; its RuntimeError for a model it lacks (WordLevel, Unigram: BPE only)
+    a TokenizerBackendError, so that the tokenizer's own library encodes instead."""
+    try:
+        return gigatoken.Tokenizer.from_json(data)
+    except RuntimeError as error:
+        raise TokenizerBackendError(f"gigatoken does not read this tokenizer.json: {str(error).splitlines()[0]}") \
+            from None
 
 
 def select_backend(tokenizer: Tokenizer, backend: Optional[str]) -> tuple:
