@@ -14,7 +14,7 @@ import pytest
 import torch
 from megatron.core.datasets import blended_megatron_dataset_builder
 from megatron.core.datasets.gpt_dataset import GPTDataset
-from test_gpt_datasets import write_dataset
+from test_gpt_datasets import two_prefixes  # noqa: F401 (a fixture)
 from test_optimizer import tiny_chunks
 from test_trainer import records
 
@@ -31,15 +31,6 @@ from conftest import in_process_trainer
 MOCK = ["--mock-data", "--vocab-size", "64", "--train-iters", "4"]
 TINY = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--log-interval", "1"]
-
-
-@pytest.fixture
-def two_prefixes(tmp_path):
-    """Two indexed datasets of 400 and 300 documents (test_gpt_datasets' writer)."""
-    a, b = str(tmp_path / "a_text_document"), str(tmp_path / "b_text_document")
-    write_dataset(a, 400, 1)
-    write_dataset(b, 300, 2)
-    return a, b
 
 
 def refusal(argv, capsys) -> str:
@@ -114,7 +105,7 @@ def epoch_samples(prefix: str, seq_length: int) -> int:
 
 
 @pytest.mark.slow  # an in-process run
-def test_full_validation_reads_every_whole_global_batch_of_one_epoch(two_prefixes, tmp_path, single_process,
+def test_full_validation_reads_every_whole_global_batch_of_one_epoch(two_prefixes, tmp_path, single_process,  # noqa: F811
                                                                      monkeypatch):
     """Each evaluation reads the whole validation split, built as one epoch of its dataset (Megatron-LM: no sample
     count), in whole global batches from its first sample, whatever --eval-iters says (0 included)."""
@@ -139,7 +130,7 @@ def test_multiple_validation_sets_need_full_validation_as_in_megatron_lm(capsys)
 
 
 @pytest.mark.slow  # an in-process run
-def test_multiple_validation_sets_evaluate_each_dataset_of_the_validation_blend(two_prefixes, tmp_path,
+def test_multiple_validation_sets_evaluate_each_dataset_of_the_validation_blend(two_prefixes, tmp_path,  # noqa: F811
                                                                                 single_process, monkeypatch):
     """megatron-core's builder gives one validation dataset per prefix of --valid-data-path (its weights unused);
     each is evaluated by itself and reported as validation-<index>, in the order given (Megatron-LM's names)."""
@@ -160,7 +151,7 @@ def test_multiple_validation_sets_evaluate_each_dataset_of_the_validation_blend(
     assert seen == [(0, 4), (4, 4)] * 2
 
 
-def test_whole_validation_sets_need_prefixes_without_weights(two_prefixes, capsys):
+def test_whole_validation_sets_need_prefixes_without_weights(two_prefixes, capsys):  # noqa: F811
     """megatron-core asserts it (a whole dataset has no sample count to weigh); angpt's blends take weights."""
     a, b = two_prefixes
     assert ("--multiple-validation-sets with --full-validation: megatron-core builds each validation dataset whole "
@@ -302,7 +293,7 @@ def test_no_weight_decay_cond_type_is_megatron_lms_deprecated_apply_wd_to_qk_lay
 # -- data: the files of the blends, megatron-core's dataset config by name
 
 
-def test_data_args_path_holds_data_paths_values(two_prefixes, tmp_path, capsys):
+def test_data_args_path_holds_data_paths_values(two_prefixes, tmp_path, capsys):  # noqa: F811
     a, b = two_prefixes
     path = tmp_path / "blend.txt"
     path.write_text(f"0.7 {a}\n0.3\t{b}.bin\n")
@@ -318,7 +309,7 @@ def test_data_args_path_holds_data_paths_values(two_prefixes, tmp_path, capsys):
         ["--train-iters", "4", "--data-args-path", str(path), "--data-path", a], capsys)
 
 
-def test_per_split_data_args_path_holds_each_splits_values(two_prefixes, tmp_path, capsys):
+def test_per_split_data_args_path_holds_each_splits_values(two_prefixes, tmp_path, capsys):  # noqa: F811
     """Megatron-LM's JSON: train, valid and test, each a list, a string split at white space, or null."""
     a, b = two_prefixes
     path = tmp_path / "splits.json"
@@ -339,7 +330,7 @@ def built(data: DataSection, samples=(64, 0, 0), seq_length: int = 16):
     return build_datasets(data, dataset_vocabulary(data), seq_length, 1234, list(samples))
 
 
-def test_num_dataset_builder_threads_is_megatron_cores_builder_threads(two_prefixes, tmp_path, capsys, monkeypatch):
+def test_num_dataset_builder_threads_is_megatron_cores_builder_threads(two_prefixes, tmp_path, capsys, monkeypatch):  # noqa: F811
     a, b = two_prefixes
     workers = []
     real = blended_megatron_dataset_builder.ThreadPoolExecutor
@@ -357,7 +348,7 @@ def test_num_dataset_builder_threads_is_megatron_cores_builder_threads(two_prefi
         [*MOCK, "--num-dataset-builder-threads", "0"], capsys)
 
 
-def test_mid_level_dataset_surplus_sizes_each_blended_dataset(two_prefixes, tmp_path, capsys):
+def test_mid_level_dataset_surplus_sizes_each_blended_dataset(two_prefixes, tmp_path, capsys):  # noqa: F811
     """megatron-core's sizes: ceil(ceil(samples x weight) x (1 + surplus)) per dataset of a weighted blend."""
     a, b = two_prefixes
     for surplus in (0.0, 0.5):
@@ -370,7 +361,7 @@ def test_mid_level_dataset_surplus_sizes_each_blended_dataset(two_prefixes, tmp_
         [*MOCK, "--mid-level-dataset-surplus", "-0.1"], capsys)
 
 
-def test_the_index_cache_flags_read_what_a_first_build_cached(two_prefixes, tmp_path, capsys):
+def test_the_index_cache_flags_read_what_a_first_build_cached(two_prefixes, tmp_path, capsys):  # noqa: F811
     """--dataloader-fast-cache-load and --dataloader-defer-npy-index-mmap (megatron-core's fields): the samples of
     the caches a first build wrote; deferred, the index arrays are mapped at the first read. Both need the cache
     directory; the fast load takes per-split paths only (megatron-core's checks)."""
@@ -393,7 +384,7 @@ def test_the_index_cache_flags_read_what_a_first_build_cached(two_prefixes, tmp_
                 capsys)
 
 
-def test_per_dataset_sequences_path_gives_megatron_core_the_idx_counts(two_prefixes, tmp_path):
+def test_per_dataset_sequences_path_gives_megatron_core_the_idx_counts(two_prefixes, tmp_path):  # noqa: F811
     """Megatron-LM's tools/build_sequences_per_dataset.py's file: {prefix: [sequences, documents]} as the .idx header
     counts them (400 documents: 400 sequences, 401 document indices); megatron-core then reads the index at those
     counts; a count that differs, or a prefix left out, is refused naming it."""
