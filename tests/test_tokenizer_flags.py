@@ -223,7 +223,7 @@ def test_preprocessing_writes_the_ids_and_vocabulary_of_the_flags(tmp_path):
     subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input",
                     str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "out"), "--append-eod", *flags,
                     "--tokenizer-backend", "tokenizers"],  # gigatoken builds BPEs only, not this WordLevel
-                   check=True, capture_output=True, cwd=ROOT)
+                   check=True, capture_output=True, cwd=ROOT, timeout=300)
     theirs = hugging_face({"additional_special_tokens": ["<X>"], "include_special_tokens": True}, directory)
     expected = [*theirs.tokenize("a<X>b"), theirs.eod, *theirs.tokenize("b a"), theirs.eod]
     assert expected == [5, 0, 6, 1, 4, 5, 1, 0, 4]
