@@ -92,6 +92,10 @@ def test_training_lowers_the_loss(family, trained_runs):
         ([*MOCK, "--weight-decay", "-0.1"], "--weight-decay -0.1 cannot be negative"),
         ([*MOCK, "--adam-beta2", "1"], "--adam-beta2 1.0 must be in [0, 1)"),
         ([*MOCK, "--exit-duration-in-mins", "inf", "--save", "/tmp/x"], "--exit-duration-in-mins inf must be a finite"),
+        ([*MOCK, "--sample-rate", "0"], "--sample-rate 0.0 must be in (0, 1]"),
+        ([*MOCK, "--glu-linear-offset", "inf"], "--glu-linear-offset inf must be a finite number"),
+        ([*MOCK, "--tensorboard-queue-size", "-1"], "--tensorboard-queue-size -1 cannot be negative"),
+        ([*MOCK, "--replication-factor", "0"], "--replication-factor 0 must be at least 1"),
     ],
 )
 def test_impossible_settings_fail_before_starting(flags, message, monkeypatch, capsys):
@@ -167,6 +171,14 @@ def test_a_data_path_given_as_one_of_its_files_means_its_prefix(suffix, tmp_path
     args = parse_args([*FLAGS, "--train-iters", "10", "--data-path", "0.5", f"{prefix}{suffix}", "0.5", str(prefix)],
                       world_size=1)
     assert args.data.data_path == ("0.5", str(prefix), "0.5", str(prefix))
+
+
+@pytest.mark.parametrize("flags", [["--sample-rate", "1"], ["--tensorboard-queue-size", "0"],
+                                   ["--replication-factor", "1"],
+                                   ["--model-family", "gpt", "--mtp-loss-scaling-factor", "0"]])
+def test_the_ranges_take_their_limits(flags, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    parse_args([*FLAGS, "--train-iters", "10", *MOCK, *flags])
 
 
 def test_every_numeric_flag_has_a_range():
