@@ -457,10 +457,11 @@ TRAIN = ["--train-iters", "10", "--num-layers", "2", "--hidden-size", "64", "--n
 BLEND_CASES = [
     # (the damage, its values; what is refused)
     ("empty", [], r"--data-path: expected at least one argument"),
-    # Cut after a weight: weight/prefix pairs no longer.
-    ("truncated", ["0.5", "{a}", "0.5"], r"--data-path takes one prefix or weight/prefix pairs"),
-    ("flipped", ["0.5", "{a}", "0.5x", "{b}"], r"--data-path takes one prefix or weight/prefix pairs"),
-    ("wrong kind", ["{a}", "0.5", "{b}", "0.5"], r"--data-path takes one prefix or weight/prefix pairs"),
+    # Cut after a weight, or a weight spelled wrong: Megatron-LM reads the values as prefixes without weights.
+    ("truncated", ["0.5", "{a}", "0.5"], r"--data-path 0\.5: no 0\.5\.bin or 0\.5\.idx \(read as a prefix: "
+                                         r"Megatron-LM reads an odd count of values"),
+    ("flipped", ["0.5", "{a}", "0.5x", "{b}"], r"--data-path 0\.5: no 0\.5\.bin or 0\.5\.idx \(read as a prefix"),
+    ("wrong kind", ["{a}", "0.5", "{b}", "0.5"], r"--data-path 0\.5: no 0\.5\.bin or 0\.5\.idx \(read as a prefix"),
     ("missing", ["1", "{a}", "1", "{missing}"],
      r"--data-path .*missing_text_document: no .*missing_text_document\.bin"),
     ("negative weight", ["0.5", "{a}", "-0.5", "{b}"],

@@ -13,9 +13,11 @@ import torch
 from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.gpt_dataset import MockGPTDataset
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+from megatron.core.datasets.utils import get_blend_from_list
 from test_bad_inputs import write_hf_tokenizer
 
 from angpt.config.arguments import parse_args
+from angpt.config.blend import parse_blend
 from angpt.config.sections import DataSection
 from angpt.data import indexed
 from angpt.data.gpt_datasets import (
@@ -68,6 +70,32 @@ def two_prefixes(tmp_path):
     write_dataset(a, 400, 1)
     write_dataset(b, 300, 2)
     return a, b
+
+
+def test_a_blend_without_weights_is_blended_by_the_datasets_sizes(two_prefixes, tmp_path, single_process):
+    """Megatron-LM's `--data-path a b`: megatron-core builds one epoch of each and draws them in proportion to their
+    sizes, here counted from the .idx files (a has 400 documents, b 300, of equal lengths)."""
+    a, b = two_prefixes
+    data = DataSection(data_path=(a, b), split="98,2,0", data_cache_path=str(tmp_path / "cache"))
+    train, _, _ = build_datasets(data, dataset_vocabulary(data), seq_length=32, seed=1234, samples=[1000, 0, 0])
+    assert isinstance(train, BlendedDataset) and train.weights is not None
+    sizes = [len(dataset) for dataset in train.datasets]
+    assert train.weights == pytest.approx([size / sum(sizes) for size in sizes])
+    assert np.bincount(train.dataset_index[:1000], minlength=2) / 1000 == pytest.approx([4 / 7, 3 / 7], abs=0.02)
+
+
+@pytest.mark.parametrize("values", [
+    ["a"], ["a", "b"], ["a", "b", "c"], ["0.3", "a", "0.7", "b"], ["1", "a"], [" a ", " b"], ["1", "a", "b", "c"],
+    ["0.5", "a", "0.5"], ["a", "0.5", "b", "0.5"]], ids=str)
+def test_data_path_values_are_read_as_megatron_core_reads_them(values):
+    assert parse_blend(values) == get_blend_from_list(values)
+
+
+def test_a_weight_after_a_prefix_in_a_weights_place_is_refused_where_megatron_core_asserts():
+    with pytest.raises(AssertionError):
+        get_blend_from_list(["a", "x", "1", "y"])
+    with pytest.raises(ValueError, match="mixes weight/prefix pairs with prefixes without weights: 'a' stands"):
+        parse_blend(["a", "x", "1", "y"])
 
 
 def test_blend_follows_the_weights(two_prefixes, tmp_path, single_process):

@@ -151,15 +151,37 @@ def test_multiple_validation_sets_evaluate_each_dataset_of_the_validation_blend(
     assert seen == [(0, 4), (4, 4)] * 2
 
 
-def test_whole_validation_sets_need_prefixes_without_weights(two_prefixes, capsys):  # noqa: F811
-    """megatron-core asserts it (a whole dataset has no sample count to weigh); angpt's blends take weights."""
+@pytest.mark.slow  # an in-process run
+def test_whole_validation_sets_are_each_prefix_of_a_blend_without_weights(two_prefixes, tmp_path,  # noqa: F811
+                                                                          single_process, monkeypatch):
+    """With --full-validation, megatron-core builds each prefix of a --valid-data-path without weights (Megatron-LM's
+    list of prefixes) as one whole epoch: each evaluation reads every whole batch of each, in the order given."""
     a, b = two_prefixes
-    assert ("--multiple-validation-sets with --full-validation: megatron-core builds each validation dataset whole "
-            "only from a --valid-data-path of prefixes without weights") in refusal(
-        ["--train-iters", "4", "--train-data-path", a, "--valid-data-path", "1", a, "1", b, "--full-validation",
-         "--multiple-validation-sets"], capsys)
-    assert parse_args(["--train-iters", "4", "--train-data-path", a, "--valid-data-path", b, "--full-validation",
-                       "--multiple-validation-sets"], world_size=1)
+    seen = evaluated_batches(monkeypatch)
+    valid = [b, a]
+    argv = [*TINY, "--train-iters", "1", "--eval-iters", "0", "--full-validation", "--multiple-validation-sets",
+            "--train-data-path", a, "--valid-data-path", *valid, "--data-cache-path", str(tmp_path / "cache"),
+            "--seq-length", "64", "--global-batch-size", "16"]
+    trainer = in_process_trainer(argv)
+    assert [len(dataset) for _, dataset in trainer.validation_sets] == [epoch_samples(b, 64), epoch_samples(a, 64)]
+    assert trainer.run() == 0
+    assert seen == [(16 * i, 16) for i in range(epoch_samples(b, 64) // 16)] + \
+        [(16 * i, 16) for i in range(epoch_samples(a, 64) // 16)]
+
+
+@pytest.mark.parametrize("split", ["--valid-data-path", "--data-path"])
+def test_a_whole_validation_split_takes_no_weights_as_megatron_core_asserts(two_prefixes, split, capsys):  # noqa: F811
+    """megatron-core's builder asserts that a split without a sample count has no weights; the boundary: one prefix
+    with a weight (Megatron-LM reads `1 PREFIX` as a weighted blend too) is refused, the same prefixes without weights
+    are taken."""
+    a, b = two_prefixes
+    train = [] if split == "--data-path" else ["--train-data-path", a]
+    for values in (["1", a, "1", b], ["1", a]):
+        assert (f"--full-validation builds the validation split whole, and megatron-core weighs no such split: give "
+                f"{split} its prefixes without weights") in refusal(
+            ["--train-iters", "4", *train, split, *values, "--full-validation"], capsys)
+    for values in ([a, b], [a]):
+        assert parse_args(["--train-iters", "4", *train, split, *values, "--full-validation"], world_size=1)
 
 
 # -- --iterations-to-skip, --phase-transition-iterations

@@ -512,11 +512,12 @@ class DataSection:
 
     GROUP: ClassVar[str] = "data"
 
-    data_path: Optional[tuple[str, ...]] = flag(None, "PREFIX, or W1 PREFIX1 W2 PREFIX2 ... to blend")
+    data_path: Optional[tuple[str, ...]] = flag(None, "PREFIX ... (several are blended by their "
+        "sizes), or W1 PREFIX1 W2 PREFIX2 ... (blended by weight), as Megatron-LM reads it")
     split: str = flag("969,30,1", "train,valid,test weights of --data-path")
-    train_data_path: Optional[tuple[str, ...]] = flag(None)
-    valid_data_path: Optional[tuple[str, ...]] = flag(None)
-    test_data_path: Optional[tuple[str, ...]] = flag(None)
+    train_data_path: Optional[tuple[str, ...]] = flag(None, "the training split's blend, as --data-path")
+    valid_data_path: Optional[tuple[str, ...]] = flag(None, "the validation split's blend, as --data-path")
+    test_data_path: Optional[tuple[str, ...]] = flag(None, "the test split's blend, as --data-path")
     data_cache_path: Optional[str] = flag(None, "where GPTDataset caches its indices")
     mock_data: bool = flag(False, "megatron-core's synthetic sequences")
     num_workers: int = flag(0, "DataLoader worker processes per rank that read the training samples ahead of the "

@@ -900,13 +900,12 @@ def _validate_data(parser, args) -> None:
                      "(give --train-data-path, --valid-data-path and --test-data-path, or --per-split-data-args-path)")
     if args.multiple_validation_sets and not (args.full_validation or args.skip_train):
         parser.error("--multiple-validation-sets needs --full-validation (Megatron-LM's check; or --skip-train)")
-    if args.multiple_validation_sets and args.full_validation and args.valid_data_path \
-            and len(args.valid_data_path) > 1:
-        # megatron-core asserts that whole validation datasets come from prefixes without weights, a form of
-        # Megatron-LM's blends that angpt's --valid-data-path does not take (angpt.config.blend).
-        parser.error("--multiple-validation-sets with --full-validation: megatron-core builds each validation dataset "
-                     "whole only from a --valid-data-path of prefixes without weights, which angpt does not parse "
-                     "yet (give --skip-train without --full-validation, or one prefix)")
+    if args.full_validation:
+        flag = "valid_data_path" if args.valid_data_path else "data_path" if args.data_path else None
+        if flag and _is_weighted(getattr(args, flag)):
+            # megatron-core's builder asserts it: a split built whole has no sample count to share out by weight.
+            parser.error(f"--full-validation builds the validation split whole, and megatron-core weighs no such "
+                         f"split: give --{flag.replace('_', '-')} its prefixes without weights")
     if args.reset_attention_mask and args.transformer_impl == "transformer_engine":
         parser.error("--reset-attention-mask: Transformer Engine's attention here is causal by its mask type and "
                      "takes no document mask; use --transformer-impl local")
@@ -923,7 +922,9 @@ def _validate_data(parser, args) -> None:
         for prefix in prefixes:
             missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
             if missing:
-                parser.error(f"{name} {prefix}: no {' or '.join(prefix + e for e in missing)}")
+                hint = (" (read as a prefix: Megatron-LM reads an odd count of values, or pairs whose weights are not "
+                        "all numbers, as prefixes without weights)") if _is_number(prefix) else ""
+                parser.error(f"{name} {prefix}: no {' or '.join(prefix + e for e in missing)}{hint}")
 
 
 
@@ -940,6 +941,21 @@ def _gpt_derived(flags: dict) -> dict:
         add_qkv_bias=flags["add_qkv_bias"] or flags["add_bias_linear"],
         max_position_embeddings=flags["max_position_embeddings"] or flags["seq_length"],
     )
+
+
+def _is_number(value: str) -> bool:
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_weighted(values: list[str]) -> bool:
+    try:
+        return parse_blend(values)[1] is not None
+    except ValueError:
+        return False  # refused below, naming the flag
 
 
 def _blend_of_prefixes(values: list[str]) -> list[str]:
