@@ -202,6 +202,29 @@ def test_iterations_to_skip_read_their_batch_and_take_no_step(tmp_path, single_p
     assert trainer.scheduler.num_steps == 3 and (trainer.state.iteration, trainer.state.consumed_samples) == (4, 16)
 
 
+def tracker_line(job: str, rank: int, iteration: int, status: str) -> str:
+    """A line as megatron-core's RerunStateMachine._log_validation_error_to_file writes it."""
+    return (f"ts=2026-12-06 10:00:00.000000 node=n1 device=0 jobID={job} rank={rank} iteration={iteration} "
+            f"status=RerunValidationStatus.{status} result=nan message='Unexpected result nan'\n")
+
+
+@pytest.mark.slow  # an in-process run
+def test_iterations_a_tracker_file_records_failing_twice_on_a_rank_are_skipped(tmp_path, single_process, monkeypatch):
+    """Megatron-LM adds to --iterations-to-skip the iterations its --result-rejected-tracker-filename records as failing
+    twice on one rank in one job: iteration 1 here (as skipping it by hand, in the test above); iteration 2 failed on
+    two ranks of a job (not the data: kept), and 3 once (kept)."""
+    tracker = tmp_path / "rejected.txt"
+    tracker.write_text(tracker_line("7", 0, 1, "RERUN_DISABLED") + tracker_line("8", 0, 1, "FIRST_RERUN_REPRODUCIBLE")
+                       + tracker_line("7", 0, 2, "RERUN_DISABLED") + tracker_line("7", 1, 2, "RERUN_DISABLED")
+                       + tracker_line("8", 0, 2, "RERUN_DISABLED") + tracker_line("7", 0, 3, "RERUN_DISABLED"))
+    save = tmp_path / "run"
+    trainer = in_process_trainer([*MOCK, *TINY, "--eval-iters", "0", "--result-rejected-tracker-filename",
+                                  str(tracker), "--save", str(save)])
+    assert trainer.iterations_to_skip == {1}
+    assert trainer.run() == 0
+    assert [(r["iteration"], r["consumed_samples"]) for r in records(save)] == [(1, 4), (3, 12), (4, 16)]
+
+
 def test_iterations_to_skip_cannot_be_negative(capsys):
     assert "--iterations-to-skip -1 cannot be negative" in refusal([*MOCK, "--iterations-to-skip", "0", "-1"],
                                                                       capsys)

@@ -796,7 +796,8 @@ class RerunSection:
     error_injection_type: str = flag("transient_error", "for testing: what the rerun of an injected failure finds",
         choices=ERROR_INJECTION_TYPES)
     result_rejected_tracker_filename: Optional[str] = flag(None, "append a line for each failed check and rerun "
-        "outcome to this file")
+        "outcome to this file; the iterations it records as failing twice on one rank are skipped (added to "
+        "--iterations-to-skip, as in Megatron-LM)")
     check_weight_hash_across_dp_replicas_interval: Optional[int] = flag(None, "every this many iterations, check "
         "that each weight is the same on every data-parallel replica (SHA-1 hashes, megatron-core's check); a "
         "difference stops the run naming the weights (default: never)")

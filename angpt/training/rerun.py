@@ -172,6 +172,14 @@ def initialize(rerun: RerunSection, iteration: int) -> None:
                     "overflows are expected): a NaN/Inf step is skipped")
 
 
+def iterations_to_skip(tracker_filename: Optional[str]) -> list[int]:
+    """The iterations --result-rejected-tracker-filename records as failing twice on a rank (megatron-core's reading of
+    it), which Megatron-LM adds to --iterations-to-skip; none before the file exists (a first run)."""
+    if tracker_filename is None or not os.path.exists(tracker_filename):
+        return []
+    return RerunStateMachine.get_skipped_iterations_from_tracker_file(tracker_filename)
+
+
 def findings() -> list[Finding]:
     """This step's failed checks on this rank (none with a machine angpt did not build)."""
     return getattr(get_rerun_state_machine(), "findings", [])

@@ -204,7 +204,8 @@ class Trainer:
             self.validation_sets = [(f"validation-{index}", dataset) for index, dataset in enumerate(valid)]
         else:
             self.validation_sets = [("validation", valid)]
-        self.iterations_to_skip = frozenset(training.iterations_to_skip or ())
+        self.iterations_to_skip = frozenset(training.iterations_to_skip or ()) | frozenset(
+            rerun.iterations_to_skip(config.rerun.result_rejected_tracker_filename))
         # Forked after the exit-signal handlers are installed (below): the workers inherit them.
         self.train_batches = None
         self.profiler = None  # --profile's (below)
