@@ -61,8 +61,8 @@ def test_docs_megatron_md_is_what_the_parser_and_the_table_say():
     (["--use-legacy-models"], "argument --use-legacy-models: not supported: Megatron-LM's legacy models"),
     (["--moe-router-topk", "4"], "argument --moe-router-topk: not supported: mixture of experts"),
     (["--num-experts", "8"], "argument --num-experts: not supported: mixture of experts"),
-    (["--hybrid-context-parallel"], "argument --hybrid-context-parallel: not supported: hybrid (per-sample) context "
-     "parallelism"),
+    (["--hybrid-context-parallel"], "argument --hybrid-context-parallel: not supported: needs CUDA and Transformer "
+     "Engine"),
     (["--rl-use-sequence-packing"], "not supported: reinforcement learning"),
     (["--fsdp-double-buffer"], "argument --fsdp-double-buffer: not supported: not built with Megatron-FSDP"),
     (["--init-method-xavier-uniform"], "argument --init-method-xavier-uniform: not supported: Megatron-LM 0.16.1 "

@@ -110,9 +110,13 @@ FLAGS: dict[str, Decision] = {
     # -- transformer configuration
     "--pipeline-model-parallel-comm-backend": refused("the pipeline's communication backend follows the device "
                                                       "(NCCL with CUDA, gloo without)"),
-    "--max-seqlen-per-dp-cp-rank": refused(f"{NOT_YET}: it goes with --hybrid-context-parallel"),
-    "--hybrid-context-parallel": refused(f"hybrid (per-sample) context parallelism is {NOT_YET}; "
-                                         "--context-parallel-size splits every sequence alike"),
+    "--max-seqlen-per-dp-cp-rank": refused("it goes with --hybrid-context-parallel (refused here)"),
+    "--hybrid-context-parallel": refused("needs CUDA and Transformer Engine: megatron-core 0.16.1's hybrid CP data "
+                                         "schedule moves its sequence lengths and batches to CUDA "
+                                         "(datasets/data_schedule.py, utils.get_batch_on_this_hybrid_cp_rank), and "
+                                         "gives attention each sample's CP group in PackedSeqParams, which its local "
+                                         "DotProductAttention refuses; --context-parallel-size splits every sequence "
+                                         "alike"),
     "--expert-model-parallel-size": refused(f"expert parallelism: {DENSE}"),
     "--no-initialization": refused("the families' initialization (unit-norm rows for anGPT and nGPT) is part of "
                                    "the model; skipping it is not built"),
