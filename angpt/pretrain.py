@@ -69,11 +69,11 @@ def set_logging_levels(level: Optional[int]) -> None:
         logging.getLogger("angpt.pretrain").info("Setting logging level to %d", level)
 
 
-def recorded_flags(load: str, step):
+def recorded_flags(*args):
     """angpt.training.checkpointing.recorded_flags, imported for --use-checkpoint-args only."""
     from angpt.training.checkpointing import recorded_flags  # noqa: PLC0415 (torch: after parsing)
 
-    return recorded_flags(load, step)
+    return recorded_flags(*args)
 
 
 def dry_run(config) -> int:

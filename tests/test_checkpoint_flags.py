@@ -165,10 +165,10 @@ def test_the_parallel_sizes_are_taken_with_use_mp_args_from_checkpoint_args_and_
     argv = [*MOCK, "--load", "/ckpt", "--use-checkpoint-args", *(["--use-mp-args-from-checkpoint-args"] * mp_args)]
     if refused:
         with pytest.raises(SystemExit):
-            parse_args(argv, world_size=1, recorded_flags=lambda load, step: saved)
+            parse_args(argv, world_size=1, recorded_flags=lambda load, step, *_: saved)
         assert refused in capsys.readouterr().err
-    assert parse_args(argv, world_size=2, recorded_flags=lambda load, step: saved).parallel.tensor_model_parallel_size \
-        == tp
+    config = parse_args(argv, world_size=2, recorded_flags=lambda load, step, *_: saved)
+    assert config.parallel.tensor_model_parallel_size == tp
 
 
 def test_the_tokenizer_is_the_checkpoints_unless_no_use_tokenizer_model_from_checkpoint_args():
@@ -254,6 +254,14 @@ def test_global_non_persistent_checkpoints_replace_each_other_and_resume_where_n
         trainer = in_process_trainer([*MODEL, "--train-iters", "4", "--load", save, *flags])
     assert trainer.loaded_from == checkpointing.checkpoint_dir(where, 3) and trainer.state.iteration == 3
     assert "resuming from the non-persistent checkpoint" in caplog.text
+    # --use-checkpoint-args reads the flags of the checkpoint the run resumes from (Megatron-LM's _load_base_checkpoint
+    # gives load_args_from_checkpoint the non-persistent one where newer); --ckpt-step names --load's own.
+    argv = [*MOCK, "--train-iters", "4", "--load", save, "--use-checkpoint-args"]
+    for given, taken in ((flags, checkpointing.checkpoint_dir(where, 3)),
+                         ([*flags, "--ckpt-step", "2"], checkpointing.checkpoint_dir(save, 2)),
+                         ([], checkpointing.checkpoint_dir(save, 2))):
+        config = parse_args([*argv, *given], world_size=1, recorded_flags=checkpointing.recorded_flags)
+        assert config.checkpoint.flags_from_checkpoint.startswith(f"took from {taken}: "), given
 
 
 def main_weights(trainer) -> dict[str, torch.Tensor]:

@@ -19,9 +19,11 @@ from angpt.config.saved import checkpoint_args
 from angpt.config.sections import RunConfig, option_of
 from angpt.config.validation import default, validate
 
-# Reads the flags recorded by --load's checkpoint (of --ckpt-step's iteration, else the latest): (its directory, its
-# flags), or None where there is none; a ValueError or RuntimeError of one line where it cannot be read.
-RecordedFlags = Callable[[str, Optional[int]], Optional[tuple[str, dict]]]
+# Reads the flags recorded by --load's checkpoint (of --ckpt-step's iteration, else the latest; with
+# --non-persistent-ckpt-type global, the non-persistent one where it is newer, given whether that type is global and
+# --non-persistent-global-ckpt-dir): (its directory, its flags), or None where there is none; a ValueError or
+# RuntimeError of one line where it cannot be read.
+RecordedFlags = Callable[[str, Optional[int], bool, Optional[str]], Optional[tuple[str, dict]]]
 
 
 def parse_args(argv: Optional[list[str]] = None, world_size: Optional[int] = None,
@@ -57,7 +59,8 @@ def _take_checkpoint_args(parser: argparse.ArgumentParser, args: argparse.Namesp
     if recorded_flags is None:
         parser.error("--use-checkpoint-args reads --load's checkpoint, which only angpt.pretrain does")
     try:
-        found = recorded_flags(args.load, args.ckpt_step)
+        found = recorded_flags(args.load, args.ckpt_step, args.non_persistent_ckpt_type == "global",
+                               args.non_persistent_global_ckpt_dir)
         if found is None:
             args.flags_from_checkpoint = f"no checkpoint in {args.load}: the flags given stand (as in Megatron-LM)"
             return

@@ -616,8 +616,9 @@ class CheckpointSection:
         "the whole run (megatron-core's persistent worker, spawned at the first save) instead of one forked per save")
     exit_on_missing_checkpoint: bool = flag(False, "with --load: exit (status 0, as Megatron-LM) when it holds no "
         "checkpoint, instead of starting from scratch")
-    use_checkpoint_args: bool = flag(False, "take the model's flags from those --load's checkpoint recorded, "
-        "as Megatron-LM's load_args_from_checkpoint (angpt.config.saved, CHECKPOINT_ARGS), validated as given ones")
+    use_checkpoint_args: bool = flag(False, "take the model's flags from those the checkpoint the run "
+        "resumes from recorded (--load's, or the newer non-persistent one), as Megatron-LM's "
+        "load_args_from_checkpoint (angpt.config.saved, CHECKPOINT_ARGS), validated as given ones")
     use_mp_args_from_checkpoint_args: bool = flag(False, "with --use-checkpoint-args: take the tensor- and "
         "pipeline-parallel sizes (and, unless given, --num-layers-per-virtual-pipeline-stage) from it too")
     use_tokenizer_model_from_checkpoint_args: bool = flag(True, "with --use-checkpoint-args: keep the --tokenizer-type "

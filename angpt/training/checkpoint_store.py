@@ -323,8 +323,7 @@ def checkpoint_to_resume(root: str, fallback: bool = False, step: Optional[int] 
     checkpoint (said in one line), or with `exit_on_missing` (--exit-on-missing-checkpoint) NoCheckpointToLoad."""
     if non_persistent is not None and step is None:
         try:
-            newer = read_latest_iteration(non_persistent)
-            if newer is not None and newer >= _newest(root):
+            if non_persistent_is_newer(root, non_persistent):
                 path = intact_checkpoint(non_persistent)
                 if dist.get_rank() == 0:
                     logger.info("resuming from the non-persistent checkpoint %s (--non-persistent-ckpt-type global), "
@@ -343,6 +342,13 @@ def checkpoint_to_resume(root: str, fallback: bool = False, step: Optional[int] 
         if dist.get_rank() == 0:
             logger.warning("no checkpoint in %s (no %s): starting from scratch", root, LATEST)
     return path
+
+
+def non_persistent_is_newer(root: str, non_persistent: str) -> bool:
+    """Whether `non_persistent` holds a checkpoint at least as new as root's, which Megatron-LM's _load_base_checkpoint
+    then loads instead (and --use-checkpoint-args reads the flags of)."""
+    newer = read_latest_iteration(non_persistent)
+    return newer is not None and newer >= _newest(root)
 
 
 def _newest(root: str) -> int:

@@ -89,6 +89,7 @@ from angpt.training.checkpoint_store import (
     iteration_of,
     layout,
     non_persistent_dir,
+    non_persistent_is_newer,
     prepare_staging,
     read_latest_iteration,
     refusing_a_full_disk,
@@ -643,11 +644,17 @@ def read_common_state(path: str) -> dict:
     return refusing_unsafe(lambda: dist_checkpointing.load_common_state_dict(path))
 
 
-def recorded_flags(load: str, step: Optional[int] = None) -> Optional[tuple[str, dict]]:
-    """The checkpoint directory of iteration `step` (--ckpt-step), else the latest, in `load`, and the flags it
-    recorded; None where `load` holds no checkpoint. Read as data in this process alone, before any process group
-    (--use-checkpoint-args: angpt.config.arguments); the load verifies the checkpoint against its digests later. A
-    CheckpointError of one line where it records no flags of angpt.pretrain."""
+def recorded_flags(load: str, step: Optional[int] = None, non_persistent_global: bool = False,
+                   non_persistent_global_ckpt_dir: Optional[str] = None) -> Optional[tuple[str, dict]]:
+    """The checkpoint directory of iteration `step` (--ckpt-step), else the latest, in `load` (or, with
+    --non-persistent-ckpt-type global, in its directory where that is at least as new: the one the run resumes from),
+    and the flags it recorded; None where `load` holds no checkpoint. Read as data in this process alone, before any
+    process group (--use-checkpoint-args: angpt.config.arguments); the load verifies the checkpoint against its digests
+    later. A CheckpointError of one line where it records no flags of angpt.pretrain."""
+    if non_persistent_global and step is None:
+        non_persistent = non_persistent_dir(load, non_persistent_global_ckpt_dir)
+        if non_persistent_is_newer(load, non_persistent):
+            load = non_persistent
     iteration = step if step is not None else read_latest_iteration(load)
     if iteration is None:
         iteration = max(complete_iterations(load), default=None)  # as --load-fallback-to-intact finds it
