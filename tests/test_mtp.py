@@ -188,8 +188,8 @@ def test_mtp_on_the_last_pipeline_stage_continues_a_one_process_run(tmp_path, si
 def test_the_dry_run_counts_the_mtp_layers(single_process):
     """Counted here from the shapes: per MTP layer the embedding's and hidden state's LayerNorms, the projection of
     their concatenation (2H -> H, no bias), a decoder layer and its final LayerNorm; with pipeline parallelism the last
-    stage holds a copy of the word embedding. The FLOPs count Megatron-LM's MTP terms: a layer, the projection and
-    logits per MTP layer."""
+    stage holds a copy of the word embedding (as it does for a head tied to it without MTP). The FLOPs count
+    Megatron-LM's MTP terms: a layer, the projection and logits per MTP layer."""
     per_layer = 2 * 2 * H + (3 * H * H + 3 * H) + (H * H + H) + (4 * H * H + 4 * H) + (4 * H * H + H)
     per_mtp_layer = 3 * 2 * H + 2 * H * H + per_layer
     distributed.destroy_model_parallel()
@@ -197,6 +197,11 @@ def test_the_dry_run_counts_the_mtp_layers(single_process):
         plain = describe(gpt(*ROPE, world_size=2))
         distributed.destroy_model_parallel()  # each dry run sets up its own one-process groups
         report = describe(gpt(*ROPE, "--mtp-num-layers", "2", "--pipeline-model-parallel-size", "2", world_size=2))
+        distributed.destroy_model_parallel()
+        tied = describe(gpt(*ROPE, "--pipeline-model-parallel-size", "2", world_size=2))
+        distributed.destroy_model_parallel()
+        untied = describe(gpt(*ROPE, "--untie-embeddings-and-output-weights", "--pipeline-model-parallel-size", "2",
+                              world_size=2))
     finally:
         distributed.destroy_model_parallel()
         distributed.initialize()
@@ -205,6 +210,9 @@ def test_the_dry_run_counts_the_mtp_layers(single_process):
     assert f"({total + 2 * per_mtp_layer:,}): embedding" in report
     last_stage = per_layer + 2 * H + 2 * per_mtp_layer + V * H
     assert f"stage 1 {last_stage / 1e3:.2f}k" in report
+    # Without MTP the last stage's head holds the copy where tied, its own weight where not: the same count.
+    assert f"stage 1 {(per_layer + 2 * H + V * H) / 1e3:.2f}k" in tied
+    assert f"stage 1 {(per_layer + 2 * H + V * H) / 1e3:.2f}k" in untied
     config, base = transformer_config(gpt(*ROPE, "--mtp-num-layers", "2")), transformer_config(gpt(*ROPE))
     layer = (model_flops_per_token(base, SEQ, V) - 3 * 2 * V * H) / 3 / 2 / LAYERS
     assert model_flops_per_token(config, SEQ, V) - model_flops_per_token(base, SEQ, V) == pytest.approx(

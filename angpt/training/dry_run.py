@@ -34,11 +34,12 @@ _TENSOR_PARALLEL_MODULES = (tensor_parallel.ColumnParallelLinear, tensor_paralle
 
 
 def parameters_by_stage(model: torch.nn.Module, layer_split: list[int]) -> dict:
-    """{stage: (tensor-parallel parameters, replicated parameters)} of a whole model built without
-    parallelism: the embedding on the first stage, `layer_split[s]` layers on stage s (angpt.config.pipeline_split),
-    the final norm, head and MTP layers on the last, which then holds a copy of the word embedding too (megatron-core's
-    MTP layers embed the tokens ahead). Tensor-parallel: the weights of megatron-core's parallel linear layers
-    and embedding, and the vectors split with them (our scales mark themselves `tensor_model_parallel`)."""
+    """{stage: (tensor-parallel parameters, replicated parameters)} of a whole model built without parallelism: the
+    embedding on the first stage, `layer_split[s]` layers on stage s (angpt.config.pipeline_split), the final norm, head
+    and MTP layers on the last, which then holds a copy of the word embedding too where the head is tied to it
+    (megatron-core's output layer keeps one there) or MTP layers embed the tokens ahead. Tensor-parallel: the weights of
+    megatron-core's parallel linear layers and embedding, and the vectors split with them (our scales mark themselves
+    `tensor_model_parallel`)."""
     pipeline_stages = len(layer_split)
     split_params = set()
     for module in model.modules():
@@ -55,7 +56,8 @@ def parameters_by_stage(model: torch.nn.Module, layer_split: list[int]) -> dict:
             stage = pipeline_stages - 1
         split = id(param) in split_params or getattr(param, "tensor_model_parallel", False)
         counts[stage][0 if split else 1] += param.numel()
-        if name == "embedding.word_embeddings.weight" and hasattr(model, "mtp") and pipeline_stages > 1:
+        if name == "embedding.word_embeddings.weight" and pipeline_stages > 1 and (
+                model.share_embeddings_and_output_weights or hasattr(model, "mtp")):
             counts[pipeline_stages - 1][0] += param.numel()
     return {stage: tuple(counts[stage]) for stage in range(pipeline_stages)}
 
