@@ -173,6 +173,22 @@ def test_fp16_weights_count_as_bf16_ones(distributed_optimizer, per_parameter):
         assert memory[0].model_bytes == pytest.approx(1000 * expected)
 
 
+@pytest.mark.parametrize("megatron_fsdp, sharded", [(None, 12), ("optim_grads", 16)])
+def test_optimizer_instances_shard_within_their_share_of_the_data_parallel_ranks(megatron_fsdp, sharded):
+    """megatron-core's partial distributed optimizer (and Megatron-FSDP's hybrid sharding) shards over DP x CP /
+    instances: at DP 4 x CP 2 and bf16, the distributed optimizer's 12 bytes of main weights and moments (Megatron-FSDP
+    optim_grads: also its 4 of fp32 gradients) over 8, 4 or 2 ranks; the rest (the distributed optimizer's 2-byte
+    weights and 4-byte gradients) the same for any count."""
+    config = model_config("gptplus", num_layers=2, hidden_size=128, num_attention_heads=4)
+    model_bytes = {instances: stage_memory(config, Layout(1, 1, 2, 4), {0: (1000, 0)}, [2], 256, 64, 1, 1, bf16=True,
+                                           distributed_optimizer=True, megatron_fsdp=megatron_fsdp,
+                                           optimizer_instances=instances)[0].model_bytes for instances in (1, 2, 4)}
+    if megatron_fsdp is None:
+        assert model_bytes[1] == pytest.approx(1000 * (6 + 12 / 8))
+    for instances in (2, 4):
+        assert model_bytes[instances] - model_bytes[1] == pytest.approx(1000 * sharded * (instances - 1) / 8)
+
+
 @pytest.mark.parametrize("stages", [2, 4])
 @pytest.mark.parametrize("virtual", [None, 2, 3])
 @pytest.mark.parametrize("micro_batches", [1, 2, 4, 12])

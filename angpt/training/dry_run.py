@@ -159,7 +159,8 @@ def describe(run: RunConfig) -> str:
     memory = stage_memory(config, layout, stages, layer_split, vocab_size, seq_length, training.micro_batch_size,
                           micro_batches, run.precision.bf16, parallel.use_distributed_optimizer,
                           parallel.use_torch_fsdp2, parallel.torch_fsdp2_reshard_after_forward,
-                          parallel.data_parallel_sharding_strategy if parallel.use_megatron_fsdp else None)
+                          parallel.data_parallel_sharding_strategy if parallel.use_megatron_fsdp else None,
+                          parallel.num_distributed_optimizer_instances)
     lines += ["", *memory_report(memory, layout, run.precision, gpu_bytes - CUDA_CONTEXT_BYTES, gpu)]
     if run.dry_run.suggest_layout:
         lines += ["", f"layouts of {world_size} GPUs (--suggest-layout; the model of time: docs/scaling.md)",

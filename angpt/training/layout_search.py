@@ -233,9 +233,11 @@ def search(config: AnGPTConfig, run: RunConfig, world_size: int, vocab_size: int
     """Every candidate layout's memory and step time under the distributed optimizer and, where `run` can take them,
     FSDP2 and Megatron-FSDP's strategies; and {sharding: {(pipeline stages, context-parallel ranks): why it is
     refused there, or None}}. `parameters_by_stage(layer_split)`: {stage: (tensor-parallel, replicated)} parameter
-    counts (angpt.training.dry_run.parameters_by_stage)."""
+    counts (angpt.training.dry_run.parameters_by_stage). The run's --num-distributed-optimizer-instances shard the
+    state of a layout whose data x context ranks they divide (one instance elsewhere, as Megatron-LM requires)."""
     training, parallel, precision, seq_length = run.training, run.parallel, run.precision, run.model.seq_length
     reshard = parallel.torch_fsdp2_reshard_after_forward
+    instances = 1 if parallel.use_torch_fsdp2 else parallel.num_distributed_optimizer_instances
     strategies = {name: strategy for strategy, name in MEGATRON_FSDP.items()}
     estimates, stages = [], {}
     refusals = {sharding: {} for sharding in SHARDING_FLAGS if sharding != DISTRIBUTED_OPTIMIZER}
@@ -255,7 +257,7 @@ def search(config: AnGPTConfig, run: RunConfig, world_size: int, vocab_size: int
             fsdp2, megatron_fsdp = sharding == FSDP2, strategies.get(sharding)
             memory = stage_memory(config, layout, stages[pp], split, vocab_size, seq_length, training.micro_batch_size,
                                   micro_batches, precision.bf16, sharding == DISTRIBUTED_OPTIMIZER, fsdp2, reshard,
-                                  megatron_fsdp)
+                                  megatron_fsdp, instances if (layout.data_parallel * cp) % instances == 0 else 1)
             data_parallel = (parallel.overlap_grad_reduce, parallel.overlap_param_gather,
                              2 if precision.grad_reduce_in_bf16 else 4,
                              2 if precision.bf16 or precision.fp16 else 4, fsdp2, reshard, megatron_fsdp)

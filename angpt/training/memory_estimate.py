@@ -153,21 +153,24 @@ class StageMemory:
 def stage_memory(config: AnGPTConfig, layout: Layout, stage_parameters: dict[int, tuple[int, int]],
                  layer_split: list[int], vocab_size: int, seq_length: int, micro_batch_size: int,
                  micro_batches: int, bf16: bool, distributed_optimizer: bool, fsdp2: bool = False,
-                 reshard_after_forward: bool = True, megatron_fsdp: str | None = None) -> list[StageMemory]:
+                 reshard_after_forward: bool = True, megatron_fsdp: str | None = None,
+                 optimizer_instances: int = 1) -> list[StageMemory]:
     """Per pipeline stage, one rank's bytes. `stage_parameters`: {stage: (tensor-parallel, replicated)}
     parameter counts of the whole model (angpt.training.dry_run.parameters_by_stage). Under FSDP2 the sharded state,
     plus what it gathers: a layer's weights and, in the backward pass, their gradients before the reduce-scatter
     (a layer: the stage's parameters over its layers); without `reshard_after_forward`, every weight stays gathered
     from the forward to the backward pass. Under Megatron-FSDP's strategy `megatron_fsdp`, its buffers and what
     megatron_fsdp_gathered holds whole: fp32 gradients, weights at their dtype (outside the layers: the embedding,
-    and the output layer where untied, split over TP)."""
+    and the output layer where untied, split over TP). With `optimizer_instances`
+    (--num-distributed-optimizer-instances, or Megatron-FSDP's hybrid sharding) the state is sharded within each
+    instance's share of the data x context ranks."""
     tp, cp = layout.tensor_parallel, layout.context_parallel
     half = bf16 or config.fp16  # fp16 weights and activations take what bf16 ones do
     bytes_per_element = 2 if half else 4
     tokens = micro_batch_size * seq_length
     local_tokens = tokens / cp
     hidden_split = tp if layout.sequence_parallel else 1
-    shard_over = layout.data_parallel * cp
+    shard_over = layout.data_parallel * cp // optimizer_instances
     rows = []
     for stage, layers in enumerate(layer_split):
         split, replicated = stage_parameters[stage]
