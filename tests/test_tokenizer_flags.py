@@ -215,8 +215,8 @@ def test_these_are_refused_in_one_line(argv, message, capsys):
 def test_preprocessing_writes_the_ids_and_vocabulary_of_the_flags(tmp_path):
     """tools/preprocess_data.py with --tokenizer-special-tokens and --tokenizer-hf-include-special-tokens writes
     megatron-core's ids (the <s> of the post-processor, the added <X> at id 6) and that vocabulary, which the
-    trainer's flags must then name."""
-    directory = tiny_hugging_face(tmp_path / "hf", {"eos_token": "</s>"})
+    trainer's flags must then name, and megatron-core's pad id (tokenizer_config.json's <s>)."""
+    directory = tiny_hugging_face(tmp_path / "hf", {"eos_token": "</s>", "pad_token": "<s>"})
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in ["a<X>b", "b a"]))
     flags = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", directory,
              "--tokenizer-special-tokens", "<X>", "--tokenizer-hf-include-special-tokens"]
@@ -228,7 +228,7 @@ def test_preprocessing_writes_the_ids_and_vocabulary_of_the_flags(tmp_path):
     expected = [*theirs.tokenize("a<X>b"), theirs.eod, *theirs.tokenize("b a"), theirs.eod]
     assert expected == [5, 0, 6, 1, 4, 5, 1, 0, 4]
     metadata = read_metadata(str(tmp_path / "out_text_document"))
-    assert (metadata["vocab_size"], metadata["eod"]) == (7, 4)
+    assert (metadata["vocab_size"], metadata["eod"], metadata["pad"]) == (7, 4, theirs.pad) == (7, 4, 5)
     assert numpy.fromfile(str(tmp_path / "out_text_document.bin"), dtype=numpy.uint16).tolist() == expected
 
 

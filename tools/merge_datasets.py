@@ -47,7 +47,7 @@ def dataset_prefixes(directory: str) -> list:
 
 
 # What the shards of one corpus share; the merged dataset keeps them.
-SHARED = ("tokenizer", "vocab_size", "eod", "append_eod", "special_tokens_as_text", "dtype", "json_key",
+SHARED = ("tokenizer", "vocab_size", "eod", "pad", "append_eod", "special_tokens_as_text", "dtype", "json_key",
           "split_sentences")
 
 

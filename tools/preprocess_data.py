@@ -664,6 +664,8 @@ def preprocess(args: argparse.Namespace) -> dict:
             metadata[key] = {
                 "tokenizer": tokenizer.description, "tokenizer_backend": backend,
                 "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod,
+                # Training masks it as Megatron-LM's GPTDataset does, also where the tokenizer's files are not at hand.
+                "pad": tokenizer.pad,
                 "append_eod": args.append_eod, "special_tokens_as_text": args.special_tokens_as_text,
                 # documents: the .idx's, the empty_documents (zero-length, as Megatron-LM writes them) included.
                 # (Metadata written before they were kept counted only the others and the skipped empty ones.)

@@ -282,10 +282,6 @@ FLAGS: dict[str, Decision] = {
         lambda args, value: "--reset-attention-mask needs the dataset's mask (Megatron-LM would silently not reset "
         "it)" if args.reset_attention_mask else None),
     "--object-storage-cache-path": refused(f"object storage is {NOT_YET}"),
-    "--allow-ambiguous-pad-tokens": refused(f"{NOT_YET}: GPTDataset is given the datasets' vocabulary, which names "
-                                            "no pad token, so it pads with -1 and masks no token of the data; "
-                                            "Megatron-LM's masking of its tokenizer's pad id, which this flag "
-                                            "keeps where that id is another special token's, is not built"),
     # -- tokenizer
     "--padded-vocab-size": refused("the padded vocabulary follows --make-vocab-size-divisible-by"),
     "--vocab-extra-ids": ignored("read by Megatron-LM's legacy BERT and SentencePiece tokenizers only (T5's span "

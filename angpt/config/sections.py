@@ -525,6 +525,9 @@ class DataSection:
         "training process")
     eod_mask_loss: bool = flag(False, "leave the end-of-document tokens out of the loss (megatron-core's "
         "GPTDataset masks them)")
+    allow_ambiguous_pad_tokens: bool = flag(False, "mask the tokenizer's pad id also where it is another special "
+        "token's (the end of document): megatron-core's GPTDataset leaves the labels equal to the pad id out of the "
+        "loss, but, without this flag, not when the pad id is ambiguous")
     reset_position_ids: bool = flag(False, "restart the position ids after each end-of-document token; RoPE "
         "rotates each token by its position id")
     reset_attention_mask: bool = flag(False, "attend within each document only (a [seq, seq] mask per sample, from "

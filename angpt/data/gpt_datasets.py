@@ -4,7 +4,9 @@ and GPTDataset, with Megatron-LM's flags and its order of samples across data-pa
 from __future__ import annotations
 
 import json
+import logging
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -28,6 +30,7 @@ from angpt.data.indexed import (
 )
 from angpt.data.tokenizers import (
     MEGATRON_ONLY_TOKENIZER_TYPES,
+    NO_PAD,
     NULL_TOKENIZER,
     TIKTOKEN_NUM_SPECIAL_TOKENS,
     TOKENIZER_TYPES,
@@ -35,15 +38,29 @@ from angpt.data.tokenizers import (
     recorded_tokenizer,
 )
 
+logger = logging.getLogger("angpt.data")
+# The start of the warning megatron-core's MegatronDataset gives, once per dataset, where the pad id is also the id of
+# another special token (the EOS or end of document).
+AMBIGUOUS_PAD = "The pad token id in the tokenizer collides with another special token id."
+
 
 @dataclass(frozen=True)
 class DatasetVocabulary:
     """What GPTDataset needs of a tokenizer for data that tools/preprocess_data.py already tokenized:
-    the vocabulary size, the end-of-document id, and an identity for its index cache key."""
+    the vocabulary size, the end-of-document id, an identity for its index cache key, and the pad id (NO_PAD
+    without one) that megatron-core's MegatronDataset reads as Megatron-LM's tokenizer gives it: the labels
+    equal to it are left out of the loss and mapped to 0, with the tokens."""
 
     vocab_size: int
     eod: int
-    unique_identifiers: dict
+    unique_identifiers: dict  # the tokenizer's description, which determines the pad id: no field of its own
+    pad: int = NO_PAD
+
+    @property
+    def eos(self) -> int:
+        """MegatronDataset compares the pad id with the EOS and the end of document: they are one token in every
+        tokenizer of Megatron-LM's that we build (NullTokenizer has no EOS, which MegatronDataset skips)."""
+        return self.eod
 
 
 def dataset_vocabulary(data: DataSection) -> DatasetVocabulary:
@@ -83,6 +100,8 @@ def dataset_vocabulary(data: DataSection) -> DatasetVocabulary:
             if (vocab_size, eod) != (flags.vocab_size, flags.eod):
                 raise ValueError(f"{metadata_path(prefix)} records vocab_size {vocab_size} and eod {eod}, but "
                                  f"{_describe_flags(data)} has vocab_size {flags.vocab_size} and eod {flags.eod}")
+    # The pad id of each dataset: its .json's, else its tokenizer's, rebuilt (a .json written before records none).
+    pads = {prefix: meta["pad"] for prefix, meta in metadata.items() if "pad" in meta}
     if metadata:
         first_prefix = next(iter(metadata))
         first = metadata[first_prefix]
@@ -92,9 +111,20 @@ def dataset_vocabulary(data: DataSection) -> DatasetVocabulary:
                              f"{metadata_path(first_prefix)} (leave --vocab-size out: the datasets' is used)")
         described = {json.dumps(meta["tokenizer"], sort_keys=True): prefix for prefix, meta in metadata.items()}
         for prefix in described.values():  # each tokenizer once: a split's datasets usually share one
-            _check_tokenizer(prefix, metadata[prefix])
+            tokenizer = _check_tokenizer(prefix, metadata[prefix])
+            if tokenizer is not None:
+                pads.setdefault(prefix, tokenizer.pad)
+        if flags is not None:
+            pads[_describe_flags(data)] = flags.pad
+        if len(set(pads.values())) > 1:
+            raise ValueError(f"the datasets' tokenizers have different pad ids: {pads}")
         if flags is None:
-            return DatasetVocabulary(first["vocab_size"], first["eod"], {"tokenizer": first["tokenizer"]})
+            if not pads and first["tokenizer"].get("type") in TOKENIZER_TYPES:
+                logger.warning("%s records no pad id and its tokenizer's files are not at hand: no token is masked as "
+                               "padding (Megatron-LM masks its tokenizer's pad id; tools/preprocess_data.py records "
+                               "it)", metadata_path(first_prefix))
+            return DatasetVocabulary(first["vocab_size"], first["eod"], {"tokenizer": first["tokenizer"]},
+                                     next(iter(pads.values()), NO_PAD))
     return flags
 
 
@@ -121,7 +151,7 @@ def flag_vocabulary(data: DataSection) -> Optional[DatasetVocabulary]:
                                 include_special_tokens=data.tokenizer_hf_include_special_tokens,
                                 metadata=data.tokenizer_metadata)
     # Described as a .json describes its tokenizer: checkpoints and the export carry it.
-    return DatasetVocabulary(tokenizer.vocab_size, tokenizer.eod, {"tokenizer": tokenizer.description})
+    return DatasetVocabulary(tokenizer.vocab_size, tokenizer.eod, {"tokenizer": tokenizer.description}, tokenizer.pad)
 
 
 def _describe_flags(data: DataSection) -> str:
@@ -138,18 +168,24 @@ def _describe_flags(data: DataSection) -> str:
     return " ".join([f"--tokenizer-type {data.tokenizer_type}", *files])
 
 
-def _check_tokenizer(prefix: str, metadata: dict) -> None:
-    """The metadata's vocab_size and eod against the tokenizer it names, rebuilt from its files (skipped
-    when they are not at hand, e.g. on another machine). A .json that understates the vocabulary would
-    otherwise give a model too small for the tokenizer its checkpoints carry."""
+def _check_tokenizer(prefix: str, metadata: dict):
+    """The tokenizer the metadata names, rebuilt from its files (None when they are not at hand, e.g. on another
+    machine), checked to have the metadata's vocab_size, eod and pad (where recorded). A .json that understates the
+    vocabulary would otherwise give a model too small for the tokenizer its checkpoints carry."""
     try:
         tokenizer = recorded_tokenizer(metadata["tokenizer"])
     except ValueError as error:
         raise IndexedDatasetError(f"{metadata_path(prefix)}: {error}") from error
-    if tokenizer is not None and (tokenizer.vocab_size, tokenizer.eod) != (metadata["vocab_size"], metadata["eod"]):
+    if tokenizer is None:
+        return None
+    if (tokenizer.vocab_size, tokenizer.eod) != (metadata["vocab_size"], metadata["eod"]):
         raise IndexedDatasetError(
             f"{metadata_path(prefix)}: records vocab_size {metadata['vocab_size']} and eod {metadata['eod']}, but "
             f"its tokenizer has vocab_size {tokenizer.vocab_size} and eod {tokenizer.eod}")
+    if metadata.get("pad", tokenizer.pad) != tokenizer.pad:
+        raise IndexedDatasetError(f"{metadata_path(prefix)}: records pad {metadata['pad']}, but its tokenizer's pad id "
+                                  f"is {tokenizer.pad}")
+    return tokenizer
 
 
 def build_datasets(data: DataSection, vocabulary, seq_length: int, seed: int, samples: Sequence[Optional[int]],
@@ -176,6 +212,7 @@ def build_datasets(data: DataSection, vocabulary, seq_length: int, seed: int, sa
         reset_position_ids=data.reset_position_ids,
         reset_attention_mask=data.reset_attention_mask,
         eod_mask_loss=data.eod_mask_loss,
+        allow_ambiguous_pad_tokens=data.allow_ambiguous_pad_tokens,
         # The model is causal by itself: a mask is read only where it adds the documents' boundaries.
         create_attention_mask=data.reset_attention_mask,
         full_validation=full_validation,
@@ -189,8 +226,19 @@ def build_datasets(data: DataSection, vocabulary, seq_length: int, seed: int, sa
     if blend is not None:
         _check_every_split_has_documents(data.split, config.split_matrix, blend[0])
     dataset_type = MockGPTDataset if data.mock_data else GPTDataset
-    # Every rank builds: rank 0 first writes the index caches, the others then read them.
-    return BlendedMegatronDatasetBuilder(dataset_type, list(samples), lambda: True, config).build()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.filterwarnings("always", message=AMBIGUOUS_PAD)  # recorded, whatever the filters say of the rest
+        # Every rank builds: rank 0 first writes the index caches, the others then read them.
+        datasets = BlendedMegatronDatasetBuilder(dataset_type, list(samples), lambda: True, config).build()
+    for warning in caught:  # megatron-core's other warnings, as they were
+        if not str(warning.message).startswith(AMBIGUOUS_PAD):
+            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+    if any(str(warning.message).startswith(AMBIGUOUS_PAD) for warning in caught):  # given once per dataset
+        logger.warning("the pad id %d is also the end of document's: %s", vocabulary.pad,
+                       "its tokens are masked as padding (--allow-ambiguous-pad-tokens)" if
+                       data.allow_ambiguous_pad_tokens else "no token is masked as padding, as in Megatron-LM "
+                       "(--allow-ambiguous-pad-tokens masks them)")
+    return datasets
 
 
 def sequences_per_dataset(data: DataSection, vocabulary) -> Optional[dict]:

@@ -74,6 +74,9 @@ def read_metadata(prefix: str) -> dict:
             raise IndexedDatasetError(f"{path}: invalid dataset metadata: {key} is {metadata[key]!r}")
     if metadata["eod"] >= metadata["vocab_size"]:
         raise IndexedDatasetError(f"{path}: eod {metadata['eod']} is outside vocab_size {metadata['vocab_size']}")
+    pad = metadata.get("pad")  # recorded since the pad token is masked as Megatron-LM masks it (absent before)
+    if pad is not None and (type(pad) is not int or not -1 <= pad < metadata["vocab_size"]):
+        raise IndexedDatasetError(f"{path}: invalid dataset metadata: pad is {pad!r} (a token id, or -1 for none)")
     max_id = metadata.get("max_token_id")
     if max_id is not None and (not isinstance(max_id, int) or isinstance(max_id, bool) or max_id < 0):
         raise IndexedDatasetError(f"{path}: invalid dataset metadata: max_token_id is {max_id!r}")

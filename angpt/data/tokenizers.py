@@ -39,6 +39,9 @@ from angpt.config.files import read_json, read_json_object, read_text, sha256_of
 from angpt.config.tiktoken_layout import SENTENCEPIECE_TYPES, TIKTOKEN_NUM_SPECIAL_TOKENS, TIKTOKEN_PATTERNS
 
 EOD_TOKEN = "<|endoftext|>"
+# A tokenizer without a pad token: megatron-core's MegatronDataset pads with this id (its _PAD_TOKEN_ID), which no
+# token of the data has, so that no token of the data is masked as padding.
+NO_PAD = -1
 # GPT-2's pre-tokenizer regex, which TikTokenizer splits text with (angpt.hf.tokenizer_export gives it to the export).
 GPT2_SPLIT_PATTERN = r50k_pat_str
 # The types build_tokenizer builds: the trainer reads them, tools/preprocess_data.py writes them.
@@ -55,6 +58,7 @@ MEGATRON_ONLY_TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", 
 class Tokenizer(Protocol):
     vocab_size: int
     eod: int
+    pad: int  # NO_PAD without one
     description: dict
     special_tokens_as_text: bool
 
@@ -89,10 +93,13 @@ class HuggingFaceTokenizer:
     HuggingFaceTokenizer (`tokens_to_ids(tokenize(text))`); with special_tokens_as_text, they are text.
     special_tokens: --tokenizer-special-tokens (add_special_tokens); include_special_tokens:
     --tokenizer-hf-include-special-tokens, the post-processor's tokens too (megatron-core's `tokenizer(text)`:
-    a Llama-style <s> before each text)."""
+    a Llama-style <s> before each text). pad_token: the pad token transformers reads from the directory's
+    configuration, a special token (added, as transformers adds it, where the vocabulary lacks it)."""
 
     def __init__(self, tokenizer, eod_token: str, description: dict, special_tokens_as_text: bool = False,
-                 special_tokens: tuple = (), include_special_tokens: bool = False):
+                 special_tokens: tuple = (), include_special_tokens: bool = False, pad_token: Optional[str] = None):
+        # transformers sets the pad token when it loads the tokenizer, before megatron-core adds its special tokens.
+        add_special_tokens(tokenizer, (pad_token,) if pad_token else ())
         add_special_tokens(tokenizer, special_tokens)
         tokenizer.encode_special_tokens = special_tokens_as_text
         self.special_tokens_as_text = special_tokens_as_text
@@ -101,9 +108,10 @@ class HuggingFaceTokenizer:
         self.eod = tokenizer.token_to_id(eod_token)
         if self.eod is None:
             raise ValueError(f"{description}: the tokenizer has no end-of-document token {eod_token!r}")
+        self.pad = tokenizer.token_to_id(pad_token) if pad_token else NO_PAD
         self.vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
         # Recorded only when given: the descriptions of datasets written before stay equal.
-        self.description = {**description, "eod_token": eod_token,
+        self.description = {**description, "eod_token": eod_token, **({"pad_token": pad_token} if pad_token else {}),
                             **({"special_tokens": list(special_tokens)} if special_tokens else {}),
                             **({"include_special_tokens": True} if include_special_tokens else {})}
 
@@ -130,6 +138,7 @@ class TikTokenizer:
     def __init__(self, path: str, tokenizer_type: str, special_tokens_as_text: bool = False):
         ranks = read_ranks(path)
         self.eod = max(ranks.values()) + 1
+        self.pad = NO_PAD  # <|endoftext|> is its only special token
         self.encoding = tiktoken.Encoding(
             name=os.path.basename(path), pat_str=GPT2_SPLIT_PATTERN, mergeable_ranks=ranks,
             special_tokens={EOD_TOKEN: self.eod},
@@ -199,22 +208,35 @@ def read_huggingface_tokenizer(path: str) -> RustTokenizer:
         raise ValueError(f"{path}: not a Hugging Face tokenizer: {error}") from None
 
 
+def configured_special_tokens(directory: str) -> dict:
+    """The special tokens a Hugging Face directory configures, as transformers' from_pretrained reads them:
+    tokenizer_config.json's, then special_tokens_map.json's over them; each a string or an added token's
+    "content" ({"eos_token": "</s>", "pad_token": "<pad>", ...}; a token given as null left out)."""
+    tokens = {}
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        config_path = os.path.join(directory, name)
+        if os.path.isfile(config_path):
+            for key, token in read_json_object(config_path).items():
+                token = token.get("content") if isinstance(token, dict) else token
+                if key.endswith("_token") and (token is None or isinstance(token, str)):
+                    tokens[key] = token
+    return {key: token for key, token in tokens.items() if token}
+
+
 def load_huggingface(path: str, tokenizer_type: str, special_tokens_as_text: bool = False, special_tokens: tuple = (),
                      include_special_tokens: bool = False) -> HuggingFaceTokenizer:
-    """A tokenizer.json file, or a directory with tokenizer.json (its tokenizer_config.json may name the EOS)."""
-    eod_token = EOD_TOKEN
+    """A tokenizer.json file, or a directory with tokenizer.json (configured_special_tokens may name its EOS, the end
+    of document, and its pad token)."""
+    configured = {}
     if os.path.isdir(path):
-        config_path = os.path.join(path, "tokenizer_config.json")
-        if os.path.isfile(config_path):
-            config = read_json_object(config_path)
-            eos = config.get("eos_token")
-            eod_token = (eos.get("content") if isinstance(eos, dict) else eos) or EOD_TOKEN
+        configured = configured_special_tokens(path)
         path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--tokenizer-model: no tokenizer file {path}")
     description = {"type": tokenizer_type, "model": describe_file(path)}
-    return HuggingFaceTokenizer(read_huggingface_tokenizer(path), eod_token, description, special_tokens_as_text,
-                                special_tokens, include_special_tokens)
+    return HuggingFaceTokenizer(read_huggingface_tokenizer(path), configured.get("eos_token", EOD_TOKEN), description,
+                                special_tokens_as_text, special_tokens, include_special_tokens,
+                                configured.get("pad_token"))
 
 
 def read_gpt2_bpe(vocab_file: str, merge_file: str) -> models.BPE:
@@ -328,6 +350,8 @@ class MegatronCoreTokenizer:
         self.encoder = tokenizer._tokenizer.tokenizer
         self.is_tiktoken = is_tiktoken
         self.vocab_size, self.eod = tokenizer.vocab_size, tokenizer.eod
+        # MegatronDataset's: tiktoken's <pad>; the SentencePiece model's pad_id() (-1, NO_PAD, without one).
+        self.pad = tokenizer.pad
         self.special_tokens_as_text = special_tokens_as_text
         self.threads = os.cpu_count()
         self.description = {"type": tokenizer_type, "model": describe_file(path)}
@@ -403,7 +427,7 @@ def recorded_tokenizer(description) -> Optional[Tokenizer]:
     included = {"include_special_tokens": description.get("include_special_tokens", False)}
     if description["type"] == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(read_huggingface_tokenizer(files["model"]), description.get("eod_token", EOD_TOKEN),
-                                    description, **special, **included)
+                                    description, **special, **included, pad_token=description.get("pad_token"))
     if description["type"] in SENTENCEPIECE_TYPES:
         return MegatronCoreTokenizer(description["type"], files["model"])
     if "num_special_tokens" in description:  # Megatron-LM's TikTokenizer, not angpt's ranks-file layout
@@ -544,6 +568,7 @@ class GigatokenTokenizer:
     def __init__(self, reference: Tokenizer, build):
         self.reference, self.build = reference, build
         self.vocab_size, self.eod, self.description = reference.vocab_size, reference.eod, reference.description
+        self.pad = reference.pad
         self.special_tokens_as_text = reference.special_tokens_as_text
         self.version = importlib.metadata.version("gigatoken")
         self.rebuilds = 0
