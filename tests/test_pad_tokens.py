@@ -290,3 +290,14 @@ def test_datasets_and_flags_that_disagree_on_the_pad_id_are_refused(tmp_path):
                                          rf"'{described}': 5\}}$"):
         dataset_vocabulary(DataSection(train_data_path=(prefixes[1],), **flags))
     assert dataset_vocabulary(DataSection(train_data_path=(prefixes[0],), **flags)).pad == 5
+
+
+def test_a_json_whose_tokenizer_is_not_ours_has_no_pad(tmp_path, caplog):
+    """A .json whose "tokenizer" is not an object (not written by tools/preprocess_data.py): no pad id, no line."""
+    prefix = str(tmp_path / "data_text_document")
+    write_ids(prefix, [[0, 1, 4]])
+    indexed.write_metadata(prefix + ".json", {"tokenizer": "another tool's", "vocab_size": 6, "eod": 4,
+                                              "append_eod": True, "documents": 1, "tokens": 3})
+    with caplog.at_level(logging.WARNING, logger="angpt.data"):
+        assert dataset_vocabulary(DataSection(train_data_path=(prefix,))).pad == NO_PAD
+    assert not [record for record in caplog.records if record.name == "angpt.data"]

@@ -119,7 +119,7 @@ def dataset_vocabulary(data: DataSection) -> DatasetVocabulary:
         if len(set(pads.values())) > 1:
             raise ValueError(f"the datasets' tokenizers have different pad ids: {pads}")
         if flags is None:
-            if not pads and first["tokenizer"].get("type") in TOKENIZER_TYPES:
+            if not pads and isinstance(first["tokenizer"], dict) and first["tokenizer"].get("type") in TOKENIZER_TYPES:
                 logger.warning("%s records no pad id and its tokenizer's files are not at hand: no token is masked as "
                                "padding (Megatron-LM masks its tokenizer's pad id; tools/preprocess_data.py records "
                                "it)", metadata_path(first_prefix))
