@@ -83,6 +83,10 @@ Each workaround, where it is, and what breaks without it under megatron-core 0.1
 - The loss the rerun state machine keeps (`angpt/training/step.py`, `language_model_loss`): a copy, because the
   schedule divides the returned loss in place, and the machine then compares the initial result, divided, with
   the rerun's, undivided: every rerun of a real failure would read as a transient fault.
+- The cached loss mask kept whole (`patches.py`, `_loss_mask_cached_unmasked`): without --eod-mask-loss or the
+  resets, GPTDataset caches the first sample's loss mask and then masks it in place at that sample's pad labels, so
+  every later sample also leaves out the first one's pad positions (with --allow-ambiguous-pad-tokens and a pad that
+  is the end of document, its EOD positions: tokens that are no padding). Megatron-LM's main still has it.
 - The optimizer step composed from its parts (`angpt/training/step.py`, `step_unless_not_finite`): `optimizer.step()`
   skips only on an fp16 overflow, so a NaN or Inf loss in bf16 or fp32 would update the weights.
 - The tied output layer's unused weight dropped on an MTP stage without the embedding (`angpt/models/gpt.py`,

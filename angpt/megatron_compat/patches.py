@@ -9,6 +9,7 @@ import logging
 
 import megatron.core
 import torch
+from megatron.core.datasets.gpt_dataset import GPTDataset
 from megatron.core.dist_checkpointing.optimizer import (
     get_param_id_to_sharded_param_map,
     make_sharded_optimizer_tensor,
@@ -67,9 +68,24 @@ def install() -> None:
     if rope_utils.fused_apply_rotary_pos_emb is None:  # Transformer Engine's, where it is installed
         rope_utils.fused_apply_rotary_pos_emb = fused_rotary_pos_emb
     cuda_graphs.TensorReusePool.insert = _insert_unless_saved_for_backward
+    GPTDataset.__getitem__ = _loss_mask_cached_unmasked(GPTDataset.__getitem__)
     if not mp_random.HAVE_TE:
         mp_random.CheckpointWithoutOutput.__init__ = _checkpoint_without_output_without_fp8(
             mp_random.CheckpointWithoutOutput.__init__)
+
+
+def _loss_mask_cached_unmasked(getitem):
+    """GPTDataset caches the first sample's loss mask where it is the same for every sample (no --eod-mask-loss, no
+    resets: all ones), then masks that very tensor at the first sample's pad labels; every later sample starts from the
+    cache. Cached whole here, as a fresh one is."""
+    @functools.wraps(getitem)
+    def first_sample_apart(self, idx):
+        caching = self.masks_and_position_ids_are_cacheable and not self.masks_and_position_ids_are_cached
+        sample = getitem(self, idx)
+        if caching:
+            self.cached_loss_mask = torch.ones_like(self.cached_loss_mask)
+        return sample
+    return first_sample_apart
 
 
 def _checkpoint_without_output_without_fp8(init):
