@@ -430,11 +430,15 @@ def test_the_data_loader_reads_this_ranks_micro_batches_and_guards_their_ids():
 
 def test_mock_data_has_vocab_size_ids_ending_with_the_end_of_document_id_and_needs_a_vocab_size():
     """--mock-data: megatron-core's synthetic sequences over --vocab-size ids; the end-of-document id is the last
-    (it must lie inside the vocabulary the embedding has)."""
+    (it must lie inside the vocabulary the embedding has). With --tokenizer-type, that tokenizer's vocabulary, as in
+    Megatron-LM: NullTokenizer's --vocab-size ids and its end of document after them; a Hugging Face tokenizer's size,
+    EOS and pad (megatron-core's own tokenizer object says which)."""
     assert dataset_vocabulary(DataSection(mock_data=True, vocab_size=64)) == DatasetVocabulary(64, 63,
                                                                                                {"tokenizer": "mock"})
+    null = dataset_vocabulary(DataSection(mock_data=True, vocab_size=64, tokenizer_type="NullTokenizer"))
+    assert (null.vocab_size, null.eod, null.pad) == (65, 64, -1)
     for vocab_size in (None, 0):
-        with pytest.raises(ValueError, match="^--mock-data needs --vocab-size$"):
+        with pytest.raises(ValueError, match="^--mock-data needs --vocab-size or --tokenizer-type$"):
             dataset_vocabulary(DataSection(mock_data=True, vocab_size=vocab_size))
     with pytest.raises(ValueError, match="^no training data: give --data-path, --train-data-path or --mock-data$"):
         dataset_vocabulary(DataSection())

@@ -301,3 +301,14 @@ def test_a_json_whose_tokenizer_is_not_ours_has_no_pad(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="angpt.data"):
         assert dataset_vocabulary(DataSection(train_data_path=(prefix,))).pad == NO_PAD
     assert not [record for record in caplog.records if record.name == "angpt.data"]
+
+
+def test_mock_data_takes_the_tokenizer_flags_vocabulary_and_pad(tmp_path, single_process):
+    """--mock-data with --tokenizer-type: Megatron-LM's MockGPTDataset is given that tokenizer, so its samples mask and
+    map its pad id (5 here) as real data's do."""
+    flags, theirs = tokenizers("HuggingFaceTokenizer", tmp_path)
+    data = DataSection(mock_data=True, **flags)
+    vocabulary = dataset_vocabulary(data)
+    assert (vocabulary.vocab_size, vocabulary.eod, vocabulary.pad) == (theirs.vocab_size, theirs.eod, 5)
+    train, _, _ = build_datasets(data, vocabulary, SEQ, 1234, [SAMPLES, 0, 0])
+    assert train.config.tokenizer.pad == 5

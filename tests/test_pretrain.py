@@ -68,7 +68,7 @@ def test_training_lowers_the_loss(family, trained_runs):
         (["--data-path", "/nonexistent/corpus_text_document"],
          "--data-path /nonexistent/corpus_text_document: no /nonexistent/corpus_text_document.bin"),
         (["--data-path", "0.5", "/nonexistent/a"], "--data-path /nonexistent/a: no"),
-        (["--mock-data"], "--mock-data needs --vocab-size"),
+        (["--mock-data"], "--mock-data needs --vocab-size or --tokenizer-type"),
         ([], "no training data: give --data-path, --train-data-path or --mock-data"),
         ([*MOCK, "--save-interval", "10"], "--save-interval needs --save"),
         ([*MOCK, "--lr-decay-style", "WSD"], "--lr-decay-style WSD needs --lr-wsd-decay-iters"),

@@ -519,7 +519,8 @@ class DataSection:
     valid_data_path: Optional[tuple[str, ...]] = flag(None, "the validation split's blend, as --data-path")
     test_data_path: Optional[tuple[str, ...]] = flag(None, "the test split's blend, as --data-path")
     data_cache_path: Optional[str] = flag(None, "where GPTDataset caches its indices")
-    mock_data: bool = flag(False, "megatron-core's synthetic sequences")
+    mock_data: bool = flag(False, "megatron-core's synthetic sequences, over the vocabulary of --tokenizer-type "
+        "where given, else of --vocab-size")
     num_workers: int = flag(0, "DataLoader worker processes per rank that read the training samples ahead of the "
         "step (0: read in the training process, at each step; Megatron-LM's default is 2); evaluations read in the "
         "training process")
@@ -534,7 +535,8 @@ class DataSection:
         "megatron-core's GPTDataset; not with --transformer-impl transformer_engine)")
     mmap_bin_files: bool = flag(True, "read the .bin files by file reads rather than through a memory map",
         option="--no-mmap-bin-files")
-    vocab_size: Optional[int] = flag(None, "vocabulary of --mock-data, NullTokenizer's ids (its end-of-document id "
+    vocab_size: Optional[int] = flag(None, "vocabulary of --mock-data (without --tokenizer-type), NullTokenizer's ids "
+        "(its end-of-document id "
         "comes after them), or TikTokenizer's with a Megatron-LM .json vocabulary (default 131072, as "
         "Megatron-LM); with a dataset's .json, it must be the vocab_size it records")
     tokenizer_type: Optional[str] = flag(None, "HuggingFaceTokenizer, TikTokenizer, GPT2BPETokenizer, "

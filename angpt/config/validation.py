@@ -885,8 +885,8 @@ def _validate_data(parser, args) -> None:
     if args.data_path and (args.valid_data_path or args.test_data_path):
         parser.error("--data-path splits one blend into train, validation and test (--split); "
                      "--valid-data-path and --test-data-path go with --train-data-path")
-    if args.mock_data and not args.vocab_size:
-        parser.error("--mock-data needs --vocab-size")
+    if args.mock_data and not args.vocab_size and args.tokenizer_type is None:
+        parser.error("--mock-data needs --vocab-size or --tokenizer-type")
     for flag in ("tokenizer_special_tokens", "tiktoken_special_tokens", "tokenizer_hf_include_special_tokens",
                  "tokenizer_metadata"):
         if getattr(args, flag) and args.tokenizer_type is None:

@@ -70,9 +70,11 @@ def dataset_vocabulary(data: DataSection) -> DatasetVocabulary:
     flags when both are given, and with --vocab-size when given. Checks that each .bin/.idx pair is whole,
     that its token ids lie within that vocabulary, and that the tokenizer a .json names (when its files are
     at hand) has that vocabulary, before anything reads the data."""
-    if data.mock_data:
+    if data.mock_data:  # the tokenizer flags' vocabulary, as Megatron-LM's; else --vocab-size ids, the last the EOD
+        if data.tokenizer_type is not None:
+            return flag_vocabulary(data)
         if not data.vocab_size:
-            raise ValueError("--mock-data needs --vocab-size")
+            raise ValueError("--mock-data needs --vocab-size or --tokenizer-type")
         return DatasetVocabulary(data.vocab_size, data.vocab_size - 1, {"tokenizer": "mock"})
     prefixes = data.prefixes()
     if not prefixes:
