@@ -5,7 +5,10 @@ tools/preprocess_data.py writes (conftest.pydoc_corpus), uploaded as it is."""
 
 import json
 import logging
+import os
+import shutil
 import sys
+import types
 
 import boto3
 import pytest
@@ -228,3 +231,57 @@ def test_what_a_prefix_in_object_storage_changes_of_other_flags_is_said(s3, tmp_
         "not from the file (as in Megatron-LM)"} <= set(notes)
     assert not any("index caches" in line for line in megatron_lm.notes(
         parse_args([*argv, "--data-cache-path", str(tmp_path)], world_size=1)))
+
+
+class StandInMultiStorageClient:
+    """multistorageclient's calls that megatron-core (download_file, resolve_storage_client, types.Range) and angpt
+    (exists, info, open) make, over a local directory as the profile `profile`: where the package is not installed
+    (here), msc:// prefixes are read through it as through the package."""
+
+    def __init__(self, root):
+        self.root = root
+        self.types = types.SimpleNamespace(Range=lambda offset, size: (offset, size))
+
+    def _local(self, path: str) -> str:
+        """The profile's file; a local path as it is (the package reads those too, and megatron-core opens local .bin
+        files through it wherever it is installed)."""
+        return os.path.join(self.root, path.removeprefix("msc://profile/")) if path.startswith("msc://") else path
+
+    def exists(self, path):
+        return os.path.isfile(self._local(path))
+
+    def info(self, path):
+        return types.SimpleNamespace(content_length=os.path.getsize(self._local(path)))
+
+    def open(self, path, mode="rb", **kwargs):
+        return open(self._local(path), mode)
+
+    def download_file(self, remote, local):
+        os.makedirs(os.path.dirname(local), exist_ok=True)
+        shutil.copyfile(self._local(remote), local)
+
+    def resolve_storage_client(self, path):
+        def read(path, byte_range):
+            with open(path, "rb") as file:
+                file.seek(byte_range[0])
+                return file.read(byte_range[1])
+        return types.SimpleNamespace(read=read), self._local(path)
+
+
+def test_msc_prefixes_are_read_through_multistorageclient_where_it_is_installed(pydoc_corpus, tmp_path, monkeypatch,
+                                                                                  single_process):
+    monkeypatch.setattr(msc_utils, "msc", StandInMultiStorageClient(str(pydoc_corpus)))
+    monkeypatch.setattr(msc_utils.MultiStorageClientFeature, "_enabled", True)
+    cache = tmp_path / "idx_cache"
+    remote = DataSection(train_data_path=("msc://profile/train_text_document",), object_storage_cache_path=str(cache),
+                         data_cache_path=str(tmp_path / "remote"), mmap_bin_files=False)
+    on_disk = DataSection(train_data_path=(local(pydoc_corpus, "train"),), data_cache_path=str(tmp_path / "local"))
+    vocabulary = dataset_vocabulary(remote)
+    assert vocabulary == dataset_vocabulary(on_disk)
+    (remote_train, _, _), (local_train, _, _) = (build_datasets(data, vocabulary, 32, 1234, [16, 0, 0])
+                                                 for data in (remote, on_disk))
+    assert type(remote_train.dataset.bin_reader).__name__ == "_MultiStorageClientBinReader"
+    assert all(torch.equal(remote_train[i]["tokens"], local_train[i]["tokens"]) for i in range(len(local_train)))
+    assert (cache / "profile" / "train_text_document.idx").is_file()
+    parse_args([*TINY, "--train-iters", "1", "--data-path", "msc://profile/train_text_document",
+                "--object-storage-cache-path", str(cache), "--no-mmap-bin-files"], world_size=1)
