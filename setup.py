@@ -104,11 +104,15 @@ setup(
         # and each worker builds the shared fixtures again (pytest-xdist 3.8). ruff (`make lint`,
         # tests/test_lint.py) within one minor version: its rules change between minor versions. wandb: the
         # test of the W&B sink (tests/test_wandb.py, offline). mutmut: `make mutation` (tools/mutation.py reads
-        # its result files and its mutant names, which change between versions: pinned).
-        "test": ["pytest>=8,<9.2", "pytest-xdist>=3.5", "lm_eval>=0.4", "accelerate", "angpt[bench,wandb]",
-                 "ruff>=0.17.6,<0.18", "mutmut==3.8.1"],
+        # its result files and its mutant names, which change between versions: pinned). moto: a local S3 in the
+        # process for the tests of s3:// datasets (tests/test_object_storage.py; its mock_aws is moto 5's).
+        "test": ["pytest>=8,<9.2", "pytest-xdist>=3.5", "lm_eval>=0.4", "accelerate", "angpt[bench,wandb,s3]",
+                 "ruff>=0.17.6,<0.18", "mutmut==3.8.1", "moto[s3]>=5,<6"],
         # --wandb-project: the training metrics in a Weights & Biases run too.
         "wandb": ["wandb"],
+        # --data-path s3://bucket/prefix: megatron-core reads S3 with boto3 (msc:// prefixes need NVIDIA's
+        # multi-storage-client, installed by hand).
+        "s3": ["boto3"],
         # Plots and fits of benchmarks/convergence.py and tools/fit_scaling_law.py.
         "bench": ["matplotlib", "scipy"],
         # GPU only; apex is built from source inside NVIDIA's containers and is never required.

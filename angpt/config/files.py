@@ -9,7 +9,11 @@ import json
 def read_text(path: str) -> str:
     """The file's text; a ValueError names the line of the first byte that is not UTF-8."""
     with open(path, "rb") as file:
-        data = file.read()
+        return decode_text(file.read())
+
+
+def decode_text(data: bytes) -> str:
+    """read_text of bytes read otherwise (an object in object storage)."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -19,7 +23,13 @@ def read_text(path: str) -> str:
 
 def read_json(path: str):
     """The file's JSON value; a ValueError says the line (and column) where it is not UTF-8 or not JSON."""
-    text = read_text(path)
+    with open(path, "rb") as file:
+        return parse_json(file.read())
+
+
+def parse_json(data: bytes):
+    """read_json of bytes read otherwise (an object in object storage)."""
+    text = decode_text(data)
     try:
         return json.loads(text)
     except json.JSONDecodeError as error:

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 from typing import Callable, NamedTuple, Optional
 
 from angpt.config.choices import FAMILY_NAMES, NORMALIZED_FAMILIES
 from angpt.config.megatron_lm_flags import GROUPS, SOURCE
+from angpt.config.object_storage import is_object_storage_path
 from angpt.config.sections import RunConfig, option_of
 from angpt.config.tiktoken_layout import SENTENCEPIECE_TYPES
 
@@ -281,7 +283,6 @@ FLAGS: dict[str, Decision] = {
         "the dataset builds an attention mask only for --reset-attention-mask: the attention is causal by itself",
         lambda args, value: "--reset-attention-mask needs the dataset's mask (Megatron-LM would silently not reset "
         "it)" if args.reset_attention_mask else None),
-    "--object-storage-cache-path": refused(f"object storage is {NOT_YET}"),
     # -- tokenizer
     "--padded-vocab-size": refused("the padded vocabulary follows --make-vocab-size-divisible-by"),
     "--vocab-extra-ids": ignored("read by Megatron-LM's legacy BERT and SentencePiece tokenizers only (T5's span "
@@ -651,6 +652,25 @@ def _ddp_notes(config: RunConfig) -> list[str]:
     return lines
 
 
+def _object_storage_notes(config: RunConfig) -> list[str]:
+    """--object-storage-cache-path without a prefix in object storage, and what such a prefix changes of other
+    flags (megatron-core's GPTDataset.build_low_level_dataset and _build_document_sample_shuffle_indices)."""
+    data = config.data
+    stored = [prefix for prefix in data.prefixes() if is_object_storage_path(prefix)]
+    if not stored:
+        return ["--object-storage-cache-path: no dataset prefix is in object storage (s3:// or msc://): it changes "
+                "nothing (as in Megatron-LM)"] if data.object_storage_cache_path else []
+    lines = []
+    if data.data_cache_path is None:
+        lines.append(f"{stored[0]}: without --data-cache-path megatron-core writes the datasets' index caches beside "
+                     "the prefix read as a local path, under ./" + os.path.normpath(os.path.join(stored[0], "cache"))
+                     + " here (as in Megatron-LM)")
+    if data.per_dataset_sequences_path:
+        lines.append("--per-dataset-sequences-path: megatron-core reads the counts of a prefix in object storage from "
+                     "its .idx, not from the file (as in Megatron-LM)")
+    return lines
+
+
 def notes(config: RunConfig, cuda: bool = True) -> list[str]:
     """The lines a run logs once about Megatron-LM flags the family replaced, that Megatron-LM turns off, or that it
     ignores (`cuda`: whether the run has CUDA devices)."""
@@ -689,6 +709,7 @@ def notes(config: RunConfig, cuda: bool = True) -> list[str]:
     lines += _gated_mlp_notes(config)
     lines += _tokenizer_notes(config)
     lines += _mtp_notes(config)
+    lines += _object_storage_notes(config)
     if not config.parallel.clone_scatter_output_in_embedding and not config.parallel.sequence_parallel:
         lines.append("--no-clone-scatter-output-in-embedding: without --sequence-parallel the embeddings are not "
                      "scattered (as in Megatron-LM, nothing changes)")

@@ -519,6 +519,9 @@ class DataSection:
     valid_data_path: Optional[tuple[str, ...]] = flag(None, "the validation split's blend, as --data-path")
     test_data_path: Optional[tuple[str, ...]] = flag(None, "the test split's blend, as --data-path")
     data_cache_path: Optional[str] = flag(None, "where GPTDataset caches its indices")
+    object_storage_cache_path: Optional[str] = flag(None, "the local directory where megatron-core keeps the .idx of "
+        "each dataset prefix in object storage (s3://bucket/key, or msc://profile/key with multistorageclient), whose "
+        ".bin it reads by ranged GETs; needed with such a prefix")
     mock_data: bool = flag(False, "megatron-core's synthetic sequences, over the vocabulary of --tokenizer-type "
         "where given, else of --vocab-size")
     num_workers: int = flag(0, "DataLoader worker processes per rank that read the training samples ahead of the "

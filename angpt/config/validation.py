@@ -12,7 +12,7 @@ import math
 import os
 from typing import Any, Optional
 
-from angpt.config import megatron_lm, pipeline_split, transformer_engine_support
+from angpt.config import megatron_lm, object_storage, pipeline_split, transformer_engine_support
 from angpt.config.blend import parse_blend
 from angpt.config.choices import FAMILY_NAMES, GPT_DEFAULTS, NORMALIZED_FAMILIES, recompute_module_refusal
 from angpt.config.files import read_json_object, read_text
@@ -920,6 +920,9 @@ def _validate_data(parser, args) -> None:
             parser.error(str(error).replace("--data-path", name))
         prefixes, _ = parse_blend(_blend_of_prefixes(values))
         for prefix in prefixes:
+            if object_storage.is_object_storage_path(prefix):
+                _validate_object_storage_prefix(parser, args, name, prefix)
+                continue
             missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
             if missing:
                 hint = (" (read as a prefix: Megatron-LM reads an odd count of values, or pairs whose weights are not "
@@ -927,6 +930,26 @@ def _validate_data(parser, args) -> None:
                 parser.error(f"{name} {prefix}: no {' or '.join(prefix + e for e in missing)}{hint}")
 
 
+
+
+def _validate_object_storage_prefix(parser, args, name: str, prefix: str) -> None:
+    """A prefix in object storage, as megatron-core's GPTDataset and IndexedDataset take it (their asserts), with its
+    client installed and its .bin and .idx there."""
+    if args.object_storage_cache_path is None:
+        parser.error(f"{name} {prefix}: a dataset in object storage needs --object-storage-cache-path, where "
+                     "megatron-core keeps its .idx (Megatron-LM's assert)")
+    if args.mmap_bin_files:
+        parser.error(f"{name} {prefix}: megatron-core reads a .bin in object storage by ranged GETs, not through a "
+                     "memory map: give --no-mmap-bin-files (its IndexedDataset asserts)")
+    missing = object_storage.client_missing(prefix)
+    if missing:
+        parser.error(f"{name} {prefix}: {missing}")
+    for ext in (".bin", ".idx"):
+        try:
+            if not object_storage.exists(prefix + ext):
+                parser.error(f"{name} {prefix}: no {prefix + ext}")
+        except object_storage.ObjectStorageError as error:
+            parser.error(f"{name} {prefix}: {error}")
 
 
 def _gpt_derived(flags: dict) -> dict:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import warnings
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -18,12 +17,14 @@ from torch.utils.data import DataLoader
 
 from angpt.config.blend import parse_blend
 from angpt.config.files import read_json_object
+from angpt.config.object_storage import is_object_storage_path
 from angpt.config.sections import DataSection
 from angpt.data.indexed import (
     DTYPES,
     IndexedDatasetError,
     check_indexed_dataset,
     check_token_ids,
+    has_metadata,
     index_header,
     metadata_path,
     read_metadata,
@@ -82,8 +83,8 @@ def dataset_vocabulary(data: DataSection) -> DatasetVocabulary:
     flags = flag_vocabulary(data)
     metadata = {}
     for prefix in prefixes:
-        check_indexed_dataset(prefix)
-        if os.path.isfile(metadata_path(prefix)):
+        check_indexed_dataset(prefix, data.object_storage_cache_path)
+        if has_metadata(prefix):
             metadata[prefix] = read_metadata(prefix)
             check_token_ids(prefix, metadata[prefix], cache_dir=data.data_cache_path)
         elif flags is None:
@@ -224,9 +225,10 @@ def build_datasets(data: DataSection, vocabulary, seq_length: int, seed: int, sa
         fast_cache_load=data.dataloader_fast_cache_load,
         defer_npy_index_mmap=data.dataloader_defer_npy_index_mmap,
         sequences_per_dataset=sequences_per_dataset(data, vocabulary),
+        object_storage_cache_path=data.object_storage_cache_path,
     )
     if blend is not None:
-        _check_every_split_has_documents(data.split, config.split_matrix, blend[0])
+        _check_every_split_has_documents(data.split, config.split_matrix, blend[0], data.object_storage_cache_path)
     dataset_type = MockGPTDataset if data.mock_data else GPTDataset
     with warnings.catch_warnings(record=True) as caught:
         warnings.filterwarnings("always", message=AMBIGUOUS_PAD)  # recorded, whatever the filters say of the rest
@@ -252,6 +254,8 @@ def sequences_per_dataset(data: DataSection, vocabulary) -> Optional[dict]:
     counts = read_json_object(path)
     dtype_code = 4 if vocabulary.vocab_size > numpy.iinfo(numpy.uint16).max + 1 else 8  # GPTDatasetConfig's
     for prefix in data.prefixes():
+        if is_object_storage_path(prefix):  # megatron-core reads their .idx whole (angpt.config.megatron_lm.notes)
+            continue
         if prefix not in counts:
             raise ValueError(f"--per-dataset-sequences-path {path}: no entry for {prefix}")
         code, sequences, documents = index_header(prefix)
@@ -265,12 +269,12 @@ def sequences_per_dataset(data: DataSection, vocabulary) -> Optional[dict]:
     return counts
 
 
-def _check_every_split_has_documents(split: str, split_matrix, prefixes) -> None:
+def _check_every_split_has_documents(split: str, split_matrix, prefixes, object_storage_cache_path=None) -> None:
     """megatron-core's GPTDataset loops forever on a split without documents; refuse it by name. The
     bounds are computed as megatron-core's dataset builder computes them: over the .idx's sequences, which
     are its non-empty documents (a zero-length document, as Megatron-LM writes an empty text, has none)."""
     for prefix in prefixes:
-        documents = check_indexed_dataset(prefix)["sequences"]
+        documents = check_indexed_dataset(prefix, object_storage_cache_path)["sequences"]
         for name, bounds in zip(("train", "validation", "test"), split_matrix):
             if bounds is not None and round(bounds[0] * documents) == round(bounds[1] * documents):
                 raise ValueError(f"--split {split} leaves the {name} split of {prefix} without documents "

@@ -15,13 +15,15 @@ zeros at TP > 1.
 
 import hashlib
 import json
+import logging
 import os
 import struct
 from typing import Optional
 
 import numpy
 
-from angpt.config.files import read_json
+from angpt.config import object_storage
+from angpt.config.files import parse_json, read_json
 
 METADATA_KEYS = ("tokenizer", "vocab_size", "eod", "append_eod", "documents", "tokens")
 # magic, version (<Q), dtype code (<B), sequence count (<Q), document count (<Q)
@@ -47,6 +49,13 @@ def metadata_path(prefix: str) -> str:
     return prefix + ".json"
 
 
+def has_metadata(prefix: str) -> bool:
+    """Whether prefix.json exists (a local file, or an object beside an object-storage prefix's .bin)."""
+    if object_storage.is_object_storage_path(prefix):
+        return object_storage.exists(metadata_path(prefix))
+    return os.path.isfile(metadata_path(prefix))
+
+
 def write_metadata(path: str, metadata: dict) -> None:
     missing = [key for key in METADATA_KEYS if key not in metadata]
     assert not missing, f"metadata lacks {missing}"
@@ -59,9 +68,14 @@ def read_metadata(prefix: str) -> dict:
     """The metadata written with the dataset at prefix (the path without .bin/.idx)."""
     path = metadata_path(prefix)
     try:
-        metadata = read_json(path)
+        if object_storage.is_object_storage_path(prefix):
+            metadata = parse_json(object_storage.read_bytes(path))
+        else:
+            metadata = read_json(path)
     except FileNotFoundError:
         raise IndexedDatasetError(f"{path}: no dataset metadata (write the dataset with tools/preprocess_data.py)")
+    except object_storage.ObjectStorageError as error:  # before ValueError: it is one, and names the object
+        raise IndexedDatasetError(str(error)) from None
     except ValueError as error:
         raise IndexedDatasetError(f"{path}: invalid dataset metadata: {error}") from None
     if not isinstance(metadata, dict):
@@ -134,6 +148,13 @@ def check_token_ids(prefix: str, metadata: dict, source: Optional[str] = None, c
     without a .json (the tokenizer flags)."""
     if "max_token_id" in metadata:
         return
+    if object_storage.is_object_storage_path(prefix):
+        # Scanning would download the whole .bin, which megatron-core reads in ranges for a reason.
+        if int(os.environ.get("RANK", "0")) == 0:
+            logging.getLogger(__name__).info(
+                "%s.bin: its token ids are not scanned before training (in object storage, and no max_token_id in "
+                "a .json): the trainer checks those of every batch it reads", prefix)
+        return
     largest = cached_max_token_id(prefix, cache_dir)
     if largest is not None and largest >= metadata["vocab_size"]:
         raise IndexedDatasetError(f"{prefix}.bin holds token id {largest}, outside the vocab_size "
@@ -146,15 +167,24 @@ def index_header(prefix: str) -> tuple[int, int, int]:
         return _HEADER.unpack(idx.read(_HEADER.size))[2:]
 
 
-def check_indexed_dataset(prefix: str) -> dict:
+def check_indexed_dataset(prefix: str, object_storage_cache_path: Optional[str] = None) -> dict:
     """Check that prefix.idx is a whole megatron-core index and prefix.bin holds exactly the tokens it
-    indexes (and, when prefix.json exists, that both agree with it); returns the counts."""
+    indexes (and, when prefix.json exists, that both agree with it); returns the counts. A prefix in object
+    storage is checked on the .idx megatron-core caches under `object_storage_cache_path` and the .bin's size."""
     idx_path, bin_path = prefix + ".idx", prefix + ".bin"
-    for path in (idx_path, bin_path):
-        if not os.path.isfile(path):
-            raise IndexedDatasetError(f"{path}: no such file")
-    idx_size, bin_size = os.path.getsize(idx_path), os.path.getsize(bin_path)
-    with open(idx_path, "rb") as idx:
+    if object_storage.is_object_storage_path(prefix):
+        try:
+            bin_size = object_storage.object_size(bin_path)
+            idx_file = object_storage.cached_index(prefix, object_storage_cache_path)
+        except object_storage.ObjectStorageError as error:
+            raise IndexedDatasetError(str(error)) from None
+    else:
+        for path in (idx_path, bin_path):
+            if not os.path.isfile(path):
+                raise IndexedDatasetError(f"{path}: no such file")
+        idx_file, bin_size = idx_path, os.path.getsize(bin_path)
+    idx_size = os.path.getsize(idx_file)
+    with open(idx_file, "rb") as idx:
         header = idx.read(_HEADER.size)
         if len(header) < _HEADER.size:
             raise IndexedDatasetError(f"{idx_path}: truncated index ({idx_size} bytes, header needs {_HEADER.size})")
@@ -188,13 +218,13 @@ def check_indexed_dataset(prefix: str) -> dict:
             if first_index != 0 or last_index != sequences:
                 raise IndexedDatasetError(f"{idx_path}: document indices run from {first_index} to {last_index}, "
                                           f"expected 0 to {sequences}: corrupted")
-    _check_index_arrays(idx_path, sequences, documents, DTYPES[dtype_code].itemsize)
+    _check_index_arrays(idx_file, idx_path, sequences, documents, DTYPES[dtype_code].itemsize)
     if bin_size != expected_bin:
         raise IndexedDatasetError(
             f"{bin_path}: {bin_size} bytes, but {idx_path} indexes {expected_bin}: truncated or corrupted")
     counts = {"documents": max(documents - 1, 0), "sequences": sequences, "tokens": bin_size // itemsize,
               "dtype": DTYPES[dtype_code].name}
-    if os.path.isfile(metadata_path(prefix)):
+    if has_metadata(prefix):
         metadata = read_metadata(prefix)
         for key in ("documents", "tokens"):
             if metadata[key] != counts[key]:
@@ -203,14 +233,15 @@ def check_indexed_dataset(prefix: str) -> dict:
     return counts
 
 
-def _check_index_arrays(idx_path: str, sequences: int, documents: int, itemsize: int) -> None:
-    """Each sequence's pointer is the one before plus its length, and the document indices do not decrease: a
+def _check_index_arrays(idx_file: str, idx_path: str, sequences: int, documents: int, itemsize: int) -> None:
+    """`idx_file` (`idx_path`, or megatron-core's cached copy of that object) checked, errors naming `idx_path`.
+    Each sequence's pointer is the one before plus its length, and the document indices do not decrease: a
     flipped byte in a length or a pointer breaks the first (megatron-core would read outside the sequence, or
     past the .bin), in a document index most often the second. Read in chunks: about 0.1 s per 10M sequences."""
     chunk = 1 << 22
     if sequences:
-        lengths = numpy.memmap(idx_path, dtype=numpy.int32, mode="r", offset=_HEADER.size, shape=(sequences,))
-        pointers = numpy.memmap(idx_path, dtype=numpy.int64, mode="r", offset=_HEADER.size + sequences * _LENGTH,
+        lengths = numpy.memmap(idx_file, dtype=numpy.int32, mode="r", offset=_HEADER.size, shape=(sequences,))
+        pointers = numpy.memmap(idx_file, dtype=numpy.int64, mode="r", offset=_HEADER.size + sequences * _LENGTH,
                                 shape=(sequences,))
         if pointers[0] != 0:
             raise IndexedDatasetError(f"{idx_path}: the first sequence starts at byte {pointers[0]}, not 0: corrupted")
@@ -224,7 +255,7 @@ def _check_index_arrays(idx_path: str, sequences: int, documents: int, itemsize:
                     f"{idx_path}: sequence {index} has {lengths[index]} tokens, but its pointers are "
                     f"{pointers[index + 1] - pointers[index]} bytes apart: corrupted")
     if documents > 1:
-        indices = numpy.memmap(idx_path, dtype=numpy.int64, mode="r",
+        indices = numpy.memmap(idx_file, dtype=numpy.int64, mode="r",
                                offset=_HEADER.size + sequences * (_LENGTH + _POINTER), shape=(documents,))
         for start in range(0, documents - 1, chunk):
             stop = min(start + chunk, documents - 1)

@@ -144,7 +144,7 @@ def describe(run: RunConfig) -> str:
         lines.append(f"  vocabulary {vocabulary.vocab_size} (tokenizer {tokenizer.get('type', 'unknown')}), "
                      f"padded to {vocab_size} (a multiple of {run.data.make_vocab_size_divisible_by} x TP {tp})")
         for prefix in run.data.prefixes():
-            tokens = check_indexed_dataset(prefix).get("tokens")
+            tokens = check_indexed_dataset(prefix, run.data.object_storage_cache_path).get("tokens")
             lines.append(f"  {prefix}: {tokens:,} tokens" if tokens is not None else f"  {prefix}")
     lines += [
         "",
