@@ -5,7 +5,8 @@
 # `angpt.pretrain --help` offers as flags, and after them with CUDA graphs, in one process; then 1B at
 # micro-batch 4 and 8 and the global batch, after and with graphs; with a 1-step profile of each (GPU busy
 # fraction, kernels per step, the top kernels). FAMILIES="gptplus angpt" limits the families. Logs, JSON and Markdown go
-# to OUTPUT_DIR (default $OUT, which the device tool returns, else gpu-results/); a summary ends the output.
+# to OUTPUT_DIR (default $OUT, which the device tool returns, else gpu-results/); a summary ends the output. Before
+# the `gpu` tests, stage gpu-flags runs those of --cuda-graph-scope full_iteration and --batch-invariant-mode.
 #
 #   bash benchmarks/gpu_checks.sh [--no-gpu] [--te | --recompute | --race] [OUTPUT_DIR]
 #
@@ -182,7 +183,12 @@ if [ $race -eq 1 ]; then
     stage race 600 "$PY" benchmarks/race.py "${race_args[@]}"
 fi
 if [ $recompute -eq 0 ] && [ $race -eq 0 ]; then
-gpu_tests=$(grep -l "pytest.mark.gpu" tests/test_*.py)
+# --cuda-graph-scope full_iteration and --batch-invariant-mode, never run on a GPU before: a captured iteration
+# trains as eager steps; a sample's logits alone equal, bit for bit, its logits in a batch of 4 (the difference
+# without the mode is printed, as a control). Their own stage, out of the one below.
+[ $te -eq 1 ] || stage gpu-flags 60 "$PY" -m pytest -q -s -m gpu -p no:cacheprovider -o addopts="-ra" \
+    tests/test_gpu_only_flags.py
+gpu_tests=$(grep -l "pytest.mark.gpu" tests/test_*.py | grep -v test_gpu_only_flags.py)
 [ $te -eq 0 ] || gpu_tests=tests/test_transformer_engine.py
 # shellcheck disable=SC2086  # one argument per file
 stage tests 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors -o addopts="-ra" \
@@ -244,6 +250,8 @@ grep -h "" "$out/machine.log" 2> /dev/null | tail -n 1
 echo "speed-related flags in angpt.pretrain --help: ${other_features:-none}"
 printf '%s\n' "${summary[@]}"
 [ -f "$out/tests.log" ] && echo "gpu tests: $(grep -E "passed|failed|error|skipped|no tests ran" "$out/tests.log" | tail -n 1)"
+[ -f "$out/gpu-flags.log" ] && echo "gpu-flags tests: $(grep -E "passed|failed|error|skipped|no tests ran" \
+    "$out/gpu-flags.log" | tail -n 1)" && grep -h "largest difference" "$out/gpu-flags.log"
 [ -f "$out/race/race.md" ] && { echo; cat "$out/race/race.md"; }
 [ -f "$out/fsdp2.log" ] && { echo; echo "FSDP2 against the distributed optimizer"; grep -A6 "^per rank" "$out/fsdp2.log"; }
 [ -f "$out/megatron-fsdp.log" ] && { echo; echo "Megatron-FSDP against the distributed optimizer"; \

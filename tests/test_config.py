@@ -83,7 +83,7 @@ TRANSFORMER_VALUES = dict(
     pipeline_model_parallel_size=3, recompute_granularity="selective", rotary_base=500000, sequence_parallel=True,
     tensor_model_parallel_size=2, test_mode=True, transformer_impl="transformer_engine",
     distribute_saved_activations=True, fp32_residual_connection=True, fp8_wgrad=False,
-    clone_scatter_output_in_embedding=False,
+    clone_scatter_output_in_embedding=False, cuda_graph_scope=["full_iteration"], batch_invariant_mode=True,
 )
 # The architecture fields shared by name: --model-family gpt's (the other families fix their own architecture).
 ARCHITECTURE_VALUES = dict(

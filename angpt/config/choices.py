@@ -35,6 +35,9 @@ EXPORT_DTYPES = ("float32", "bfloat16")
 # residual update of anGPT and nGPT). angpt/models/config.py hands megatron-core only its own.
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "qk_norm", "residual_update")
 MEGATRON_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
+# --cuda-graph-scope: megatron-core's CudaGraphScope names, and "full", Megatron-LM's deprecated name of no scope.
+CUDA_GRAPH_SCOPES = ("full", "full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
+MOE_CUDA_GRAPH_SCOPES = ("moe", "moe_router", "moe_preprocess")
 
 
 def recompute_module_refusal(module: str, model_family: str, transformer_impl: str = "local") -> str | None:

@@ -150,11 +150,7 @@ FLAGS: dict[str, Decision] = {
     "--use-kitchen-attention": refused("NVIDIA Kitchen is not built"),
     "--enable-cuda-graph": refused("deprecated in Megatron-LM: use --cuda-graph-impl local"),
     "--external-cuda-graph": refused("deprecated in Megatron-LM: use --cuda-graph-impl local"),
-    "--cuda-graph-scope": refused(f"{NOT_YET}: --cuda-graph-impl local captures each whole transformer layer"),
     "--flash-decode": refused(INFERENCE),
-    "--batch-invariant-mode": refused(f"{NOT_YET}: megatron-core's batch-invariant kernels are Triton's, on CUDA only "
-                                      "(with --attention-backend flash, its check), and no GPU was at hand to build "
-                                      "them against"),
     "--use-te-activation-func": refused("the MLP's activation is angpt's own kernel (anGPT, nGPT) or "
                                         "megatron-core's"),
     "--symmetric-ar-type": refused(INFERENCE),
@@ -671,6 +667,28 @@ def _object_storage_notes(config: RunConfig) -> list[str]:
     return lines
 
 
+def _cuda_graph_scope_notes(config: RunConfig) -> list[str]:
+    """What --cuda-graph-scope captures where it does not say it itself (megatron-core 0.16.1's local graphs:
+    TransformerLayer.create_mcore_cudagraph_manager, the schedules' create_cudagraphs)."""
+    scope = config.fusion.cuda_graph_scope
+    if not scope:
+        return []
+    given = f"--cuda-graph-scope {' '.join(scope)}"
+    if config.fusion.cuda_graph_impl == "none":
+        return [f"{given}: without --cuda-graph-impl nothing is captured (as in Megatron-LM, nothing changes)"]
+    if scope == ("full",):
+        return [f"{given}: Megatron-LM's deprecated name of no scope: each whole layer is captured"]
+    if "full_iteration" in scope:
+        if scope == ("full_iteration",):
+            return []
+        return [f"{given}: the whole iteration is captured; megatron-core then creates no graph of a layer (its "
+                "schedules create them only without full_iteration)"]
+    if "attn" in scope or "mlp" in scope:
+        return [f"{given}: megatron-core's local CUDA graphs capture each whole layer, as with no scope (they do not "
+                "split a layer)"]
+    return [f"{given}: megatron-core graphs Mamba layers only, and this model has none: nothing is captured"]
+
+
 def notes(config: RunConfig, cuda: bool = True) -> list[str]:
     """The lines a run logs once about Megatron-LM flags the family replaced, that Megatron-LM turns off, or that it
     ignores (`cuda`: whether the run has CUDA devices)."""
@@ -706,6 +724,7 @@ def notes(config: RunConfig, cuda: bool = True) -> list[str]:
     if config.precision.disable_bf16_reduced_precision_matmul and not config.precision.bf16:
         lines.append("--disable-bf16-reduced-precision-matmul: without --bf16 there are no bf16 GEMMs (as in "
                      "Megatron-LM, nothing changes)")
+    lines += _cuda_graph_scope_notes(config)
     lines += _gated_mlp_notes(config)
     lines += _tokenizer_notes(config)
     lines += _mtp_notes(config)

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Mapping, Optional
 
 from angpt.config.blend import parse_blend
 from angpt.config.choices import (
+    CUDA_GRAPH_SCOPES,
     FACTOR_MODES,
     MODEL_FAMILIES,
     NORMALIZATIONS,
@@ -381,6 +382,10 @@ class TrainingSection:
     deterministic_mode: bool = flag(False, "bitwise reproducible steps on GPUs, as Megatron-LM: torch's "
         "deterministic algorithms, megatron-core's deterministic embedding; needs NCCL_ALGO (Tree, Ring, "
         "CollnetDirect, CollnetChain or ^NVLS) with CUDA, and turns off the fused cross-entropy's default")
+    batch_invariant_mode: bool = flag(False, "megatron-core's batch-invariant kernels (Triton's, CUDA only) for "
+        "aten's mm, addmm, _log_softmax and mean.dim: each sample's results do not depend on the batch around it; "
+        "slower. Needs --attention-backend flash (megatron-core's check); --model-family gpt only (the other "
+        "families normalize with their own reductions, which those kernels do not replace)")
     # --phase-transition-iterations as sorted iterations (Megatron-LM's validate_args reads them so).
     phase_transitions: tuple[int, ...] = derived(())
 
@@ -503,7 +508,15 @@ class FusionSection:
         "replay them: for launch-bound steps (small micro-batches). Needs a GPU. NOT VERIFIED: its gradients were "
         "wrong on an H200, the fix has not run on a GPU since (docs/gpu.md); for speed measurements",
         choices=("none", "local"))
-    cuda_graph_warmup_steps: int = flag(3, "eager runs of each layer inside the capture, before it is recorded")
+    cuda_graph_warmup_steps: int = flag(3, "eager runs of each layer inside the capture, before it is recorded "
+        "(with --cuda-graph-scope full_iteration: eager steps before the iteration is captured)")
+    cuda_graph_scope: Optional[tuple[str, ...]] = flag(None, "with --cuda-graph-impl local (megatron-core's "
+        "meaning): full_iteration captures each step's whole forward and backward over its micro-batches as one "
+        "graph (megatron-core's FullCudaGraphWrapper; the optimizer runs eagerly; needs "
+        "--no-check-for-nan-in-loss-and-grad); attn or mlp graph each whole layer, as no scope does (megatron-core's "
+        "local graphs do not split a layer); mamba graphs Mamba layers only, of which these models have none; the "
+        "moe scopes need MoE layers; full is Megatron-LM's deprecated name of no scope. Without --cuda-graph-impl "
+        "it changes nothing, as in Megatron-LM", nargs="+", choices=CUDA_GRAPH_SCOPES)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,13 @@ from typing import Any, Optional
 
 from angpt.config import megatron_lm, object_storage, pipeline_split, transformer_engine_support
 from angpt.config.blend import parse_blend
-from angpt.config.choices import FAMILY_NAMES, GPT_DEFAULTS, NORMALIZED_FAMILIES, recompute_module_refusal
+from angpt.config.choices import (
+    FAMILY_NAMES,
+    GPT_DEFAULTS,
+    MOE_CUDA_GRAPH_SCOPES,
+    NORMALIZED_FAMILIES,
+    recompute_module_refusal,
+)
 from angpt.config.files import read_json_object, read_text
 from angpt.config.sections import FIELD_SECTIONS, SECTIONS, RunConfig
 
@@ -144,6 +150,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
     _validate_switches(parser, args)
     _validate_schedule(parser, args, dp)
     _validate_precision(parser, args)
+    _validate_batch_invariant_mode(parser, args)
     _validate_checkpoints(parser, args)
     _validate_hang_timeout(parser, args)
     _validate_fake_process_group(parser, args)
@@ -615,14 +622,7 @@ def phase_transitions(value: str) -> tuple[int, ...]:
 def _validate_precision(parser, args) -> None:
     """--transformer-impl, the fused cross-entropy and the FP8 flags (Megatron-LM's names); fills in the FP8
     defaults."""
-    granularity = _recompute_granularity(vars(args))
-    if args.cuda_graph_impl == "local" and granularity == "full":
-        parser.error("--cuda-graph-impl local cannot capture layers that --recompute-granularity full recomputes "
-                     "(megatron-core supports that only for whole-iteration graphs); drop one of them")
-    if args.cuda_graph_impl == "local" and granularity == "selective":
-        parser.error("--cuda-graph-impl local with --recompute-granularity selective is not built: the recomputed "
-                     "parts run inside each layer's captured graph, which no test has checked on a GPU; drop one of "
-                     "them")
+    _validate_cuda_graphs(parser, args)
     if args.deterministic_mode:
         # Megatron-LM's checks (megatron/training/arguments.py, validate_args).
         if args.cross_entropy_loss_fusion:
@@ -677,6 +677,52 @@ def _validate_precision(parser, args) -> None:
             problem = transformer_engine_support.fp8_recipe_problem(recipe)
             if problem:
                 parser.error(f"--fp8-recipe {recipe}: {problem}")
+
+
+def _validate_cuda_graphs(parser, args) -> None:
+    """--cuda-graph-impl local with recompute, --cuda-graph-scope: Megatron-LM's checks (validate_args) and
+    megatron-core's (TransformerConfig.__post_init__), which hold with --cuda-graph-impl only, but the first."""
+    scope = args.cuda_graph_scope or []
+    if "full" in scope and scope != ["full"]:
+        parser.error(f"--cuda-graph-scope {' '.join(scope)}: full (the whole layer, deprecated) cannot be used with "
+                     "other scopes (Megatron-LM's check)")
+    if args.cuda_graph_impl != "local":
+        return
+    granularity = _recompute_granularity(vars(args))
+    if granularity == "full" and scope != ["full_iteration"]:
+        parser.error("--cuda-graph-impl local with --recompute-granularity full needs --cuda-graph-scope "
+                     "full_iteration alone (megatron-core's check: a layer's graph cannot hold its recompute)")
+    if granularity == "selective":
+        parser.error("--cuda-graph-impl local with --recompute-granularity selective is not built: the recomputed "
+                     "parts run inside each layer's captured graph, which no test has checked on a GPU; drop one of "
+                     "them")
+    moe = [value for value in scope if value in MOE_CUDA_GRAPH_SCOPES]
+    if moe:
+        parser.error(f"--cuda-graph-scope {moe[0]}: megatron-core graphs MoE layers with it, and this model is dense "
+                     "(megatron-core's check: moe cuda graph is only supported for MoE)")
+    # As Megatron-LM reads it: off with --fp16's dynamic loss scale.
+    nan_check = args.check_for_nan_in_loss_and_grad and not (args.fp16 and not args.loss_scale)
+    if "full_iteration" in scope and nan_check:
+        parser.error("--cuda-graph-scope full_iteration needs --no-check-for-nan-in-loss-and-grad (Megatron-LM's "
+                     "check: the NaN check reads the loss on the host, which a captured iteration cannot)")
+
+
+def _validate_batch_invariant_mode(parser, args) -> None:
+    """--batch-invariant-mode: megatron-core's check, and the families whose own reductions its kernels do not
+    replace (megatron-core's batch_invariant_kernels replace aten's mm, addmm, _log_softmax and mean.dim)."""
+    if not args.batch_invariant_mode:
+        return
+    if args.model_family != "gpt":
+        ops = ("RMSNorm (angpt.models.norms: a compiled kernel on CUDA, torch's fused rms_norm otherwise)"
+               if args.model_family == "gptplus" else "L2 normalizations of the hidden states, q and k (sums over "
+               "the hidden dimension: compiled kernels on CUDA, aten::sum otherwise)")
+        parser.error(f"--batch-invariant-mode with --model-family {args.model_family}: "
+                     f"{FAMILY_NAMES[args.model_family]}'s {ops}: none of the ops megatron-core's batch-invariant "
+                     "kernels replace (aten's mm, addmm, _log_softmax, mean.dim), so its results would still depend "
+                     "on the batch; --model-family gpt takes it as Megatron-LM does")
+    if args.attention_backend != "flash":
+        parser.error(f"--batch-invariant-mode needs --attention-backend flash, not {args.attention_backend} "
+                     "(megatron-core's check)")
 
 
 def _validate_dry_run(parser, args) -> None:

@@ -75,7 +75,9 @@ Each workaround, where it is, and what breaks without it under megatron-core 0.1
   selective recompute of GPT+'s `layernorm` raises NameError: FP8GlobalStateManager (its default fp8=False
   takes Transformer Engine's FP8 path).
 - CUDA graphs freed (`patches.py`, `delete_cuda_graphs`): megatron-core's own keeps every graph's input and
-  output buffers alive, so a second micro-batch shape or model in the same process runs out of memory.
+  output buffers alive, so a second micro-batch shape or model in the same process runs out of memory; its
+  FullCudaGraphWrapper (`--cuda-graph-scope full_iteration`) keeps its graphs and step counts for the process, so a
+  second run in it would replay the first's graph.
 - The rerun state machine's stats report (`angpt/training/rerun.py`, `_Machine._maybe_report_stats`): megatron-core's
   names each check by `Caller.filename` and `lineno`, which `Caller` lacks: `--rerun-mode report_stats` raises
   AttributeError at its second step. (Megatron-LM's `RerunMode(args.rerun_mode)` also refuses "report_stats", whose

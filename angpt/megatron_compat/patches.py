@@ -17,6 +17,7 @@ from megatron.core.dist_checkpointing.optimizer import (
 )
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBufferLoader
 from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.optimizer import clip_grads
 from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
@@ -295,12 +296,18 @@ def _insert_unless_saved_for_backward(pool, tensor: torch.Tensor) -> None:
 
 
 def delete_cuda_graphs(model_chunks) -> None:
-    """Free megatron-core's local CUDA graphs of these model chunks, for another micro-batch shape (the graphs
-    are captured for one) or another model in the same process. megatron-core's `delete_cuda_graphs` keeps
-    each layer's runners, whose graph inputs and outputs match any later call of the same shape, and the
-    buffer pool's strong references to every input and output buffer: a process that builds several graphed
-    models ran out of memory on their graphs' leftovers (the benchmark, on an H200). Nothing to do for
-    chunks built without CUDA graphs."""
+    """Free megatron-core's local CUDA graphs of these model chunks (and of the whole iteration), for another
+    micro-batch shape (the graphs are captured for one) or another model in the same process. megatron-core's
+    `delete_cuda_graphs` keeps each layer's runners, whose graph inputs and outputs match any later call of the
+    same shape, and the buffer pool's strong references to every input and output buffer: a process that builds
+    several graphed models ran out of memory on their graphs' leftovers (the benchmark, on an H200). Nothing more
+    to do for chunks built without layer graphs."""
+    # --cuda-graph-scope full_iteration's graphs, their outputs, step counts and input buffers: class attributes
+    # of megatron-core's, for the process (a later run would replay this one's graph).
+    FullCudaGraphWrapper.cuda_graph = {"training": None, "validation": None}
+    FullCudaGraphWrapper.result = {"training": None, "validation": None}
+    FullCudaGraphWrapper.curr_iteration = {"training": 0, "validation": 0}
+    StaticBufferLoader.static_buffers = {"training": [], "validation": []}
     managers = [module.cudagraph_manager for chunk in model_chunks for module in chunk.modules()
                 if hasattr(module, "cudagraph_manager")]
     if not managers:

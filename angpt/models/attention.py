@@ -5,7 +5,8 @@ for the softmax): at context 2048 that is most of a layer's activation memory an
 `attention_backend` flash (or auto on a GPU), the same attention runs through
 `torch.nn.functional.scaled_dot_product_attention`, which picks FlashAttention-2 or the memory-efficient
 kernel and never materializes the scores. auto keeps megatron's unfused path on CPU, so CPU runs stay
-bit-identical to megatron's local spec; flash forces torch's kernels everywhere.
+bit-identical to megatron's local spec; flash forces torch's kernels everywhere, but under
+batch_invariant_mode.
 """
 
 from __future__ import annotations
@@ -89,6 +90,9 @@ class FusedDotProductAttention(DotProductAttention):
         mask_type = attn_mask_type or self.attn_mask_type
         fusable = (
             uses_fused_attention(self.config.attention_backend, query.device)
+            # --batch-invariant-mode: megatron-core's own attention, as Megatron-LM's local spec runs it (torch's
+            # kernels take no num_splits, which megatron-core sets to 1 for Transformer Engine's in this mode).
+            and not self.config.batch_invariant_mode
             and mask_type == AttnMaskType.causal
             and attention_bias is None
             and packed_seq_params is None

@@ -46,6 +46,19 @@ def use_deterministic_algorithms(transformer_engine: bool = False) -> None:
     torch.use_deterministic_algorithms(True)
 
 
+def enable_batch_invariant_mode() -> None:
+    """--batch-invariant-mode as Megatron-LM's initialize_megatron sets it up: megatron-core's Triton kernels
+    registered for aten's mm, addmm, _log_softmax and mean.dim on the CUDA device, for the whole process."""
+    if not torch.cuda.is_available():
+        raise ValueError("--batch-invariant-mode: megatron-core's batch-invariant kernels are Triton's and need "
+                         "CUDA; there is none here")
+    from megatron.core.transformer.custom_layers.batch_invariant_kernels import (  # noqa: PLC0415 (imports Triton,
+        enable_batch_invariant_mode,  # an optional dependency that CUDA machines have)
+    )
+
+    enable_batch_invariant_mode()
+
+
 def initialize(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,

@@ -18,9 +18,11 @@ from megatron.core.distributed import (
 )
 from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 from megatron.core.enums import ModelType
+from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.rerun_state_machine import get_rerun_state_machine
+from megatron.core.transformer.enums import CudaGraphScope
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 from megatron.core.utils import get_batch_on_this_cp_rank, get_model_config
 
@@ -307,7 +309,15 @@ def _mean_loss_over_global_batch(data_iterators, model_chunks, num_microbatches:
                                  force_all_reduce: bool = False) -> float:
     """megatron-core's schedule over the micro-batches (and backward unless `forward_only`); the gradients
     all-reduced, not reduce-scattered, with `force_all_reduce`."""
-    losses = get_forward_backward_func()(
+    forward_backward = get_forward_backward_func()
+    config = get_model_config(model_chunks[0])
+    if config.cuda_graph_impl == "local" and CudaGraphScope.full_iteration in config.cuda_graph_scope:
+        # --cuda-graph-scope full_iteration, as Megatron-LM's train and evaluate wrap it: the forward and backward
+        # over all micro-batches as one CUDA graph, captured after cuda_graph_warmup_steps eager calls. The wrapper
+        # keeps its graphs, counts and input buffers in class attributes: one per call acts as one per run.
+        forward_backward = FullCudaGraphWrapper(forward_backward,
+                                                cuda_graph_warmup_steps=config.cuda_graph_warmup_steps)
+    losses = forward_backward(
         forward_step_func=partial(forward_step, checks=checks),
         data_iterator=data_iterators,
         model=model_chunks,
@@ -317,7 +327,7 @@ def _mean_loss_over_global_batch(data_iterators, model_chunks, num_microbatches:
         forward_only=forward_only,
         force_all_reduce=force_all_reduce,
     )
-    return _global_mean_loss(losses, get_model_config(model_chunks[0]).calculate_per_token_loss)
+    return _global_mean_loss(losses, config.calculate_per_token_loss)
 
 
 def _global_mean_loss(losses: list[dict], per_token: bool) -> float:

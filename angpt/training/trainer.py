@@ -88,6 +88,8 @@ class Trainer:
         self.tokenizer = self.vocabulary.unique_identifiers.get("tokenizer")
         if training.deterministic_mode:  # before the process groups (NCCL reads NCCL_ALGO)
             distributed.use_deterministic_algorithms(config.precision.transformer_impl == "transformer_engine")
+        if training.batch_invariant_mode:  # before the process groups, as Megatron-LM's initialize_megatron
+            distributed.enable_batch_invariant_mode()
         distributed.initialize(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
                                parallel.virtual_pipeline_stages, training.seed, parallel.distributed_timeout_minutes,
                                cuda_graphs=config.fusion.cuda_graph_impl == "local",
