@@ -101,6 +101,7 @@ def test_batches_read_from_s3_are_the_local_ones_and_the_idx_is_cached(s3, pydoc
     assert sorted(p.name for p in (cache / BUCKET / "pydoc").iterdir()) == ["train.idx", "valid.idx"]
 
 
+@pytest.mark.slow  # an in-process run
 def test_a_run_on_s3_data_gives_the_losses_of_the_local_copy(s3, pydoc_corpus, tmp_path):
     """(c) 4 steps with evaluations on s3:// data and on the same files locally: the same losses, every one."""
     runs = {}
