@@ -161,23 +161,45 @@ def test_mtp_trains_logs_its_loss_and_resumes_exactly(tmp_path, single_process, 
     assert figures(resumed) == curve
 
 
+# {case: (the one-process run's flags beyond RUN, the two-stage run's)}: the MTP layer on the last stage (Megatron-LM's
+# default, with its copy of the tied embedding); on the first of two stages (a layout's m before the last:
+# megatron-core's mtp_standalone, whose sends carry their shapes), untied, where only Megatron-LM's embedding group
+# (get_embedding_ranks: the first stage alone, not the last stage's output layer; megatron-core's default pairs them,
+# and iteration 3's grad norm was 2.656 for 2.465) keeps the weights right; and in the last of two virtual stages a rank
+# of an uneven layout (rank 0: the embedding alone, then a layer; rank 1: a layer, then MTP and the loss).
+PIPELINES = {
+    "last_stage": ([], ["--pipeline-model-parallel-size", "2"]),
+    "standalone_untied": (["--untie-embeddings-and-output-weights"],
+                          ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "Ettm|L"]),
+    "virtual_stages": ([], ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "E|t|t|mL"]),
+}
+_ONE_PROCESS_RUNS = {}  # {its flags: its run directory}: the tied cases continue the same one-process run
+
+
 @pytest.mark.slow
-@pytest.mark.multiprocess  # one torchrun launch of two ranks, after an in-process run
-def test_mtp_on_the_last_pipeline_stage_continues_a_one_process_run(tmp_path, single_process):
-    """Pipeline parallelism 2 (the MTP layer on the last stage, with its copy of the tied embedding), loading the
-    one-process run's checkpoint of iteration 2 (MTP layer and all) and saving its own: the LM and MTP losses of
-    iterations 3 and 4 are the one-process run's, and so are the weights saved after them."""
-    one, two = tmp_path / "pp1", tmp_path / "pp2"
-    assert in_process_trainer([*RUN, "--save", str(one), "--save-interval", "2"]).run() == 0
+@pytest.mark.multiprocess  # one torchrun launch of two ranks each, after an in-process run
+@pytest.mark.parametrize("case", PIPELINES)
+def test_mtp_on_two_pipeline_stages_continues_a_one_process_run(case, tmp_path_factory, single_process):
+    """Pipeline parallelism 2, loading the one-process run's checkpoint of iteration 2 (MTP layer and all) and saving
+    its own: the LM and MTP losses and the grad norms of iterations 3 and 4 are the one-process run's, and so are the
+    weights saved after them."""
+    flags, pipeline = PIPELINES[case]
+    one = _ONE_PROCESS_RUNS.get(tuple(flags))
+    if one is None:
+        one = _ONE_PROCESS_RUNS[tuple(flags)] = tmp_path_factory.mktemp("pp1")
+        assert in_process_trainer([*RUN, *flags, "--save", str(one), "--save-interval", "2"]).run() == 0
+    two = tmp_path_factory.mktemp(case)
     copy_checkpoint(one, 2, two)
-    done = launch(["-m", "angpt.pretrain", *RUN, "--pipeline-model-parallel-size", "2", "--save", str(two),
-                   "--load", str(two), "--save-interval", "2"], nproc=2,
+    done = launch(["-m", "angpt.pretrain", *RUN, *flags, *pipeline, "--save", str(two), "--load", str(two),
+                   "--save-interval", "2"], nproc=2,
                   env={**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore"}, timeout=300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     expected, got = figures(one), figures(two)
     assert sorted(got) == [3, 4]
+    grad_norms = [{r["iteration"]: r["grad_norm"] for r in records(run)} for run in (one, two)]
     for iteration in (3, 4):
         assert got[iteration] == pytest.approx(expected[iteration], rel=1e-5), iteration
+        assert grad_norms[1][iteration] == pytest.approx(grad_norms[0][iteration], rel=1e-5), iteration
     saved_one, saved_two = checkpoint_tensors(one, 4), checkpoint_tensors(two, 4)
     mtp_keys = [key for key in saved_one if "mtp.layers.0." in key]
     assert mtp_keys and set(saved_two) == set(saved_one)
@@ -213,10 +235,40 @@ def test_the_dry_run_counts_the_mtp_layers(single_process):
     # Without MTP the last stage's head holds the copy where tied, its own weight where not: the same count.
     assert f"stage 1 {(per_layer + 2 * H + V * H) / 1e3:.2f}k" in tied
     assert f"stage 1 {(per_layer + 2 * H + V * H) / 1e3:.2f}k" in untied
+    # A layout's m on the middle stage of 3: that stage holds its layer, the final norm (after the last layer), the MTP
+    # layers and a copy of the word embedding; the last stage, the loss alone, its tied head's copy.
+    distributed.destroy_model_parallel()
+    try:
+        standalone = describe(gpt(*ROPE, "--mtp-num-layers", "2", "--pipeline-model-parallel-size", "3",
+                                  "--pipeline-model-parallel-layout", "Et|tmm|L", world_size=3))
+    finally:
+        distributed.destroy_model_parallel()
+        distributed.initialize()
+    assert f"stage 1 {last_stage / 1e3:.2f}k" in standalone
+    assert f"stage 2 {V * H / 1e3:.2f}k" in standalone
     config, base = transformer_config(gpt(*ROPE, "--mtp-num-layers", "2")), transformer_config(gpt(*ROPE))
     layer = (model_flops_per_token(base, SEQ, V) - 3 * 2 * V * H) / 3 / 2 / LAYERS
     assert model_flops_per_token(config, SEQ, V) - model_flops_per_token(base, SEQ, V) == pytest.approx(
         3 * 2 * 2 * (layer + 2 * H * H + H * V))
+
+
+@pytest.mark.parametrize("argv,expected", [
+    # Megatron-LM's get_embedding_ranks over pipeline ranks 10, 11, 12, 13: the first; the last where tied; the MTP
+    # stage's (m on rank 12); one stage: itself.
+    (["--pipeline-model-parallel-size", "4"], [10, 13]),
+    (["--pipeline-model-parallel-size", "4", "--untie-embeddings-and-output-weights"], [10]),
+    (["--pipeline-model-parallel-size", "4", "--mtp-num-layers", "1", "--pipeline-model-parallel-layout", "Et|tt|tm|L"],
+     [10, 12, 13]),
+    (["--pipeline-model-parallel-size", "4", "--mtp-num-layers", "1", "--pipeline-model-parallel-layout", "Et|tt|tm|L",
+      "--untie-embeddings-and-output-weights"], [10, 12]),
+    (["--pipeline-model-parallel-size", "4", "--mtp-num-layers", "1", "--untie-embeddings-and-output-weights"],
+     [10, 13]),
+    ([], [10]),
+])
+def test_the_embedding_group_is_megatron_lms(argv, expected):
+    stages = int(argv[1]) if argv else 1
+    config = transformer_config(gpt(*ROPE, "--num-layers", "4", *argv, world_size=stages))
+    assert distributed.embedding_ranks(list(range(10, 10 + stages)), config) == expected
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -228,9 +280,13 @@ def test_the_dry_run_counts_the_mtp_layers(single_process):
      "not 2 (megatron-core's MTP layer asserts it"),
     (["--mtp-num-layers", "1", *ROPE, "--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout",
       "Et|tL"], "Number of mtp layers in layout must match mtp_num_layers"),
-    (["--mtp-num-layers", "1", *ROPE, "--pipeline-model-parallel-size", "3", "--pipeline-model-parallel-layout",
-      "Et|tm|L"], "puts the MTP layers (m) on a stage before the last (megatron-core's mtp_standalone): not built "
-     "here"),
+    # megatron-core's own check: m in the last virtual stage of its rank.
+    (["--mtp-num-layers", "1", *ROPE, "--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout",
+      "Et|t||m||L"], "Currently we restrict that the MTP should be always in the last"),
+    # Beside the first stage's embedding in a virtual stage of its own (rank 0's chunks: Et, then ttm).
+    (["--mtp-num-layers", "1", *ROPE, "--num-layers", "4", "--pipeline-model-parallel-size", "2",
+      "--pipeline-model-parallel-layout", "Et|t|ttm|L"], "puts the MTP layers (m) in the first pipeline rank's last "
+     "virtual stage, beside its embedding: megatron-core 0.16.1 keeps one copy of the word embedding per rank"),
 ])
 def test_what_megatron_lm_refuses_with_mtp_is_refused(argv, message, capsys):
     world_size = 3 if "3" in argv else 2
@@ -248,6 +304,13 @@ def test_megatron_lms_mtp_boundaries_are_accepted():
     layout = gpt(*ROPE, "--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2",
                  "--pipeline-model-parallel-layout", "Et|tmL", world_size=2)
     assert transformer_config(layout).mtp_standalone is False
+    # m on a stage before the last (megatron-core's mtp_standalone), with or without virtual stages (rank 1 of 3 holds
+    # m in its second virtual stage: Et, t, t, t, tm, L over ranks 0, 1, 2, 0, 1, 2).
+    for stages, layout, argv in ((2, "Ettm|L", []), (3, "Et|tm|L", []),
+                                 (3, "Et|t|t|t|tm|L", ["--num-layers", "5"])):
+        standalone = gpt(*ROPE, "--mtp-num-layers", "1", "--pipeline-model-parallel-size", str(stages),
+                         "--pipeline-model-parallel-layout", layout, *argv, world_size=stages)
+        assert transformer_config(standalone).mtp_standalone is True, layout
     assert transformer_config(gpt("--mtp-loss-scaling-factor", "0.5", "--mtp-num-layers", "1", *ROPE)
                               ).mtp_loss_scaling_factor == 0.5
 

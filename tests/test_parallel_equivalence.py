@@ -13,7 +13,7 @@ from conftest import run_workers
 FAMILIES = ["angpt", "gptplus", "ngpt"]
 LR = 1e-2  # the worker's learning rate
 LAYOUTS = ["tp2", "tp2_sequence_parallel", "pp2", "pp2_interleaved", "pp2_interleaved_overlap_optimizer_step",
-           "pp2_uneven", "pp2_layout", "dp2", "dp2_fsdp2",
+           "pp2_uneven", "pp2_layout", "pp2_layout_interleaved", "dp2", "dp2_fsdp2",
            "dp2_distributed_optimizer", "dp2_distributed_optimizer_instances2", "tp2_sequence_parallel_recompute",
            "cp2", "cp2_fsdp2", "tp2_distribute_saved_activations"]
 # Context parallelism with the other splits: one launch of four processes, 75-115 s on the 2 cores of the test

@@ -6,6 +6,7 @@ import pytest
 from angpt.config.arguments import parse_args
 from angpt.config.pipeline_split import stage_layers
 from angpt.training import distributed
+from angpt.training.megatron_configs import transformer_config
 
 BASE = ["--mock-data", "--vocab-size", "64", "--hidden-size", "32", "--num-attention-heads", "4", "--train-iters", "2"]
 
@@ -37,6 +38,9 @@ def split(num_layers: int, stages: int, *flags: str) -> list[int]:
     (7, 4, ["--account-for-embedding-in-pipeline-split", "--num-layers-per-virtual-pipeline-stage", "1"],
      [1, 2, 2, 2]),
     (8, 2, ["--decoder-first-pipeline-num-layers", "2", "--num-virtual-stages-per-pipeline-rank", "2"], [2, 6]),
+    # A layout of 4 stages over 2 ranks: stage i on rank i mod 2, rank 0 holding Et and t, rank 1 tt and L.
+    (4, 2, ["--pipeline-model-parallel-layout", "Et|tt|t|L"], [2, 2]),
+    (5, 2, ["--pipeline-model-parallel-layout", "E|ttt|t|tL"], [1, 4]),
 ])
 def test_each_stage_gets_the_layers_megatron_core_gives_it(num_layers, stages, flags, expected):
     assert split(num_layers, stages, *flags) == expected
@@ -56,7 +60,17 @@ def test_each_stage_gets_the_layers_megatron_core_gives_it(num_layers, stages, f
     (4, 2, ["--decoder-first-pipeline-num-layers", "1", "--account-for-loss-in-pipeline-split"],
      "two ways to unbalance the stages"),
     (4, 2, ["--pipeline-model-parallel-layout", "Ett|tL"], "--pipeline-model-parallel-layout 'Ett|tL': "),
-    (4, 2, ["--pipeline-model-parallel-layout", "Et|t|t|tL"], "has 2 virtual stages per pipeline rank"),
+    # 3 stages over 2 ranks (megatron-core's message); the layout gives the virtual stages: no other flag for them.
+    (4, 2, ["--pipeline-model-parallel-layout", "Et|tt|tL"], "must be divisible by pipeline_model_parallel_size"),
+    (4, 2, ["--pipeline-model-parallel-layout", "Et|t|t|tL", "--num-virtual-stages-per-pipeline-rank", "2"],
+     "--pipeline-model-parallel-layout places every layer: leave out --num-virtual-stages-per-pipeline-rank"),
+    (4, 2, ["--pipeline-model-parallel-layout", "Et|tt|tL", "--num-layers-per-virtual-pipeline-stage", "1"],
+     "leave out --num-layers-per-virtual-pipeline-stage"),
+    (4, 2, ["--pipeline-model-parallel-layout", "Ett|tL", "--decoder-first-pipeline-num-layers", "2"],
+     "leave out --decoder-first-pipeline-num-layers"),
+    # Its virtual stages are the interleaved schedule's, with its checks (Megatron-LM's at PP 2).
+    (4, 2, ["--pipeline-model-parallel-layout", "Et|t|t|tL", "--no-overlap-p2p-communication"],
+     "--no-overlap-p2p-communication with the interleaved schedule needs --pipeline-model-parallel-size > 2"),
     (8, 2, ["--decoder-first-pipeline-num-layers", "2", "--num-layers-per-virtual-pipeline-stage", "2"],
      "give the virtual stages as --num-virtual-stages-per-pipeline-rank (Megatron-LM's check)"),
     # Each rank's share must cut into its virtual stages: 4 + 2 = 6, 3 a rank, not in 2; 1 + 7 not either.
@@ -70,6 +84,18 @@ def test_a_split_that_cannot_work_is_refused_naming_the_flags(num_layers, stages
     with pytest.raises(SystemExit):
         split(num_layers, stages, *flags)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layout,virtual", [("Et|t|t|tL", 2), ("E|t|t|t|t|L", 3),
+                                            # One stage a rank: no virtual stages, the path of a layout before them.
+                                            ("Ettt|tL", None), ("E(t)*4L", None)])
+def test_a_layout_of_more_stages_than_ranks_gives_the_virtual_stages(layout, virtual):
+    """Megatron-LM's validate_args: the layout's stages over --pipeline-model-parallel-size, None for one."""
+    stages = 1 if "|" not in layout else 2
+    config = parse_args([*BASE, "--num-layers", "4", "--pipeline-model-parallel-size", str(stages),
+                         "--pipeline-model-parallel-layout", layout], world_size=stages)
+    assert config.parallel.virtual_pipeline_stages == virtual
+    assert transformer_config(config).virtual_pipeline_model_parallel_size == virtual
 
 
 def test_the_dry_run_follows_the_split(single_process):

@@ -6,7 +6,8 @@ stage and the rest evenly over the others; with --account-for-embedding-in-pipel
 stage; with --pipeline-model-parallel-layout, each layer where the layout string puts it ("Et|tt|ttL": the
 embedding and a layer, two layers, two layers and the loss). With virtual stages (the interleaved schedule), each
 rank's share is cut into that many equal chunks, the embedding and loss taken from the first and last (megatron-core's
-get_num_layers_to_build); a layout string with virtual stages is not built here."""
+get_num_layers_to_build); a layout string of more stages than pipeline ranks gives the virtual stages itself, stage i
+on rank i mod PP (Megatron-LM's validate_args), each as uneven as the string writes it."""
 
 from __future__ import annotations
 
@@ -35,8 +36,12 @@ def stage_layers(num_layers: int, parallel, mtp_num_layers: Optional[int] = None
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
     embedding, loss = args.account_for_embedding_in_pipeline_split, args.account_for_loss_in_pipeline_split
     if args.pipeline_model_parallel_layout:
-        if len(given) > 1:
-            raise ValueError(f"--pipeline-model-parallel-layout places every layer: leave out {given[1]}")
+        virtual_flags = (("--num-layers-per-virtual-pipeline-stage", args.num_layers_per_virtual_pipeline_stage),
+                         ("--num-virtual-stages-per-pipeline-rank", args.num_virtual_stages_per_pipeline_rank))
+        others = [flag for flag in given if flag != "--pipeline-model-parallel-layout"] + [
+            flag for flag, value in virtual_flags if value is not None]
+        if others:  # Megatron-LM's checks: the layout sets the virtual stages too
+            raise ValueError(f"--pipeline-model-parallel-layout places every layer: leave out {others[0]}")
         return _layout_layers(args.pipeline_model_parallel_layout, layers, stages, mtp_num_layers)
     split = _split(layers, stages, given, first, last, embedding, loss)
     virtual = virtual_stages(num_layers, args)
@@ -53,9 +58,14 @@ def stage_layers(num_layers: int, parallel, mtp_num_layers: Optional[int] = None
 
 
 def virtual_stages(num_layers: int, args) -> Optional[int]:
-    """The virtual stages per pipeline rank (`args`: the parallel section, or the parsed flags), as Megatron-LM
-    derives them; None for one (no interleaved schedule then). From --num-layers-per-virtual-pipeline-stage: a
-    rank's share of the layers (the embedding and loss counted where the split counts them) over it."""
+    """The virtual stages per pipeline rank (`args`: the parallel section, or the parsed flags, a layout already
+    checked by `stage_layers`), as Megatron-LM derives them; None for one (no interleaved schedule then). From
+    --pipeline-model-parallel-layout: its stages over the pipeline ranks. From --num-layers-per-virtual-pipeline-stage:
+    a rank's share of the layers (the embedding and loss counted where the split counts them) over it."""
+    if args.pipeline_model_parallel_layout:
+        stages = parsed_layout(args.pipeline_model_parallel_layout,
+                               args.pipeline_model_parallel_size).virtual_pipeline_model_parallel_size
+        return stages if stages > 1 else None
     per_stage = args.num_layers_per_virtual_pipeline_stage
     stages = args.num_virtual_stages_per_pipeline_rank
     if not stages and per_stage:
@@ -94,29 +104,46 @@ def _split(layers: int, stages: int, given: list[str], first, last, embedding, l
     return split
 
 
-def _layout_layers(layout: str, layers: int, stages: int, mtp_num_layers: Optional[int]) -> list[int]:
-    from megatron.core.transformer.enums import LayerType  # noqa: PLC0415 (only with a layout: --help stays quick)
-    from megatron.core.transformer.pipeline_parallel_layer_layout import (  # noqa: PLC0415
-        PipelineParallelLayerLayout,
+def parsed_layout(layout: str, stages: int):
+    """megatron-core's PipelineParallelLayerLayout of the string over `stages` pipeline ranks (TransformerConfig's)."""
+    from megatron.core.transformer.pipeline_parallel_layer_layout import (  # noqa: PLC0415 (only with a layout:
+        PipelineParallelLayerLayout,  # --help stays quick)
     )
 
+    return PipelineParallelLayerLayout(layout, stages)
+
+
+def _layout_layers(layout: str, layers: int, stages: int, mtp_num_layers: Optional[int]) -> list[int]:
+    from megatron.core.transformer.enums import LayerType  # noqa: PLC0415 (as parsed_layout)
+
     try:
-        parsed = PipelineParallelLayerLayout(layout, stages)
-        standalone = parsed.validate_layer_layout(layers, mtp_num_layers=mtp_num_layers or None)
+        parsed = parsed_layout(layout, stages)
+        parsed.validate_layer_layout(layers, mtp_num_layers=mtp_num_layers or None)
     except (AssertionError, ValueError, NotImplementedError) as error:
         raise ValueError(f"--pipeline-model-parallel-layout {layout!r}: {error} (E: the embedding, t: a layer, m: an "
                          f"MTP layer, L: the loss, | between stages; {layers} layers, {mtp_num_layers or 0} MTP "
                          f"layers over {stages} stages)") from None
-    if standalone:
-        raise ValueError(f"--pipeline-model-parallel-layout {layout!r} puts the MTP layers (m) on a stage before the "
-                         "last (megatron-core's mtp_standalone): not built here, that stage's copy of the word "
-                         "embedding needs Megatron-LM's embedding group with it (get_embedding_ranks); put m on the "
-                         "last stage")
-    virtual = parsed.virtual_pipeline_model_parallel_size
-    if virtual > 1:
-        raise ValueError(f"--pipeline-model-parallel-layout {layout!r} has {virtual} virtual stages per pipeline "
-                         "rank: virtual stages of an uneven split are not built yet")
-    return [parsed.layout[rank][0].count(LayerType.decoder) for rank in range(stages)]
+    if parsed.virtual_pipeline_model_parallel_size > 1 and LayerType.mtp in parsed.layout[0][-1]:
+        raise ValueError(f"--pipeline-model-parallel-layout {layout!r} puts the MTP layers (m) in the first pipeline "
+                         "rank's last virtual stage, beside its embedding: megatron-core 0.16.1 keeps one copy of the "
+                         "word embedding per rank of its embedding group, so that stage's second copy is never made "
+                         "equal to the first (the ranks' initial all-reduces do not pair: Megatron-LM hangs there too) "
+                         "nor its gradients reduced; put m on a later rank")
+    # A rank's layers over all its virtual stages.
+    return [sum(chunk.count(LayerType.decoder) for chunk in parsed.layout[rank]) for rank in range(stages)]
+
+
+def mtp_stage(parallel) -> int:
+    """The pipeline stage that holds the MTP layers (`parallel`: the parallel section, or the parsed flags): where a
+    layout puts m, the last stage otherwise (megatron-core's get_mtp_ranks)."""
+    stages = parallel.pipeline_model_parallel_size
+    if not parallel.pipeline_model_parallel_layout:
+        return stages - 1
+    from megatron.core.transformer.enums import LayerType  # noqa: PLC0415 (as parsed_layout)
+
+    parsed = parsed_layout(parallel.pipeline_model_parallel_layout, stages)
+    return next((rank for rank in range(stages) if any(LayerType.mtp in chunk for chunk in parsed.layout[rank])),
+                stages - 1)
 
 
 def stage_of_layer(split: list[int], layer: int) -> Optional[int]:

@@ -229,7 +229,8 @@ class ParallelSection:
     account_for_loss_in_pipeline_split: bool = flag(False, "count the output layer and loss as a layer of the last "
         "stage")
     pipeline_model_parallel_layout: Optional[str] = flag(None, "each stage's layers, as Megatron-LM writes them: E "
-        "the embedding, t a layer, L the loss, | between stages (\"Et|tt|ttL\"; (tt|)*3 repeats)")
+        "the embedding, t a layer, m an MTP layer (gpt), L the loss, | between stages (\"Et|tt|ttL\"; (tt|)*3 "
+        "repeats); more stages than --pipeline-model-parallel-size are virtual stages, stage i on rank i mod PP")
     sequence_parallel: bool = flag(False, switch=True)
     clone_scatter_output_in_embedding: bool = flag(True, "with --sequence-parallel: keep the embeddings' scattered "
         "output a view of the whole one (megatron-core clones it by default, so that the whole one can be freed)",

@@ -9,12 +9,13 @@ import os
 import random
 import socket
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.multi_token_prediction import get_mtp_ranks
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -76,6 +77,7 @@ def initialize(
     num_distributed_optimizer_instances: int = 1,
     create_all_gather_group: bool = False,
     fake_process_group: bool = False,
+    get_embedding_ranks: Optional[Callable[[list[int]], list[int]]] = None,
 ) -> None:
     """Join the torchrun job (if not already joined), build megatron-core's groups and seed every RNG
     (`set_random_seed`). The ranks' order is Megatron-LM's: tp-cp-ep-dp-pp, or tp-cp-ep-pp-dp with
@@ -83,7 +85,9 @@ def initialize(
     builds no gloo groups beside its others; with `create_all_gather_group` (--create-all-gather-group) it builds a
     second data-parallel (x context-parallel) group, for Megatron-FSDP's weight all-gathers. With
     `fake_process_group` (--fake-process-group) the process joins no job: it is rank $RANK of $WORLD_SIZE in torch's
-    fake process group, whose collectives do nothing (as Megatron-LM's initialize)."""
+    fake process group, whose collectives do nothing (as Megatron-LM's initialize). `get_embedding_ranks`: the
+    ranks of a pipeline group whose copies of the word embedding are kept equal (`embedding_ranks`; megatron-core's
+    default: the first and last)."""
     patches.install()  # megatron-core workarounds (the CPU adapter among them), before anything is built
     if flight_recorder_dump_path and not torch.cuda.is_available():
         raise ValueError("--flight-recorder-dump-path: NCCL's flight recorder records NCCL's collectives, which "
@@ -114,6 +118,7 @@ def initialize(
         expert_tensor_parallel_size=expert_tensor_parallel_size,
         num_distributed_optimizer_instances=num_distributed_optimizer_instances,
         create_all_gather_group=create_all_gather_group,
+        get_embedding_ranks=get_embedding_ranks,
     )
     # megatron-core 0.16.1 builds its expert data-parallel gloo groups without that timeout (torch's 30 minutes):
     # idle in a dense model, but held to the flag like every other group.
@@ -122,6 +127,20 @@ def initialize(
         if group is not None:
             dist.distributed_c10d._set_pg_timeout(timedelta(minutes=timeout_minutes), group)
     set_random_seed(seed, cuda_graphs)
+
+
+def embedding_ranks(pp_ranks: list[int], config) -> list[int]:
+    """Megatron-LM's get_embedding_ranks (pretrain_gpt.py), for the model `config`: of a pipeline group's ranks, those
+    holding a copy of the word embedding, whose gradients megatron-core all-reduces over them (and whose initial
+    values it copies from the first): the first stage's, the last's where the output layer is tied to it, and each
+    stage's with MTP layers, which embed the tokens ahead (megatron-core's get_mtp_ranks: a
+    --pipeline-model-parallel-layout may put them on a stage before the last)."""
+    ranks = [pp_ranks[0]]
+    if len(pp_ranks) > 1:
+        if config.share_embeddings_and_output_weights:
+            ranks.append(pp_ranks[-1])
+        ranks.extend(get_mtp_ranks(pp_ranks, config))
+    return sorted(set(ranks))
 
 
 def destroy_model_parallel() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from typing import Optional
 
 import torch
 from megatron.core import tensor_parallel
@@ -17,7 +18,7 @@ from megatron.core import tensor_parallel
 from angpt import kernels
 from angpt.config.batch_schedule import ramp
 from angpt.config.choices import recompute_module_refusal
-from angpt.config.pipeline_split import stage_layers, stage_of_layer, uneven
+from angpt.config.pipeline_split import mtp_stage, stage_layers, stage_of_layer, uneven
 from angpt.config.sections import PrecisionSection, RunConfig
 from angpt.data.gpt_datasets import dataset_vocabulary
 from angpt.data.indexed import check_indexed_dataset
@@ -33,14 +34,16 @@ _TENSOR_PARALLEL_MODULES = (tensor_parallel.ColumnParallelLinear, tensor_paralle
                             tensor_parallel.VocabParallelEmbedding)
 
 
-def parameters_by_stage(model: torch.nn.Module, layer_split: list[int]) -> dict:
+def parameters_by_stage(model: torch.nn.Module, layer_split: list[int], mtp_at: Optional[int] = None) -> dict:
     """{stage: (tensor-parallel parameters, replicated parameters)} of a whole model built without parallelism: the
-    embedding on the first stage, `layer_split[s]` layers on stage s (angpt.config.pipeline_split), the final norm, head
-    and MTP layers on the last, which then holds a copy of the word embedding too where the head is tied to it
-    (megatron-core's output layer keeps one there) or MTP layers embed the tokens ahead. Tensor-parallel: the weights of
-    megatron-core's parallel linear layers and embedding, and the vectors split with them (our scales mark themselves
-    `tensor_model_parallel`)."""
+    embedding on the first stage, `layer_split[s]` layers on stage s (angpt.config.pipeline_split), the final norm
+    (with MTP: the last layer's stage) and head on the last, which then holds a copy of the word embedding too where
+    the head is tied to it (megatron-core's output layer keeps one there), the MTP layers on stage `mtp_at` (default
+    the last), which holds a copy too unless it is the first (megatron-core's MTP layers embed the tokens ahead).
+    Tensor-parallel: the weights of megatron-core's parallel linear layers and embedding, and the vectors split with
+    them (our scales mark themselves `tensor_model_parallel`)."""
     pipeline_stages = len(layer_split)
+    mtp_at = pipeline_stages - 1 if mtp_at is None else mtp_at
     split_params = set()
     for module in model.modules():
         if isinstance(module, _TENSOR_PARALLEL_MODULES):
@@ -52,13 +55,19 @@ def parameters_by_stage(model: torch.nn.Module, layer_split: list[int]) -> dict:
             stage = stage_of_layer(layer_split, int(parts[2]))
         elif parts[0] == "embedding":
             stage = 0
+        elif parts[0] == "mtp":
+            stage = mtp_at
+        elif parts[:2] == ["decoder", "final_layernorm"] and hasattr(model, "mtp"):  # megatron-core puts it after
+            stage = stage_of_layer(layer_split, sum(layer_split) - 1)  # the last decoder layer with MTP
         else:  # the final norm, the output layer and its logit scale
             stage = pipeline_stages - 1
         split = id(param) in split_params or getattr(param, "tensor_model_parallel", False)
         counts[stage][0 if split else 1] += param.numel()
-        if name == "embedding.word_embeddings.weight" and pipeline_stages > 1 and (
-                model.share_embeddings_and_output_weights or hasattr(model, "mtp")):
-            counts[pipeline_stages - 1][0] += param.numel()
+        if name == "embedding.word_embeddings.weight":
+            copies = {pipeline_stages - 1} if model.share_embeddings_and_output_weights else set()
+            copies |= {mtp_at} if hasattr(model, "mtp") else set()
+            for stage in copies - {0}:
+                counts[stage][0] += param.numel()
     return {stage: tuple(counts[stage]) for stage in range(pipeline_stages)}
 
 
@@ -97,7 +106,7 @@ def describe(run: RunConfig) -> str:
     embedding = model.embedding.word_embeddings.weight.numel()
     head = 0 if config.share_embeddings_and_output_weights else model.output_layer.weight.numel()
     layer_split = stage_layers(run.model.num_layers, parallel, run.architecture.mtp_num_layers)
-    stages = parameters_by_stage(model, layer_split)
+    stages = parameters_by_stage(model, layer_split, mtp_stage(parallel))
     per_rank = {stage: split / tp + replicated for stage, (split, replicated) in stages.items()}
     lines = [
         f"dry run of --model-family {run.model.model_family} on {world_size} processes: the configuration is valid",
@@ -112,7 +121,8 @@ def describe(run: RunConfig) -> str:
         f"  {run.model.num_layers} layers: "
         + (f"{layer_split[0]} per pipeline stage" if len(set(layer_split)) == 1 else
            "by pipeline stage " + ", ".join(map(str, layer_split)) + f" ({', '.join(uneven(parallel))})")
-        + ((f", {run.model.num_layers // pp // vp} per virtual stage" if len(set(layer_split)) == 1 else
+        + ((f", {run.model.num_layers // pp // vp} per virtual stage"
+            if len(set(layer_split)) == 1 and not parallel.pipeline_model_parallel_layout else
             f", each stage's share in {vp} virtual stages") if vp else ""),
         "",
         "batch",

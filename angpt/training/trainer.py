@@ -90,6 +90,7 @@ class Trainer:
             distributed.use_deterministic_algorithms(config.precision.transformer_impl == "transformer_engine")
         if training.batch_invariant_mode:  # before the process groups, as Megatron-LM's initialize_megatron
             distributed.enable_batch_invariant_mode()
+        self.config = transformer_config(config)
         distributed.initialize(parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
                                parallel.virtual_pipeline_stages, training.seed, parallel.distributed_timeout_minutes,
                                cuda_graphs=config.fusion.cuda_graph_impl == "local",
@@ -104,7 +105,8 @@ class Trainer:
                                expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
                                num_distributed_optimizer_instances=parallel.num_distributed_optimizer_instances,
                                create_all_gather_group=parallel.create_all_gather_group,
-                               fake_process_group=parallel.fake_process_group)
+                               fake_process_group=parallel.fake_process_group,
+                               get_embedding_ranks=partial(distributed.embedding_ranks, config=self.config))
         self.rank = dist.get_rank()
         # Where --non-persistent-ckpt-type global's checkpoints are saved (None: none are).
         self.non_persistent_save = (checkpointing.non_persistent_dir(checkpoint.save,
@@ -118,7 +120,6 @@ class Trainer:
         self.progress_log = None  # --log-progress's (Megatron-LM's: its first line once the processes are up)
         if config.logging.log_progress and checkpoint.save:
             self.progress_log = ProgressLog(checkpoint.save, dist.get_world_size(), enabled=self.rank == 0)
-        self.config = transformer_config(config)
         if self.config.cuda_graph_impl == "local" and self.rank == 0:
             logger.warning("--cuda-graph-impl local is not verified yet: on an H200 the steps replayed from CUDA "
                            "graphs had wrong gradients, and the fix (angpt.megatron_compat.patches) has not run on "

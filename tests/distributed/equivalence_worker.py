@@ -44,6 +44,9 @@ LAYOUTS = {
     # Uneven splits of the 4 layers: 1 + 3, and the layout string's 3 + 1.
     "pp2_uneven": dict(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=1),
     "pp2_layout": dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Ettt|tL"),
+    # A layout of 4 stages over 2 ranks, virtual stages of 1, 2, 1 and 0 layers: rank 0 holds layers 0 and 3, rank 1
+    # layers 1 and 2 and then the loss alone (the interleaved schedule over uneven chunks).
+    "pp2_layout_interleaved": dict(pipeline_model_parallel_size=2, pipeline_model_parallel_layout="Et|tt|t|L"),
     "dp2": dict(),
     "dp2_distributed_optimizer": dict(distributed_optimizer=True),
     # PyTorch's FSDP2 (--use-torch-fsdp2): every weight, gradient and Adam state sharded by rows.
