@@ -335,7 +335,6 @@ PREFIXES: tuple[tuple[str, Decision], ...] = (
     ("--muon-", refused("the families train with Adam (docs/model.md)")),
     ("--ckpt-convert-", refused(CHECKPOINT_FORMAT)),
     ("--fsdp-", refused(FSDP)),
-    ("--fim-", refused(f"fill-in-the-middle data is {NOT_YET}")),
     ("--hybrid-", refused(f"hybrid (Mamba) models: {DENSE}")),
     ("--inference-", refused(INFERENCE)),
     ("--cpu-offloading", refused(OFFLOAD)),
@@ -525,6 +524,25 @@ def _tokenizer_notes(config: RunConfig) -> list[str]:
         if given:
             lines.append(f"{' and '.join(given)}: NullTokenizer does not read {'them' if len(given) > 1 else 'it'} "
                          "(as in Megatron-LM, nothing changes)")
+    return lines
+
+
+def _fim_notes(config: RunConfig) -> list[str]:
+    """The FIM flags where Megatron-LM reads them otherwise or not at all, and how its GPTFIMDataset draws."""
+    data = config.data
+    defaults = RunConfig().data
+    given = [option_of(name) for name in vars(data) if name.startswith("fim_") and name != "fim_data"
+             and getattr(data, name) != getattr(defaults, name)]
+    if not data.fim_data:
+        return [f"{', '.join(given)}: without --fim-data there is no FIM data (as in Megatron-LM, nothing changes)"] \
+            if given else []
+    lines = ["--fim-data: as in Megatron-LM, GPTFIMDataset draws its choices from one random generator per dataset "
+             "(and DataLoader worker, --num-workers), seeded with --seed when the datasets are built, in the order the "
+             "samples are read: a resumed run draws afresh from the seed, so its samples after the resume differ "
+             "from an uninterrupted run's"]
+    if data.fim_fragment_rate is not None and not data.fim_split_sample:
+        lines.append("--fim-fragment-rate: without --fim-split-sample no document is split into fragments (as in "
+                     "Megatron-LM, nothing changes)")
     return lines
 
 
@@ -729,6 +747,7 @@ def notes(config: RunConfig, cuda: bool = True) -> list[str]:
     lines += _tokenizer_notes(config)
     lines += _mtp_notes(config)
     lines += _object_storage_notes(config)
+    lines += _fim_notes(config)
     if not config.parallel.clone_scatter_output_in_embedding and not config.parallel.sequence_parallel:
         lines.append("--no-clone-scatter-output-in-embedding: without --sequence-parallel the embeddings are not "
                      "scattered (as in Megatron-LM, nothing changes)")

@@ -591,6 +591,26 @@ class DataSection:
     dataloader_defer_npy_index_mmap: bool = flag(False, "map the index caches in --data-cache-path into memory at "
         "their first read, not when the datasets are built (every cache must be built)")
     num_dataset_builder_threads: int = flag(1, "threads that build a blend's datasets on each rank")
+    fim_data: bool = flag(False, "fill-in-the-middle training data: Megatron-LM's GPTFIMDataset (vendored, "
+        "angpt/data/fim_dataset.py) decodes each document of a sample to text, cuts it at two random places and "
+        "reorders the pieces around the FIM tokens, which must be tokens of the datasets' tokenizer")
+    fim_rate: float = flag(0.5, "with --fim-data: the probability that a document (or, with --fim-split-sample, a "
+        "sample's document) is reordered")
+    fim_spm_rate: float = flag(0.5, "with --fim-data: the probability that a reordered document is in SPM order "
+        "(prefix and suffix tokens, suffix, middle token, prefix, middle) rather than PSM (prefix token, prefix, "
+        "suffix token, suffix, middle token, middle)")
+    fim_split_sample: Optional[str] = flag(None, "with --fim-data: a token that splits documents into fragments "
+        "(e.g. files of a repository), each reordered with --fim-fragment-rate")
+    fim_fragment_rate: Optional[float] = flag(None, "with --fim-split-sample: the probability that a fragment is "
+        "reordered")
+    fim_no_prefix: Optional[str] = flag(None, "with --fim-data: documents and fragments whose text starts with this "
+        "are not reordered")
+    fim_prefix_token: str = flag("<fim_prefix>", "with --fim-data: the token before the prefix")
+    fim_middle_token: str = flag("<fim_middle>", "with --fim-data: the token before the middle")
+    fim_suffix_token: str = flag("<fim_suffix>", "with --fim-data: the token before the suffix")
+    fim_pad_token: str = flag("<fim_pad>", "with --fim-data: pads a sample that the reordering shortened")
+    fim_eod_token: str = flag("<|endoftext|>", "with --fim-data: the token between the documents that are "
+        "reordered one by one")
     mid_level_dataset_surplus: float = flag(0.005, "the fraction of samples each dataset of a weighted blend builds "
         "beyond its share")
 

@@ -67,6 +67,8 @@ NUMERIC_RANGES = (
     ("must be in [0, 1)", lambda value: 0 <= value < 1, (
         "attention_dropout", "hidden_dropout", "lr_warmup_fraction", "adam_beta1", "adam_beta2")),
     ("must be in (0, 1]", lambda value: 0 < value <= 1, ("rotary_percent", "megatron_sample_rate")),
+    # Probabilities: numpy's binomial draws of GPTFIMDataset raise outside [0, 1].
+    ("must be in [0, 1]", lambda value: 0 <= value <= 1, ("fim_rate", "fim_spm_rate", "fim_fragment_rate")),
     ("must be a finite number", math.isfinite, ("glu_linear_offset",)),  # any offset (megatron-core's)
 )
 
@@ -952,6 +954,19 @@ def _validate_data(parser, args) -> None:
             # megatron-core's builder asserts it: a split built whole has no sample count to share out by weight.
             parser.error(f"--full-validation builds the validation split whole, and megatron-core weighs no such "
                          f"split: give --{flag.replace('_', '-')} its prefixes without weights")
+    if args.fim_data:  # Megatron-LM's checks (validate_args), and what fails in its GPTFIMDataset
+        if args.mock_data:
+            parser.error("--fim-data with --mock-data: Megatron-LM's check (the mock dataset is not a FIM dataset)")
+        if getattr(args, "megatron_legacy_tokenizer", False):
+            parser.error("--fim-data with --legacy-tokenizer: Megatron-LM's check (FIM data is not built with the "
+                         "legacy tokenizers)")
+        for flag in ("fim_rate", "fim_spm_rate"):
+            if not getattr(args, flag):
+                parser.error(f"--{flag.replace('_', '-')} 0 with --fim-data: Megatron-LM's check (it asserts the "
+                             "rate is given, not 0)")
+        if args.fim_split_sample and args.fim_fragment_rate is None:
+            parser.error("--fim-split-sample needs --fim-fragment-rate (Megatron-LM's GPTFIMDataset fails on its "
+                         "default, None, at the first split document)")
     if args.reset_attention_mask and args.transformer_impl == "transformer_engine":
         parser.error("--reset-attention-mask: Transformer Engine's attention here is causal by its mask type and "
                      "takes no document mask; use --transformer-impl local")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import Optional, Sequence
 
 import numpy
@@ -19,6 +19,7 @@ from angpt.config.blend import parse_blend
 from angpt.config.files import read_json_object
 from angpt.config.object_storage import is_object_storage_path
 from angpt.config.sections import DataSection
+from angpt.data.fim_dataset import GPTFIMDataset, GPTFIMDatasetConfig
 from angpt.data.indexed import (
     DTYPES,
     IndexedDatasetError,
@@ -35,6 +36,7 @@ from angpt.data.tokenizers import (
     NULL_TOKENIZER,
     TIKTOKEN_NUM_SPECIAL_TOKENS,
     TOKENIZER_TYPES,
+    TikTokenizer,
     build_tokenizer,
     recorded_tokenizer,
 )
@@ -64,7 +66,61 @@ class DatasetVocabulary:
         return self.eod
 
 
+@dataclass(frozen=True)
+class FIMVocabulary(DatasetVocabulary):
+    """A DatasetVocabulary with the tokenizer Megatron-LM's GPTFIMDataset asks (--fim-data): megatron-core's library
+    object of the run's tokenizer, which Megatron-LM's MegatronTokenizer keeps as `_tokenizer`."""
+
+    _tokenizer: object = field(default=None, compare=False, repr=False)
+
+
+# (GPTFIMDatasetConfig.fim_extra_tokens' key, the flag's field), in the order GPTFIMDataset looks them up.
+FIM_TOKENS = (("prefix", "fim_prefix_token"), ("middle", "fim_middle_token"), ("suffix", "fim_suffix_token"),
+              ("pad", "fim_pad_token"), ("eod", "fim_eod_token"))
+
+
 def dataset_vocabulary(data: DataSection) -> DatasetVocabulary:
+    """_dataset_vocabulary's; with --fim-data, a FIMVocabulary whose tokenizer has each FIM token (fim_vocabulary)."""
+    vocabulary = _dataset_vocabulary(data)
+    return fim_vocabulary(data, vocabulary) if data.fim_data else vocabulary
+
+
+def fim_vocabulary(data: DataSection, vocabulary: DatasetVocabulary) -> FIMVocabulary:
+    """`vocabulary` with the library of the run's tokenizer (the tokenizer flags', else the one the datasets' .json
+    records, rebuilt), checked to have each FIM token, and --fim-split-sample, as one token: GPTFIMDataset looks
+    them up with tokens_to_ids, and Megatron-LM asserts only that the split token is one id (a missing token is
+    the unknown token's id there, or None)."""
+    if data.tokenizer_type == NULL_TOKENIZER:
+        raise ValueError("--fim-data: NullTokenizer has no text to split and no FIM tokens (Megatron-LM's "
+                         "GPTFIMDataset decodes each document to text): give the datasets' tokenizer")
+    if data.tokenizer_type is not None:
+        tokenizer, source = flag_tokenizer(data), _describe_flags(data)
+    else:
+        prefix = next((prefix for prefix in data.prefixes() if has_metadata(prefix)), None)
+        source = f"the tokenizer {metadata_path(prefix)} records" if prefix else "the datasets' tokenizer (no .json)"
+        tokenizer = recorded_tokenizer(read_metadata(prefix)["tokenizer"]) if prefix else None
+        if tokenizer is None:
+            raise ValueError(f"--fim-data: {source} is not at hand (its files are not where it says, or it is not one "
+                             "of angpt's): give --tokenizer-type and its files")
+    if isinstance(tokenizer, TikTokenizer):
+        raise ValueError(f"--fim-data: {source} is a .tiktoken ranks file (angpt's layout, which Megatron-LM does not "
+                         "read), whose one special token is <|endoftext|>: it has no FIM tokens")
+    library = tokenizer.library()
+    for flag, token in [*((f"--{name.replace('_', '-')}", getattr(data, name)) for _, name in FIM_TOKENS),
+                        *((("--fim-split-sample", data.fim_split_sample),) if data.fim_split_sample else ())]:
+        try:
+            # As GPTFIMDataset asks: the split token alone (a str), the others in a list.
+            ids = library.tokens_to_ids(token if flag == "--fim-split-sample" else [token])
+        except (KeyError, ValueError):  # tiktoken's library: no such token
+            ids = None
+        ids = [ids] if isinstance(ids, int) or ids is None else ids
+        if len(ids) != 1 or not isinstance(ids[0], int) or library.ids_to_tokens([ids[0]]) != [token]:
+            raise ValueError(f"{flag} {token!r}: not one token of {source} (Megatron-LM's GPTFIMDataset takes its id "
+                             "from the tokenizer): give a token it has, or add it to the tokenizer")
+    return FIMVocabulary(**asdict(vocabulary), _tokenizer=library)
+
+
+def _dataset_vocabulary(data: DataSection) -> DatasetVocabulary:
     """The vocabulary of the datasets: the one their .json records, or, for a dataset without one (written by
     Megatron-LM's own tool), the one of the tokenizer flags (--tokenizer-type and its files, or NullTokenizer
     with --vocab-size), as Megatron-LM reads it. Every prefix must agree on it, a .json with the tokenizer
@@ -147,14 +203,19 @@ def flag_vocabulary(data: DataSection) -> Optional[DatasetVocabulary]:
             raise ValueError(f"--tokenizer-type {data.tokenizer_type}: Megatron-LM's, not built here yet ({built} "
                              "are)")
         raise ValueError(f"--tokenizer-type {data.tokenizer_type}: choose one of {built}")
-    tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_file, data.merge_file,
-                                tiktoken_pattern=data.tiktoken_pattern, vocab_size=data.vocab_size,
-                                tiktoken_num_special_tokens=data.tiktoken_num_special_tokens,
-                                special_tokens=data.tokenizer_special_tokens,
-                                include_special_tokens=data.tokenizer_hf_include_special_tokens,
-                                metadata=data.tokenizer_metadata)
+    tokenizer = flag_tokenizer(data)
     # Described as a .json describes its tokenizer: checkpoints and the export carry it.
     return DatasetVocabulary(tokenizer.vocab_size, tokenizer.eod, {"tokenizer": tokenizer.description}, tokenizer.pad)
+
+
+def flag_tokenizer(data: DataSection):
+    """The tokenizer of --tokenizer-type (one of TOKENIZER_TYPES) and its flags."""
+    return build_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_file, data.merge_file,
+                           tiktoken_pattern=data.tiktoken_pattern, vocab_size=data.vocab_size,
+                           tiktoken_num_special_tokens=data.tiktoken_num_special_tokens,
+                           special_tokens=data.tokenizer_special_tokens,
+                           include_special_tokens=data.tokenizer_hf_include_special_tokens,
+                           metadata=data.tokenizer_metadata)
 
 
 def _describe_flags(data: DataSection) -> str:
@@ -203,7 +264,13 @@ def build_datasets(data: DataSection, vocabulary, seq_length: int, seed: int, sa
                            (data.train_data_path, data.valid_data_path, data.test_data_path)]
     elif data.data_path:
         blend = parse_blend(data.data_path)
-    config = GPTDatasetConfig(
+    fim = {}
+    if data.fim_data:  # as Megatron-LM's pretrain_gpt.py fills GPTFIMDatasetConfig
+        fim = {item.name: getattr(data, item.name) for item in fields(GPTFIMDatasetConfig)
+               if item.name.startswith("fim_") and hasattr(data, item.name)}
+        fim["fim_extra_tokens"] = {key: getattr(data, name) for key, name in FIM_TOKENS}
+    config = (GPTFIMDatasetConfig if data.fim_data else GPTDatasetConfig)(
+        **fim,
         random_seed=seed,
         sequence_length=seq_length,
         blend=blend,
@@ -229,7 +296,7 @@ def build_datasets(data: DataSection, vocabulary, seq_length: int, seed: int, sa
     )
     if blend is not None:
         _check_every_split_has_documents(data.split, config.split_matrix, blend[0], data.object_storage_cache_path)
-    dataset_type = MockGPTDataset if data.mock_data else GPTDataset
+    dataset_type = MockGPTDataset if data.mock_data else GPTFIMDataset if data.fim_data else GPTDataset
     with warnings.catch_warnings(record=True) as caught:
         warnings.filterwarnings("always", message=AMBIGUOUS_PAD)  # recorded, whatever the filters say of the rest
         # Every rank builds: rank 0 first writes the index caches, the others then read them.

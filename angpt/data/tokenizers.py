@@ -129,6 +129,30 @@ class HuggingFaceTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
+    def library(self):
+        """megatron-core's HuggingFaceTokenizer library object (over transformers' AutoTokenizer) as Megatron-LM
+        0.16.1's build_tokenizer builds it for this tokenizer (library "megatron" for GPT2BPETokenizer, from
+        --vocab-file and --merge-file; "huggingface" from the directory of tokenizer.json), for what Megatron-LM's
+        GPTFIMDataset asks of it (--fim-data): the special tokens transformers names are the ones its ids_to_text
+        leaves out."""
+        from megatron.core.tokenizers import MegatronTokenizer  # noqa: PLC0415 (megatron-core takes seconds to import)
+
+        kwargs = {"additional_special_tokens": list(self.description.get("special_tokens", [])), "use_fast": False,
+                  "trust_remote_code": False, "include_special_tokens": self.include_special_tokens}
+        if self.description["type"] == "GPT2BPETokenizer":
+            return MegatronTokenizer.from_pretrained(
+                tokenizer_path="GPT2BPETokenizer", metadata_path={"library": "megatron"},
+                vocab_file=self.description["vocab_file"]["path"], merges_file=self.description["merge_file"]["path"],
+                **kwargs)._tokenizer
+        path = self.description["model"]["path"]
+        if os.path.basename(path) != "tokenizer.json":
+            raise ValueError(f"--fim-data: Megatron-LM reads a Hugging Face tokenizer from its directory "
+                             f"(transformers' AutoTokenizer), and {path} is not a directory's tokenizer.json: give "
+                             "--tokenizer-model its directory")
+        return MegatronTokenizer.from_pretrained(tokenizer_path=os.path.dirname(path),
+                                                 metadata_path={"library": "huggingface"}, vocab_file=None,
+                                                 merges_file=None, **kwargs)._tokenizer
+
 
 class TikTokenizer:
     """A `tiktoken` encoding of a ranks file with GPT-2's split pattern; EOD is the id after the last rank.
@@ -348,6 +372,7 @@ class MegatronCoreTokenizer:
         # The library object underneath (megatron-core keeps it private): tiktoken's Encoding, or sentencepiece's
         # SentencePieceProcessor, whose batch encodings are the library's own text_to_ids on threads.
         self.encoder = tokenizer._tokenizer.tokenizer
+        self.megatron_library = tokenizer._tokenizer
         self.is_tiktoken = is_tiktoken
         self.vocab_size, self.eod = tokenizer.vocab_size, tokenizer.eod
         # MegatronDataset's: tiktoken's <pad>; the SentencePiece model's pad_id() (-1, NO_PAD, without one).
@@ -373,6 +398,10 @@ class MegatronCoreTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.encoder.decode(ids)
+
+    def library(self):
+        """megatron-core's library object itself, which Megatron-LM's GPTFIMDataset asks (--fim-data)."""
+        return self.megatron_library
 
 
 def _check_tiktoken_special_tokens(special_tokens: tuple, num_special_tokens: int, required: list) -> None:
