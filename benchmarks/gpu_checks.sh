@@ -189,7 +189,8 @@ if [ $recompute -eq 0 ] && [ $race -eq 0 ]; then
 [ $te -eq 1 ] || stage gpu-flags 60 "$PY" -m pytest -q -s -m gpu -p no:cacheprovider -o addopts="-ra" \
     tests/test_gpu_only_flags.py
 gpu_tests=$(grep -l "pytest.mark.gpu" tests/test_*.py | grep -v test_gpu_only_flags.py)
-[ $te -eq 0 ] || gpu_tests=tests/test_transformer_engine.py
+# Activation offloading needs Transformer Engine: its equal-loss checks run here (under a minute).
+[ $te -eq 0 ] || gpu_tests="tests/test_transformer_engine.py tests/test_gpu_activation_offloading.py"
 # shellcheck disable=SC2086  # one argument per file
 stage tests 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors -o addopts="-ra" \
     --durations=15 $gpu_tests

@@ -77,7 +77,8 @@ TRANSFORMER_VALUES = dict(
     expert_tensor_parallel_size=4, hidden_dropout=0.25, hidden_size=64, hierarchical_context_parallel_sizes=[2, 2],
     init_method_std=0.01,
     kv_channels=8, model_family="gptplus",
-    microbatch_group_size_per_vp_stage=4, num_attention_heads=8, num_layers=6, num_layers_at_end_in_bf16=2,
+    microbatch_group_size_per_vp_stage=4, min_offloaded_tensor_size=7,
+    num_attention_heads=8, num_layers=6, num_layers_at_end_in_bf16=2,
     num_layers_at_start_in_bf16=0, num_query_groups=2,
     pipeline_model_parallel_layout="Et|ttt|ttL",
     pipeline_model_parallel_size=3, recompute_granularity="selective", rotary_base=500000, sequence_parallel=True,
@@ -102,6 +103,10 @@ TRANSFORMER_OVERRIDDEN = {
     "cuda_graph_impl": "needs a CUDA device (refused on the CPU)",
     "overlap_p2p_comm": "the interleaved schedule only (Megatron-LM's rule), and not without CUDA",
     "overlap_p2p_comm_warmup_flush": "not without CUDA (the exchanges are not overlapped there)",
+    # tests/test_activation_offloading.py
+    "cpu_offloading_num_layers": "needs a CUDA device (refused on the CPU)",
+    "fine_grained_activation_offloading": "needs a CUDA device (refused on the CPU)",
+    "offload_modules": "megatron-core's list, [] when not given",
 }
 
 

@@ -38,6 +38,10 @@ MEGATRON_RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
 # --cuda-graph-scope: megatron-core's CudaGraphScope names, and "full", Megatron-LM's deprecated name of no scope.
 CUDA_GRAPH_SCOPES = ("full", "full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
 MOE_CUDA_GRAPH_SCOPES = ("moe", "moe_router", "moe_preprocess")
+# --offload-modules of --fine-grained-activation-offloading: megatron-core's names (TransformerConfig's check), the
+# MoE ones last (refused here: the models are dense).
+OFFLOAD_MODULES = ("attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act")
+MOE_OFFLOAD_MODULES = ("expert_fc1", "moe_act")
 
 
 def recompute_module_refusal(module: str, model_family: str, transformer_impl: str = "local") -> str | None:

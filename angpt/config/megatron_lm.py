@@ -61,7 +61,13 @@ def only(expected, why: str):
 NOT_YET = "not built yet"
 FSDP = ("not built with Megatron-FSDP: --use-megatron-fsdp runs with megatron-core's defaults of its other settings "
         "(docs/reference.md, Megatron-FSDP)")
-OFFLOAD = "CPU offloading is not built"
+# Verified: HybridDeviceOptimizer's constructor takes torch.cuda.current_stream() (AssertionError without CUDA).
+OPTIMIZER_OFFLOAD = ("megatron-core's HybridDeviceOptimizer, which runs Adam on the host, needs CUDA (it takes CUDA "
+                     "streams when built; without CUDA there is no device memory to offload from), and Megatron-LM "
+                     "runs it only with --use-precision-aware-optimizer (its check), refused here; on CUDA not built: "
+                     "that optimizer keeps fp32 copies of the weights of its own, which anGPT's and nGPT's post-step "
+                     "projection of the main weights (angpt.models.bounding) does not reach, and it has not run on a "
+                     "GPU here")
 TE_OVERLAP = "Transformer Engine's userbuffer overlap of tensor-parallel communication is not built"
 INFERENCE = "an inference setting: angpt pretrains; generate with the Hugging Face export (tools/convert_to_hf.py)"
 LEGACY = "Megatron-LM's legacy models are not part of angpt; the families are megatron-core models"
@@ -193,12 +199,12 @@ FLAGS: dict[str, Decision] = {
     "--use-flash-attn": refused("deprecated in Megatron-LM: use --attention-backend flash"),
     "--optimizer": implied("every family trains with Adam with decoupled weight decay, as Megatron-LM's adam",
                            only("adam", "the families train with Adam (--optimizer adam)")),
-    "--optimizer-cpu-offload": refused(OFFLOAD),
-    "--optimizer-offload-fraction": refused(OFFLOAD),
-    "--use-torch-optimizer-for-cpu-offload": refused(OFFLOAD),
-    "--overlap-cpu-optimizer-d2h-h2d": refused(OFFLOAD),
-    "--no-pin-cpu-grads": refused(OFFLOAD),
-    "--no-pin-cpu-params": refused(OFFLOAD),
+    "--optimizer-cpu-offload": refused(OPTIMIZER_OFFLOAD),
+    "--optimizer-offload-fraction": refused(OPTIMIZER_OFFLOAD),
+    "--use-torch-optimizer-for-cpu-offload": refused(OPTIMIZER_OFFLOAD),
+    "--overlap-cpu-optimizer-d2h-h2d": refused(OPTIMIZER_OFFLOAD),
+    "--no-pin-cpu-grads": refused(OPTIMIZER_OFFLOAD),
+    "--no-pin-cpu-params": refused(OPTIMIZER_OFFLOAD),
     "--dataloader-type": implied("samples are read in order of megatron-core's GPTDataset shuffle (Megatron-LM's "
                                  "single)", only("single", "only --dataloader-type single is built")),
     "--no-persist-layer-norm": implied("the persistent layer-norm kernel (apex) is never used here"),
@@ -337,10 +343,6 @@ PREFIXES: tuple[tuple[str, Decision], ...] = (
     ("--fsdp-", refused(FSDP)),
     ("--hybrid-", refused(f"hybrid (Mamba) models: {DENSE}")),
     ("--inference-", refused(INFERENCE)),
-    ("--cpu-offloading", refused(OFFLOAD)),
-    ("--offload-", refused(OFFLOAD)),
-    ("--fine-grained-activation-offloading", refused(OFFLOAD)),
-    ("--min-offloaded-tensor-size", refused(OFFLOAD)),
 )
 
 # By Megatron-LM's argument group, for groups that do not apply to pretraining a dense GPT.
@@ -737,6 +739,12 @@ def notes(config: RunConfig, cuda: bool = True) -> list[str]:
     if config.evaluation.skip_train:
         lines.append("--skip-train: as in Megatron-LM, the optimizer state is not loaded (--no-load-optim), and "
                      "nothing is saved or written to TensorBoard or W&B")
+    memory = config.memory
+    for given, flag in ((memory.offload_modules, "--offload-modules"),
+                        (memory.min_offloaded_tensor_size != 1024 * 1024, "--min-offloaded-tensor-size")):
+        if given and not memory.fine_grained_activation_offloading:
+            lines.append(f"{flag}: without --fine-grained-activation-offloading nothing is offloaded (as in "
+                         "Megatron-LM, nothing changes)")
     if config.training.train_sync_interval and not cuda:
         lines.append("--train-sync-interval: without CUDA there is no device to wait for (nothing changes)")
     if config.precision.disable_bf16_reduced_precision_matmul and not config.precision.bf16:

@@ -23,6 +23,7 @@ from angpt.config.choices import (
     MODEL_FAMILIES,
     NORMALIZATIONS,
     NU_P_READINGS,
+    OFFLOAD_MODULES,
     POSITION_EMBEDDING_TYPES,
     POST_NORMS,
     RECOMPUTE_MODULES,
@@ -815,6 +816,17 @@ class MemorySection:
     empty_unused_memory_level: int = flag(0, "release the CUDA caching allocator's unused memory: 1 after each "
         "forward-backward and evaluation step, 2 also after each optimizer step (slower; for fragmentation)",
         choices=(0, 1, 2))
+    cpu_offloading_num_layers: int = flag(0, "CUDA and Transformer Engine: offload the activations of this many "
+        "layers to the host during the forward pass and bring them back for the backward pass (megatron-core's "
+        "cpu_offloading, on Transformer Engine's get_cpu_offload_context: what it offloads are the inputs the "
+        "linear layers keep); fewer than --num-layers, without pipeline parallelism or recompute")
+    fine_grained_activation_offloading: bool = flag(False, "CUDA, --transformer-impl transformer_engine: offload "
+        "the inputs of the --offload-modules of each layer to the host (megatron-core's fine-grained activation "
+        "offloading, on CUDA streams); GPT and GPT+ (megatron-core's layers)")
+    offload_modules: Optional[tuple[str, ...]] = flag(None, "with --fine-grained-activation-offloading: the "
+        "modules whose input is offloaded", choices=OFFLOAD_MODULES, nargs="+")
+    min_offloaded_tensor_size: int = flag(1024 * 1024, "with --fine-grained-activation-offloading: the fewest "
+        "elements an offloaded tensor has")
 
 
 @dataclass(frozen=True)

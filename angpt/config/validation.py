@@ -18,6 +18,7 @@ from angpt.config.choices import (
     FAMILY_NAMES,
     GPT_DEFAULTS,
     MOE_CUDA_GRAPH_SCOPES,
+    MOE_OFFLOAD_MODULES,
     NORMALIZED_FAMILIES,
     recompute_module_refusal,
 )
@@ -56,7 +57,7 @@ NUMERIC_RANGES = (
         "wgrad_deferral_limit", "ckpt_step", "start_weight_decay", "end_weight_decay", "train_sync_interval",
         "iterations_to_skip", "mid_level_dataset_surplus", "activation_func_clamp_value", "tensorboard_log_interval",
         "tensorboard_queue_size", "logging_level", "megatron_vocab_extra_ids", "mtp_num_layers",
-        "mtp_loss_scaling_factor")),
+        "mtp_loss_scaling_factor", "cpu_offloading_num_layers", "min_offloaded_tensor_size")),
     ("must be positive", lambda value: value > 0, (
         "init_method_std", "embedding_init_method_std", "norm_epsilon",
         "angpt_constant_factor_multiplier", "angpt_nu_alpha_multiplier",
@@ -145,6 +146,7 @@ def validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_si
     _validate_architecture(parser, args)
     _validate_dropout(parser, args)
     _validate_recompute(parser, args)
+    _validate_activation_offloading(parser, args)
     _validate_distributed_saved_activations(parser, args)
     _validate_fp32_residual(parser, args)
     if getattr(args, "megatron_fp16_lm_cross_entropy", False) and not args.fp16:
@@ -528,6 +530,57 @@ def _validate_recompute(parser, args) -> None:
         refusal = recompute_module_refusal(module, args.model_family, args.transformer_impl)
         if refusal:
             parser.error(f"--recompute-modules {module} with --model-family {args.model_family}: {refusal}")
+
+
+def _validate_activation_offloading(parser, args) -> None:
+    """--cpu-offloading-num-layers and --fine-grained-activation-offloading: Megatron-LM's checks (validate_args) and
+    megatron-core's (TransformerConfig.__post_init__, and TransformerBlock's assert of Transformer Engine), and the
+    families whose layers have no offload points. That each needs CUDA is checked where the model config is built."""
+    layers = args.cpu_offloading_num_layers
+    if layers:  # Megatron-LM's cpu_offloading
+        if layers >= args.num_layers:
+            parser.error(f"--cpu-offloading-num-layers {layers}: CPU offloading can be done only for layers less than "
+                         f"--num-layers {args.num_layers} (megatron-core's check)")
+        if args.pipeline_model_parallel_size > 1:
+            parser.error("--cpu-offloading-num-layers with --pipeline-model-parallel-size "
+                         f"{args.pipeline_model_parallel_size}: megatron-core has no CPU offloading with pipeline "
+                         "parallelism (its check)")
+        if _recompute_granularity(vars(args)) is not None:
+            parser.error("--cpu-offloading-num-layers with activation recompute: CPU offloading does not work when "
+                         "activation recomputation is enabled (megatron-core's check)")
+        missing = transformer_engine_support.transformer_engine_error()
+        if missing is not None:
+            parser.error("--cpu-offloading-num-layers needs NVIDIA Transformer Engine, whose get_cpu_offload_context "
+                         "offloads the layers (megatron-core asserts: CPU Offloading is enabled when TE is not "
+                         f"present); it is not importable here ({missing})")
+    if not args.fine_grained_activation_offloading:
+        return
+    if args.model_family in NORMALIZED_FAMILIES:
+        parser.error(f"--fine-grained-activation-offloading with --model-family {args.model_family}: "
+                     f"{FAMILY_NAMES[args.model_family]}'s layer (NormalizedTransformerLayer) runs its own forward, "
+                     "without the offload points and group commits of megatron-core's TransformerLayer that the "
+                     "offloading schedules; --cpu-offloading-num-layers offloads its layers' activations")
+    if args.transformer_impl != "transformer_engine":
+        parser.error("--fine-grained-activation-offloading needs --transformer-impl transformer_engine (Megatron-LM's "
+                     "check: fine-grained activation offloading is only supported with transformer_engine)")
+    if transformer_engine_support.transformer_engine_error() is None and os.getenv("NVTE_CPU_OFFLOAD_V1", "0") != "1":
+        from megatron.core.utils import is_te_min_version  # noqa: PLC0415 (only with Transformer Engine, as above)
+
+        if is_te_min_version("2.10.0"):
+            parser.error("--fine-grained-activation-offloading with Transformer Engine >= 2.10.0 needs the environment "
+                         "variable NVTE_CPU_OFFLOAD_V1=1, to avoid offloading weights (Megatron-LM's check)")
+    if layers:
+        parser.error("--fine-grained-activation-offloading cannot be enabled with --cpu-offloading-num-layers "
+                     "(megatron-core's check)")
+    modules = args.offload_modules or []
+    if not modules:
+        parser.error("--fine-grained-activation-offloading needs --offload-modules (megatron-core asserts some)")
+    moe = [module for module in modules if module in MOE_OFFLOAD_MODULES]
+    if moe:
+        parser.error(f"--offload-modules {moe[0]}: a module of MoE layers, and this model is dense")
+    if "attn_proj" in modules and "core_attn" not in modules:
+        parser.error("--offload-modules attn_proj needs core_attn too: the input of attn_proj is the output of "
+                     "core_attn, which is needed in core_attn.backward() (megatron-core's check)")
 
 
 # Flags that act only with another (its destination): (their destinations, that one, the error; None: "--FLAG

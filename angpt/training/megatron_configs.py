@@ -73,6 +73,7 @@ def transformer_config(config: RunConfig) -> AnGPTConfig:
         gradient_accumulation_fusion=parallel.defer_embedding_wgrad_compute,
         **{field: getattr(config.switches, switch) for switch, field in SWITCH_FIELDS.items()},
         **_fusions(config),
+        **_activation_offloading(config),
         # The recompute flags' defaults are Megatron-LM's for full recompute: each applies to its granularity.
         recompute_method=model.recompute_method if model.recompute_granularity == "full" else None,
         recompute_num_layers=model.recompute_num_layers if model.recompute_granularity == "full" else None,
@@ -113,6 +114,20 @@ def _gpt_architecture(config: RunConfig) -> dict:
     elif architecture.quick_geglu:
         values.update(activation_func=quick_gelu, gated_linear_unit=True)
     return values
+
+
+def _activation_offloading(config: RunConfig) -> dict:
+    """megatron-core's activation offloading fields (validated): Megatron-LM turns cpu_offloading on with
+    --cpu-offloading-num-layers above 0. Both kinds copy to the host on CUDA streams."""
+    memory = config.memory
+    offloading = {"--cpu-offloading-num-layers": memory.cpu_offloading_num_layers > 0,
+                  "--fine-grained-activation-offloading": memory.fine_grained_activation_offloading}
+    for flag, on in offloading.items():
+        if on and not torch.cuda.is_available():
+            raise ValueError(f"{flag} offloads activations to the host on CUDA streams: it needs a CUDA device; "
+                             "there is none here")
+    return dict(cpu_offloading=offloading["--cpu-offloading-num-layers"],
+                offload_modules=list(memory.offload_modules or ()))
 
 
 def _fusions(config: RunConfig) -> dict:
