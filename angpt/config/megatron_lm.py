@@ -58,7 +58,6 @@ def only(expected, why: str):
     return lambda args, value: None if value == expected else why
 
 
-NOT_YET = "not built yet"
 FSDP = ("not built with Megatron-FSDP: --use-megatron-fsdp runs with megatron-core's defaults of its other settings "
         "(docs/reference.md, Megatron-FSDP)")
 OFFLOAD = "CPU offloading is not built"
