@@ -219,8 +219,9 @@ def test_first_last_layers_bf16_without_fp8_is_accepted_and_said_to_change_nothi
 
 def test_legacy_tokenizer_gives_the_vocabulary_of_megatron_lms_legacy_gpt2_tokenizer(tmp_path, capsys):
     """Megatron-LM's legacy _GPT2BPETokenizer: vocab_size = len(vocab.json), eod = vocab.json's <|endoftext|>
-    (megatron/training/tokenizer/tokenizer.py), here with <|endoftext|> not last. Other types are refused, and
-    no type at all as the legacy build_tokenizer refuses it."""
+    (megatron/training/tokenizer/tokenizer.py), here with <|endoftext|> not last. A type whose legacy tokenizer
+    differs is refused with the difference (tests/test_legacy_tokenizer.py), and no type at all as the legacy
+    build_tokenizer refuses it."""
     symbols = [chr(c) for c in range(ord("!"), ord("~") + 1)]
     vocab = {symbol: i for i, symbol in enumerate(symbols)}
     vocab["<|endoftext|>"] = 7
@@ -236,9 +237,9 @@ def test_legacy_tokenizer_gives_the_vocabulary_of_megatron_lms_legacy_gpt2_token
     legacy = json.loads((tmp_path / "vocab.json").read_text())
     vocabulary = flag_vocabulary(config.data)
     assert (vocabulary.vocab_size, vocabulary.eod) == (len(legacy), legacy["<|endoftext|>"]) == (96, 7)
-    assert "give --tokenizer-type GPT2BPETokenizer" in parse_error([*base, "--vocab-size", "256", *files,
-                                                                    "--legacy-tokenizer"], capsys)
-    assert "not built yet for --tokenizer-type TikTokenizer" in parse_error(
+    assert "builds no tokenizer without --tokenizer-type" in parse_error([*base, "--vocab-size", "256", *files,
+                                                                         "--legacy-tokenizer"], capsys)
+    assert "Megatron-LM's legacy TikTokenizer has no pad id" in parse_error(
         [*base, "--vocab-size", "256", "--tokenizer-type", "TikTokenizer", "--tokenizer-model", "x.tiktoken",
          "--legacy-tokenizer"], capsys)
 

@@ -182,7 +182,8 @@ def test_the_deprecated_tiktoken_spelling_is_copied_as_megatron_lms_validate_arg
 
 @pytest.mark.parametrize("argv, note", [
     (["--tokenizer-type", "TikTokenizer", "--tokenizer-hf-include-special-tokens"],
-     "--tokenizer-hf-include-special-tokens: read by the Hugging Face and GPT-2 tokenizers only, not TikTokenizer"),
+     "--tokenizer-hf-include-special-tokens: read by the Hugging Face, GPT-2 and BERT tokenizers only, not "
+     "TikTokenizer"),
     (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-sentencepiece-legacy"],
      "--tokenizer-sentencepiece-legacy: HuggingFaceTokenizer is not a SentencePiece tokenizer"),
     (["--tokenizer-type", "NullTokenizer", "--tokenizer-special-tokens", "<a>"],

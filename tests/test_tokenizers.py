@@ -598,9 +598,10 @@ def test_build_tokenizer_names_the_flag_a_missing_file_or_type_was_given_by(tmp_
                                                              "--tokenizer-model gpt2.tiktoken"),
             ("GPT2BPETokenizer", {"merge_file": merge_file}, "GPT2BPETokenizer needs --vocab-file and --merge-file, or "
                                                              "--tokenizer-model gpt2.tiktoken"),
-            ("BertWordPieceCase", {}, "--tokenizer-type 'BertWordPieceCase': choose one of HuggingFaceTokenizer, "
-                                      "TikTokenizer, GPT2BPETokenizer, SentencePieceTokenizer, "
-                                      "GPTSentencePieceTokenizer, Llama2Tokenizer")):
+            ("BertWordPieceCase", {}, "BertWordPieceCase needs --vocab-file (BERT's vocab.txt)"),
+            ("SFTTokenizer", {}, "--tokenizer-type 'SFTTokenizer': choose one of HuggingFaceTokenizer, TikTokenizer, "
+                                 "GPT2BPETokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, "
+                                 "Llama2Tokenizer, BertWordPieceLowerCase, BertWordPieceCase")):
         with pytest.raises(ValueError) as refusal:
             build_tokenizer(tokenizer_type, **flags)
         assert str(refusal.value) == message

@@ -6,7 +6,8 @@
 
 --tokenizer-type takes Megatron-LM's HuggingFaceTokenizer, TikTokenizer (a Megatron-LM .json vocabulary, with
 --tiktoken-pattern, --tiktoken-num-special-tokens and --vocab-size as Megatron-LM reads them; or angpt's
-.tiktoken ranks file), GPT2BPETokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer and Llama2Tokenizer.
+.tiktoken ranks file), GPT2BPETokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer, and
+BertWordPieceLowerCase and BertWordPieceCase (--vocab-file vocab.txt).
 
 Input: JSON lines (`.jsonl`, `.jsonl.gz`; one document per line, its text under each --json-keys key),
 `.txt` files (one document per file) and Parquet files (`.parquet`; one document per row, its text in each
@@ -72,6 +73,7 @@ from angpt.data.corpus import (
 )
 from angpt.data.indexed import DatasetWriter, optimal_dtype, write_metadata
 from angpt.data.tokenizers import (
+    BERT_TYPES,
     TIKTOKEN_NUM_SPECIAL_TOKENS,
     TIKTOKEN_PATTERNS,
     TOKENIZER_BACKENDS,
@@ -542,19 +544,22 @@ def parse_args(argv=None) -> argparse.Namespace:
                        help="the special tokens before the ranks of TikTokenizer's Megatron-LM .json vocabulary")
     group.add_argument("--vocab-size", type=int,
                        help="TikTokenizer's ids with a Megatron-LM .json vocabulary (131072 when not given)")
-    group.add_argument("--vocab-file", help="GPT-2 vocab.json (GPT2BPETokenizer)")
+    group.add_argument("--vocab-file", help="GPT-2 vocab.json (GPT2BPETokenizer); BERT's vocab.txt (the BERT types)")
     group.add_argument("--merge-file", help="GPT-2 merges.txt (GPT2BPETokenizer)")
     group.add_argument("--tokenizer-special-tokens", nargs="+",
-                       help="special tokens, as Megatron-LM's: HuggingFaceTokenizer and GPT2BPETokenizer "
-                            "(vocab/merges) add each as a special token, matched whole in the text (the vocabulary "
-                            "grows by those it lacks); TikTokenizer's Megatron-LM .json vocabulary puts them first, in "
-                            "place of <unk> <s> </s> <mask> <pad> <cls> <sep> (which they must hold)")
+                       help="special tokens, as Megatron-LM's: HuggingFaceTokenizer, GPT2BPETokenizer "
+                            "(vocab/merges) and BertWordPieceLowerCase add each as a special token, matched whole in "
+                            "the text (the vocabulary grows by those it lacks); TikTokenizer's Megatron-LM .json "
+                            "vocabulary puts them first, in place of <unk> <s> </s> <mask> <pad> <cls> <sep> (which "
+                            "they must hold); BertWordPieceCase takes <extra_id_0> ... <extra_id_99> in their place, "
+                            "as Megatron-LM")
     group.add_argument("--tiktoken-special-tokens", nargs="+",
                        help="Megatron-LM's deprecated spelling of --tokenizer-special-tokens, read when that is not "
                             "given")
     group.add_argument("--tokenizer-hf-include-special-tokens", action="store_true",
-                       help="HuggingFaceTokenizer and GPT2BPETokenizer: encode with the tokenizer's post-processor "
-                            "too (transformers' tokenizer(text), e.g. <s> before each document), as Megatron-LM's")
+                       help="HuggingFaceTokenizer, GPT2BPETokenizer and the BERT types: encode with the "
+                            "tokenizer's post-processor too (transformers' tokenizer(text), e.g. <s> before each "
+                            "document, BERT's [CLS] ... [SEP]), as Megatron-LM's")
     group.add_argument("--tokenizer-metadata",
                        help="megatron-core's tokenizer metadata (JSON), which Megatron-LM reads in place of the "
                             "tokenizer type's library: checked to name that library")
@@ -592,8 +597,13 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     if args.workers < args.partitions:
         parser.error(f"--workers {args.workers} is fewer than --partitions {args.partitions}: each needs one")
-    if (args.vocab_file is None) != (args.merge_file is None):
+    if args.tokenizer_type not in BERT_TYPES and (args.vocab_file is None) != (args.merge_file is None):
         parser.error("--vocab-file and --merge-file go together")
+    if args.tokenizer_type in BERT_TYPES and args.merge_file is not None:
+        parser.error(f"--merge-file: {args.tokenizer_type} reads --vocab-file alone (BERT's vocab.txt)")
+    if args.tokenizer_type == "BertWordPieceCase" and (args.tokenizer_special_tokens or args.tiktoken_special_tokens):
+        print("warning: --tokenizer-special-tokens: ignored with BertWordPieceCase, as in Megatron-LM (its "
+              "build_tokenizer gives it <extra_id_0> ... <extra_id_99> in their place)", file=sys.stderr)
     return args
 
 

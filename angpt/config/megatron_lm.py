@@ -28,7 +28,7 @@ from angpt.config.choices import FAMILY_NAMES, NORMALIZED_FAMILIES
 from angpt.config.megatron_lm_flags import GROUPS, SOURCE
 from angpt.config.object_storage import is_object_storage_path
 from angpt.config.sections import RunConfig, option_of
-from angpt.config.tiktoken_layout import SENTENCEPIECE_TYPES
+from angpt.config.tiktoken_layout import BERT_TYPES, SENTENCEPIECE_TYPES
 
 IMPLEMENTED, IMPLIED, IGNORED, REFUSED = "implemented", "implied", "ignored", "refused"
 
@@ -58,7 +58,6 @@ def only(expected, why: str):
     return lambda args, value: None if value == expected else why
 
 
-NOT_YET = "not built yet"
 FSDP = ("not built with Megatron-FSDP: --use-megatron-fsdp runs with megatron-core's defaults of its other settings "
         "(docs/reference.md, Megatron-FSDP)")
 # Verified: HybridDeviceOptimizer's constructor takes torch.cuda.current_stream() (AssertionError without CUDA).
@@ -88,16 +87,47 @@ ONLY_LOCAL = f"only {LOCAL_CHECKPOINTS}, read it"
 ONLY_REPLICATION = f"only --replication reads it, of {LOCAL_CHECKPOINTS}"
 
 
+# What Megatron-LM 0.16.1's legacy tokenizers (megatron/training/tokenizer/tokenizer.py) give a run of preprocessed
+# data, its vocabulary size, end of document and pad id (megatron-core's GPTDataset takes a pad that raises as
+# none),
+# where they differ from megatron-core's (tests/test_legacy_tokenizer.py builds both).
+LEGACY_TOKENIZER_DIFFERENCES = {
+    "SentencePieceTokenizer": ("Megatron-LM's legacy SentencePieceTokenizer adds <CLS>, <SEP>, <EOD>, <MASK> after the "
+                               "model's pieces (and <PAD>, <BOS>, <EOS> where the model has none, then "
+                               "--vocab-extra-ids <extra_id_N>) and ends documents with <EOD>: a vocabulary of "
+                               "pieces + 4 to 7, where megatron-core's is the pieces and ends documents with the "
+                               "model's EOS"),
+    "TikTokenizer": ("Megatron-LM's legacy TikTokenizer has no pad id (it never sets one, so no padding is masked) "
+                     "where megatron-core's pads with <pad> (id 4), names ids 3 to 6 <SPECIAL_3> ... <SPECIAL_6> where "
+                     "megatron-core's are <mask> <pad> <cls> <sep>, and asserts --tiktoken-pattern is given"),
+    **dict.fromkeys(BERT_TYPES, (
+        "Megatron-LM's legacy BERT tokenizer adds [BOS] and [EOS] after vocab.txt (then --vocab-extra-ids "
+        "<extra_id_N>) and ends documents with [EOS], where megatron-core's (transformers' BertTokenizer) ends them "
+        "with [SEP] and BertWordPieceCase adds 100 <extra_id_N>")),
+}
+
+
 def _legacy_tokenizer(args: argparse.Namespace) -> Optional[str]:
-    """Megatron-LM's legacy build_tokenizer raises NotImplementedError for a type it lacks (None among them); its
-    other tokenizers count their special tokens otherwise than megatron-core's."""
-    if args.tokenizer_type == "GPT2BPETokenizer":
-        return None
-    if args.tokenizer_type is None:
+    """Megatron-LM's legacy build_tokenizer raises NotImplementedError for a type it lacks (None among them); a
+    type whose legacy tokenizer gives another vocabulary, end of document or pad id is refused with the
+    difference. The others give a run what megatron-core's gives (_tokenizer_notes says so)."""
+    kind = args.tokenizer_type
+    if kind is None:
         return ("Megatron-LM's legacy build_tokenizer builds no tokenizer without --tokenizer-type "
-                "(NotImplementedError there): give --tokenizer-type GPT2BPETokenizer")
-    return (f"{NOT_YET} for --tokenizer-type {args.tokenizer_type}: Megatron-LM's legacy one counts its vocabulary "
-            "and special tokens otherwise than megatron-core's (GPT2BPETokenizer's are the same)")
+                "(NotImplementedError there): give --tokenizer-type")
+    if kind in LEGACY_TOKENIZER_DIFFERENCES:
+        return f"{LEGACY_TOKENIZER_DIFFERENCES[kind]}: not built"
+    if kind == "HuggingFaceTokenizer" and (args.tokenizer_special_tokens or args.tiktoken_special_tokens):
+        return ("Megatron-LM's legacy HuggingFaceTokenizer adds no --tokenizer-special-tokens (megatron-core's adds "
+                "them to the vocabulary): not built")
+    if kind == "Llama2Tokenizer" and args.tokenizer_model and os.path.isfile(args.tokenizer_model):
+        import sentencepiece  # noqa: PLC0415 (so that --help imports no tokenizer library)
+
+        pad = sentencepiece.SentencePieceProcessor(model_file=args.tokenizer_model).pad_id()
+        if pad >= 0:  # its pad property reads an attribute it never sets
+            return (f"Megatron-LM's legacy Llama2Tokenizer has no pad id (no padding masked), where megatron-core's "
+                    f"pads with the model's pad piece, id {pad}: not built")
+    return None
 
 
 def _sentencepiece_legacy(args: argparse.Namespace) -> Optional[str]:
@@ -290,9 +320,11 @@ FLAGS: dict[str, Decision] = {
     "--vocab-extra-ids": ignored("read by Megatron-LM's legacy BERT and SentencePiece tokenizers only (T5's span "
                                  "masking): neither megatron-core's tokenizers, which Megatron-LM 0.16 builds, nor "
                                  "the legacy GPT2BPETokenizer (--legacy-tokenizer) add tokens for it"),
-    "--legacy-tokenizer": implied("Megatron-LM's legacy GPT2BPETokenizer and megatron-core's give the same "
-                                  "vocabulary (the ids of vocab.json) and EOD (<|endoftext|>'s id), which is all "
-                                  "a run of preprocessed data reads of it",
+    "--legacy-tokenizer": implied("Megatron-LM's legacy GPT2BPETokenizer, GPTSentencePieceTokenizer, "
+                                  "Llama2Tokenizer (a model without a pad piece), HuggingFaceTokenizer (without "
+                                  "--tokenizer-special-tokens) and NullTokenizer give the same vocabulary size, end "
+                                  "of document and pad id as megatron-core's, which is all a run of preprocessed data "
+                                  "reads of them (said in one line); the others are refused with the difference",
                                   lambda args, value: _legacy_tokenizer(args)),
     "--tokenizer-sentencepiece-legacy": implied("read by megatron-core's SentencePiece library only (the "
                                                 "SentencePiece types): with another --tokenizer-type Megatron-LM "
@@ -517,9 +549,16 @@ def _tokenizer_notes(config: RunConfig) -> list[str]:
                      "--tokenizer-special-tokens (so here)")
     elif data.tiktoken_special_tokens:
         lines.append("--tiktoken-special-tokens: ignored, as in Megatron-LM, where --tokenizer-special-tokens is given")
-    if data.tokenizer_hf_include_special_tokens and kind not in ("HuggingFaceTokenizer", "GPT2BPETokenizer"):
-        lines.append(f"--tokenizer-hf-include-special-tokens: read by the Hugging Face and GPT-2 tokenizers only, not "
-                     f"{kind} (as in Megatron-LM, nothing changes)")
+    if data.tokenizer_hf_include_special_tokens and kind not in ("HuggingFaceTokenizer", "GPT2BPETokenizer",
+                                                                 *BERT_TYPES):
+        lines.append(f"--tokenizer-hf-include-special-tokens: read by the Hugging Face, GPT-2 and BERT tokenizers "
+                     f"only, not {kind} (as in Megatron-LM, nothing changes)")
+    if kind == "BertWordPieceCase" and data.tokenizer_special_tokens:
+        lines.append("--tokenizer-special-tokens: BertWordPieceCase takes <extra_id_0> ... <extra_id_99> in their "
+                     "place (as in Megatron-LM, ignored)")
+    if config.megatron.get("megatron_legacy_tokenizer"):
+        lines.append(f"--legacy-tokenizer: Megatron-LM's legacy {kind} gives the vocabulary size, end of document and "
+                     "pad id of megatron-core's (as in Megatron-LM, nothing changes for preprocessed data)")
     if kind == "NullTokenizer":
         given = [flag for flag, value in (("--tokenizer-special-tokens", data.tokenizer_special_tokens),
                                           ("--tokenizer-metadata", data.tokenizer_metadata)) if value]

@@ -10,3 +10,6 @@ TIKTOKEN_PATTERNS = ("v1", "v2")
 # pieces, end-of-document id its EOS (angpt.data.tokenizers.MegatronCoreTokenizer); angpt.config.megatron_lm
 # checks --tokenizer-sentencepiece-legacy against them.
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+# Megatron-LM's BERT WordPiece types and whether each lower-cases the text: megatron-core's "megatron" library reads
+# --vocab-file with transformers' BertTokenizer under bert-large-uncased's or bert-large-cased's configuration.
+BERT_TYPES = {"BertWordPieceLowerCase": True, "BertWordPieceCase": False}

@@ -200,8 +200,8 @@ def flag_vocabulary(data: DataSection) -> Optional[DatasetVocabulary]:
     if data.tokenizer_type not in TOKENIZER_TYPES:
         built = ", ".join([*TOKENIZER_TYPES, NULL_TOKENIZER])
         if data.tokenizer_type in MEGATRON_ONLY_TOKENIZER_TYPES:
-            raise ValueError(f"--tokenizer-type {data.tokenizer_type}: Megatron-LM's, not built here yet ({built} "
-                             "are)")
+            raise ValueError(f"--tokenizer-type {data.tokenizer_type}: "
+                             f"{MEGATRON_ONLY_TOKENIZER_TYPES[data.tokenizer_type]} ({built} are built)")
         raise ValueError(f"--tokenizer-type {data.tokenizer_type}: choose one of {built}")
     tokenizer = flag_tokenizer(data)
     # Described as a .json describes its tokenizer: checkpoints and the export carry it.

@@ -10,6 +10,10 @@
                           or --tokenizer-model gpt2.tiktoken (tools/fetch_gpt2_bpe.py)
     SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer
                           --tokenizer-model file.model (megatron-core's sentencepiece library, as Megatron-LM)
+    BertWordPieceLowerCase, BertWordPieceCase
+                          --vocab-file vocab.txt: BERT's WordPiece, lower-cased or not, as megatron-core's
+                          "megatron" library reads it (transformers' BertTokenizer): [SEP] the end of document,
+                          [PAD] the pad token
 
 Special-token text in a document is encoded as Megatron-LM encodes it (megatron-core 0.16's tokenizers):
 a literal "<|endoftext|>" (Megatron-LM's TikTokenizer: "</s>") becomes the end-of-document token, as Hugging
@@ -32,11 +36,16 @@ import numpy
 import psutil
 import tiktoken
 from tiktoken_ext.openai_public import r50k_pat_str
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as RustTokenizer
 
 from angpt.config.files import read_json, read_json_object, read_text, sha256_of
-from angpt.config.tiktoken_layout import SENTENCEPIECE_TYPES, TIKTOKEN_NUM_SPECIAL_TOKENS, TIKTOKEN_PATTERNS
+from angpt.config.tiktoken_layout import (
+    BERT_TYPES,
+    SENTENCEPIECE_TYPES,
+    TIKTOKEN_NUM_SPECIAL_TOKENS,
+    TIKTOKEN_PATTERNS,
+)
 
 EOD_TOKEN = "<|endoftext|>"
 # A tokenizer without a pad token: megatron-core's MegatronDataset pads with this id (its _PAD_TOKEN_ID), which no
@@ -44,15 +53,25 @@ EOD_TOKEN = "<|endoftext|>"
 NO_PAD = -1
 # GPT-2's pre-tokenizer regex, which TikTokenizer splits text with (angpt.hf.tokenizer_export gives it to the export).
 GPT2_SPLIT_PATTERN = r50k_pat_str
+# BERT's special tokens, each one of transformers' BertTokenizer (a special token, matched whole in the text).
+BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+# The special tokens Megatron-LM 0.16.1's build_tokenizer gives BertWordPieceCase in place of
+# --tokenizer-special-tokens (T5's sentinels): those of them the vocabulary lacks take the ids after it.
+BERT_CASE_SPECIAL_TOKENS = tuple(f"<extra_id_{index}>" for index in range(100))
 # The types build_tokenizer builds: the trainer reads them, tools/preprocess_data.py writes them.
-TOKENIZER_TYPES = ("HuggingFaceTokenizer", "TikTokenizer", "GPT2BPETokenizer", *SENTENCEPIECE_TYPES)
+TOKENIZER_TYPES = ("HuggingFaceTokenizer", "TikTokenizer", "GPT2BPETokenizer", *SENTENCEPIECE_TYPES, *BERT_TYPES)
 # Megatron-LM's tokenizer of already tokenized data: --vocab-size ids, the end-of-document id after them. The
 # trainer takes it for datasets without a .json; it cannot tokenize text.
 NULL_TOKENIZER = "NullTokenizer"
-# Megatron-LM's default of --tiktoken-num-special-tokens.
-# The other choices of Megatron-LM's --tokenizer-type (megatron/training/arguments.py, core_v0.16.1).
-MEGATRON_ONLY_TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "MultimodalTokenizer",
-                                 "NullMultimodalTokenizer", "SFTTokenizer")
+# The other choices of Megatron-LM's --tokenizer-type (megatron/training/arguments.py, core_v0.16.1), and why a
+# pretraining GPT has no use for them.
+MULTIMODAL = ("a vision-language model's tokenizer (its image tokens, Megatron-LM's multimodal/LLaVA training): "
+              "angpt pretrains text-only GPTs")
+MEGATRON_ONLY_TOKENIZER_TYPES = {
+    "MultimodalTokenizer": MULTIMODAL, "NullMultimodalTokenizer": MULTIMODAL,
+    "SFTTokenizer": ("supervised fine-tuning's tokenizer of chat conversations (its prompt formats, for --sft's "
+                     "chat data, which angpt refuses: supervised fine-tuning data is not built)"),
+}
 
 
 class Tokenizer(Protocol):
@@ -131,18 +150,19 @@ class HuggingFaceTokenizer:
 
     def library(self):
         """megatron-core's HuggingFaceTokenizer library object (over transformers' AutoTokenizer) as Megatron-LM
-        0.16.1's build_tokenizer builds it for this tokenizer (library "megatron" for GPT2BPETokenizer, from
-        --vocab-file and --merge-file; "huggingface" from the directory of tokenizer.json), for what Megatron-LM's
-        GPTFIMDataset asks of it (--fim-data): the special tokens transformers names are the ones its ids_to_text
-        leaves out."""
+        0.16.1's build_tokenizer builds it for this tokenizer (library "megatron" for GPT2BPETokenizer and the BERT
+        types, from --vocab-file and --merge-file; "huggingface" from the directory of tokenizer.json), for what
+        Megatron-LM's GPTFIMDataset asks of it (--fim-data): the special tokens transformers names are the ones its
+        ids_to_text leaves out."""
         from megatron.core.tokenizers import MegatronTokenizer  # noqa: PLC0415 (megatron-core takes seconds to import)
 
         kwargs = {"additional_special_tokens": list(self.description.get("special_tokens", [])), "use_fast": False,
                   "trust_remote_code": False, "include_special_tokens": self.include_special_tokens}
-        if self.description["type"] == "GPT2BPETokenizer":
+        if self.description["type"] in ("GPT2BPETokenizer", *BERT_TYPES):  # BERT's: bert-large-*'s hub configuration
+            merge_file = self.description.get("merge_file")
             return MegatronTokenizer.from_pretrained(
-                tokenizer_path="GPT2BPETokenizer", metadata_path={"library": "megatron"},
-                vocab_file=self.description["vocab_file"]["path"], merges_file=self.description["merge_file"]["path"],
+                tokenizer_path=self.description["type"], metadata_path={"library": "megatron"},
+                vocab_file=self.description["vocab_file"]["path"], merges_file=merge_file and merge_file["path"],
                 **kwargs)._tokenizer
         path = self.description["model"]["path"]
         if os.path.basename(path) != "tokenizer.json":
@@ -307,6 +327,46 @@ def load_gpt2_vocab_merges(vocab_file: str, merge_file: str, special_tokens_as_t
                                 include_special_tokens)
 
 
+def load_bert_wordpiece(tokenizer_type: str, vocab_file: Optional[str], special_tokens_as_text: bool = False,
+                        special_tokens: tuple = (), include_special_tokens: bool = False) -> HuggingFaceTokenizer:
+    """BERT's WordPiece over a vocab.txt (one token a line, its id the line's index), built as transformers 5's
+    BertTokenizer builds it in the `tokenizers` library (BertNormalizer, lower-casing and stripping accents for
+    BertWordPieceLowerCase, BertPreTokenizer, WordPiece with [UNK], [CLS] $A [SEP] with
+    --tokenizer-hf-include-special-tokens), which megatron-core's library reads it with for Megatron-LM: [SEP] the
+    end of document (transformers' BertTokenizer has no EOS, and megatron-core takes its SEP for one), [PAD] the pad.
+    BertWordPieceCase takes Megatron-LM's 100 <extra_id_N> in place of special_tokens (build_tokenizer's choice)."""
+    if vocab_file is None:
+        raise ValueError(f"{tokenizer_type} needs --vocab-file (BERT's vocab.txt)")
+    try:
+        text = read_text(vocab_file)
+    except ValueError as error:
+        raise ValueError(f"{vocab_file}: {error}") from None
+    # transformers' load_vocab: the lines of the file read as text (universal newlines).
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    vocab = {token: index for index, token in enumerate(lines[:-1] if lines[-1] == "" else lines)}
+    if len(vocab) != len(lines) - (lines[-1] == ""):
+        raise ValueError(f"--vocab-file {vocab_file}: a token given twice (transformers would give it its last line's "
+                         "id and leave a hole in the ids)")
+    missing = [token for token in BERT_SPECIAL_TOKENS if token not in vocab]
+    if missing:
+        raise ValueError(f"--vocab-file {vocab_file}: not BERT's vocab.txt, which holds "
+                         f"{' '.join(BERT_SPECIAL_TOKENS)}: {' '.join(missing)} missing")
+    lower_case = BERT_TYPES[tokenizer_type]
+    tokenizer = RustTokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=None,
+                                                      lowercase=lower_case)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
+    add_special_tokens(tokenizer, BERT_SPECIAL_TOKENS)
+    special_tokens = special_tokens if lower_case else BERT_CASE_SPECIAL_TOKENS
+    description = {"type": tokenizer_type, "vocab_file": describe_file(vocab_file)}
+    return HuggingFaceTokenizer(tokenizer, "[SEP]", description, special_tokens_as_text, special_tokens,
+                                include_special_tokens, pad_token="[PAD]")
+
+
 class MegatronCoreTokenizer:
     """A tokenizer of megatron-core's tokenizer library, built with the arguments Megatron-LM 0.16's
     build_tokenizer gives MegatronTokenizer.from_pretrained (megatron/core/tokenizers/text/utils/
@@ -459,6 +519,8 @@ def recorded_tokenizer(description) -> Optional[Tokenizer]:
                                     description, **special, **included, pad_token=description.get("pad_token"))
     if description["type"] in SENTENCEPIECE_TYPES:
         return MegatronCoreTokenizer(description["type"], files["model"])
+    if description["type"] in BERT_TYPES:
+        return load_bert_wordpiece(description["type"], files["vocab_file"], **special, **included)
     if "num_special_tokens" in description:  # Megatron-LM's TikTokenizer, not angpt's ranks-file layout
         return MegatronCoreTokenizer(description["type"], files["model"], tiktoken_pattern=description["pattern"],
                                      tiktoken_num_special_tokens=description["num_special_tokens"],
@@ -471,7 +533,7 @@ def recorded_tokenizer(description) -> Optional[Tokenizer]:
 # The library of megatron-core's tokenizer library that Megatron-LM 0.16's build_tokenizer names for each type
 # (megatron/core/tokenizers/text/utils/build_tokenizer.py), which --tokenizer-metadata's "library" replaces.
 LIBRARIES = {"HuggingFaceTokenizer": "huggingface", "TikTokenizer": "tiktoken", "GPT2BPETokenizer": "megatron",
-             **{kind: "sentencepiece" for kind in SENTENCEPIECE_TYPES}}
+             **{kind: "sentencepiece" for kind in SENTENCEPIECE_TYPES}, **{kind: "megatron" for kind in BERT_TYPES}}
 
 
 def check_metadata(path: str, tokenizer_type: str) -> None:
@@ -548,6 +610,8 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: Optional[str] = None, 
             raise ValueError(f"--vocab-size {vocab_size}: {only_json}; the ranks file {tokenizer_model} has "
                              f"{tokenizer.vocab_size} ids")
         return tokenizer
+    if tokenizer_type in BERT_TYPES:
+        return load_bert_wordpiece(tokenizer_type, vocab_file, special_tokens_as_text, **hugging_face)
     if tokenizer_type == "GPT2BPETokenizer":
         if vocab_file is not None and merge_file is not None:
             return load_gpt2_vocab_merges(vocab_file, merge_file, special_tokens_as_text, **hugging_face)

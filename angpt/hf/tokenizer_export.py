@@ -1,5 +1,6 @@
 """The tokenizer a checkpoint records, as a Hugging Face fast tokenizer: tokenizer.json copied, or converted from
-GPT-2's vocab.json + merges.txt, a tiktoken ranks file or Megatron-LM's TikTokenizer .json vocabulary, with its
+GPT-2's vocab.json + merges.txt, a tiktoken ranks file, Megatron-LM's TikTokenizer .json vocabulary or BERT's
+vocab.txt (its WordPiece as the `tokenizers` library builds it, the BERT types' 100 <extra_id_N> added), with its
 end-of-document token as the eos token (tokenizer_config.json)."""
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from tokenizers import Tokenizer
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
 from angpt.data.tokenizers import (
+    BERT_TYPES,
     EOD_TOKEN,
     GPT2_SPLIT_PATTERN,
     MegatronCoreTokenizer,
     TikTokenizer,
     add_special_tokens,
+    load_bert_wordpiece,
     load_gpt2_vocab_merges,
 )
 from angpt.hf.checkpoint_reader import Checkpoint
@@ -112,9 +115,13 @@ def vocabulary(checkpoint: Checkpoint) -> Vocabulary:
             tokenizer = converted = load_gpt2_vocab_merges(tokenizer_copy(checkpoint, description, "vocab_file"),
                                                            tokenizer_copy(checkpoint, description, "merge_file"),
                                                            special_tokens=special).tokenizer
+    elif kind in BERT_TYPES:
+        path, eos = None, description["eod_token"]
+        tokenizer = converted = load_bert_wordpiece(kind, tokenizer_copy(checkpoint, description, "vocab_file"),
+                                                    special_tokens=special).tokenizer
     else:
         raise ExportError(f"{checkpoint.path}/tokenizer/angpt_tokenizer.json: tokenizer type {kind!r} cannot be "
-                          "exported (HuggingFaceTokenizer, TikTokenizer and GPT2BPETokenizer can)")
+                          "exported (HuggingFaceTokenizer, TikTokenizer, GPT2BPETokenizer and the BERT types can)")
     size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
     return Vocabulary(size, tokenizer.token_to_id(eos), path, eos, converted)
 
