@@ -259,10 +259,10 @@ def test_a_hugging_face_tokenizer_gives_the_vocabulary_and_the_description_check
     assert described["type"] == "HuggingFaceTokenizer"
     assert described["model"]["path"].endswith("tokenizer.json") and len(described["model"]["sha256"]) == 64
     built = ("HuggingFaceTokenizer, TikTokenizer, GPT2BPETokenizer, SentencePieceTokenizer, "
-             "GPTSentencePieceTokenizer, Llama2Tokenizer, NullTokenizer")
-    with pytest.raises(ValueError, match=rf"^--tokenizer-type BertWordPieceCase: Megatron-LM's, not built here yet "
-                                         rf"\({built} are\)$"):
-        dataset_vocabulary(DataSection(train_data_path=(a,), tokenizer_type="BertWordPieceCase"))
+             "GPTSentencePieceTokenizer, Llama2Tokenizer, BertWordPieceLowerCase, BertWordPieceCase, NullTokenizer")
+    with pytest.raises(ValueError, match=rf"^--tokenizer-type MultimodalTokenizer: a vision-language model's "
+                                         rf"tokenizer .*: angpt pretrains text-only GPTs \({built} are built\)$"):
+        dataset_vocabulary(DataSection(train_data_path=(a,), tokenizer_type="MultimodalTokenizer"))
     with pytest.raises(ValueError, match=f"^--tokenizer-type SentencepieceTokenizer: choose one of {built}$"):
         dataset_vocabulary(DataSection(train_data_path=(a,), tokenizer_type="SentencepieceTokenizer"))
 
