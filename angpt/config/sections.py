@@ -554,11 +554,11 @@ class DataSection:
     mmap_bin_files: bool = flag(True, "read the .bin files by file reads rather than through a memory map",
         option="--no-mmap-bin-files")
     vocab_size: Optional[int] = flag(None, "vocabulary of --mock-data (without --tokenizer-type), NullTokenizer's ids "
-        "(its end-of-document id "
-        "comes after them), or TikTokenizer's with a Megatron-LM .json vocabulary (default 131072, as "
-        "Megatron-LM); with a dataset's .json, it must be the vocab_size it records")
+        "(its end-of-document id comes after them), or TikTokenizer's with a Megatron-LM .json vocabulary (default "
+        "131072, as Megatron-LM); with a dataset's .json, it must be the vocab_size it records")
     tokenizer_type: Optional[str] = flag(None, "HuggingFaceTokenizer, TikTokenizer, GPT2BPETokenizer, "
-        "SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer or NullTokenizer (with --vocab-size)")
+        "SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer, BertWordPieceLowerCase, "
+        "BertWordPieceCase (with --vocab-file) or NullTokenizer (with --vocab-size)")
     tokenizer_model: Optional[str] = flag(None, "tokenizer.json or its directory, a Megatron-LM tiktoken .json "
         "vocabulary or a .tiktoken ranks file (TikTokenizer), or a SentencePiece .model")
     tiktoken_pattern: Optional[str] = flag(None, "TikTokenizer's split pattern with a Megatron-LM .json vocabulary "
