@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from megatron.core import parallel_state
-from megatron.core.utils import unwrap_model
+from megatron.core.utils import get_model_config, unwrap_model
 from test_trainer import MODEL, records
 
 from angpt.config import megatron_lm
@@ -180,8 +180,32 @@ def test_the_tokenizer_is_the_checkpoints_unless_no_use_tokenizer_model_from_che
     assert "kv_channels" not in checkpoint_args(recorded(), set(), tokenizer=True, parallel=False)
 
 
+@pytest.mark.slow  # in-process runs
+@pytest.mark.parametrize("family", ["angpt", "ngpt", "gptplus", "gpt"])
+def test_no_initialization_resumes_as_an_initialized_model_does(family, tmp_path, single_process):
+    """--no-initialization builds the weights uninitialized (megatron-core's perform_initialization, and anGPT's and
+    nGPT's unit-norm rows skipped) for the checkpoint to give them: the resumed run is bit for bit the one that
+    initialized first. With --load holding no checkpoint the weights would stay garbage: refused in one line."""
+    save = str(tmp_path / "run")
+    flags = [*MODEL, "--model-family", family, "--train-iters", "4"]
+    assert in_process_trainer([*flags[:-1], "2", "--save", save]).run() == 0
+    losses = {}
+    for given in ([], ["--no-initialization"]):
+        out = str(tmp_path / f"resumed{len(given)}")
+        shutil.copytree(save, out)
+        trainer = in_process_trainer([*flags, "--load", out, "--save", out, *given])
+        assert get_model_config(trainer.chunks[0]).perform_initialization is not given
+        assert trainer.state.iteration == 2 and trainer.run() == 0
+        losses[bool(given)] = [(r["iteration"], r["lm_loss"]) for r in records(out)][2:]
+    assert len(losses[True]) == 2 and losses[True] == losses[False]
+    with pytest.raises(ValueError, match=r"^--no-initialization: no checkpoint in .*empty to give the weights, which "
+                                         r"would stay uninitialized memory"):
+        in_process_trainer([*flags, "--load", str(tmp_path / "empty"), "--no-initialization"])
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--use-checkpoint-args"], "--use-checkpoint-args needs --load"),
+    (["--no-initialization"], "--no-initialization needs --load"),
     (["--load", "x", "--load-main-params-from-ckpt"], "--load-main-params-from-ckpt needs --no-load-optim"),
     (["--load", "x", "--no-load-optim", "--load-main-params-from-ckpt", "--bf16"],
      "--load-main-params-from-ckpt with --bf16 or --fp16 needs --use-distributed-optimizer"),

@@ -67,6 +67,7 @@ def test_flag_errors_name_the_flag_in_one_line(capsys):
 
 # A value for each field that a section shares by name with megatron-core's model config, other than both defaults.
 TRANSFORMER_VALUES = dict(
+    perform_initialization=False,
     account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True, apply_rope_fusion=True,
     attention_dropout=0.25, bf16=True, calculate_per_token_loss=True, context_parallel_size=2,
     config_logger_dir="configs", cross_entropy_fusion_impl="te", cross_entropy_loss_fusion=True,

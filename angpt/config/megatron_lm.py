@@ -156,8 +156,6 @@ FLAGS: dict[str, Decision] = {
                                          "DotProductAttention refuses; --context-parallel-size splits every sequence "
                                          "alike"),
     "--expert-model-parallel-size": refused(f"expert parallelism: {DENSE}"),
-    "--no-initialization": refused("the families' initialization (unit-norm rows for anGPT and nGPT) is part of "
-                                   "the model; skipping it is not built"),
     "--use-cpu-initialization": implied("weights are initialized on the CPU where there is no GPU, on the GPU "
                                         "otherwise (megatron-core's choice)", only(False, "not built on a GPU")),
     "--no-async-tensor-model-parallel-allreduce": ignored("deprecated in megatron-core 0.16 and ignored there"),

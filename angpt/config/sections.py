@@ -117,6 +117,9 @@ class ModelSection:
         "their own normalization)")
     init_method_std: float = flag(0.02, "GPT+ and GPT weight init (anGPT and nGPT put every row on the unit sphere "
         "instead)")
+    perform_initialization: bool = flag(True, "skip the weights' initialization when building the model, to start "
+        "sooner from the checkpoint --load gives them (megatron-core's perform_initialization; refused without a "
+        "checkpoint to load, whose weights would be uninitialized memory)", option="--no-initialization")
     tie_embeddings_and_output_weights: bool = flag(False, "use the embedding as the output head (default: untied, "
         "as in docs/model.md; gpt: tied, as in Megatron-LM)", exclusive="tying")
     untie_embeddings_and_output_weights: bool = flag(False, "a separate output head: gpt's (tied without it, as in "

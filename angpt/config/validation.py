@@ -871,7 +871,8 @@ def _validate_checkpoints(parser, args) -> None:
         # Megatron-LM exits without saving then; a user who asks for a graceful exit wants the state.
         parser.error("--exit-signal-handler, --exit-interval and --exit-duration-in-mins need --save")
     for flag, given in (("finetune", args.finetune), ("load-fallback-to-intact", args.load_fallback_to_intact),
-                        ("ckpt-step", args.ckpt_step is not None), ("use-checkpoint-args", args.use_checkpoint_args)):
+                        ("ckpt-step", args.ckpt_step is not None), ("use-checkpoint-args", args.use_checkpoint_args),
+                        ("no-initialization", not args.perform_initialization)):
         if given and not args.load:
             parser.error(f"--{flag} needs --load")
     if args.load_main_params_from_ckpt and not args.no_load_optim:

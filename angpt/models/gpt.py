@@ -78,8 +78,9 @@ class NormalizedGPTModel(PositionedGPTModel):
                     # dimension, which is dim 0 of the output projections W_p and W_d.
                     along_columns = config.model_family == "ngpt" and is_row_parallel_linear(module)
                     param.unit_norm_dim = 0 if along_columns else 1
-        # Rows drawn from N(0, 1), normalized to exactly 1 (docs/model.md, Initialization).
-        project_parameters_([self], "normalize")
+        if config.perform_initialization:  # else --no-initialization: the checkpoint gives them
+            # Rows drawn from N(0, 1), normalized to exactly 1 (docs/model.md, Initialization).
+            project_parameters_([self], "normalize")
 
 
 def build_model(

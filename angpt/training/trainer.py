@@ -159,6 +159,9 @@ class Trainer:
                                                                  checkpoint.non_persistent_global_ckpt_dir)
                                 if checkpoint.non_persistent_ckpt_type == "global" else None),
                 exit_on_missing=checkpoint.exit_on_missing_checkpoint)
+            if self.loaded_from is None and not config.model.perform_initialization:
+                raise ValueError(f"--no-initialization: no checkpoint in {checkpoint.load} to give the weights, "
+                                 "which would stay uninitialized memory: leave the flag out to start from scratch")
         if self.loaded_from is not None:
             timer(self.timers, "load-checkpoint").start()
             self.state = checkpointing.load_checkpoint(
