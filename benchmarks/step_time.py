@@ -17,7 +17,6 @@ reports); on a CPU the elementwise work weighs more against the matmuls, so expe
 
 import argparse
 import contextlib
-import socket
 import statistics
 import time
 
@@ -93,10 +92,7 @@ def main():
                         help="the GPU's code path (compiled chains), with each family's launches per step")
     args = parser.parse_args()
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{distributed.free_port()}", rank=0, world_size=1)
     distributed.initialize()
 
     b, s, v = args.micro_batch_size, args.seq_length, args.vocab_size

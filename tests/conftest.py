@@ -4,7 +4,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pydoc_data.topics import topics
@@ -138,9 +137,7 @@ def run_workers(script: str, *args: str, nproc: int = 2, timeout: int = 600) -> 
 def single_process():
     """A one-process gloo group with megatron-core's parallel state (TP = PP = DP = 1)."""
     if not dist.is_initialized():
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = distributed.free_port()
         # On a GPU machine, CUDA tensors go through NCCL (gloo lacks reduce-scatter for them).
         backend = "gloo"
         if torch.cuda.is_available():

@@ -17,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 
+from angpt.training.distributed import free_port
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 WARM_START = os.path.join(ROOT, "tests", "distributed", "warm_start.py")
 
@@ -40,7 +42,7 @@ class WarmStarter:
         server = self._server()
         with tempfile.TemporaryDirectory(prefix="warm_start_") as out:
             paths = {name: os.path.join(out, name) for name in ("stdout", "stderr")}
-            request = dict(command=command, nproc=nproc, env=env, cwd=cwd, timeout=timeout, **paths)
+            request = dict(command=command, nproc=nproc, env=env, cwd=cwd, timeout=timeout, port=free_port(), **paths)
             server.stdin.write((json.dumps(request) + "\n").encode())
             server.stdin.flush()
             # The server kills the ranks at the timeout; the margin is for its own reply.

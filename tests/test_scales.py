@@ -6,7 +6,6 @@ tests/test_optimizer.py; two real processes at TP = 2: tests/test_parallel_equiv
 
 import contextlib
 import math
-import socket
 import warnings
 from types import SimpleNamespace
 
@@ -136,9 +135,7 @@ def tensor_parallel_pair(rank: int):
         distributed.destroy_model_parallel()
         dist.destroy_process_group()
         if joined:
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
+            port = distributed.free_port()
             dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
                                     init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
             distributed.initialize()

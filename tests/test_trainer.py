@@ -11,7 +11,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -674,9 +673,7 @@ def test_torchrun_restarts_a_crashed_group_which_resumes_and_ends_as_an_uninterr
 # do; the launcher's rendezvous is the subject.
 def test_two_nodes_train_like_one_node(uninterrupted, tmp_path, single_process):
     """Two nodes of one process each, rendezvousing over TCP, train exactly as one node of two processes."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = distributed.free_port()
     nodes = [
         subprocess.Popen(
             command(*LAYOUTS["tp2"], *ITERS, "--save", str(tmp_path), "--save-interval", "3", nproc=1,

@@ -213,10 +213,27 @@ def _default_to_one_process() -> None:
     """Without torchrun, run as the only process of a job on this machine."""
     if "RANK" in os.environ:
         return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+
+
+def free_port() -> int:
+    """A free TCP port of this machine below the kernel's ephemeral range (ip_local_port_range, 32768-60999 by
+    default). A port the kernel hands out there (bind to 0) and that is released before the store binds it can be
+    taken meanwhile as the local port of any outgoing connection, such as another job's gloo connections
+    (EADDRINUSE)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as file:
+            ephemeral = int(file.read().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux
+        ephemeral = 32768
+    for port in random.Random().sample(range(max(1024, ephemeral - 10000), ephemeral), 100):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port in 100 tries below {ephemeral}")
 
 
 def set_random_seed(seed: int, cuda_graphs: bool = False) -> None:

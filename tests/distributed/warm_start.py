@@ -25,7 +25,6 @@ import os
 import pathlib
 import runpy
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -60,12 +59,6 @@ def preload() -> None:
                 importlib.import_module(name)
             except Exception:  # noqa: BLE001 - optional dependencies (Transformer Engine, say): the rank decides
                 pass
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def rank_environment(env: dict, nproc: int, rank: int, port: int) -> dict:
@@ -105,7 +98,7 @@ def serve() -> tuple[dict, int] | None:
     requests, replies = sys.stdin.buffer, sys.stdout
     for line in requests:
         request = json.loads(line)
-        nproc, port = request["nproc"], free_port()
+        nproc, port = request["nproc"], request["port"]
         pids = []
         for rank in range(max(nproc, 1)):
             pid = os.fork()
