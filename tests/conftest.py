@@ -33,18 +33,22 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
-# torchrun's variables as the session found them (unset, but for the warm workers of tests/distributed).
-TORCHRUN_VARIABLES = {name: os.environ.get(name) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                               "MASTER_PORT")}
+# torchrun's variables as the session found them (unset, but for the warm workers of tests/distributed), and the
+# attention backend megatron-core exports when it builds a model (angpt.models.attention).
+PROCESS_VARIABLES = {name: os.environ.get(name) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                              "MASTER_PORT", "NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN",
+                                                              "NVTE_UNFUSED_ATTN")}
 
 
 @pytest.fixture(autouse=True)
-def torchrun_variables_as_the_session_found_them():
+def process_variables_as_the_session_found_them():
     """An in-process trainer or importer joins as the only process of a job by setting torchrun's variables
     (angpt.training.distributed), and its store keeps MASTER_PORT bound: a process a later test of the worker
-    starts inherited them and failed to bind that port (EADDRINUSE). Each test ends with them as they were."""
+    starts inherited them and failed to bind that port (EADDRINUSE). A model built with one attention backend leaves
+    it in NVTE_*, and megatron-core refuses to build a later test's model of another backend in the worker. Each
+    test ends with them as they were."""
     yield
-    for name, value in TORCHRUN_VARIABLES.items():
+    for name, value in PROCESS_VARIABLES.items():
         if value is None:
             os.environ.pop(name, None)
         else:
