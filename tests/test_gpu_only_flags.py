@@ -43,6 +43,13 @@ def test_the_scopes_are_megatron_cores_and_megatron_lms_full():
     assert set(CUDA_GRAPH_SCOPES) == {scope.name for scope in CudaGraphScope} | {"full"}
 
 
+def assert_refused_in_one_line(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse_args([*MOCK, *argv], world_size=1)
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and message in error, error
+
+
 @pytest.mark.parametrize("argv,scope", [
     ([], []),
     (["--cuda-graph-scope", "attn", "mlp"], [CudaGraphScope.attn, CudaGraphScope.mlp]),
@@ -75,10 +82,7 @@ def test_cuda_graph_scope_reaches_megatron_cores_config_by_name(argv, scope):
      "--cuda-graph-impl local with --recompute-granularity full needs --cuda-graph-scope full_iteration alone"),
 ])
 def test_megatron_lms_and_megatron_cores_scope_checks_are_one_line_refusals(argv, message, capsys):
-    with pytest.raises(SystemExit):
-        parse_args([*MOCK, *argv], world_size=1)
-    error = capsys.readouterr().err.strip()
-    assert len(error.splitlines()) == 1 and message in error, error
+    assert_refused_in_one_line(argv, message, capsys)
 
 
 def test_the_refused_combinations_are_the_ones_megatron_core_refuses():
@@ -213,10 +217,7 @@ REPLACED = ("none of the ops megatron-core's batch-invariant kernels replace (at
      f"CUDA, torch's fused rms_norm otherwise): {REPLACED}"),
 ])
 def test_batch_invariant_mode_refusals(argv, message, capsys):
-    with pytest.raises(SystemExit):
-        parse_args([*MOCK, *argv], world_size=1)
-    error = capsys.readouterr().err.strip()
-    assert len(error.splitlines()) == 1 and message in error, error
+    assert_refused_in_one_line(argv, message, capsys)
 
 
 def test_megatron_core_refuses_batch_invariant_mode_without_flash_attention():

@@ -14,7 +14,7 @@ def parse_blend(values: Sequence[str]) -> tuple[list[str], Optional[list[float]]
     values = [value.strip() for value in values]
     if len(values) % 2:
         return values, None
-    weights = [_number(value) for value in values[0::2]]
+    weights = [as_number(value) for value in values[0::2]]
     if None in weights:
         # megatron-core's `any(is_none)` then `all(is_none)` over one iterator: a number after a non-number fails its
         # assert, numbers before the first non-number do not.
@@ -31,7 +31,8 @@ def parse_blend(values: Sequence[str]) -> tuple[list[str], Optional[list[float]]
     return values[1::2], weights
 
 
-def _number(value: str) -> Optional[float]:
+def as_number(value: str) -> Optional[float]:
+    """The value as megatron-core reads a blend's weight (float), or None where it is none."""
     try:
         return float(value)
     except ValueError:

@@ -13,7 +13,7 @@ import os
 from typing import Any, Optional
 
 from angpt.config import megatron_lm, object_storage, pipeline_split, transformer_engine_support
-from angpt.config.blend import parse_blend
+from angpt.config.blend import as_number, parse_blend
 from angpt.config.choices import (
     FAMILY_NAMES,
     GPT_DEFAULTS,
@@ -1041,7 +1041,7 @@ def _validate_data(parser, args) -> None:
             missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
             if missing:
                 hint = (" (read as a prefix: Megatron-LM reads an odd count of values, or pairs whose weights are not "
-                        "all numbers, as prefixes without weights)") if _is_number(prefix) else ""
+                        "all numbers, as prefixes without weights)") if as_number(prefix) is not None else ""
                 parser.error(f"{name} {prefix}: no {' or '.join(prefix + e for e in missing)}{hint}")
 
 
@@ -1079,14 +1079,6 @@ def _gpt_derived(flags: dict) -> dict:
         add_qkv_bias=flags["add_qkv_bias"] or flags["add_bias_linear"],
         max_position_embeddings=flags["max_position_embeddings"] or flags["seq_length"],
     )
-
-
-def _is_number(value: str) -> bool:
-    try:
-        float(value)
-    except ValueError:
-        return False
-    return True
 
 
 def _is_weighted(values: list[str]) -> bool:
